@@ -1,0 +1,49 @@
+// Non-owning views of tensors: the only way data enters the core.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fp8amp/dtype.h"
+
+namespace fp8amp {
+
+enum class Device : int8_t { kCPU = 0, kCUDA = 1 };
+
+// An opaque cudaStream_t (nullptr: the legacy default stream). CPU ops ignore it.
+using Stream = void*;
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // in elements; empty means contiguous
+  Device device = Device::kCPU;
+  int device_index = -1;
+
+  int64_t numel() const;
+  int64_t dim() const { return static_cast<int64_t>(shape.size()); }
+  bool is_contiguous() const;
+  std::string describe() const;  // "bfloat16[4, 16] on cuda:0", for error messages
+
+  template <typename T>
+  T* ptr() const { return static_cast<T*>(data); }
+};
+
+// Argument checks shared by every op. `op` and `arg` name the op and the argument in the message.
+namespace check {
+void dtype_is(const TensorView& t, DType expected, const char* op, const char* arg);
+void high_precision(const TensorView& t, const char* op, const char* arg);
+void scaled_format(DType dtype, const char* op, const char* arg);
+void contiguous(const TensorView& t, const char* op, const char* arg);
+void same_device(const TensorView& a, const TensorView& b, const char* op, const char* arg_a,
+                 const char* arg_b);
+void same_shape(const TensorView& a, const TensorView& b, const char* op, const char* arg_a,
+                const char* arg_b);
+void numel_is(const TensorView& t, int64_t expected, const char* op, const char* arg);
+void numel_at_least(const TensorView& t, int64_t expected, const char* op, const char* arg);
+void dim_is(const TensorView& t, int64_t expected, const char* op, const char* arg);
+}  // namespace check
+
+}  // namespace fp8amp

@@ -1,0 +1,244 @@
+// Public cast ops: validate the views once, then hand raw pointers to the CPU reference or the
+// CUDA kernels (cast_kernels.h).
+#include "fp8amp/cast.h"
+
+#include "cast/cast_kernels.h"
+#include "common/dispatch.h"
+#include "fp8amp/error.h"
+
+namespace fp8amp {
+
+namespace {
+
+template <class CpuFn, class CudaFn>
+void run_on(const TensorView& t, const char* op, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
+  if (t.device == Device::kCPU) {
+    cpu_fn();
+    return;
+  }
+#ifdef FP8AMP_WITH_CUDA
+  cuda_fn();
+#else
+  (void)cuda_fn;
+  FP8AMP_CHECK(false, kNotImplemented, op, "this build of fp8amp has no CUDA support; got a tensor on cuda");
+#endif
+}
+
+void check_float32(const TensorView& t, const TensorView& like, const char* op, const char* arg) {
+  check::dtype_is(t, DType::kFloat32, op, arg);
+  check::contiguous(t, op, arg);
+  check::same_device(t, like, op, arg, "x");
+}
+
+// Row stride of an amax buffer for n tensors: [n] -> 1, [n, k] -> k; one tensor also takes any
+// 0-D or 1-D buffer (a single amax history).
+int64_t amax_stride(const TensorView& amax, int64_t n, const char* op) {
+  if (amax.dim() == 2) {
+    FP8AMP_CHECK_VALUE(amax.shape[0] == n && amax.shape[1] >= 1, op, "amax must be [", n,
+                       "] or [", n, ", k>=1], got ", amax.describe());
+    return amax.shape[1];
+  }
+  FP8AMP_CHECK_VALUE(amax.dim() <= 1, op, "amax must be [", n, "] or [", n, ", k], got ", amax.describe());
+  if (n == 1) {
+    check::numel_at_least(amax, 1, op, "amax");
+    return 0;
+  }
+  check::numel_is(amax, n, op, "amax");
+  return 1;
+}
+
+ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const char* op) {
+  check_float32(s.scale, x, op, "scale");
+  check::numel_is(s.scale, n, op, "scale");
+  check_float32(s.amax, x, op, "amax");
+  check_float32(s.scale_inv, x, op, "scale_inv");
+  check::numel_is(s.scale_inv, n, op, "scale_inv");
+  const int32_t* counter = nullptr;
+  if (s.warmup_counter != nullptr) {
+    check::dtype_is(*s.warmup_counter, DType::kInt32, op, "warmup_counter");
+    check::contiguous(*s.warmup_counter, op, "warmup_counter");
+    check::same_device(*s.warmup_counter, x, op, "warmup_counter", "x");
+    check::numel_is(*s.warmup_counter, n, op, "warmup_counter");
+    FP8AMP_CHECK_VALUE(s.warmup_steps >= 0, op, "warmup_steps must be >= 0, got ", s.warmup_steps);
+    counter = s.warmup_counter->ptr<const int32_t>();
+  }
+  return ScalingPtrs{s.scale.ptr<const float>(), s.amax.ptr<float>(), amax_stride(s.amax, n, op),
+                     s.scale_inv.ptr<float>(), counter, s.warmup_steps, s.recipe.margin, s.recipe.pow2};
+}
+
+// Checks a list of inputs and outputs pairwise and returns them as slices.
+std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
+                                const char* op) {
+  FP8AMP_CHECK_VALUE(!xs.empty(), op, "xs must hold at least one tensor");
+  FP8AMP_CHECK_VALUE(outs.empty() || outs.size() == xs.size(), op, "outs must hold as many tensors as xs (",
+                     xs.size(), "), got ", outs.size());
+  std::vector<TensorSlice> result;
+  result.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const TensorView& x = xs[i];
+    FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(),
+                       ", xs[", i, "] is ", x.describe());
+    check::same_device(x, xs[0], op, "xs[i]", "xs[0]");
+    check::contiguous(x, op, "xs[i]");
+    void* out = nullptr;
+    if (!outs.empty()) {
+      FP8AMP_CHECK_VALUE(outs[i].dtype == outs[0].dtype, op, "outs must share one dtype");
+      check::same_shape(x, outs[i], op, "xs[i]", "outs[i]");
+      check::same_device(x, outs[i], op, "xs[i]", "outs[i]");
+      check::contiguous(outs[i], op, "outs[i]");
+      out = outs[i].data;
+    }
+    result.push_back(TensorSlice{x.data, out, x.numel()});
+  }
+  return result;
+}
+
+}  // namespace
+
+float format_max(DType dtype) {
+  check::scaled_format(dtype, "format_max", "dtype");
+  return dtype_info(dtype).max_finite;
+}
+
+void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream) {
+  multi_quantize({x}, {out}, scaling, stream);
+}
+
+void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
+                    const Scaling& scaling, Stream stream) {
+  const char* op = "quantize";
+  const std::vector<TensorSlice> t = slices(xs, outs, op);
+  FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
+  check::high_precision(xs[0], op, "x");
+  check::scaled_format(outs[0].dtype, op, "dtype");
+  const ScalingPtrs s = scaling_ptrs(scaling, static_cast<int64_t>(xs.size()), xs[0], op);
+  run_on(
+      xs[0], op, [&] { cpu::quantize(xs[0].dtype, outs[0].dtype, t, s); },
+      [&] { cuda::quantize(xs[0].dtype, outs[0].dtype, t, s, stream); });
+}
+
+void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorView& out, Stream stream) {
+  multi_dequantize({x}, scale_inv, {out}, stream);
+}
+
+void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale_inv,
+                      const std::vector<TensorView>& outs, Stream stream) {
+  const char* op = "dequantize";
+  const std::vector<TensorSlice> t = slices(xs, outs, op);
+  FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
+  check::scaled_format(xs[0].dtype, op, "x");
+  check::high_precision(outs[0], op, "dtype");
+  check_float32(scale_inv, xs[0], op, "scale_inv");
+  check::numel_is(scale_inv, static_cast<int64_t>(xs.size()), op, "scale_inv");
+  const float* si = scale_inv.ptr<const float>();
+  run_on(
+      xs[0], op, [&] { cpu::dequantize(xs[0].dtype, outs[0].dtype, t, si); },
+      [&] { cuda::dequantize(xs[0].dtype, outs[0].dtype, t, si, stream); });
+}
+
+void cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const Scaling& scaling,
+                    Stream stream) {
+  const char* op = "cast_transpose";
+  check::high_precision(x, op, "x");
+  check::contiguous(x, op, "x");
+  FP8AMP_CHECK_VALUE(x.dim() >= 1, op, "x must have at least 1 dimension, got ", x.describe());
+  check::scaled_format(out.dtype, op, "dtype");
+  check::same_shape(x, out, op, "x", "out");
+  check::contiguous(out, op, "out");
+  check::same_device(x, out, op, "x", "out");
+  const int64_t cols = x.shape.back();
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == cols &&
+                         out_t.shape[1] == rows,
+                     op, "out_t must be ", dtype_name(out.dtype), "[", cols, ", ", rows, "], got ",
+                     out_t.describe());
+  check::contiguous(out_t, op, "out_t");
+  check::same_device(x, out_t, op, "x", "out_t");
+  const ScalingPtrs s = scaling_ptrs(scaling, 1, x, op);
+  run_on(
+      x, op, [&] { cpu::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s); },
+      [&] { cuda::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, stream); });
+}
+
+void amax(const TensorView& x, const TensorView& amax_out, const TensorView* warmup_counter, int warmup_steps,
+          Stream stream) {
+  const char* op = "amax";
+  check::high_precision(x, op, "x");
+  check::contiguous(x, op, "x");
+  check_float32(amax_out, x, op, "amax");
+  check::numel_at_least(amax_out, 1, op, "amax");
+  const int32_t* counter = nullptr;
+  if (warmup_counter != nullptr) {
+    check::dtype_is(*warmup_counter, DType::kInt32, op, "warmup_counter");
+    check::same_device(*warmup_counter, x, op, "warmup_counter", "x");
+    check::numel_is(*warmup_counter, 1, op, "warmup_counter");
+    counter = warmup_counter->ptr<const int32_t>();
+  }
+  float* a = amax_out.ptr<float>();
+  run_on(
+      x, op, [&] { cpu::amax(x.dtype, x.data, x.numel(), a, counter, warmup_steps); },
+      [&] { cuda::amax(x.dtype, x.data, x.numel(), a, counter, warmup_steps, stream); });
+}
+
+void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, Stream stream) {
+  const char* op = "multi_amax";
+  const std::vector<TensorSlice> t = slices(xs, {}, op);
+  check::high_precision(xs[0], op, "xs");
+  check_float32(amax_out, xs[0], op, "amax");
+  const int64_t stride = amax_stride(amax_out, static_cast<int64_t>(xs.size()), op);
+  float* a = amax_out.ptr<float>();
+  run_on(
+      xs[0], op, [&] { cpu::multi_amax(xs[0].dtype, t, a, stride); },
+      [&] { cuda::multi_amax(xs[0].dtype, t, a, stride, stream); });
+}
+
+void compute_scale(const TensorView& amax_in, const TensorView& scale, const TensorView& scale_inv, float fmax,
+                   const ScaleRecipe& recipe, Stream stream) {
+  const char* op = "compute_scale";
+  check::dtype_is(scale, DType::kFloat32, op, "scale");
+  check::contiguous(scale, op, "scale");
+  const int64_t n = scale.numel();
+  check_float32(amax_in, scale, op, "amax");
+  check_float32(scale_inv, scale, op, "scale_inv");
+  check::numel_is(scale_inv, n, op, "scale_inv");
+  const int64_t stride = amax_stride(amax_in, n, op);
+  FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
+  float* sc = scale.ptr<float>();
+  float* si = scale_inv.ptr<float>();
+  const float* a = amax_in.ptr<const float>();
+  run_on(
+      scale, op, [&] { cpu::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2); },
+      [&] { cuda::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2, stream); });
+}
+
+void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
+                            const TensorView& counter, float fmax, const ScaleRecipe& recipe, Stream stream) {
+  const char* op = "update_delayed_scaling";
+  check::dtype_is(amax_history, DType::kFloat32, op, "amax_history");
+  check::contiguous(amax_history, op, "amax_history");
+  check::dim_is(amax_history, 2, op, "amax_history");
+  const int64_t n = amax_history.shape[0];
+  const int64_t h = amax_history.shape[1];
+  FP8AMP_CHECK_VALUE(h >= 1, op, "amax_history must be [n, H] with H >= 1, got ", amax_history.describe());
+  for (const auto& [t, arg] : {std::pair{&scale, "scale"}, std::pair{&scale_inv, "scale_inv"}}) {
+    check::dtype_is(*t, DType::kFloat32, op, arg);
+    check::contiguous(*t, op, arg);
+    check::numel_is(*t, n, op, arg);
+    check::same_device(*t, amax_history, op, arg, "amax_history");
+  }
+  check::dtype_is(counter, DType::kInt32, op, "counter");
+  check::contiguous(counter, op, "counter");
+  check::numel_is(counter, n, op, "counter");
+  check::same_device(counter, amax_history, op, "counter", "amax_history");
+  FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
+  float* hist = amax_history.ptr<float>();
+  float* sc = scale.ptr<float>();
+  float* si = scale_inv.ptr<float>();
+  int32_t* cnt = counter.ptr<int32_t>();
+  run_on(
+      amax_history, op,
+      [&] { cpu::update_delayed_scaling(hist, n, h, sc, si, cnt, fmax, recipe.margin, recipe.pow2); },
+      [&] { cuda::update_delayed_scaling(hist, n, h, sc, si, cnt, fmax, recipe.margin, recipe.pow2, stream); });
+}
+
+}  // namespace fp8amp

@@ -1,0 +1,140 @@
+// CPU reference of the cast op family: the readable definition of correct for cast_cuda.cu.
+#include <algorithm>
+
+#include "cast/cast_kernels.h"
+#include "common/dispatch.h"
+
+namespace fp8amp {
+namespace cpu {
+
+namespace {
+
+using numerics::amax_from_key;
+using numerics::amax_key;
+
+template <class T>
+uint32_t amax_key_of(const T* x, int64_t numel) {
+  uint32_t key = 0;
+  for (int64_t i = 0; i < numel; ++i) key = std::max(key, amax_key(numerics::to_float(x[i])));
+  return key;
+}
+
+void fold_amax(float* slot, uint32_t key) {
+  *slot = amax_from_key(std::max(amax_key(*slot), key));
+}
+
+// Folds the tensor's amax when it is warming up, then returns the scale it is quantized with
+// and writes its scale_inv: the order the CUDA pre-pass + quantize kernels follow.
+template <class In, class Out>
+float prepare_scale(const In* x, int64_t numel, const ScalingPtrs& s, int64_t i) {
+  float* amax_slot = s.amax + i * s.amax_stride;
+  if (warming_up(s.warmup_counter, i, s.warmup_steps)) fold_amax(amax_slot, amax_key_of(x, numel));
+  const numerics::ScalePair pair = select_scale(s, i, *amax_slot, numerics::format_max<Out>());
+  s.scale_inv[i] = pair.scale_inv;
+  return pair.scale;
+}
+
+}  // namespace
+
+void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter,
+          int warmup_steps) {
+  if (warmup_counter != nullptr && !warming_up(warmup_counter, 0, warmup_steps)) return;
+  visit(HighPrecisionTypes{}, dtype, [&](auto in) {
+    using In = decltype(in);
+    fold_amax(amax, amax_key_of(static_cast<const In*>(x), numel));
+  });
+}
+
+void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride) {
+  visit(HighPrecisionTypes{}, dtype, [&](auto in) {
+    using In = decltype(in);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      fold_amax(amax + i * amax_stride, amax_key_of(static_cast<const In*>(tensors[i].in), tensors[i].numel));
+    }
+  });
+}
+
+void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s) {
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    visit(ScaledFormatTypes{}, out_dtype, [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const In* x = static_cast<const In*>(tensors[i].in);
+        Out* y = static_cast<Out*>(tensors[i].out);
+        const int64_t numel = tensors[i].numel;
+        const float scale = prepare_scale<In, Out>(x, numel, s, i);
+        for (int64_t j = 0; j < numel; ++j) y[j] = numerics::quantize_to<Out>(numerics::to_float(x[j]) * scale);
+        fold_amax(s.amax + i * s.amax_stride, amax_key_of(x, numel));
+      }
+    });
+  });
+}
+
+void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv) {
+  visit(ScaledFormatTypes{}, in_dtype, [&](auto in) {
+    visit(HighPrecisionTypes{}, out_dtype, [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const In* x = static_cast<const In*>(tensors[i].in);
+        Out* y = static_cast<Out*>(tensors[i].out);
+        for (int64_t j = 0; j < tensors[i].numel; ++j) {
+          y[j] = numerics::round_to<Out>(numerics::to_float(x[j]) * scale_inv[i]);
+        }
+      }
+    });
+  });
+}
+
+void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
+                    int64_t cols, const ScalingPtrs& s) {
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    visit(ScaledFormatTypes{}, out_dtype, [&](auto o) {
+      using In = decltype(in);
+      using Out = decltype(o);
+      const In* xi = static_cast<const In*>(x);
+      Out* y = static_cast<Out*>(out);
+      Out* yt = static_cast<Out*>(out_t);
+      const float scale = prepare_scale<In, Out>(xi, rows * cols, s, 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const Out q = numerics::quantize_to<Out>(numerics::to_float(xi[r * cols + c]) * scale);
+          y[r * cols + c] = q;
+          yt[c * rows + r] = q;
+        }
+      }
+      fold_amax(s.amax, amax_key_of(xi, rows * cols));
+    });
+  });
+}
+
+void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
+                   int margin, bool pow2) {
+  for (int64_t i = 0; i < n; ++i) {
+    const numerics::ScalePair pair =
+        numerics::scale_from_amax(amax[i * amax_stride], fmax, margin, pow2, {scale[i], scale_inv[i]});
+    scale[i] = pair.scale;
+    scale_inv[i] = pair.scale_inv;
+  }
+}
+
+void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
+                            int32_t* counter, float fmax, int margin, bool pow2) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* h = amax_history + i * history_len;
+    const bool bad = !numerics::is_finite(h[0]);
+    if (bad) h[0] = 0.0f;
+    float window_max = 0.0f;
+    for (int64_t j = 0; j < history_len; ++j) window_max = std::max(window_max, h[j]);
+    const numerics::ScalePair pair = numerics::scale_from_amax(window_max, fmax, margin, pow2, {scale[i], scale_inv[i]});
+    scale[i] = pair.scale;
+    scale_inv[i] = pair.scale_inv;
+    for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
+    h[0] = 0.0f;
+    counter[i] = bad ? 0 : static_cast<int32_t>(std::min<int64_t>(counter[i] + 1, history_len));
+  }
+}
+
+}  // namespace cpu
+}  // namespace fp8amp

@@ -1,0 +1,77 @@
+// What the cast kernels see: raw pointers, sizes and scaling buffers, already validated by
+// cast.cpp. Each function has a CPU reference (cast_cpu.cpp) and a CUDA twin (cast_cuda.cu)
+// with the same signature; the CPU one defines correct.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/numerics.h"
+#include "fp8amp/dtype.h"
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// Scaling buffers of n tensors (see fp8amp::Scaling in cast.h). Tensor i reads scale[i],
+// folds its amax into amax[i * amax_stride], writes scale_inv[i].
+struct ScalingPtrs {
+  const float* scale;
+  float* amax;
+  int64_t amax_stride;
+  float* scale_inv;
+  const int32_t* warmup_counter;  // nullptr: always delayed (use scale as is)
+  int warmup_steps;
+  int margin;
+  bool pow2;
+};
+
+// The scale tensor i is quantized with, given the (already folded) amax of this step.
+FP8AMP_HD numerics::ScalePair select_scale(const ScalingPtrs& s, int64_t i, float amax_now, float fmax) {
+  const float scale = s.scale[i];
+  const numerics::ScalePair given{scale, 1.0f / scale};
+  if (s.warmup_counter == nullptr || s.warmup_counter[i] >= s.warmup_steps) return given;
+  return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2, given);
+}
+
+FP8AMP_HD bool warming_up(const int32_t* counter, int64_t i, int warmup_steps) {
+  return counter != nullptr && counter[i] < warmup_steps;
+}
+
+// One tensor of a multi-tensor op.
+struct TensorSlice {
+  const void* in;
+  void* out;
+  int64_t numel;
+};
+
+namespace cpu {
+void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter, int warmup_steps);
+void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s);
+void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv);
+void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
+                    int64_t cols, const ScalingPtrs& s);
+void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride);
+void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
+                   int margin, bool pow2);
+void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
+                            int32_t* counter, float fmax, int margin, bool pow2);
+}  // namespace cpu
+
+namespace cuda {
+void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter, int warmup_steps,
+          Stream stream);
+void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s,
+              Stream stream);
+void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv,
+                Stream stream);
+void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
+                    int64_t cols, const ScalingPtrs& s, Stream stream);
+void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride,
+                Stream stream);
+void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
+                   int margin, bool pow2, Stream stream);
+void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
+                            int32_t* counter, float fmax, int margin, bool pow2, Stream stream);
+}  // namespace cuda
+
+}  // namespace fp8amp

@@ -1,0 +1,31 @@
+// The one dtype visitor: maps a runtime DType to its storage type from numerics.h.
+#pragma once
+
+#include "common/numerics.h"
+#include "fp8amp/dtype.h"
+#include "fp8amp/error.h"
+
+namespace fp8amp {
+
+template <class... Ts>
+struct TypeSet {};
+
+using HighPrecisionTypes = TypeSet<float, numerics::bf16, numerics::fp16>;
+using ScaledFormatTypes = TypeSet<numerics::fp8_e4m3, numerics::fp8_e5m2, numerics::fp16>;
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::kFloat32; }
+template <> constexpr DType dtype_of<numerics::bf16>() { return DType::kBFloat16; }
+template <> constexpr DType dtype_of<numerics::fp16>() { return DType::kFloat16; }
+template <> constexpr DType dtype_of<numerics::fp8_e4m3>() { return DType::kFloat8E4M3; }
+template <> constexpr DType dtype_of<numerics::fp8_e5m2>() { return DType::kFloat8E5M2; }
+
+// Calls f(T{}) for the T in the set whose dtype is `dtype`. Arguments are validated before any
+// visit, so a miss is an internal error, reported rather than ignored.
+template <class... Ts, class F>
+void visit(TypeSet<Ts...>, DType dtype, F&& f) {
+  const bool hit = ((dtype == dtype_of<Ts>() ? (f(Ts{}), true) : false) || ...);
+  FP8AMP_CHECK(hit, kRuntime, "dispatch", "internal error: no kernel for dtype ", dtype_name(dtype));
+}
+
+}  // namespace fp8amp

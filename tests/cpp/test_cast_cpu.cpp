@@ -1,0 +1,191 @@
+// The cast ops through the public core API on CPU: hand-derived results, layouts, the delayed
+// scaling sequence, and clear errors for bad arguments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "fp8amp/cast.h"
+#include "fp8amp/error.h"
+
+namespace fp8amp {
+namespace {
+
+template <class T>
+TensorView view(std::vector<T>& v, DType dtype, std::vector<int64_t> shape) {
+  TensorView t;
+  t.data = v.data();
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  return t;
+}
+
+struct State {
+  std::vector<float> scale{1.0f}, amax{0.0f}, scale_inv{0.0f};
+  Scaling scaling() {
+    return Scaling{view(scale, DType::kFloat32, {1}), view(amax, DType::kFloat32, {1}),
+                   view(scale_inv, DType::kFloat32, {1})};
+  }
+};
+
+TEST(Quantize, E4M3WithScaleAndAmax) {
+  std::vector<float> x{1.0f, -3.0f, 10.0f, 0.0f, std::ldexp(1.0f, -20)};
+  std::vector<uint8_t> y(x.size(), 0xAA);
+  State st;
+  st.scale[0] = 32.0f;  // the pow2 scale of amax 10
+  st.amax[0] = 2.0f;    // accumulated from an earlier micro-batch
+  quantize(view(x, DType::kFloat32, {5}), view(y, DType::kFloat8E4M3, {5}), st.scaling(), nullptr);
+  EXPECT_EQ(y, (std::vector<uint8_t>{0x60, 0xEC, 0x7A, 0x00, 0x00}));  // 32, -96, 320, 0, 2^-15 -> 0
+  EXPECT_EQ(st.amax[0], 10.0f);
+  EXPECT_EQ(st.scale_inv[0], 1.0f / 32.0f);
+}
+
+TEST(Quantize, AmaxPropagatesNaN) {
+  std::vector<float> x{1.0f, std::nanf(""), 3.0f};
+  std::vector<uint8_t> y(3);
+  State st;
+  quantize(view(x, DType::kFloat32, {3}), view(y, DType::kFloat8E5M2, {3}), st.scaling(), nullptr);
+  EXPECT_TRUE(std::isnan(st.amax[0]));
+  EXPECT_EQ(y[1], 0x7F);
+}
+
+TEST(Quantize, WarmupUsesCurrentScaling) {
+  std::vector<float> x{10.0f, -1.0f};
+  std::vector<uint8_t> y(2);
+  std::vector<int32_t> counter{0};
+  State st;
+  st.scale[0] = 1.0f;
+  TensorView c = view(counter, DType::kInt32, {1});
+  Scaling s = st.scaling();
+  s.warmup_counter = &c;
+  s.warmup_steps = 16;
+  quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {2}), s, nullptr);
+  EXPECT_EQ(st.scale_inv[0], 1.0f / 32.0f);  // from amax 10, not the stored scale 1
+  EXPECT_EQ(st.scale[0], 1.0f);              // the stored scale is the update's to change
+  counter[0] = 16;                           // warmed up: delayed scale is used as is
+  quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {2}), s, nullptr);
+  EXPECT_EQ(st.scale_inv[0], 1.0f);
+  EXPECT_EQ(y[0], 0x52);  // 10.0 in E4M3
+}
+
+TEST(Dequantize, AllE4M3CodesToFloat32) {
+  std::vector<uint8_t> x(256);
+  for (int i = 0; i < 256; ++i) x[i] = static_cast<uint8_t>(i);
+  std::vector<float> y(256);
+  std::vector<float> scale_inv{0.5f};
+  dequantize(view(x, DType::kFloat8E4M3, {256}), view(scale_inv, DType::kFloat32, {1}),
+             view(y, DType::kFloat32, {256}), nullptr);
+  EXPECT_EQ(y[0x38], 0.5f);
+  EXPECT_EQ(y[0x7E], 224.0f);
+  EXPECT_EQ(y[0xFE], -224.0f);
+  EXPECT_TRUE(std::isnan(y[0x7F]));
+  EXPECT_TRUE(std::isnan(y[0xFF]));
+}
+
+TEST(CastTranspose, LayoutsAgreeWithQuantize) {
+  const int64_t rows = 3, cols = 5;
+  std::vector<float> x(rows * cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) - 7.0f;
+  std::vector<uint8_t> y(x.size()), yt(x.size()), ref(x.size());
+  State a, b;
+  a.scale[0] = b.scale[0] = 8.0f;
+  cast_transpose(view(x, DType::kFloat32, {rows, cols}), view(y, DType::kFloat8E5M2, {rows, cols}),
+                 view(yt, DType::kFloat8E5M2, {cols, rows}), a.scaling(), nullptr);
+  quantize(view(x, DType::kFloat32, {rows, cols}), view(ref, DType::kFloat8E5M2, {rows, cols}), b.scaling(),
+           nullptr);
+  EXPECT_EQ(y, ref);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) EXPECT_EQ(yt[c * rows + r], y[r * cols + c]);
+  EXPECT_EQ(a.amax[0], 7.0f);
+}
+
+TEST(MultiTensor, EachTensorUsesItsRow) {
+  std::vector<float> x0{1.0f, 2.0f}, x1{}, x2{-120.0f};
+  std::vector<uint8_t> y0(2), y1(0), y2(1);
+  std::vector<float> scale{1.0f, 2.0f, 4.0f}, amax(3 * 4, 0.0f), scale_inv(3, 0.0f);
+  Scaling s{view(scale, DType::kFloat32, {3}), view(amax, DType::kFloat32, {3, 4}),
+            view(scale_inv, DType::kFloat32, {3})};
+  multi_quantize({view(x0, DType::kFloat32, {2}), view(x1, DType::kFloat32, {0}), view(x2, DType::kFloat32, {1})},
+                 {view(y0, DType::kFloat8E4M3, {2}), view(y1, DType::kFloat8E4M3, {0}),
+                  view(y2, DType::kFloat8E4M3, {1})},
+                 s, nullptr);
+  EXPECT_EQ(amax[0], 2.0f);
+  EXPECT_EQ(amax[4], 0.0f);
+  EXPECT_EQ(amax[8], 120.0f);
+  EXPECT_EQ(amax[9], 0.0f);  // only column 0 of the history is touched
+  EXPECT_EQ(scale_inv, (std::vector<float>{1.0f, 0.5f, 0.25f}));
+  EXPECT_EQ(y2[0], 0xFE);  // -480 saturates to -448
+}
+
+TEST(DelayedScaling, HistoryRollCounterAndNonFinite) {
+  const int64_t h = 3;
+  std::vector<float> hist{10.0f, 0.0f, 0.0f};
+  std::vector<float> scale{1.0f}, scale_inv{1.0f};
+  std::vector<int32_t> counter{0};
+  auto step = [&] {
+    update_delayed_scaling(view(hist, DType::kFloat32, {1, h}), view(scale, DType::kFloat32, {1}),
+                           view(scale_inv, DType::kFloat32, {1}), view(counter, DType::kInt32, {1}), 448.0f,
+                           ScaleRecipe{}, nullptr);
+  };
+  step();
+  EXPECT_EQ(hist, (std::vector<float>{0.0f, 10.0f, 0.0f}));
+  EXPECT_EQ(scale[0], 32.0f);
+  EXPECT_EQ(counter[0], 1);
+  hist[0] = 1e4f;
+  step();
+  EXPECT_EQ(scale[0], 1.0f / 32.0f);
+  hist[0] = std::numeric_limits<float>::infinity();
+  step();  // inf is dropped, resets the counter; the window still holds 1e4 and 10
+  EXPECT_EQ(counter[0], 0);
+  EXPECT_EQ(scale[0], 1.0f / 32.0f);
+  EXPECT_EQ(hist, (std::vector<float>{0.0f, 0.0f, 1e4f}));
+  step();
+  step();  // 1e4 has left the window, everything is 0: previous scale kept
+  EXPECT_EQ(scale[0], 1.0f / 32.0f);
+  for (int i = 0; i < 5; ++i) step();
+  EXPECT_EQ(counter[0], 3);  // capped at the history length
+}
+
+void expect_value_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kValue) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Errors, NameTheArgument) {
+  std::vector<float> x{1.0f, 2.0f};
+  std::vector<uint8_t> y(2);
+  std::vector<int32_t> wrong(2);
+  State st;
+  expect_value_error([&] { quantize(view(wrong, DType::kInt32, {2}), view(y, DType::kFloat8E4M3, {2}), st.scaling(), nullptr); },
+                     "x must be float32, bfloat16 or float16");
+  expect_value_error([&] { quantize(view(x, DType::kFloat32, {2}), view(y, DType::kBFloat16, {2}), st.scaling(), nullptr); },
+                     "dtype must be float8_e4m3fn, float8_e5m2 or float16");
+  expect_value_error([&] { quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {1, 2}), st.scaling(), nullptr); },
+                     "must have the same shape");
+  Scaling bad = st.scaling();
+  bad.scale.shape = {};
+  bad.scale.dtype = DType::kInt32;
+  expect_value_error([&] { quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {2}), bad, nullptr); },
+                     "scale must be float32");
+  TensorView strided = view(x, DType::kFloat32, {2});
+  strided.strides = {2};
+  expect_value_error([&] { quantize(strided, view(y, DType::kFloat8E4M3, {2}), st.scaling(), nullptr); },
+                     "must be contiguous");
+  TensorView on_gpu = view(y, DType::kFloat8E4M3, {2});
+  on_gpu.device = Device::kCUDA;
+  on_gpu.device_index = 0;
+  expect_value_error([&] { quantize(view(x, DType::kFloat32, {2}), on_gpu, st.scaling(), nullptr); },
+                     "must be on the same device");
+}
+
+}  // namespace
+}  // namespace fp8amp
