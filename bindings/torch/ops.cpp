@@ -1,0 +1,285 @@
+// torch.library registration of the core's ops: argument plumbing only. Tensors become
+// TensorViews, outputs are allocated, core errors become Python ValueError / TypeError /
+// NotImplementedError / RuntimeError. Every op has CPU, CUDA and Meta (fake) kernels.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "fp8amp/cast.h"
+#include "fp8amp/error.h"
+
+#ifdef FP8AMP_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace fp8amp::torch_binding {
+namespace {
+
+DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    case at::kInt: return DType::kInt32;
+    default:
+      detail::throw_error(ErrorKind::kValue, op, arg, " has unsupported dtype ", c10::toString(t),
+                          "; accepted: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (int32 for counters)");
+  }
+}
+
+TensorView view(const at::Tensor& t, const char* op, const char* arg) {
+  TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = to_dtype(t.scalar_type(), op, arg);
+  v.shape.assign(t.sizes().begin(), t.sizes().end());
+  v.strides.assign(t.strides().begin(), t.strides().end());
+  if (t.is_cuda()) {
+    v.device = Device::kCUDA;
+    v.device_index = t.get_device();
+  } else {
+    FP8AMP_CHECK_VALUE(t.is_cpu(), op, arg, " must be on cpu or cuda, got ", t.device().str());
+  }
+  return v;
+}
+
+std::vector<TensorView> views(at::TensorList ts, const char* op, const char* arg) {
+  std::vector<TensorView> v;
+  v.reserve(ts.size());
+  for (const at::Tensor& t : ts) v.push_back(view(t, op, arg));
+  return v;
+}
+
+// Runs `f` on the current stream of `t`'s device and translates core errors.
+template <class F>
+void call(const at::Tensor& t, F&& f) {
+  try {
+    Stream stream = nullptr;
+#ifdef FP8AMP_WITH_CUDA
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (t.is_cuda()) {
+      guard.emplace(t.device());
+      stream = c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+    }
+#endif
+    f(stream);
+  } catch (const Error& e) {
+    switch (e.kind()) {
+      case ErrorKind::kValue: C10_THROW_ERROR(ValueError, e.what());
+      case ErrorKind::kType: C10_THROW_ERROR(TypeError, e.what());
+      case ErrorKind::kNotImplemented: C10_THROW_ERROR(NotImplementedError, e.what());
+      case ErrorKind::kRuntime: C10_THROW_ERROR(Error, e.what());
+    }
+  }
+}
+
+Scaling scaling(const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& scale_inv,
+                const std::optional<TensorView>& counter, int64_t warmup_steps, int64_t margin, bool pow2,
+                const char* op) {
+  Scaling s{view(scale, op, "scale"), view(amax, op, "amax"), view(scale_inv, op, "scale_inv")};
+  s.warmup_counter = counter ? &*counter : nullptr;
+  s.warmup_steps = static_cast<int>(warmup_steps);
+  s.recipe = ScaleRecipe{static_cast<int>(margin), pow2};
+  return s;
+}
+
+std::optional<TensorView> optional_view(const std::optional<at::Tensor>& t, const char* op, const char* arg) {
+  if (!t) return std::nullopt;
+  return view(*t, op, arg);
+}
+
+at::Tensor scale_inv_like(const at::Tensor& scale) { return at::empty({scale.numel()}, scale.options()); }
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax,
+                                            at::ScalarType dtype, const std::optional<at::Tensor>& warmup_counter,
+                                            int64_t warmup_steps, int64_t margin, bool pow2_scale) {
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+  at::Tensor scale_inv = scale_inv_like(scale);
+  call(x, [&](Stream stream) {
+    const auto counter = optional_view(warmup_counter, "quantize", "warmup_counter");
+    fp8amp::quantize(view(x, "quantize", "x"), view(out, "quantize", "dtype"),
+                     scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, "quantize"), stream);
+  });
+  return {out, scale_inv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& x, const at::Tensor& scale,
+                                                              const at::Tensor& amax, at::ScalarType dtype,
+                                                              const std::optional<at::Tensor>& warmup_counter,
+                                                              int64_t warmup_steps, int64_t margin, bool pow2_scale) {
+  const char* op = "cast_transpose";
+  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+  at::Tensor out_t = at::empty({cols, rows}, x.options().dtype(dtype));
+  at::Tensor scale_inv = scale_inv_like(scale);
+  call(x, [&](Stream stream) {
+    const auto counter = optional_view(warmup_counter, op, "warmup_counter");
+    fp8amp::cast_transpose(view(x, op, "x"), view(out, op, "dtype"), view(out_t, op, "dtype"),
+                           scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op), stream);
+  });
+  return {out, out_t, scale_inv};
+}
+
+at::Tensor dequantize(const at::Tensor& x, const at::Tensor& scale_inv, at::ScalarType dtype) {
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+  call(x, [&](Stream stream) {
+    fp8amp::dequantize(view(x, "dequantize", "x"), view(scale_inv, "dequantize", "scale_inv"),
+                       view(out, "dequantize", "dtype"), stream);
+  });
+  return out;
+}
+
+void amax(const at::Tensor& x, const at::Tensor& amax_out, const std::optional<at::Tensor>& warmup_counter,
+          int64_t warmup_steps) {
+  call(x, [&](Stream stream) {
+    const auto counter = optional_view(warmup_counter, "amax", "warmup_counter");
+    fp8amp::amax(view(x, "amax", "x"), view(amax_out, "amax", "amax"), counter ? &*counter : nullptr,
+                 static_cast<int>(warmup_steps), stream);
+  });
+}
+
+// Multi-tensor ops need at least one tensor to know their device; the core names the error.
+const at::Tensor& first_or(at::TensorList xs, const at::Tensor& fallback) { return xs.empty() ? fallback : xs[0]; }
+
+void multi_amax(at::TensorList xs, const at::Tensor& amax_out) {
+  call(first_or(xs, amax_out), [&](Stream stream) {
+    fp8amp::multi_amax(views(xs, "multi_amax", "xs"), view(amax_out, "multi_amax", "amax"), stream);
+  });
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> multi_quantize(at::TensorList xs, const at::Tensor& scale,
+                                                               const at::Tensor& amax, at::ScalarType dtype,
+                                                               const std::optional<at::Tensor>& warmup_counter,
+                                                               int64_t warmup_steps, int64_t margin,
+                                                               bool pow2_scale) {
+  const char* op = "multi_quantize";
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
+  at::Tensor scale_inv = scale_inv_like(scale);
+  call(first_or(xs, scale), [&](Stream stream) {
+    const auto counter = optional_view(warmup_counter, op, "warmup_counter");
+    fp8amp::multi_quantize(views(xs, op, "xs"), views(outs, op, "dtype"),
+                           scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op), stream);
+  });
+  return {outs, scale_inv};
+}
+
+std::vector<at::Tensor> multi_dequantize(at::TensorList xs, const at::Tensor& scale_inv, at::ScalarType dtype) {
+  const char* op = "multi_dequantize";
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
+  call(first_or(xs, scale_inv), [&](Stream stream) {
+    fp8amp::multi_dequantize(views(xs, op, "xs"), view(scale_inv, op, "scale_inv"), views(outs, op, "dtype"),
+                             stream);
+  });
+  return outs;
+}
+
+void compute_scale(const at::Tensor& amax_in, const at::Tensor& scale, const at::Tensor& scale_inv, double fmax,
+                   int64_t margin, bool pow2_scale) {
+  const char* op = "compute_scale";
+  call(scale, [&](Stream stream) {
+    fp8amp::compute_scale(view(amax_in, op, "amax"), view(scale, op, "scale"), view(scale_inv, op, "scale_inv"),
+                          static_cast<float>(fmax), ScaleRecipe{static_cast<int>(margin), pow2_scale}, stream);
+  });
+}
+
+void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& scale, const at::Tensor& scale_inv,
+                            const at::Tensor& counter, double fmax, int64_t margin, bool pow2_scale) {
+  const char* op = "update_delayed_scaling";
+  call(amax_history, [&](Stream stream) {
+    fp8amp::update_delayed_scaling(view(amax_history, op, "amax_history"), view(scale, op, "scale"),
+                                   view(scale_inv, op, "scale_inv"), view(counter, op, "counter"),
+                                   static_cast<float>(fmax), ScaleRecipe{static_cast<int>(margin), pow2_scale},
+                                   stream);
+  });
+}
+
+// Meta kernels: shapes and dtypes only, for torch.compile's fake tensors.
+std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::Tensor& scale, const at::Tensor&,
+                                                 at::ScalarType dtype, const std::optional<at::Tensor>&, int64_t,
+                                                 int64_t, bool) {
+  return {at::empty(x.sizes(), x.options().dtype(dtype)), scale_inv_like(scale)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Tensor& x, const at::Tensor& scale,
+                                                                   const at::Tensor&, at::ScalarType dtype,
+                                                                   const std::optional<at::Tensor>&, int64_t,
+                                                                   int64_t, bool) {
+  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  return {at::empty(x.sizes(), x.options().dtype(dtype)), at::empty({cols, rows}, x.options().dtype(dtype)),
+          scale_inv_like(scale)};
+}
+
+at::Tensor dequantize_meta(const at::Tensor& x, const at::Tensor&, at::ScalarType dtype) {
+  return at::empty(x.sizes(), x.options().dtype(dtype));
+}
+
+void amax_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {}
+void multi_amax_meta(at::TensorList, const at::Tensor&) {}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> multi_quantize_meta(at::TensorList xs, const at::Tensor& scale,
+                                                                    const at::Tensor&, at::ScalarType dtype,
+                                                                    const std::optional<at::Tensor>&, int64_t,
+                                                                    int64_t, bool) {
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
+  return {outs, scale_inv_like(scale)};
+}
+
+std::vector<at::Tensor> multi_dequantize_meta(at::TensorList xs, const at::Tensor&, at::ScalarType dtype) {
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
+  return outs;
+}
+
+void compute_scale_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool) {}
+void update_delayed_scaling_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                 int64_t, bool) {}
+
+}  // namespace
+}  // namespace fp8amp::torch_binding
+
+// The scaling arguments shared by the quantizing ops (see fp8amp::Scaling).
+#define FP8AMP_SCALING_ARGS "Tensor? warmup_counter=None, int warmup_steps=0, int margin=0, bool pow2_scale=True"
+
+TORCH_LIBRARY(fp8amp, m) {
+  m.def("quantize(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
+        ") -> (Tensor, Tensor)");
+  m.def("cast_transpose(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
+        ") -> (Tensor, Tensor, Tensor)");
+  m.def("dequantize(Tensor x, Tensor scale_inv, ScalarType dtype) -> Tensor");
+  m.def("amax(Tensor x, Tensor(a!) amax, Tensor? warmup_counter=None, int warmup_steps=0) -> ()");
+  m.def("multi_amax(Tensor[] xs, Tensor(a!) amax) -> ()");
+  m.def("multi_quantize(Tensor[] xs, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
+        ") -> (Tensor[], Tensor)");
+  m.def("multi_dequantize(Tensor[] xs, Tensor scale_inv, ScalarType dtype) -> Tensor[]");
+  m.def(
+      "compute_scale(Tensor amax, Tensor(a!) scale, Tensor(b!) scale_inv, float fmax, int margin=0, "
+      "bool pow2_scale=True) -> ()");
+  m.def(
+      "update_delayed_scaling(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv, "
+      "Tensor(d!) counter, float fmax, int margin=0, bool pow2_scale=True) -> ()");
+}
+
+#define FP8AMP_REGISTER_KERNELS(m, suffix)                                \
+  m.impl("quantize", fp8amp::torch_binding::quantize##suffix);             \
+  m.impl("cast_transpose", fp8amp::torch_binding::cast_transpose##suffix); \
+  m.impl("dequantize", fp8amp::torch_binding::dequantize##suffix);         \
+  m.impl("amax", fp8amp::torch_binding::amax##suffix);                     \
+  m.impl("multi_amax", fp8amp::torch_binding::multi_amax##suffix);         \
+  m.impl("multi_quantize", fp8amp::torch_binding::multi_quantize##suffix); \
+  m.impl("multi_dequantize", fp8amp::torch_binding::multi_dequantize##suffix); \
+  m.impl("compute_scale", fp8amp::torch_binding::compute_scale##suffix);   \
+  m.impl("update_delayed_scaling", fp8amp::torch_binding::update_delayed_scaling##suffix)
+
+// The same functions serve CPU and CUDA: the core dispatches on the tensors' device.
+TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_KERNELS(m, ); }
+TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_KERNELS(m, ); }
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { FP8AMP_REGISTER_KERNELS(m, _meta); }

@@ -1,0 +1,22 @@
+"""Loads the compiled extension, which registers the ``torch.ops.fp8amp`` operators."""
+
+import glob
+import os
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load() -> None:
+    candidates = sorted(glob.glob(os.path.join(_HERE, "_fp8amp_ops*.so")))
+    if not candidates:
+        raise ImportError(
+            f"fp8amp's compiled extension (_fp8amp_ops.so) is missing from {_HERE}; "
+            "build and install the package with `pip install --no-build-isolation .`"
+        )
+    torch.ops.load_library(candidates[0])
+
+
+_load()
+ops = torch.ops.fp8amp
