@@ -7,45 +7,12 @@
 #include <optional>
 #include <vector>
 
+#include "binding_utils.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
 
-#ifdef FP8AMP_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
-
 namespace fp8amp::torch_binding {
 namespace {
-
-DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
-    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
-    case at::kInt: return DType::kInt32;
-    default:
-      detail::throw_error(ErrorKind::kValue, op, arg, " has unsupported dtype ", c10::toString(t),
-                          "; accepted: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (int32 for counters)");
-  }
-}
-
-TensorView view(const at::Tensor& t, const char* op, const char* arg) {
-  TensorView v;
-  v.data = t.data_ptr();
-  v.dtype = to_dtype(t.scalar_type(), op, arg);
-  v.shape.assign(t.sizes().begin(), t.sizes().end());
-  v.strides.assign(t.strides().begin(), t.strides().end());
-  if (t.is_cuda()) {
-    v.device = Device::kCUDA;
-    v.device_index = t.get_device();
-  } else {
-    FP8AMP_CHECK_VALUE(t.is_cpu(), op, arg, " must be on cpu or cuda, got ", t.device().str());
-  }
-  return v;
-}
 
 std::vector<TensorView> views(at::TensorList ts, const char* op, const char* arg) {
   std::vector<TensorView> v;
@@ -54,50 +21,36 @@ std::vector<TensorView> views(at::TensorList ts, const char* op, const char* arg
   return v;
 }
 
-// Runs `f` on the current stream of `t`'s device and translates core errors.
-template <class F>
-void call(const at::Tensor& t, F&& f) {
-  try {
-    Stream stream = nullptr;
-#ifdef FP8AMP_WITH_CUDA
-    std::optional<c10::cuda::CUDAGuard> guard;
-    if (t.is_cuda()) {
-      guard.emplace(t.device());
-      stream = c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
-    }
-#endif
-    f(stream);
-  } catch (const Error& e) {
-    switch (e.kind()) {
-      case ErrorKind::kValue: C10_THROW_ERROR(ValueError, e.what());
-      case ErrorKind::kType: C10_THROW_ERROR(TypeError, e.what());
-      case ErrorKind::kNotImplemented: C10_THROW_ERROR(NotImplementedError, e.what());
-      case ErrorKind::kRuntime: C10_THROW_ERROR(Error, e.what());
-    }
-  }
-}
-
 Scaling scaling(const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& scale_inv,
                 const std::optional<TensorView>& counter, int64_t warmup_steps, int64_t margin, bool pow2,
                 const char* op) {
   Scaling s{view(scale, op, "scale"), view(amax, op, "amax"), view(scale_inv, op, "scale_inv")};
   s.warmup_counter = counter ? &*counter : nullptr;
-  s.warmup_steps = static_cast<int>(warmup_steps);
-  s.recipe = ScaleRecipe{static_cast<int>(margin), pow2};
+  s.warmup_steps = narrow_int(warmup_steps, op, "warmup_steps");
+  s.recipe = ScaleRecipe{narrow_int(margin, op, "margin"), pow2};
   return s;
 }
 
-std::optional<TensorView> optional_view(const std::optional<at::Tensor>& t, const char* op, const char* arg) {
-  if (!t) return std::nullopt;
-  return view(*t, op, arg);
+// Output allocation, in symbolic sizes so the same code serves the Meta kernels under
+// torch.compile's dynamic shapes.
+at::Tensor empty_as(const at::Tensor& x, at::ScalarType dtype) {
+  return at::empty_symint(x.sym_sizes(), x.options().dtype(dtype));
 }
 
-at::Tensor scale_inv_like(const at::Tensor& scale) { return at::empty({scale.numel()}, scale.options()); }
+// [cols, rows] for x viewed as [rows, cols] (cols its last dim).
+at::Tensor empty_transposed(const at::Tensor& x, at::ScalarType dtype) {
+  const c10::SymInt cols = x.dim() == 0 ? c10::SymInt(1) : x.sym_size(-1);
+  c10::SymInt rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows = rows * x.sym_size(d);
+  return at::empty_symint({cols, rows}, x.options().dtype(dtype));
+}
+
+at::Tensor scale_inv_like(const at::Tensor& scale) { return at::empty_symint({scale.sym_numel()}, scale.options()); }
 
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax,
                                             at::ScalarType dtype, const std::optional<at::Tensor>& warmup_counter,
                                             int64_t warmup_steps, int64_t margin, bool pow2_scale) {
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+  at::Tensor out = empty_as(x, dtype);
   at::Tensor scale_inv = scale_inv_like(scale);
   call(x, [&](Stream stream) {
     const auto counter = optional_view(warmup_counter, "quantize", "warmup_counter");
@@ -112,10 +65,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
                                                               const std::optional<at::Tensor>& warmup_counter,
                                                               int64_t warmup_steps, int64_t margin, bool pow2_scale) {
   const char* op = "cast_transpose";
-  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
-  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
-  at::Tensor out_t = at::empty({cols, rows}, x.options().dtype(dtype));
+  at::Tensor out = empty_as(x, dtype);
+  at::Tensor out_t = empty_transposed(x, dtype);
   at::Tensor scale_inv = scale_inv_like(scale);
   call(x, [&](Stream stream) {
     const auto counter = optional_view(warmup_counter, op, "warmup_counter");
@@ -126,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
 }
 
 at::Tensor dequantize(const at::Tensor& x, const at::Tensor& scale_inv, at::ScalarType dtype) {
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+  at::Tensor out = empty_as(x, dtype);
   call(x, [&](Stream stream) {
     fp8amp::dequantize(view(x, "dequantize", "x"), view(scale_inv, "dequantize", "scale_inv"),
                        view(out, "dequantize", "dtype"), stream);
@@ -139,7 +90,7 @@ void amax(const at::Tensor& x, const at::Tensor& amax_out, const std::optional<a
   call(x, [&](Stream stream) {
     const auto counter = optional_view(warmup_counter, "amax", "warmup_counter");
     fp8amp::amax(view(x, "amax", "x"), view(amax_out, "amax", "amax"), counter ? &*counter : nullptr,
-                 static_cast<int>(warmup_steps), stream);
+                 narrow_int(warmup_steps, "amax", "warmup_steps"), stream);
   });
 }
 
@@ -152,27 +103,25 @@ void multi_amax(at::TensorList xs, const at::Tensor& amax_out) {
   });
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> multi_quantize(at::TensorList xs, const at::Tensor& scale,
-                                                               const at::Tensor& amax, at::ScalarType dtype,
-                                                               const std::optional<at::Tensor>& warmup_counter,
-                                                               int64_t warmup_steps, int64_t margin,
-                                                               bool pow2_scale) {
+// The outputs are the caller's (a mutated Tensor[]), since torch's functionalization cannot
+// handle an op that both mutates amax and returns a list.
+at::Tensor multi_quantize(at::TensorList xs, at::TensorList outs, const at::Tensor& scale, const at::Tensor& amax,
+                          const std::optional<at::Tensor>& warmup_counter, int64_t warmup_steps, int64_t margin,
+                          bool pow2_scale) {
   const char* op = "multi_quantize";
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
   at::Tensor scale_inv = scale_inv_like(scale);
   call(first_or(xs, scale), [&](Stream stream) {
     const auto counter = optional_view(warmup_counter, op, "warmup_counter");
-    fp8amp::multi_quantize(views(xs, op, "xs"), views(outs, op, "dtype"),
+    fp8amp::multi_quantize(views(xs, op, "xs"), views(outs, op, "outs"),
                            scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op), stream);
   });
-  return {outs, scale_inv};
+  return scale_inv;
 }
 
 std::vector<at::Tensor> multi_dequantize(at::TensorList xs, const at::Tensor& scale_inv, at::ScalarType dtype) {
   const char* op = "multi_dequantize";
   std::vector<at::Tensor> outs;
-  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
+  for (const at::Tensor& x : xs) outs.push_back(empty_as(x, dtype));
   call(first_or(xs, scale_inv), [&](Stream stream) {
     fp8amp::multi_dequantize(views(xs, op, "xs"), view(scale_inv, op, "scale_inv"), views(outs, op, "dtype"),
                              stream);
@@ -185,7 +134,8 @@ void compute_scale(const at::Tensor& amax_in, const at::Tensor& scale, const at:
   const char* op = "compute_scale";
   call(scale, [&](Stream stream) {
     fp8amp::compute_scale(view(amax_in, op, "amax"), view(scale, op, "scale"), view(scale_inv, op, "scale_inv"),
-                          static_cast<float>(fmax), ScaleRecipe{static_cast<int>(margin), pow2_scale}, stream);
+                          static_cast<float>(fmax), ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale},
+                          stream);
   });
 }
 
@@ -195,7 +145,7 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& sc
   call(amax_history, [&](Stream stream) {
     fp8amp::update_delayed_scaling(view(amax_history, op, "amax_history"), view(scale, op, "scale"),
                                    view(scale_inv, op, "scale_inv"), view(counter, op, "counter"),
-                                   static_cast<float>(fmax), ScaleRecipe{static_cast<int>(margin), pow2_scale},
+                                   static_cast<float>(fmax), ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale},
                                    stream);
   });
 }
@@ -204,38 +154,29 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& sc
 std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::Tensor& scale, const at::Tensor&,
                                                  at::ScalarType dtype, const std::optional<at::Tensor>&, int64_t,
                                                  int64_t, bool) {
-  return {at::empty(x.sizes(), x.options().dtype(dtype)), scale_inv_like(scale)};
+  return {empty_as(x, dtype), scale_inv_like(scale)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Tensor& x, const at::Tensor& scale,
                                                                    const at::Tensor&, at::ScalarType dtype,
                                                                    const std::optional<at::Tensor>&, int64_t,
                                                                    int64_t, bool) {
-  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
-  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
-  return {at::empty(x.sizes(), x.options().dtype(dtype)), at::empty({cols, rows}, x.options().dtype(dtype)),
-          scale_inv_like(scale)};
+  return {empty_as(x, dtype), empty_transposed(x, dtype), scale_inv_like(scale)};
 }
 
-at::Tensor dequantize_meta(const at::Tensor& x, const at::Tensor&, at::ScalarType dtype) {
-  return at::empty(x.sizes(), x.options().dtype(dtype));
-}
+at::Tensor dequantize_meta(const at::Tensor& x, const at::Tensor&, at::ScalarType dtype) { return empty_as(x, dtype); }
 
 void amax_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {}
 void multi_amax_meta(at::TensorList, const at::Tensor&) {}
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> multi_quantize_meta(at::TensorList xs, const at::Tensor& scale,
-                                                                    const at::Tensor&, at::ScalarType dtype,
-                                                                    const std::optional<at::Tensor>&, int64_t,
-                                                                    int64_t, bool) {
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
-  return {outs, scale_inv_like(scale)};
+at::Tensor multi_quantize_meta(at::TensorList, at::TensorList, const at::Tensor& scale, const at::Tensor&,
+                               const std::optional<at::Tensor>&, int64_t, int64_t, bool) {
+  return scale_inv_like(scale);
 }
 
 std::vector<at::Tensor> multi_dequantize_meta(at::TensorList xs, const at::Tensor&, at::ScalarType dtype) {
   std::vector<at::Tensor> outs;
-  for (const at::Tensor& x : xs) outs.push_back(at::empty(x.sizes(), x.options().dtype(dtype)));
+  for (const at::Tensor& x : xs) outs.push_back(empty_as(x, dtype));
   return outs;
 }
 
@@ -257,8 +198,8 @@ TORCH_LIBRARY(fp8amp, m) {
   m.def("dequantize(Tensor x, Tensor scale_inv, ScalarType dtype) -> Tensor");
   m.def("amax(Tensor x, Tensor(a!) amax, Tensor? warmup_counter=None, int warmup_steps=0) -> ()");
   m.def("multi_amax(Tensor[] xs, Tensor(a!) amax) -> ()");
-  m.def("multi_quantize(Tensor[] xs, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
-        ") -> (Tensor[], Tensor)");
+  m.def("multi_quantize(Tensor[] xs, Tensor(b!)[] outs, Tensor scale, Tensor(a!) amax, " FP8AMP_SCALING_ARGS
+        ") -> Tensor");
   m.def("multi_dequantize(Tensor[] xs, Tensor scale_inv, ScalarType dtype) -> Tensor[]");
   m.def(
       "compute_scale(Tensor amax, Tensor(a!) scale, Tensor(b!) scale_inv, float fmax, int margin=0, "

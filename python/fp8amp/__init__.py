@@ -1,6 +1,39 @@
 """fp8amp: FP8 automatic mixed-precision training for PyTorch, with a C++/CUDA core."""
 
 from ._library import ops
+from .cast import (
+    amax,
+    cast_transpose,
+    compute_scale,
+    dequantize,
+    multi_amax,
+    multi_dequantize,
+    multi_quantize,
+    quantize,
+    update_delayed_scaling,
+)
+from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
+from .scaling import ScalingRecipe, ScalingState
 
-__all__ = ["ops"]
+__all__ = [
+    "ops",
+    "E4M3",
+    "E5M2",
+    "FP16",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "FP16_MAX",
+    "format_max",
+    "quantize",
+    "cast_transpose",
+    "dequantize",
+    "amax",
+    "multi_amax",
+    "multi_quantize",
+    "multi_dequantize",
+    "compute_scale",
+    "update_delayed_scaling",
+    "ScalingRecipe",
+    "ScalingState",
+]
 __version__ = "0.1.0"

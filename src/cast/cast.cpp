@@ -2,27 +2,16 @@
 // CUDA kernels (cast_kernels.h).
 #include "fp8amp/cast.h"
 
+#include <string>
+
 #include "cast/cast_kernels.h"
 #include "common/dispatch.h"
+#include "common/run_on.h"
 #include "fp8amp/error.h"
 
 namespace fp8amp {
 
 namespace {
-
-template <class CpuFn, class CudaFn>
-void run_on(const TensorView& t, const char* op, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
-  if (t.device == Device::kCPU) {
-    cpu_fn();
-    return;
-  }
-#ifdef FP8AMP_WITH_CUDA
-  cuda_fn();
-#else
-  (void)cuda_fn;
-  FP8AMP_CHECK(false, kNotImplemented, op, "this build of fp8amp has no CUDA support; got a tensor on cuda");
-#endif
-}
 
 void check_float32(const TensorView& t, const TensorView& like, const char* op, const char* arg) {
   check::dtype_is(t, DType::kFloat32, op, arg);
@@ -47,7 +36,18 @@ int64_t amax_stride(const TensorView& amax, int64_t n, const char* op) {
   return 1;
 }
 
+// Scale exponents are clamped to [-126, 126], so a larger margin could change nothing.
+void check_recipe(const ScaleRecipe& recipe, const char* op) {
+  FP8AMP_CHECK_VALUE(recipe.margin >= 0 && recipe.margin <= numerics::kMaxScaleExponent, op,
+                     "margin must be in [0, ", numerics::kMaxScaleExponent, "], got ", recipe.margin);
+}
+
+void check_warmup_steps(int warmup_steps, const char* op) {
+  FP8AMP_CHECK_VALUE(warmup_steps >= 0, op, "warmup_steps must be >= 0, got ", warmup_steps);
+}
+
 ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const char* op) {
+  check_recipe(s.recipe, op);
   check_float32(s.scale, x, op, "scale");
   check::numel_is(s.scale, n, op, "scale");
   check_float32(s.amax, x, op, "amax");
@@ -59,16 +59,20 @@ ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const
     check::contiguous(*s.warmup_counter, op, "warmup_counter");
     check::same_device(*s.warmup_counter, x, op, "warmup_counter", "x");
     check::numel_is(*s.warmup_counter, n, op, "warmup_counter");
-    FP8AMP_CHECK_VALUE(s.warmup_steps >= 0, op, "warmup_steps must be >= 0, got ", s.warmup_steps);
+    check_warmup_steps(s.warmup_steps, op);
     counter = s.warmup_counter->ptr<const int32_t>();
   }
   return ScalingPtrs{s.scale.ptr<const float>(), s.amax.ptr<float>(), amax_stride(s.amax, n, op),
                      s.scale_inv.ptr<float>(), counter, s.warmup_steps, s.recipe.margin, s.recipe.pow2};
 }
 
-// Checks a list of inputs and outputs pairwise and returns them as slices.
+// Checks a list of inputs and outputs pairwise and returns them as slices. A single-tensor op
+// names its arguments x and out, a multi-tensor op xs[i] and outs[i].
 std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
                                 const char* op) {
+  const bool single = xs.size() == 1 && std::string(op).rfind("multi_", 0) != 0;
+  const char* x_name = single ? "x" : "xs[i]";
+  const char* out_name = single ? "out" : "outs[i]";
   FP8AMP_CHECK_VALUE(!xs.empty(), op, "xs must hold at least one tensor");
   FP8AMP_CHECK_VALUE(outs.empty() || outs.size() == xs.size(), op, "outs must hold as many tensors as xs (",
                      xs.size(), "), got ", outs.size());
@@ -78,14 +82,14 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
     const TensorView& x = xs[i];
     FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(),
                        ", xs[", i, "] is ", x.describe());
-    check::same_device(x, xs[0], op, "xs[i]", "xs[0]");
-    check::contiguous(x, op, "xs[i]");
+    check::same_device(x, xs[0], op, x_name, "xs[0]");
+    check::contiguous(x, op, x_name);
     void* out = nullptr;
     if (!outs.empty()) {
       FP8AMP_CHECK_VALUE(outs[i].dtype == outs[0].dtype, op, "outs must share one dtype");
-      check::same_shape(x, outs[i], op, "xs[i]", "outs[i]");
-      check::same_device(x, outs[i], op, "xs[i]", "outs[i]");
-      check::contiguous(outs[i], op, "outs[i]");
+      check::same_shape(x, outs[i], op, x_name, out_name);
+      check::same_device(x, outs[i], op, x_name, out_name);
+      check::contiguous(outs[i], op, out_name);
       out = outs[i].data;
     }
     result.push_back(TensorSlice{x.data, out, x.numel()});
@@ -93,20 +97,8 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
   return result;
 }
 
-}  // namespace
-
-float format_max(DType dtype) {
-  check::scaled_format(dtype, "format_max", "dtype");
-  return dtype_info(dtype).max_finite;
-}
-
-void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream) {
-  multi_quantize({x}, {out}, scaling, stream);
-}
-
-void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
-                    const Scaling& scaling, Stream stream) {
-  const char* op = "quantize";
+void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
+                   Stream stream, const char* op) {
   const std::vector<TensorSlice> t = slices(xs, outs, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
   check::high_precision(xs[0], op, "x");
@@ -117,13 +109,8 @@ void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorV
       [&] { cuda::quantize(xs[0].dtype, outs[0].dtype, t, s, stream); });
 }
 
-void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorView& out, Stream stream) {
-  multi_dequantize({x}, scale_inv, {out}, stream);
-}
-
-void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale_inv,
-                      const std::vector<TensorView>& outs, Stream stream) {
-  const char* op = "dequantize";
+void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_inv,
+                     const std::vector<TensorView>& outs, Stream stream, const char* op) {
   const std::vector<TensorSlice> t = slices(xs, outs, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
   check::scaled_format(xs[0].dtype, op, "x");
@@ -134,6 +121,31 @@ void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale
   run_on(
       xs[0], op, [&] { cpu::dequantize(xs[0].dtype, outs[0].dtype, t, si); },
       [&] { cuda::dequantize(xs[0].dtype, outs[0].dtype, t, si, stream); });
+}
+
+}  // namespace
+
+float format_max(DType dtype) {
+  check::scaled_format(dtype, "format_max", "dtype");
+  return dtype_info(dtype).max_finite;
+}
+
+void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream) {
+  quantize_impl({x}, {out}, scaling, stream, "quantize");
+}
+
+void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
+                    Stream stream) {
+  quantize_impl(xs, outs, scaling, stream, "multi_quantize");
+}
+
+void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorView& out, Stream stream) {
+  dequantize_impl({x}, scale_inv, {out}, stream, "dequantize");
+}
+
+void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale_inv,
+                      const std::vector<TensorView>& outs, Stream stream) {
+  dequantize_impl(xs, scale_inv, outs, stream, "multi_dequantize");
 }
 
 void cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const Scaling& scaling,
@@ -147,7 +159,8 @@ void cast_transpose(const TensorView& x, const TensorView& out, const TensorView
   check::contiguous(out, op, "out");
   check::same_device(x, out, op, "x", "out");
   const int64_t cols = x.shape.back();
-  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < x.shape.size(); ++d) rows *= x.shape[d];
   FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == cols &&
                          out_t.shape[1] == rows,
                      op, "out_t must be ", dtype_name(out.dtype), "[", cols, ", ", rows, "], got ",
@@ -172,6 +185,7 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
     check::dtype_is(*warmup_counter, DType::kInt32, op, "warmup_counter");
     check::same_device(*warmup_counter, x, op, "warmup_counter", "x");
     check::numel_is(*warmup_counter, 1, op, "warmup_counter");
+    check_warmup_steps(warmup_steps, op);
     counter = warmup_counter->ptr<const int32_t>();
   }
   float* a = amax_out.ptr<float>();
@@ -203,6 +217,7 @@ void compute_scale(const TensorView& amax_in, const TensorView& scale, const Ten
   check::numel_is(scale_inv, n, op, "scale_inv");
   const int64_t stride = amax_stride(amax_in, n, op);
   FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
+  check_recipe(recipe, op);
   float* sc = scale.ptr<float>();
   float* si = scale_inv.ptr<float>();
   const float* a = amax_in.ptr<const float>();
@@ -231,6 +246,7 @@ void update_delayed_scaling(const TensorView& amax_history, const TensorView& sc
   check::numel_is(counter, n, op, "counter");
   check::same_device(counter, amax_history, op, "counter", "amax_history");
   FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
+  check_recipe(recipe, op);
   float* hist = amax_history.ptr<float>();
   float* sc = scale.ptr<float>();
   float* si = scale_inv.ptr<float>();

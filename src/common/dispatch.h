@@ -12,6 +12,8 @@ struct TypeSet {};
 
 using HighPrecisionTypes = TypeSet<float, numerics::bf16, numerics::fp16>;
 using ScaledFormatTypes = TypeSet<numerics::fp8_e4m3, numerics::fp8_e5m2, numerics::fp16>;
+using Fp8Types = TypeSet<numerics::fp8_e4m3, numerics::fp8_e5m2>;
+using BiasTypes = TypeSet<numerics::bf16, numerics::fp16>;  // the bias types of cuBLASLt's FP8 GEMMs
 
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::kFloat32; }

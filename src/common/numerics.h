@@ -172,8 +172,9 @@ FP8AMP_HD ScalePair scale_from_amax(float amax, float fmax, int margin, bool pow
   }
   const int m = margin > 126 ? 126 : (margin < -126 ? -126 : margin);
   float scale = q * pow2(-m);
+  // Keep the scale a finite normal float, so that scale_inv is finite too.
   if (!is_finite(scale)) scale = bits_float(0x7F7FFFFFu);
-  if (!(scale > 0.0f)) scale = bits_float(0x00800000u);  // never a zero scale
+  if (!(scale >= bits_float(0x00800000u))) scale = bits_float(0x00800000u);
   return {scale, 1.0f / scale};
 }
 

@@ -13,7 +13,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
-  if (strides.empty()) return true;
+  if (strides.empty() || numel() == 0) return true;  // torch calls every empty tensor contiguous
   int64_t expected = 1;
   for (int64_t d = dim() - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;

@@ -1,0 +1,85 @@
+// Argument plumbing shared by the torch.library registrations (ops.cpp, gemm_ops.cpp): torch
+// tensors become core TensorViews, calls run on the tensor's current CUDA stream, and core
+// errors become Python ValueError / TypeError / NotImplementedError / RuntimeError.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "fp8amp/error.h"
+#include "fp8amp/tensor.h"
+
+#ifdef FP8AMP_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace fp8amp::torch_binding {
+
+inline DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    case at::kInt: return DType::kInt32;
+    default:
+      detail::throw_error(ErrorKind::kValue, op, arg, " has unsupported dtype ", c10::toString(t),
+                          "; accepted: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (int32 for counters)");
+  }
+}
+
+inline TensorView view(const at::Tensor& t, const char* op, const char* arg) {
+  TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = to_dtype(t.scalar_type(), op, arg);
+  v.shape.assign(t.sizes().begin(), t.sizes().end());
+  v.strides.assign(t.strides().begin(), t.strides().end());
+  if (t.is_cuda()) {
+    v.device = Device::kCUDA;
+    v.device_index = t.get_device();
+  } else {
+    FP8AMP_CHECK_VALUE(t.is_cpu(), op, arg, " must be on cpu or cuda, got ", t.device().str());
+  }
+  return v;
+}
+
+inline std::optional<TensorView> optional_view(const std::optional<at::Tensor>& t, const char* op, const char* arg) {
+  if (!t) return std::nullopt;
+  return view(*t, op, arg);
+}
+
+// An int argument of the schema (int64) narrowed to the core's int, refused when out of range.
+inline int narrow_int(int64_t value, const char* op, const char* arg) {
+  FP8AMP_CHECK_VALUE(value >= INT32_MIN && value <= INT32_MAX, op, arg, " must fit in 32 bits, got ", value);
+  return static_cast<int>(value);
+}
+
+// Runs `f` on the current stream of `t`'s device and translates core errors.
+template <class F>
+void call(const at::Tensor& t, F&& f) {
+  try {
+    Stream stream = nullptr;
+#ifdef FP8AMP_WITH_CUDA
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (t.is_cuda()) {
+      guard.emplace(t.device());
+      stream = c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+    }
+#endif
+    f(stream);
+  } catch (const Error& e) {
+    switch (e.kind()) {
+      case ErrorKind::kValue: C10_THROW_ERROR(ValueError, e.what());
+      case ErrorKind::kType: C10_THROW_ERROR(TypeError, e.what());
+      case ErrorKind::kNotImplemented: C10_THROW_ERROR(NotImplementedError, e.what());
+      case ErrorKind::kRuntime: C10_THROW_ERROR(Error, e.what());
+    }
+  }
+}
+
+}  // namespace fp8amp::torch_binding

@@ -1,0 +1,98 @@
+// torch.library registration of the FP8 GEMM (fp8amp/gemm.h): argument plumbing only.
+//
+//   gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, fast_accum=False) -> Tensor
+//       functional: returns out = (a * a_scale_inv) @ (b * b_scale_inv).T (+ bias), [M, N] of
+//       out_dtype; what torch.compile traces most easily.
+//   gemm_accumulate(a, b, a_scale_inv, b_scale_inv, out!, bias=None, fast_accum=False) -> ()
+//       out += the same (e.g. weight gradients summed across micro-batches in FP32).
+//
+// On CUDA, cuBLASLt's workspace comes from torch's caching allocator on the op's stream, so it
+// is stream-ordered like any other tensor and CUDA-graph capture works.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "binding_utils.h"
+#include "fp8amp/gemm.h"
+
+namespace fp8amp::torch_binding {
+namespace {
+
+constexpr const char* kOp = "gemm";
+
+// Rows of a 2-D operand; other ranks are the core's to refuse, with its message. Symbolic, so the
+// Meta kernel works on dynamic shapes.
+c10::SymInt rows(const at::Tensor& t) { return t.dim() == 2 ? t.sym_size(0) : c10::SymInt(0); }
+
+at::Tensor empty_out(const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype) {
+  return at::empty_symint({rows(a), rows(b)}, a.options().dtype(out_dtype));
+}
+
+void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv, const at::Tensor& b_scale_inv,
+              const std::optional<at::Tensor>& bias, const at::Tensor& out, bool accumulate, bool fast_accum) {
+  call(a, [&](Stream stream) {
+    GemmOptions options;
+    options.accumulate = accumulate;
+    options.fast_accum = fast_accum;
+    at::Tensor workspace;
+    if (a.is_cuda()) {
+      workspace = at::empty({static_cast<int64_t>(kGemmWorkspaceBytes)}, a.options().dtype(at::kByte));
+      options.workspace = workspace.data_ptr();
+      options.workspace_bytes = kGemmWorkspaceBytes;
+    }
+    const auto bias_view = optional_view(bias, kOp, "bias");
+    fp8amp::gemm(view(a, kOp, "a"), view(b, kOp, "b"), view(a_scale_inv, kOp, "a_scale_inv"),
+                 view(b_scale_inv, kOp, "b_scale_inv"), bias_view ? &*bias_view : nullptr, view(out, kOp, "out"),
+                 options, stream);
+  });
+}
+
+at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                const at::Tensor& b_scale_inv, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
+                bool fast_accum) {
+  at::Tensor out = empty_out(a, b, out_dtype);
+  run_gemm(a, b, a_scale_inv, b_scale_inv, bias, out, /*accumulate=*/false, fast_accum);
+  return out;
+}
+
+void gemm_accumulate(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                     const at::Tensor& b_scale_inv, const at::Tensor& out, const std::optional<at::Tensor>& bias,
+                     bool fast_accum) {
+  run_gemm(a, b, a_scale_inv, b_scale_inv, bias, out, /*accumulate=*/true, fast_accum);
+}
+
+// Meta kernels: shapes and dtypes only, for torch.compile's fake tensors.
+at::Tensor gemm_meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor&, const at::Tensor&,
+                     at::ScalarType out_dtype, const std::optional<at::Tensor>&, bool) {
+  return empty_out(a, b, out_dtype);
+}
+
+void gemm_accumulate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const std::optional<at::Tensor>&, bool) {}
+
+}  // namespace
+}  // namespace fp8amp::torch_binding
+
+TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
+  m.def(
+      "gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, "
+      "bool fast_accum=False) -> Tensor");
+  m.def(
+      "gemm_accumulate(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor(a!) out, "
+      "Tensor? bias=None, bool fast_accum=False) -> ()");
+}
+
+// The same functions serve CPU and CUDA: the core dispatches on the tensors' device.
+TORCH_LIBRARY_IMPL(fp8amp, CPU, m) {
+  m.impl("gemm", fp8amp::torch_binding::gemm);
+  m.impl("gemm_accumulate", fp8amp::torch_binding::gemm_accumulate);
+}
+TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) {
+  m.impl("gemm", fp8amp::torch_binding::gemm);
+  m.impl("gemm_accumulate", fp8amp::torch_binding::gemm_accumulate);
+}
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
+  m.impl("gemm", fp8amp::torch_binding::gemm_meta);
+  m.impl("gemm_accumulate", fp8amp::torch_binding::gemm_accumulate_meta);
+}

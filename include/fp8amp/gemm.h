@@ -1,0 +1,56 @@
+// FP8 GEMM op family (DESIGN §3 "GEMMs"): cuBLASLt on CUDA, a reference on CPU.
+#pragma once
+
+#include <cstddef>
+
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// Workspace the CUDA path is meant to get (cuBLASLt's recommendation for Hopper). Less, or
+// none, is legal: cuBLASLt then chooses among fewer kernels (no split-K, for one).
+constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+
+struct GemmOptions {
+  // out += result (beta = 1) instead of out = result.
+  bool accumulate = false;
+  // cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM): the tensor cores'
+  // partial sums are not promoted to full FP32 along K. Faster, less accurate; DESIGN §3 allows
+  // it for the forward GEMM only. The CPU reference ignores it.
+  bool fast_accum = false;
+  // Device memory cuBLASLt may use for this call. The core never allocates device memory: the
+  // caller owns it (the torch binding takes kGemmWorkspaceBytes from the caching allocator on
+  // the op's stream), and must not use it concurrently on another stream. CPU ignores it.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// The "TN" GEMM that cuBLASLt runs in FP8 (both operands K-major), in torch terms:
+//
+//   out = (a.float() * a_scale_inv) @ (b.float() * b_scale_inv).T  (+ bias)  (+ out if accumulate)
+//
+// a:     [M, K] E4M3 or E5M2, row-major (inner stride 1; row stride lda >= K)
+// b:     [N, K] E4M3 or E5M2, row-major (row stride ldb >= K); E5M2 x E5M2 is refused
+// a_scale_inv, b_scale_inv: float32, one element each (per-tensor scaling), on a's device
+// bias:  optional [N], contiguous; bfloat16 for bfloat16 or float32 out, float16 for float16 out
+// out:   [M, N] float32, bfloat16 or float16, row-major (row stride ldo >= N)
+//
+// This is y = x·Wᵀ of a Linear with x [M, K] and W [N, K]; its dgrad (dY·W) and wgrad (dYᵀ·X)
+// take the pre-transposed operands that the fused cast+transpose produces.
+//
+// Shape rules of cuBLASLt FP8, enforced on every device so the CPU says what the GPU would:
+// K, N, lda, ldb and ldo multiples of 16, and a, b, out and bias 16-byte aligned. M is free.
+// M == 0 or N == 0 is a no-op. K == 0 (with M, N > 0) is the empty sum, 0 whatever the scales
+// hold: out = bias or 0, plus out if accumulating.
+//
+// Numerics: the CPU reference takes the exact product sum (double accumulation of the exact
+// products of the decoded FP8 values), times a_scale_inv * b_scale_inv, plus bias, and rounds it
+// to out's dtype (through float32). When accumulating, that rounded result is added to out and
+// rounded again: two roundings, as cuBLASLt's FP8 epilogue does with a 16-bit out (measured;
+// with a float32 out the extra rounding is at float32 level). CUDA sums in the tensor cores'
+// precision and order (partial sums never promoted to FP32 under fast_accum) and is checked
+// against the reference within bounds that follow from that.
+void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_inv, const TensorView& b_scale_inv,
+          const TensorView* bias, const TensorView& out, const GemmOptions& options, Stream stream);
+
+}  // namespace fp8amp

@@ -1,0 +1,280 @@
+"""Typed wrappers over the cast ops of the core (``torch.ops.fp8amp``), DESIGN §3.
+
+``scale`` multiplies high precision into a scaled format (stored = real * scale) and
+``scale_inv`` brings it back (real = stored * scale_inv); both are float32 device tensors, one
+element per tensor. Amax buffers are float32 ``[n]`` or ``[n, H]`` (an amax history): tensor i
+max-accumulates its amax into ``amax[i, 0]``, NaN included.
+
+The wrappers check Python types (TypeError) and dtype arguments (ValueError), make read-only
+inputs contiguous, and leave every other check to the core, which raises ValueError naming the
+argument. Buffers an op writes (``amax``, ``scale``, ``scale_inv``, ``counter``) are passed as
+they are: a contiguous copy would not receive the write. No wrapper reads device values on the
+host, so all of them trace under ``torch.compile(fullgraph=True)`` and never sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._library import ops
+from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
+
+__all__ = [
+    "quantize",
+    "cast_transpose",
+    "dequantize",
+    "amax",
+    "multi_amax",
+    "multi_quantize",
+    "multi_dequantize",
+    "compute_scale",
+    "update_delayed_scaling",
+]
+
+_SCALED_FORMATS = tuple(SCALED_FORMATS)
+
+
+def _tensor(value: object, arg: str, op: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"fp8amp.{op}: {arg} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _input(value: object, arg: str, op: str) -> torch.Tensor:
+    """A tensor the op only reads, made contiguous."""
+    return _tensor(value, arg, op).contiguous()
+
+
+def _optional_input(value: object, arg: str, op: str) -> torch.Tensor | None:
+    return None if value is None else _input(value, arg, op)
+
+
+def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
+    return [_input(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
+
+
+def _int(value: object, arg: str, op: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"fp8amp.{op}: {arg} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _bool(value: object, arg: str, op: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"fp8amp.{op}: {arg} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _float(value: object, arg: str, op: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"fp8amp.{op}: {arg} must be a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _scaling_args(
+    op: str,
+    scale: object,
+    amax_buffer: object,
+    dtype: object,
+    warmup_counter: object,
+    warmup_steps: object,
+    margin: object,
+    pow2_scale: object,
+) -> tuple:
+    """The arguments shared by the quantizing ops, checked, in schema order after x."""
+    return (
+        _input(scale, "scale", op),
+        _tensor(amax_buffer, "amax", op),
+        check_dtype(dtype, _SCALED_FORMATS, "dtype", f"fp8amp.{op}"),
+        _optional_input(warmup_counter, "warmup_counter", op),
+        _int(warmup_steps, "warmup_steps", op),
+        _int(margin, "margin", op),
+        _bool(pow2_scale, "pow2_scale", op),
+    )
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    warmup_counter: torch.Tensor | None = None,
+    warmup_steps: int = 0,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` (float32/bfloat16/float16) into ``dtype`` (E4M3, E5M2 or FP16).
+
+    Returns ``(out, scale_inv)``: ``out = saturate(round(x * s))`` of ``x``'s shape and
+    ``scale_inv = [1 / s]``, where ``s`` is the scale actually used. ``amax`` (float32 ``[1]`` or
+    ``[1, H]``) receives ``max(amax[0, 0], max|x|)`` in the same pass.
+
+    ``s`` is ``scale[0]`` (delayed scaling) unless ``warmup_counter[0] < warmup_steps``: then it
+    comes from ``amax[0, 0]`` after this fold, by the rule of ``margin`` and ``pow2_scale``
+    (current scaling), or stays ``scale[0]`` if that amax is 0 or not finite.
+    """
+    op = "quantize"
+    return ops.quantize(
+        _input(x, "x", op),
+        *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
+    )
+
+
+def cast_transpose(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    warmup_counter: torch.Tensor | None = None,
+    warmup_steps: int = 0,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` like :func:`quantize` and also writes its transpose, in one pass.
+
+    ``x`` of shape ``[..., N]`` is viewed as a matrix ``[M, N]``. Returns ``(out, out_t,
+    scale_inv)``: ``out`` has ``x``'s shape, ``out_t`` is ``[N, M]`` (the K-major operand FP8
+    GEMMs need) and holds the same codes.
+    """
+    op = "cast_transpose"
+    return ops.cast_transpose(
+        _input(x, "x", op),
+        *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
+    )
+
+
+def dequantize(x: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Returns ``x * scale_inv`` (x in E4M3, E5M2 or FP16; scale_inv float32 ``[1]``) in ``dtype``
+    (float32, bfloat16 or float16), rounded to nearest even."""
+    op = "dequantize"
+    return ops.dequantize(
+        _input(x, "x", op),
+        _input(scale_inv, "scale_inv", op),
+        check_dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", f"fp8amp.{op}"),
+    )
+
+
+def amax(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    warmup_counter: torch.Tensor | None = None,
+    warmup_steps: int = 0,
+) -> None:
+    """Max-accumulates ``max|x|`` into ``amax[0]`` in place (NaN propagates).
+
+    With ``warmup_counter`` (int32 ``[1]``), does nothing unless ``warmup_counter[0] <
+    warmup_steps``: the amax pass current scaling needs before a quantize.
+    """
+    op = "amax"
+    ops.amax(
+        _input(x, "x", op),
+        _tensor(amax, "amax", op),
+        _optional_input(warmup_counter, "warmup_counter", op),
+        _int(warmup_steps, "warmup_steps", op),
+    )
+
+
+def multi_amax(xs: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
+    """:func:`amax` of many tensors of one dtype in one launch: ``xs[i]`` folds into ``amax[i, 0]``
+    (``amax`` float32 ``[n]`` or ``[n, H]``)."""
+    op = "multi_amax"
+    ops.multi_amax(_inputs(xs, "xs", op), _tensor(amax, "amax", op))
+
+
+def multi_quantize(
+    xs: Sequence[torch.Tensor],
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    warmup_counter: torch.Tensor | None = None,
+    warmup_steps: int = 0,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`quantize` of many tensors of one dtype in one launch; ``xs[i]`` uses row i of
+    ``scale`` ``[n]``, ``amax`` ``[n]`` or ``[n, H]`` and ``warmup_counter`` ``[n]``.
+
+    Returns ``(outs, scale_inv)`` with ``scale_inv`` float32 ``[n]``.
+    """
+    op = "multi_quantize"
+    inputs = _inputs(xs, "xs", op)
+    scale, amax, dtype, *rest = _scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale)
+    outs = [torch.empty_like(x, dtype=dtype) for x in inputs]
+    scale_inv = ops.multi_quantize(inputs, outs, scale, amax, *rest)
+    return outs, scale_inv
+
+
+def multi_dequantize(xs: Sequence[torch.Tensor], scale_inv: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """:func:`dequantize` of many tensors of one dtype in one launch; ``xs[i]`` uses
+    ``scale_inv[i]`` (float32 ``[n]``)."""
+    op = "multi_dequantize"
+    return ops.multi_dequantize(
+        _inputs(xs, "xs", op),
+        _input(scale_inv, "scale_inv", op),
+        check_dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", f"fp8amp.{op}"),
+    )
+
+
+def compute_scale(
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fmax: float,
+    *,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> None:
+    """Sets ``scale[i]`` and ``scale_inv[i]`` in place from ``amax[i, 0]`` (DESIGN §3).
+
+    ``pow2_scale=True``: ``scale = 2^(floor(log2(fmax / amax)) - margin)`` (exponent kept within
+    +-126), so ``scale_inv`` is exact; ``False``: ``scale = fmax / amax / 2^margin`` (TE's rule).
+    An amax of 0 or not finite keeps the previous pair. ``fmax`` comes from
+    :func:`fp8amp.formats.format_max`.
+    """
+    op = "compute_scale"
+    ops.compute_scale(
+        _input(amax, "amax", op),
+        _tensor(scale, "scale", op),
+        _tensor(scale_inv, "scale_inv", op),
+        _float(fmax, "fmax", op),
+        _int(margin, "margin", op),
+        _bool(pow2_scale, "pow2_scale", op),
+    )
+
+
+def update_delayed_scaling(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    counter: torch.Tensor,
+    fmax: float,
+    *,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> None:
+    """The delayed-scaling update after an optimizer step, for n tensors at once, in place.
+
+    With ``amax_history`` float32 ``[n, H]``, ``scale`` / ``scale_inv`` float32 ``[n]`` and
+    ``counter`` int32 ``[n]``, for each i: a non-finite ``amax_history[i, 0]`` is zeroed and sets
+    ``counter[i] = 0``, otherwise ``counter[i] += 1`` (at most H); the scale pair is recomputed as
+    in :func:`compute_scale` from the max of the row (kept if that max is 0); then the row rolls
+    by one and ``amax_history[i, 0] = 0``.
+    """
+    op = "update_delayed_scaling"
+    ops.update_delayed_scaling(
+        _tensor(amax_history, "amax_history", op),
+        _tensor(scale, "scale", op),
+        _tensor(scale_inv, "scale_inv", op),
+        _tensor(counter, "counter", op),
+        _float(fmax, "fmax", op),
+        _int(margin, "margin", op),
+        _bool(pow2_scale, "pow2_scale", op),
+    )

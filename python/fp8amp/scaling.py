@@ -1,0 +1,166 @@
+"""Delayed scaling with current-scaling warm-up (DESIGN §3), as module state.
+
+A :class:`ScalingState` holds, for n tensors quantized into one format, an amax history, the
+scale pair and a warm-up counter, all as registered buffers: they are saved in the module's
+``state_dict`` (a resumed run keeps its warm-up and history) and follow ``.to(device)``.
+
+Per training step: quantize each tensor through the state (its amax is recorded in the same
+pass), then, after the optimizer step, call :meth:`ScalingState.update` once. A tensor uses
+current scaling (the scale from this step's own amax) while its counter is below the history
+length H, that is for its first H steps and again for H steps after a non-finite amax; after
+that it uses the delayed scale, made from the max of its last H amaxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import cast
+from .formats import E4M3, SCALED_FORMATS, check_dtype
+
+__all__ = ["ScalingRecipe", "ScalingState"]
+
+# Scale exponents live in [-126, 126]; a larger margin changes nothing.
+_MAX_MARGIN = 126
+
+
+@dataclass(frozen=True)
+class ScalingRecipe:
+    """How scales are made from amaxes.
+
+    Attributes:
+        history_len: H, the number of steps whose amaxes make a delayed scale; also the number of
+            warm-up steps with current scaling.
+        margin: extra headroom: the scale is divided by ``2^margin``.
+        pow2_scale: True: ``scale = 2^(floor(log2(fmax / amax)) - margin)`` (MS-AMP, exact
+            ``scale_inv``); False: ``scale = fmax / amax / 2^margin`` (Transformer Engine).
+    """
+
+    history_len: int = 16
+    margin: int = 0
+    pow2_scale: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("history_len", "margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"ScalingRecipe: {name} must be an int, got {type(value).__name__}")
+        if self.history_len < 1:
+            raise ValueError(f"ScalingRecipe: history_len must be >= 1, got {self.history_len}")
+        if not 0 <= self.margin <= _MAX_MARGIN:
+            raise ValueError(f"ScalingRecipe: margin must be in [0, {_MAX_MARGIN}], got {self.margin}")
+        if not isinstance(self.pow2_scale, bool):
+            raise TypeError(f"ScalingRecipe: pow2_scale must be a bool, got {type(self.pow2_scale).__name__}")
+
+
+class ScalingState(torch.nn.Module):
+    """Delayed-scaling state of ``num_tensors`` tensors quantized into ``dtype``.
+
+    Buffers (float32 unless said otherwise; they keep their dtypes under ``module.half()`` and
+    the like, and move with ``.to(device)``):
+
+    - ``amax_history`` ``[n, H]``: row i holds tensor i's amaxes, this step's in column 0.
+    - ``scale`` ``[n]`` (init 1): the delayed scale, multiplying high precision into ``dtype``.
+    - ``scale_inv`` ``[n]`` (init 1): ``1 / scale``.
+    - ``counter`` int32 ``[n]`` (init 0): steps since the start or the last non-finite amax,
+      capped at H; tensor i warms up (current scaling) while ``counter[i] < H``.
+    """
+
+    def __init__(
+        self,
+        num_tensors: int,
+        dtype: torch.dtype = E4M3,
+        recipe: ScalingRecipe | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(num_tensors, bool) or not isinstance(num_tensors, int):
+            raise TypeError(f"ScalingState: num_tensors must be an int, got {type(num_tensors).__name__}")
+        if num_tensors < 1:
+            raise ValueError(f"ScalingState: num_tensors must be >= 1, got {num_tensors}")
+        recipe = ScalingRecipe() if recipe is None else recipe
+        if not isinstance(recipe, ScalingRecipe):
+            raise TypeError(f"ScalingState: recipe must be a ScalingRecipe, got {type(recipe).__name__}")
+        self.num_tensors = num_tensors
+        self.dtype = check_dtype(dtype, tuple(SCALED_FORMATS), "dtype", "ScalingState")
+        self.fmax = SCALED_FORMATS[dtype]
+        self.recipe = recipe
+        n, h = num_tensors, recipe.history_len
+        self.register_buffer("amax_history", torch.zeros(n, h, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.ones(n, dtype=torch.float32, device=device))
+        self.register_buffer("scale_inv", torch.ones(n, dtype=torch.float32, device=device))
+        self.register_buffer("counter", torch.zeros(n, dtype=torch.int32, device=device))
+
+    def _row(self, index: int) -> slice:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"ScalingState: index must be an int, got {type(index).__name__}")
+        if not 0 <= index < self.num_tensors:
+            raise ValueError(f"ScalingState: index must be in [0, {self.num_tensors}), got {index}")
+        return slice(index, index + 1)
+
+    def _scaling(self, index: int) -> dict:
+        """Keyword arguments of the quantizing ops for tensor ``index``: views of its rows."""
+        row = self._row(index)
+        return dict(
+            scale=self.scale[row],
+            amax=self.amax_history[row],
+            dtype=self.dtype,
+            warmup_counter=self.counter[row],
+            warmup_steps=self.recipe.history_len,
+            margin=self.recipe.margin,
+            pow2_scale=self.recipe.pow2_scale,
+        )
+
+    def quantize(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantizes ``x`` as tensor ``index`` of this state; records its amax.
+
+        Returns ``(out, scale_inv)``, ``scale_inv`` float32 ``[1]`` being 1 / the scale used.
+        """
+        return cast.quantize(x, **self._scaling(index))
+
+    def cast_transpose(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantizes ``x`` ``[..., N]`` as tensor ``index`` and transposes it; records its amax.
+
+        Returns ``(out, out_t, scale_inv)``: ``out`` of ``x``'s shape, ``out_t`` ``[N, M]``.
+        """
+        return cast.cast_transpose(x, **self._scaling(index))
+
+    def update(self) -> None:
+        """The delayed update of all n tensors, after the optimizer step: new scales from the
+        amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
+        cast.update_delayed_scaling(
+            self.amax_history,
+            self.scale,
+            self.scale_inv,
+            self.counter,
+            self.fmax,
+            margin=self.recipe.margin,
+            pow2_scale=self.recipe.pow2_scale,
+        )
+
+    def reset(self) -> None:
+        """Back to the initial state: empty histories, unit scales, warm-up from the start."""
+        with torch.no_grad():
+            self.amax_history.zero_()
+            self.scale.fill_(1.0)
+            self.scale_inv.fill_(1.0)
+            self.counter.zero_()
+
+    def _apply(self, fn, recurse=True):
+        # module.half(), .bfloat16(), .to(dtype) must not cast the state (the ops take float32
+        # and int32 only): a buffer whose dtype fn would change only follows fn's device.
+        def move_only(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(move_only, recurse)
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return (
+            f"num_tensors={self.num_tensors}, dtype={self.dtype}, history_len={r.history_len}, "
+            f"margin={r.margin}, pow2_scale={r.pow2_scale}"
+        )

@@ -1,0 +1,296 @@
+"""The cast ops on CPU (the reference implementation) against torch's own casts, bit for bit."""
+
+import math
+
+import pytest
+import torch
+
+import fp8amp
+from cast_reference import (
+    HIGH_PRECISION,
+    NAN_CODE,
+    SCALED_FORMATS,
+    all_bit_patterns,
+    assert_bits_equal,
+    assert_dequantized,
+    assert_quantized,
+    assert_same_float,
+    bits,
+    boundary_values,
+    random_float32_bits,
+    scaled,
+    torch_amax,
+)
+
+# Scales: 1, powers of two that move values into the subnormals and to saturation, and
+# non-powers of two (TE's rule) whose products round.
+SCALES = [1.0, 2.0**-9, 2.0**12, 0.3, 7.0]
+
+
+def fresh_scaling(scale: float = 1.0):
+    return torch.tensor([scale], dtype=torch.float32), torch.zeros(1)
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_quantize_boundary_values(dtype, scale):
+    x = boundary_values(dtype)
+    scale_t, amax = fresh_scaling(scale)
+    out, scale_inv = fp8amp.quantize(x, scale_t, amax, dtype)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_quantized(out, scaled(x, scale_t), dtype)
+    assert_bits_equal(scale_inv, 1.0 / scale_t)
+    assert amax.isnan().item()  # boundary_values holds NaNs
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", SCALES)
+def test_quantize_every_16bit_input(dtype, in_dtype, scale):
+    x = all_bit_patterns(in_dtype)
+    scale_t, amax = fresh_scaling(scale)
+    out, _ = fp8amp.quantize(x, scale_t, amax, dtype)
+    assert_quantized(out, scaled(x, scale_t), dtype)
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_quantize_random_float32(dtype, scale):
+    g = torch.Generator().manual_seed(1)
+    normal = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-30, 30, (50_000,), generator=g).float())
+    for x in (normal, random_float32_bits(50_000, g)):
+        scale_t, amax = fresh_scaling(scale)
+        out, _ = fp8amp.quantize(x, scale_t, amax, dtype)
+        assert_quantized(out, scaled(x, scale_t), dtype)
+        assert_same_float(amax, torch_amax(x))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(), (1,), (0,), (0, 5), (2, 1, 3, 1, 5, 7), (3, 1, 1, 1, 1, 1, 1, 2), (17, 33), (1000, 37),
+     (3, 0),
+     (2, 0, 3)],
+)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_quantize_shapes(shape, in_dtype):
+    x = (torch.randn(shape) * 100).to(in_dtype)
+    scale_t, amax = fresh_scaling(2.0)
+    out, scale_inv = fp8amp.quantize(x, scale_t, amax, fp8amp.E4M3)
+    assert out.shape == x.shape and out.dtype == fp8amp.E4M3
+    assert_quantized(out, scaled(x, scale_t), fp8amp.E4M3)
+    assert_bits_equal(scale_inv, torch.tensor([0.5]))
+    assert_bits_equal(amax, torch_amax(x))
+
+
+def test_quantize_makes_non_contiguous_input_contiguous():
+    x = torch.randn(16, 24)[:, 1::3].t()
+    assert not x.is_contiguous()
+    scale_t, amax = fresh_scaling(4.0)
+    out, _ = fp8amp.quantize(x, scale_t, amax, fp8amp.E5M2)
+    assert_quantized(out, scaled(x, scale_t), fp8amp.E5M2)
+
+
+def test_quantize_delayed_uses_given_scale_and_folds_amax():
+    x = torch.tensor([1.5, -3.0, 0.25])
+    scale = torch.tensor([8.0])
+    history = torch.tensor([[2.0, 100.0, 7.0]])
+    out, scale_inv = fp8amp.quantize(x, scale, history, fp8amp.E4M3, warmup_counter=torch.tensor([4], dtype=torch.int32),
+                                     warmup_steps=4)
+    assert_quantized(out, scaled(x, scale), fp8amp.E4M3)
+    assert_bits_equal(scale_inv, torch.tensor([0.125]))
+    assert_bits_equal(history, torch.tensor([[3.0, 100.0, 7.0]]))  # only column 0 takes the amax
+
+
+def test_quantize_current_scaling_while_warming_up():
+    # amax 10 -> scale 32 (DESIGN §3); the slot's earlier amax of the step counts too.
+    counter = torch.tensor([0], dtype=torch.int32)
+    x = torch.tensor([10.0, -2.0])
+    history = torch.zeros(1, 4)
+    out, scale_inv = fp8amp.quantize(x, torch.ones(1), history, fp8amp.E4M3, warmup_counter=counter, warmup_steps=4)
+    assert_bits_equal(scale_inv, torch.tensor([1 / 32]))
+    assert_quantized(out, scaled(x, torch.tensor([32.0])), fp8amp.E4M3)
+    history[0, 0] = 1e4  # a larger amax seen earlier in this step: scale 1/32
+    out, scale_inv = fp8amp.quantize(x, torch.ones(1), history, fp8amp.E4M3, warmup_counter=counter, warmup_steps=4)
+    assert_bits_equal(scale_inv, torch.tensor([32.0]))
+    assert_quantized(out, scaled(x, torch.tensor([1 / 32])), fp8amp.E4M3)
+
+
+@pytest.mark.parametrize("amax_now", [0.0, float("nan"), float("inf")])
+def test_quantize_warm_up_keeps_given_scale_without_a_usable_amax(amax_now):
+    x = torch.tensor([amax_now, 0.0, -0.0])
+    counter = torch.tensor([0], dtype=torch.int32)
+    history = torch.zeros(1, 2)
+    out, scale_inv = fp8amp.quantize(x, torch.tensor([4.0]), history, fp8amp.E4M3, warmup_counter=counter,
+                                     warmup_steps=2)
+    assert_bits_equal(scale_inv, torch.tensor([0.25]))
+    assert_quantized(out, scaled(x, torch.tensor([4.0])), fp8amp.E4M3)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1), (7,), (5, 3), (64, 64), (65, 129), (2, 3, 17), (3, 1, 4, 9),
+     (0, 5),  # out_t [5, 0]
+     (5, 0)],
+)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_cast_transpose_layout(shape, in_dtype, dtype):
+    x = (torch.randn(shape) * 300).to(in_dtype)
+    scale, amax = fresh_scaling(0.5)
+    out, out_t, scale_inv = fp8amp.cast_transpose(x, scale, amax, dtype)
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    assert out.shape == x.shape and out_t.shape == (cols, rows)
+    assert out.dtype == out_t.dtype == dtype and out_t.is_contiguous()
+    assert_quantized(out, scaled(x, scale), dtype)
+    assert_bits_equal(out_t, out.reshape(rows, cols).t().contiguous())
+    assert_bits_equal(scale_inv, torch.tensor([2.0]))
+    assert_bits_equal(amax, torch_amax(x))
+
+
+def test_cast_transpose_of_zero_columns_is_zero_by_rows():
+    x = torch.empty(4, 0).contiguous()
+    out_t = fp8amp.ops.cast_transpose.default(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[1]
+    assert out_t.shape == (0, 4)
+
+
+def test_cast_transpose_equals_quantize_with_warm_up():
+    x = torch.randn(33, 70) * 7
+    for counter in (0, 3):
+        kwargs = dict(warmup_counter=torch.tensor([counter], dtype=torch.int32), warmup_steps=3)
+        history_q, history_t = torch.zeros(1, 3), torch.zeros(1, 3)
+        out_q, scale_inv_q = fp8amp.quantize(x, torch.tensor([4.0]), history_q, fp8amp.E4M3, **kwargs)
+        out, out_t, scale_inv = fp8amp.cast_transpose(x, torch.tensor([4.0]), history_t, fp8amp.E4M3, **kwargs)
+        assert_bits_equal(out, out_q)
+        assert_bits_equal(out_t, out_q.t().contiguous())
+        assert_bits_equal(scale_inv, scale_inv_q)
+        assert_bits_equal(history_t, history_q)
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("out_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("scale_inv", [1.0, 2.0**-5, 2.0**7, 0.3, 1e-30, 1e30])
+def test_dequantize_every_code(dtype, out_dtype, scale_inv):
+    x = all_bit_patterns(dtype)
+    scale_inv_t = torch.tensor([scale_inv], dtype=torch.float32)
+    out = fp8amp.dequantize(x, scale_inv_t, out_dtype)
+    assert out.dtype == out_dtype and out.shape == x.shape
+    assert_dequantized(out, x, scale_inv_t, out_dtype)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 1, 5, 1, 2), (31, 17)])
+def test_dequantize_shapes(shape):
+    x = torch.randn(shape).to(fp8amp.E5M2)
+    out = fp8amp.dequantize(x, torch.tensor([0.125]), torch.bfloat16)
+    assert out.shape == x.shape
+    assert_dequantized(out, x, torch.tensor([0.125]), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_quantize_dequantize_round_trip_of_every_code(dtype):
+    codes = all_bit_patterns(dtype)
+    x = codes.float()
+    out, scale_inv = fp8amp.quantize(x, torch.ones(1), torch.zeros(1), dtype)
+    finite = x.isfinite()
+    assert_bits_equal(out[finite], codes[finite])
+    assert (bits(out[x.isnan()]) == NAN_CODE[dtype]).all()
+    back = fp8amp.dequantize(out, scale_inv, torch.float32)
+    assert_bits_equal(back[finite], x[finite])
+
+
+def test_amax_accumulates_max_of_magnitudes():
+    amax = torch.tensor([3.0])
+    fp8amp.amax(torch.tensor([-2.0, 1.0]), amax)
+    assert_bits_equal(amax, torch.tensor([3.0]))
+    fp8amp.amax(torch.tensor([[0.5, -5.0]], dtype=torch.bfloat16), amax)
+    assert_bits_equal(amax, torch.tensor([5.0]))
+    fp8amp.amax(torch.tensor([-float("inf")], dtype=torch.float16), amax)
+    assert_bits_equal(amax, torch.tensor([float("inf")]))
+    fp8amp.amax(torch.tensor([float("nan"), 1.0]), amax)
+    assert amax.isnan().item()
+    fp8amp.amax(torch.tensor([1e9]), amax)  # NaN stays
+    assert amax.isnan().item()
+
+
+def test_amax_of_zeros_and_empty_keeps_value():
+    amax = torch.tensor([0.0])
+    fp8amp.amax(torch.tensor([0.0, -0.0]), amax)
+    fp8amp.amax(torch.empty(0), amax)
+    assert_bits_equal(amax, torch.tensor([0.0]))
+
+
+def test_amax_writes_column_zero_of_a_history():
+    history = torch.tensor([[1.0, 50.0, 60.0]])
+    fp8amp.amax(torch.tensor([-7.0, 2.0]), history)
+    assert_bits_equal(history, torch.tensor([[7.0, 50.0, 60.0]]))
+
+
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_amax_random(in_dtype):
+    x = (torch.randn(1001, 7) * 1e3).to(in_dtype)
+    x[500, 3] = -1e4
+    amax = torch.zeros(1)
+    fp8amp.amax(x, amax)
+    assert_bits_equal(amax, torch_amax(x))
+
+
+def test_amax_with_warmup_counter_only_while_warming_up():
+    amax = torch.zeros(1)
+    x = torch.tensor([2.0])
+    fp8amp.amax(x, amax, warmup_counter=torch.tensor([3], dtype=torch.int32), warmup_steps=3)
+    assert_bits_equal(amax, torch.zeros(1))
+    fp8amp.amax(x, amax, warmup_counter=torch.tensor([2], dtype=torch.int32), warmup_steps=3)
+    assert_bits_equal(amax, torch.tensor([2.0]))
+
+
+def multi_inputs(in_dtype, n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(5,), (0,), (3, 4), (1,), (2, 3, 5), (130,), (9, 1)] * (n // 7 + 1)
+    xs = [(torch.randn(s, generator=g) * 10 ** (i % 5)).to(in_dtype) for i, s in enumerate(shapes[:n])]
+    xs[2][1, 1] = float("nan")
+    return xs
+
+
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_multi_quantize_equals_single(in_dtype, dtype):
+    xs = multi_inputs(in_dtype)
+    n = len(xs)
+    scale = torch.exp2(torch.arange(n, dtype=torch.float32) - 3)
+    history = torch.rand(n, 3) * 100
+    counter = torch.tensor([0, 5, 1, 9, 0, 2, 8], dtype=torch.int32)
+    kwargs = dict(warmup_steps=4, margin=1, pow2_scale=dtype != fp8amp.E5M2)
+    multi_history = history.clone()
+    outs, scale_inv = fp8amp.multi_quantize(xs, scale, multi_history, dtype, warmup_counter=counter, **kwargs)
+    assert scale_inv.shape == (n,)
+    for i, x in enumerate(xs):
+        h = history[i : i + 1].clone()
+        out, si = fp8amp.quantize(x, scale[i : i + 1], h, dtype, warmup_counter=counter[i : i + 1], **kwargs)
+        assert_bits_equal(outs[i], out)
+        assert_bits_equal(scale_inv[i : i + 1], si)
+        assert_same_float(multi_history[i], h[0])
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("out_dtype", HIGH_PRECISION)
+def test_multi_dequantize_equals_single(dtype, out_dtype):
+    xs = [x.to(dtype) for x in multi_inputs(torch.float32)]
+    scale_inv = torch.tensor([1.0, 0.5, 3.0, 2.0**-20, 2.0**20, 0.1, 7.0])
+    outs = fp8amp.multi_dequantize(xs, scale_inv, out_dtype)
+    for i, x in enumerate(xs):
+        assert_bits_equal(outs[i], fp8amp.dequantize(x, scale_inv[i : i + 1], out_dtype))
+
+
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_multi_amax_equals_single(in_dtype):
+    xs = multi_inputs(in_dtype)
+    history = torch.rand(len(xs), 2) * 50
+    multi_history = history.clone()
+    fp8amp.multi_amax(xs, multi_history)
+    for i, x in enumerate(xs):
+        h = history[i : i + 1].clone()
+        fp8amp.amax(x, h)
+        assert_same_float(multi_history[i], h[0])
+    flat = torch.zeros(len(xs))  # a [n] buffer works too
+    fp8amp.multi_amax(xs, flat)
+    assert_same_float(flat, torch.cat([torch_amax(x) for x in xs]))

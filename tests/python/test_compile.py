@@ -1,0 +1,96 @@
+"""The ops' schemas and fake (Meta) kernels: torch.library.opcheck, and torch.compile(fullgraph=True)
+with the aot_eager backend on CPU giving eager's results and buffer mutations bit for bit."""
+
+import copy
+
+import pytest
+import torch
+
+import fp8amp
+from cast_reference import assert_bits_equal
+
+ops = fp8amp.ops
+
+# Present in torch 2.11 and later.
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+def opcheck_cases():
+    x = torch.randn(8, 16)
+    counter = torch.zeros(1, dtype=torch.int32)
+    # test_schema compares inputs with ops float8 lacks on CPU: dequantize samples read FP16.
+    return {
+        "quantize": (ops.quantize.default, (x, torch.ones(1), torch.zeros(1, 4), fp8amp.E4M3),
+                     dict(warmup_counter=counter, warmup_steps=4)),
+        "cast_transpose": (ops.cast_transpose.default, (x, torch.ones(1), torch.zeros(1, 4), fp8amp.E5M2),
+                           dict(warmup_counter=counter, warmup_steps=4)),
+        "dequantize": (ops.dequantize.default, (x.half(), torch.ones(1), torch.bfloat16), {}),
+        "amax": (ops.amax.default, (x, torch.zeros(1, 4)), dict(warmup_counter=counter, warmup_steps=4)),
+        "multi_amax": (ops.multi_amax.default, ([x, x[:3]], torch.zeros(2, 3)), {}),
+        "multi_quantize": (ops.multi_quantize.default,
+                           ([x, x[:3]], [torch.empty_like(x, dtype=fp8amp.FP16), torch.empty_like(x[:3], dtype=fp8amp.FP16)],
+                            torch.ones(2), torch.zeros(2, 3)), {}),
+        "multi_dequantize": (ops.multi_dequantize.default, ([x.half(), x[:3].half()], torch.ones(2), torch.float32),
+                             {}),
+        "compute_scale": (ops.compute_scale.default, (torch.rand(2, 3), torch.ones(2), torch.ones(2), 448.0), {}),
+        "update_delayed_scaling": (ops.update_delayed_scaling.default,
+                                   (torch.rand(2, 3), torch.ones(2), torch.ones(2),
+                                    torch.zeros(2, dtype=torch.int32), 448.0), {}),
+    }
+
+
+@pytest.mark.parametrize("name", list(opcheck_cases()))
+@pytest.mark.parametrize("test_util", OPCHECK_UTILS)
+def test_opcheck(name, test_util):
+    op, args, kwargs = opcheck_cases()[name]
+    torch.library.opcheck(op, args, kwargs, test_utils=test_util)
+
+
+def training_step(state: fp8amp.ScalingState, x: torch.Tensor, grad: torch.Tensor, weights: list):
+    """Everything the front end does per step with the single-tensor ops, in one function."""
+    x8, x_scale_inv = state.quantize(x, 0)
+    g8, g8_t, g_scale_inv = state.cast_transpose(grad, 1)
+    x_back = fp8amp.dequantize(x8, x_scale_inv, torch.bfloat16)
+    weight_amax = torch.zeros(len(weights), 2)
+    fp8amp.multi_amax(weights, weight_amax)
+    fp8amp.amax(x, weight_amax[0])
+    weight_scale, weight_scale_inv = torch.ones(len(weights)), torch.ones(len(weights))
+    fp8amp.compute_scale(weight_amax, weight_scale, weight_scale_inv, fp8amp.E4M3_MAX)
+    w_back = fp8amp.multi_dequantize([w.half() for w in weights], weight_scale_inv, torch.float32)
+    state.update()
+    return [x8, x_scale_inv, g8, g8_t, g_scale_inv, x_back, weight_amax, weight_scale, weight_scale_inv, *w_back]
+
+
+def test_compiled_step_equals_eager():
+    eager_state = fp8amp.ScalingState(2, fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2))
+    compiled_state = copy.deepcopy(eager_state)
+    compiled = torch.compile(training_step, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):  # warm-up (2 steps), then delayed scaling
+        x = torch.randn(16, 32, generator=g).to(torch.bfloat16) * (step + 1)
+        grad = torch.randn(48, 16, generator=g) * 10.0**-step
+        weights = [torch.randn(32, 16, generator=g), torch.randn(7, generator=g) * 100]
+        for a, b in zip(training_step(eager_state, x, grad, weights), compiled(compiled_state, x, grad, weights)):
+            assert_bits_equal(b, a)
+        for name, value in eager_state.named_buffers():
+            assert_bits_equal(getattr(compiled_state, name), value)
+    assert eager_state.counter.tolist() == [2, 2]
+
+
+def test_compiled_cast_transpose_with_changing_shapes():
+    state = fp8amp.ScalingState(1)
+    compiled = torch.compile(state.cast_transpose, backend="aot_eager", fullgraph=True)
+    for rows in (8, 12, 20):  # the second shape makes dynamo compile a dynamic-shape graph
+        x = torch.randn(rows, 16)
+        out, out_t, _ = compiled(x)
+        assert out_t.shape == (16, rows)
+
+
+def test_compiled_multi_quantize():
+    def quantize_all(xs, scale, amax):
+        return fp8amp.multi_quantize(xs, scale, amax, fp8amp.E4M3)
+
+    xs = [torch.randn(4, 4), torch.randn(3)]
+    compiled = torch.compile(quantize_all, backend="aot_eager", fullgraph=True)
+    amax = torch.zeros(2)
+    outs, _ = compiled(xs, torch.ones(2), amax)
+    assert_bits_equal(outs[1], fp8amp.quantize(xs[1], torch.ones(1), torch.zeros(1), fp8amp.E4M3)[0])

@@ -1,0 +1,319 @@
+"""Every op on CUDA against the CPU reference, bit for bit; ScalingState, torch.compile and
+host-sync freedom on CUDA. Marked gpu: skipped where torch.cuda.is_available() is False."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import fp8amp
+from cast_reference import (
+    HIGH_PRECISION,
+    SCALED_FORMATS,
+    all_bit_patterns,
+    assert_bits_equal,
+    boundary_values,
+    random_float32_bits,
+)
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "cuda"
+
+
+def on_both(fn, *tensors, **kwargs):
+    """fn on CPU copies and on CUDA copies of the same tensors (lists of tensors too); returns
+    (cpu_inputs, cpu_result, cuda_inputs, cuda_result), all on the CPU. The callers' tensors
+    are never written."""
+
+    def to(device, value):
+        if isinstance(value, (list, tuple)):
+            return [to(device, v) for v in value]
+        return value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
+
+    results = []
+    for device in ("cpu", CUDA):
+        inputs = [to(device, t) for t in tensors]
+        result = fn(*inputs, **{k: to(device, v) for k, v in kwargs.items()})
+        results += [to("cpu", inputs), to("cpu", result)]
+    return results
+
+
+def assert_all_same(a, b):
+    """Nested lists / tuples of tensors equal bit for bit, NaN payloads included."""
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            assert_all_same(u, v)
+    elif isinstance(a, torch.Tensor):
+        assert_bits_equal(b, a)
+    else:
+        assert a == b
+
+
+def check_cuda_equals_cpu(fn, *tensors, **kwargs):
+    cpu_inputs, cpu_result, cuda_inputs, cuda_result = on_both(fn, *tensors, **kwargs)
+    assert_all_same(cpu_result, cuda_result)
+    assert_all_same(cpu_inputs, cuda_inputs)  # buffers the op wrote (amax, scales, counters)
+
+
+def quantize_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, pow2=True):
+    return fp8amp.quantize(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps, margin=margin,
+                           pow2_scale=pow2)
+
+
+def cast_transpose_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, pow2=True):
+    return fp8amp.cast_transpose(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps, margin=margin,
+                                 pow2_scale=pow2)
+
+
+SCALES = [1.0, 2.0**-9, 2.0**12, 0.3]
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_quantize_every_16bit_pattern(in_dtype, dtype, scale):
+    x = all_bit_patterns(in_dtype)
+    check_cuda_equals_cpu(quantize_with, x, torch.tensor([scale]), torch.zeros(1, 4), dtype)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_quantize_every_16bit_pattern_current_scaling(in_dtype, dtype):
+    x = all_bit_patterns(in_dtype)
+    x = x[x.float().isfinite()]  # a finite amax, so the warm-up scale comes from it
+    counter = torch.zeros(1, dtype=torch.int32)
+    for pow2 in (True, False):
+        check_cuda_equals_cpu(quantize_with, x, torch.ones(1), torch.zeros(1, 4), dtype, counter, 4, 1, pow2)
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_quantize_random_float32(dtype, scale):
+    g = torch.Generator().manual_seed(3)
+    n = (1 << 20) + 7
+    normal = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+    for x in (normal, random_float32_bits(n, g), boundary_values(dtype)):
+        check_cuda_equals_cpu(quantize_with, x, torch.tensor([scale]), torch.zeros(1), dtype)
+        check_cuda_equals_cpu(quantize_with, x[1:], torch.tensor([scale]), torch.zeros(1), dtype)  # misaligned
+
+
+ODD_SHAPES = [(), (1,), (0,), (0, 7), (3,), (17, 33), (3, 1, 5, 1, 7), (1000, 37), (4097, 3), (5, 70001)]
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_quantize_odd_shapes(shape, in_dtype):
+    x = (torch.randn(shape) * 1e3).to(in_dtype)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for dtype in SCALED_FORMATS:
+        check_cuda_equals_cpu(quantize_with, x, torch.tensor([2.0]), torch.zeros(1, 3), dtype)
+        check_cuda_equals_cpu(quantize_with, x, torch.tensor([2.0]), torch.zeros(1, 3), dtype, counter, 2)
+
+
+CT_SHAPES = [(1, 1), (7,), (1, 4096), (4096, 1), (64, 64), (65, 129), (192, 320), (2, 3, 130), (4097, 1003),
+             (3, 1, 4, 9), (31, 16), (16, 31), (1024, 8)]
+
+
+@pytest.mark.parametrize("shape", CT_SHAPES)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_cast_transpose(shape, in_dtype, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 500).to(in_dtype)
+    x.view(-1)[x.numel() // 2] = float("inf")
+    check_cuda_equals_cpu(cast_transpose_with, x, torch.tensor([0.75]), torch.zeros(1, 2), dtype)
+    counter = torch.zeros(1, dtype=torch.int32)
+    check_cuda_equals_cpu(cast_transpose_with, x.clamp(-1e4, 1e4), torch.ones(1), torch.zeros(1, 2), dtype, counter,
+                          3)
+
+
+def test_cast_transpose_misaligned_rows():
+    base = torch.randn(129 * 64 + 1, dtype=torch.bfloat16)
+    x = base[1:].view(129, 64)  # 2-byte offset: no 16-byte packs
+    check_cuda_equals_cpu(cast_transpose_with, x, torch.tensor([4.0]), torch.zeros(1), fp8amp.E4M3)
+
+
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("out_dtype", HIGH_PRECISION)
+def test_dequantize_every_code(dtype, out_dtype):
+    x = all_bit_patterns(dtype)
+    for scale_inv in (1.0, 2.0**-5, 2.0**7, 0.3, 1e-30, 1e30):
+        check_cuda_equals_cpu(fp8amp.dequantize, x, torch.tensor([scale_inv]), out_dtype)
+        check_cuda_equals_cpu(fp8amp.dequantize, x[1:], torch.tensor([scale_inv]), out_dtype)
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_dequantize_odd_shapes(shape):
+    x = torch.randn(shape).to(fp8amp.E5M2)
+    for out_dtype in HIGH_PRECISION:
+        check_cuda_equals_cpu(fp8amp.dequantize, x, torch.tensor([0.125]), out_dtype)
+
+
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_amax(in_dtype):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3_000_001, generator=g) * 10).to(in_dtype)
+    x[2_345_678] = -7e3
+    check_cuda_equals_cpu(fp8amp.amax, x, torch.tensor([5.0, 9e9]))
+    check_cuda_equals_cpu(fp8amp.amax, x, torch.tensor([8e3]))
+    x[17] = float("nan")
+    check_cuda_equals_cpu(fp8amp.amax, x, torch.tensor([5.0]))
+    check_cuda_equals_cpu(fp8amp.amax, x, torch.zeros(1), warmup_counter=torch.tensor([2], dtype=torch.int32),
+                          warmup_steps=2)
+    check_cuda_equals_cpu(fp8amp.amax, x, torch.zeros(1), warmup_counter=torch.tensor([1], dtype=torch.int32),
+                          warmup_steps=2)
+
+
+def many_tensors(n, in_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(2, 5000, (n,), generator=g).tolist()
+    sizes[0], sizes[n // 2], sizes[-1] = 0, 70_001, 1
+    xs = [(torch.randn(s, generator=g) * 10 ** (i % 7 - 3)).to(in_dtype) for i, s in enumerate(sizes)]
+    xs[3][0] = float("nan")
+    xs[4][1] = float("inf")
+    xs[5] = xs[5][1:]  # misaligned
+    return xs
+
+
+@pytest.mark.parametrize("n", [50, 130])  # 130: more than one launch (64 tensors each)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_multi_tensor_ops(n, in_dtype):
+    xs = many_tensors(n, in_dtype, n)
+    g = torch.Generator().manual_seed(n + 1)
+    scale = torch.exp2(torch.randint(-10, 10, (n,), generator=g).float())
+    counter = torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
+    for dtype in SCALED_FORMATS:
+        history = torch.rand(n, 4, generator=g) * 100
+        check_cuda_equals_cpu(fp8amp.multi_quantize, xs, scale, history, dtype)
+        check_cuda_equals_cpu(fp8amp.multi_quantize, xs, scale, history, dtype, warmup_counter=counter,
+                              warmup_steps=4, margin=1, pow2_scale=dtype != fp8amp.E5M2)
+        codes = [x.float().to(dtype) for x in xs]
+        for out_dtype in HIGH_PRECISION:
+            check_cuda_equals_cpu(fp8amp.multi_dequantize, codes, scale, out_dtype)
+    check_cuda_equals_cpu(fp8amp.multi_amax, xs, torch.rand(n, 2, generator=g))
+    check_cuda_equals_cpu(fp8amp.multi_amax, xs, torch.zeros(n))
+
+
+def random_histories(n, h, seed):
+    g = torch.Generator().manual_seed(seed)
+    history = torch.rand(n, h, generator=g) * torch.exp2(torch.randint(-130, 130, (n, 1), generator=g).float())
+    history[::7, 0] = float("nan")
+    history[3::11, 0] = float("inf")
+    history[5::13] = 0.0
+    history[6::17, 1:] = 0.0
+    return history
+
+
+@pytest.mark.parametrize("pow2,margin", [(True, 0), (True, 3), (False, 0), (False, 2)])
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_scale_updates(pow2, margin, dtype):
+    n, h = 1000, 16
+    fmax = fp8amp.format_max(dtype)
+    g = torch.Generator().manual_seed(margin)
+    scale = torch.exp2(torch.randint(-5, 5, (n,), generator=g).float())
+    scale_inv = 1 / scale
+    counter = torch.randint(0, h + 1, (n,), generator=g, dtype=torch.int32)
+    history = random_histories(n, h, margin)
+    check_cuda_equals_cpu(fp8amp.compute_scale, history, scale, scale_inv, fmax, margin=margin, pow2_scale=pow2)
+    check_cuda_equals_cpu(fp8amp.update_delayed_scaling, history, scale, scale_inv, counter, fmax, margin=margin,
+                          pow2_scale=pow2)
+
+
+def sequence_step(state, step, g):
+    """One training step through a 3-tensor state: quantize, cast_transpose, a NaN, a spike."""
+    scale = 1e4 if step == 9 else float(2 ** (step % 5))
+    x = torch.randn(257, 129, generator=g) * scale
+    grad = torch.randn(300, 64, generator=g, dtype=torch.float32).to(torch.bfloat16) * 10.0 ** -(step % 4)
+    weight = torch.randn(4096, generator=g) * 3
+    if step == 6:
+        grad[7, 7] = float("nan")
+    if step == 14:
+        x[0, 0] = float("inf")
+    device = state.scale.device
+    outs = [*state.quantize(x.to(device), 0), *state.cast_transpose(grad.to(device), 1),
+            *state.quantize(weight.to(device), 2)]
+    state.update()
+    return outs
+
+
+@pytest.mark.parametrize("dtype,recipe", [(fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=4)),
+                                          (fp8amp.E5M2, fp8amp.ScalingRecipe(history_len=5, margin=1,
+                                                                             pow2_scale=False))])
+def test_scaling_state_20_steps(dtype, recipe):
+    cpu_state = fp8amp.ScalingState(3, dtype, recipe)
+    cuda_state = copy.deepcopy(cpu_state).to(CUDA)
+    assert cuda_state.scale.device.type == CUDA
+    g_cpu, g_cuda = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    for step in range(20):
+        assert_all_same(sequence_step(cpu_state, step, g_cpu), [t.cpu() for t in sequence_step(cuda_state, step, g_cuda)])
+        for name, value in cpu_state.named_buffers():
+            assert_bits_equal(getattr(cuda_state, name).cpu(), value)
+
+
+def compiled_step(state, x, grad, weights):
+    x8, x_scale_inv = state.quantize(x, 0)
+    g8, g8_t, g_scale_inv = state.cast_transpose(grad, 1)
+    x_back = fp8amp.dequantize(x8, x_scale_inv, torch.bfloat16)
+    weight_amax = torch.zeros(len(weights), 2, device=x.device)
+    fp8amp.multi_amax(weights, weight_amax)
+    weight_scale = torch.ones(len(weights), device=x.device)
+    weight_scale_inv = torch.ones(len(weights), device=x.device)
+    fp8amp.compute_scale(weight_amax, weight_scale, weight_scale_inv, fp8amp.E4M3_MAX)
+    w_back = fp8amp.multi_dequantize([w.half() for w in weights], weight_scale_inv, torch.float32)
+    state.update()
+    return [x8, x_scale_inv, g8, g8_t, g_scale_inv, x_back * 2, weight_amax, weight_scale, *w_back]
+
+
+def test_torch_compile_inductor():
+    eager_state = fp8amp.ScalingState(2, fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2), device=CUDA)
+    compiled_state = copy.deepcopy(eager_state)
+    compiled = torch.compile(compiled_step, fullgraph=True)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    for step in range(4):
+        x = torch.randn(256, 512, device=CUDA, generator=g).to(torch.bfloat16) * (step + 1)
+        grad = torch.randn(384, 256, device=CUDA, generator=g) * 10.0**-step
+        weights = [torch.randn(512, 256, device=CUDA, generator=g), torch.randn(77, device=CUDA, generator=g)]
+        expected = compiled_step(eager_state, x, grad, weights)
+        assert_all_same([t.cpu() for t in expected], [t.cpu() for t in compiled(compiled_state, x, grad, weights)])
+        for name, value in eager_state.named_buffers():
+            assert_bits_equal(getattr(compiled_state, name), value)
+
+
+def test_no_host_sync():
+    state = fp8amp.ScalingState(2, fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2), device=CUDA)
+    x = torch.randn(1024, 512, device=CUDA)
+    xs = [torch.randn(1000, device=CUDA), torch.randn(33, 7, device=CUDA)]
+    amax = torch.zeros(2, device=CUDA)
+    scale, scale_inv = torch.ones(2, device=CUDA), torch.ones(2, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            x8, x_scale_inv = state.quantize(x, 0)
+            state.cast_transpose(x.t(), 1)  # non-contiguous: made contiguous on the device
+            fp8amp.dequantize(x8, x_scale_inv, torch.bfloat16)
+            fp8amp.amax(x, amax[:1])
+            fp8amp.multi_amax(xs, amax)
+            fp8amp.compute_scale(amax, scale, scale_inv, fp8amp.E5M2_MAX)
+            outs, scale_invs = fp8amp.multi_quantize(xs, scale, amax, fp8amp.E5M2)
+            fp8amp.multi_dequantize(outs, scale_invs, torch.float32)
+            state.update()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert state.counter.tolist() == [2, 2]
+    assert math.isfinite(state.scale[0].item())
+
+
+def test_cuda_quantize_on_another_stream():
+    x = torch.randn(4096, 1024, device=CUDA)
+    expected = fp8amp.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = fp8amp.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
+    torch.cuda.current_stream().wait_stream(stream)
+    assert_bits_equal(out, expected)

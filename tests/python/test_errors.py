@@ -1,0 +1,164 @@
+"""Bad inputs raise ValueError / TypeError with a message naming the argument (and, for dtypes,
+the accepted values), from the Python wrappers or from the core through the binding."""
+
+import pytest
+import torch
+
+import fp8amp
+
+E4M3 = fp8amp.E4M3
+
+
+def x():
+    return torch.randn(4, 8)
+
+
+def one():
+    return torch.ones(1)
+
+
+def counter(value=0, n=1):
+    return torch.full((n,), value, dtype=torch.int32)
+
+
+CASES = {
+    # quantize / cast_transpose: Python types and dtype arguments
+    "quantize x not a tensor": (lambda: fp8amp.quantize([1.0], one(), one(), E4M3), TypeError, ["x", "Tensor"]),
+    "quantize scale a float": (lambda: fp8amp.quantize(x(), 1.0, one(), E4M3), TypeError, ["scale"]),
+    "quantize amax None": (lambda: fp8amp.quantize(x(), one(), None, E4M3), TypeError, ["amax"]),
+    "quantize dtype int8": (lambda: fp8amp.quantize(x(), one(), one(), torch.int8), ValueError,
+                            ["dtype", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float16", "torch.int8"]),
+    "quantize dtype bfloat16": (lambda: fp8amp.quantize(x(), one(), one(), torch.bfloat16), ValueError, ["dtype"]),
+    "quantize dtype a string": (lambda: fp8amp.quantize(x(), one(), one(), "e4m3"), TypeError, ["dtype"]),
+    "quantize margin a float": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, margin=1.0), TypeError, ["margin"]),
+    "quantize pow2_scale an int": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, pow2_scale=1), TypeError,
+                                   ["pow2_scale"]),
+    "quantize warmup_steps a bool": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_steps=True), TypeError,
+                                     ["warmup_steps"]),
+    "quantize warmup_counter a list": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=[0]),
+                                       TypeError, ["warmup_counter"]),
+    "quantize positional options": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, None), TypeError, []),
+    # quantize / cast_transpose: checks of the core
+    "quantize x float64": (lambda: fp8amp.quantize(x().double(), one(), one(), E4M3), ValueError, ["x"]),
+    "quantize x int32": (lambda: fp8amp.quantize(counter(), one(), one(), E4M3), ValueError, ["x"]),
+    "quantize scale [2]": (lambda: fp8amp.quantize(x(), torch.ones(2), one(), E4M3), ValueError, ["scale"]),
+    "quantize scale float16": (lambda: fp8amp.quantize(x(), one().half(), one(), E4M3), ValueError, ["scale"]),
+    "quantize amax [2, 3]": (lambda: fp8amp.quantize(x(), one(), torch.zeros(2, 3), E4M3), ValueError, ["amax"]),
+    "quantize amax empty": (lambda: fp8amp.quantize(x(), one(), torch.zeros(0), E4M3), ValueError, ["amax"]),
+    "quantize amax not contiguous": (lambda: fp8amp.quantize(x(), one(), torch.zeros(1, 8)[:, ::2], E4M3), ValueError,
+                                     ["amax"]),
+    "quantize warmup_counter float": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=one()),
+                                      ValueError, ["warmup_counter", "int32"]),
+    "quantize warmup_counter [2]": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=counter(0, 2)),
+                                    ValueError, ["warmup_counter"]),
+    "quantize warmup_steps negative": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=counter(),
+                                                               warmup_steps=-1), ValueError, ["warmup_steps"]),
+    "cast_transpose 0-d x": (lambda: fp8amp.cast_transpose(torch.tensor(1.0), one(), one(), E4M3), ValueError,
+                             ["x"]),
+    "cast_transpose x float64": (lambda: fp8amp.cast_transpose(x().double(), one(), one(), E4M3), ValueError, ["x"]),
+    "cast_transpose dtype float32": (lambda: fp8amp.cast_transpose(x(), one(), one(), torch.float32), ValueError,
+                                     ["dtype", "torch.float8_e4m3fn"]),
+    "cast_transpose scale_inv-like scale [3]": (lambda: fp8amp.cast_transpose(x(), torch.ones(3), one(), E4M3),
+                                                ValueError, ["scale"]),
+    # dequantize
+    "dequantize x float32": (lambda: fp8amp.dequantize(x(), one(), torch.float32), ValueError, ["x"]),
+    "dequantize dtype fp8": (lambda: fp8amp.dequantize(x().to(E4M3), one(), E4M3), ValueError,
+                             ["dtype", "torch.float32", "torch.bfloat16", "torch.float16"]),
+    "dequantize scale_inv [2]": (lambda: fp8amp.dequantize(x().to(E4M3), torch.ones(2), torch.float32), ValueError,
+                                 ["scale_inv"]),
+    "dequantize scale_inv a float": (lambda: fp8amp.dequantize(x().to(E4M3), 1.0, torch.float32), TypeError,
+                                     ["scale_inv"]),
+    # amax and the multi-tensor ops
+    "amax buffer int32": (lambda: fp8amp.amax(x(), counter()), ValueError, ["amax"]),
+    "amax buffer empty": (lambda: fp8amp.amax(x(), torch.zeros(0)), ValueError, ["amax"]),
+    "amax warmup_counter float": (lambda: fp8amp.amax(x(), one(), warmup_counter=one(), warmup_steps=1), ValueError,
+                                  ["warmup_counter"]),
+    "multi_amax xs a tensor": (lambda: fp8amp.multi_amax(x(), torch.zeros(4)), TypeError, ["xs"]),
+    "multi_amax xs[1] a float": (lambda: fp8amp.multi_amax([x(), 1.0], torch.zeros(2)), TypeError, ["xs[1]"]),
+    "multi_amax xs empty": (lambda: fp8amp.multi_amax([], torch.zeros(1)), ValueError, ["xs"]),
+    "multi_amax xs mixed dtypes": (lambda: fp8amp.multi_amax([x(), x().half()], torch.zeros(2)), ValueError, ["xs"]),
+    "multi_amax amax [3] for 2": (lambda: fp8amp.multi_amax([x(), x()], torch.zeros(3)), ValueError, ["amax"]),
+    "multi_quantize scale [1] for 2": (lambda: fp8amp.multi_quantize([x(), x()], one(), torch.zeros(2), E4M3),
+                                       ValueError, ["scale"]),
+    "multi_quantize warmup_counter [1] for 2": (
+        lambda: fp8amp.multi_quantize([x(), x()], torch.ones(2), torch.zeros(2), E4M3, warmup_counter=counter()),
+        ValueError, ["warmup_counter"]),
+    "multi_quantize dtype bad": (lambda: fp8amp.multi_quantize([x()], one(), one(), torch.uint8), ValueError,
+                                 ["dtype"]),
+    "multi_dequantize scale_inv [1] for 2": (
+        lambda: fp8amp.multi_dequantize([x().to(E4M3), x().to(E4M3)], one(), torch.float32), ValueError,
+        ["scale_inv"]),
+    "multi_dequantize xs a tuple of non-tensors": (lambda: fp8amp.multi_dequantize((1, 2), one(), torch.float32),
+                                                   TypeError, ["xs[0]"]),
+    # scale updates
+    "compute_scale fmax a string": (lambda: fp8amp.compute_scale(one(), one(), one(), "448"), TypeError, ["fmax"]),
+    "compute_scale fmax negative": (lambda: fp8amp.compute_scale(one(), one(), one(), -448.0), ValueError, ["fmax"]),
+    "compute_scale fmax infinite": (lambda: fp8amp.compute_scale(one(), one(), one(), float("inf")), ValueError,
+                                    ["fmax"]),
+    "compute_scale scale_inv [2]": (lambda: fp8amp.compute_scale(one(), one(), torch.ones(2), 448.0), ValueError,
+                                    ["scale_inv"]),
+    "compute_scale amax [2] for 1": (lambda: fp8amp.compute_scale(torch.zeros(2, 2), one(), one(), 448.0),
+                                     ValueError, ["amax"]),
+    "update amax_history 1-D": (lambda: fp8amp.update_delayed_scaling(torch.zeros(4), one(), one(), counter(), 448.0),
+                                ValueError, ["amax_history"]),
+    "update counter float": (lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), one(), one(), one(), 448.0),
+                             ValueError, ["counter", "int32"]),
+    "update scale [2] for 1": (
+        lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), torch.ones(2), one(), counter(), 448.0),
+        ValueError, ["scale"]),
+    "update scale_inv float16": (
+        lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), one(), one().half(), counter(), 448.0),
+        ValueError, ["scale_inv"]),
+    "update counter None": (lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), one(), one(), None, 448.0),
+                            TypeError, ["counter"]),
+    # formats
+    "format_max int8": (lambda: fp8amp.format_max(torch.int8), ValueError,
+                        ["dtype", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float16"]),
+    "format_max a string": (lambda: fp8amp.format_max("e4m3"), TypeError, ["dtype"]),
+    # ScalingRecipe and ScalingState
+    "recipe history_len 0": (lambda: fp8amp.ScalingRecipe(history_len=0), ValueError, ["history_len"]),
+    "recipe history_len a float": (lambda: fp8amp.ScalingRecipe(history_len=4.0), TypeError, ["history_len"]),
+    "recipe margin negative": (lambda: fp8amp.ScalingRecipe(margin=-1), ValueError, ["margin"]),
+    "recipe margin too large": (lambda: fp8amp.ScalingRecipe(margin=127), ValueError, ["margin"]),
+    "recipe pow2_scale a string": (lambda: fp8amp.ScalingRecipe(pow2_scale="yes"), TypeError, ["pow2_scale"]),
+    "state num_tensors 0": (lambda: fp8amp.ScalingState(0), ValueError, ["num_tensors"]),
+    "state num_tensors a float": (lambda: fp8amp.ScalingState(2.0), TypeError, ["num_tensors"]),
+    "state dtype bfloat16": (lambda: fp8amp.ScalingState(1, torch.bfloat16), ValueError,
+                             ["dtype", "torch.float8_e4m3fn"]),
+    "state recipe a dict": (lambda: fp8amp.ScalingState(1, E4M3, {"history_len": 4}), TypeError, ["recipe"]),
+    "state index out of range": (lambda: fp8amp.ScalingState(2).quantize(x(), 2), ValueError, ["index"]),
+    "state index negative": (lambda: fp8amp.ScalingState(2).cast_transpose(x(), -1), ValueError, ["index"]),
+    "state index a tensor": (lambda: fp8amp.ScalingState(2).quantize(x(), torch.tensor(0)), TypeError, ["index"]),
+    "state x float64": (lambda: fp8amp.ScalingState(1).quantize(x().double()), ValueError, ["x"]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_raises_clear_error(name):
+    call, error, words = CASES[name]
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+@pytest.mark.gpu
+def test_cpu_cuda_mix_names_the_argument():
+    xc = torch.randn(4, 8, device="cuda")
+    with pytest.raises(ValueError, match="scale"):
+        fp8amp.quantize(xc, one(), torch.zeros(1, device="cuda"), E4M3)
+    with pytest.raises(ValueError, match="amax"):
+        fp8amp.quantize(xc, torch.ones(1, device="cuda"), one(), E4M3)
+    with pytest.raises(ValueError, match="warmup_counter"):
+        fp8amp.cast_transpose(xc, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), E4M3,
+                              warmup_counter=counter(), warmup_steps=1)
+    with pytest.raises(ValueError, match="scale_inv"):
+        fp8amp.dequantize(xc.to(E4M3), one(), torch.float32)
+    with pytest.raises(ValueError, match="xs"):
+        fp8amp.multi_amax([xc, x()], torch.zeros(2, device="cuda"))
+    with pytest.raises(ValueError, match="counter"):
+        fp8amp.update_delayed_scaling(torch.zeros(1, 4, device="cuda"), torch.ones(1, device="cuda"),
+                                      torch.ones(1, device="cuda"), counter(), 448.0)
+    with pytest.raises(ValueError, match="x"):
+        fp8amp.ScalingState(1).quantize(xc)
