@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # The GPU machine's one call: build offline, run the GPU tests (CTest + pytest), then the
-# benchmarks; logs go to $OUT. Usage: bash scripts/gpu_check.sh [--sanitize] [--no-bench]
+# benchmarks; logs go to $OUT. Usage: bash scripts/gpu_check.sh [--sanitize] [--no-bench] [--gpu-only]
 #   --sanitize  also run the CUDA gtests under compute-sanitizer (memcheck, racecheck)
 #   --no-bench  skip the benchmarks
+#   --gpu-only  run only the GPU-labelled/marked tests (CI runs the CPU ones)
 # The GPU machine has no GoogleTest package: carry its sources as .deps/googletest
 # (cp -r /usr/src/googletest .deps/) and name .deps in the device call's carry list.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-SANITIZE=0 BENCH=1
+SANITIZE=0 BENCH=1 CTEST_ARGS=() PYTEST_ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --sanitize) SANITIZE=1 ;;
     --no-bench) BENCH=0 ;;
-    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench)"; exit 2 ;;
+    --gpu-only) CTEST_ARGS=(-L gpu) PYTEST_ARGS=(-m gpu) ;;
+    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only)"; exit 2 ;;
   esac
 done
 # Keep NVLink multicast off on shared multi-GPU hosts.
@@ -40,9 +42,9 @@ if ! python3 -m pip install --no-build-isolation --no-deps --no-index -v \
 fi
 echo "build: $(( $(date +%s) - start )) s"
 
-ctest --test-dir build/py --output-on-failure > "$OUT/ctest.log" 2>&1 || status=1
+ctest --test-dir build/py --output-on-failure "${CTEST_ARGS[@]}" > "$OUT/ctest.log" 2>&1 || status=1
 tail -8 "$OUT/ctest.log"
-python3 -m pytest tests/python -q -rs -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=1
+python3 -m pytest tests/python -q -rs -p no:cacheprovider "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
 tail -15 "$OUT/pytest.log"
 
 if [ "$SANITIZE" = 1 ]; then

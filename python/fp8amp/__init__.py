@@ -14,6 +14,8 @@ from .cast import (
 )
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState
+from .linear import Fp8Linear
+from .convert import convert, update_scaling
 
 __all__ = [
     "ops",
@@ -35,5 +37,8 @@ __all__ = [
     "update_delayed_scaling",
     "ScalingRecipe",
     "ScalingState",
+    "Fp8Linear",
+    "convert",
+    "update_scaling",
 ]
 __version__ = "0.1.0"

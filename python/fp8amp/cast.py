@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ._args import _bool, _float, _input, _inputs, _int, _optional_input, _tensor
 from ._library import ops
 from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
@@ -34,45 +35,6 @@ __all__ = [
 ]
 
 _SCALED_FORMATS = tuple(SCALED_FORMATS)
-
-
-def _tensor(value: object, arg: str, op: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _input(value: object, arg: str, op: str) -> torch.Tensor:
-    """A tensor the op only reads, made contiguous."""
-    return _tensor(value, arg, op).contiguous()
-
-
-def _optional_input(value: object, arg: str, op: str) -> torch.Tensor | None:
-    return None if value is None else _input(value, arg, op)
-
-
-def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
-    return [_input(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
-
-
-def _int(value: object, arg: str, op: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"fp8amp.{op}: {arg} must be an int, got {type(value).__name__}")
-    return value
-
-
-def _bool(value: object, arg: str, op: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _float(value: object, arg: str, op: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a float, got {type(value).__name__}")
-    return float(value)
 
 
 def _scaling_args(

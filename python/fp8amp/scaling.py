@@ -93,6 +93,8 @@ class ScalingState(torch.nn.Module):
         self.register_buffer("scale", torch.ones(n, dtype=torch.float32, device=device))
         self.register_buffer("scale_inv", torch.ones(n, dtype=torch.float32, device=device))
         self.register_buffer("counter", torch.zeros(n, dtype=torch.int32, device=device))
+        # A counter that is always in warm-up: current scaling on every call (weights).
+        self.register_buffer("_always_current", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def _row(self, index: int) -> slice:
         if isinstance(index, bool) or not isinstance(index, int):
@@ -128,6 +130,17 @@ class ScalingState(torch.nn.Module):
         """
         return cast.cast_transpose(x, **self._scaling(index))
 
+    def cast_transpose_current(
+        self, x: torch.Tensor, index: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like :meth:`cast_transpose`, with current scaling on every call: the scale comes from
+        ``x``'s own amax (kept in column 0 of row ``index``'s history, which this resets first;
+        the stored scale is the fallback for an all-zero or non-finite ``x``). For weights."""
+        scaling = self._scaling(index)
+        scaling["amax"][:, 0].zero_()
+        scaling.update(warmup_counter=self._always_current, warmup_steps=1)
+        return cast.cast_transpose(x, **scaling)
+
     def update(self) -> None:
         """The delayed update of all n tensors, after the optimizer step: new scales from the
         amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
@@ -148,6 +161,12 @@ class ScalingState(torch.nn.Module):
             self.scale.fill_(1.0)
             self.scale_inv.fill_(1.0)
             self.counter.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A checkpoint with no scaling state at all (taken before the model was converted to FP8)
+        # leaves this state fresh rather than failing with missing keys.
+        if any(prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # module.half(), .bfloat16(), .to(dtype) must not cast the state (the ops take float32

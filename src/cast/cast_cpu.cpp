@@ -132,7 +132,7 @@ void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len,
     scale_inv[i] = pair.scale_inv;
     for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
     h[0] = 0.0f;
-    counter[i] = bad ? 0 : static_cast<int32_t>(std::min<int64_t>(counter[i] + 1, history_len));
+    counter[i] = bad ? 0 : static_cast<int32_t>(std::min<int64_t>(static_cast<int64_t>(counter[i]) + 1, history_len));
   }
 }
 

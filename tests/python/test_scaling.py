@@ -242,7 +242,7 @@ def test_state_buffers_initial_values():
     assert state.scale_inv.tolist() == [1.0] * 3 and state.scale_inv.dtype == torch.float32
     assert state.counter.tolist() == [0] * 3 and state.counter.dtype == torch.int32
     assert state.dtype == fp8amp.E5M2 and state.fmax == 57344.0
-    assert dict(state.named_buffers()).keys() == {"amax_history", "scale", "scale_inv", "counter"}
+    assert state.state_dict().keys() == {"amax_history", "scale", "scale_inv", "counter"}
     assert "num_tensors=3" in repr(state) and "float8_e5m2" in repr(state) and "history_len=5" in repr(state)
 
 

@@ -1,0 +1,81 @@
+"""The FP8 GEMM (cuBLASLt on CUDA, a reference on CPU): typed wrappers over ``torch.ops.fp8amp``.
+
+``gemm(a, b, ...)`` computes ``(a * a_scale_inv) @ (b * b_scale_inv).T (+ bias)`` with FP32
+accumulation: ``a`` ``[M, K]`` and ``b`` ``[N, K]`` both K-major, the only layout cuBLASLt's FP8
+GEMMs take on Hopper, which is ``y = x·Wᵀ`` of a Linear. K, N and the row strides must be
+multiples of 16. See ``include/fp8amp/gemm.h`` for the exact rules and numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._args import _bool, _input, _optional_input, _tensor
+from ._library import ops
+from .formats import check_dtype
+
+__all__ = ["gemm", "gemm_accumulate", "bias_dtype"]
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bias_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The bias dtype cuBLASLt's FP8 GEMM takes for an output dtype: float16 for float16 output,
+    bfloat16 otherwise."""
+    out_dtype = check_dtype(out_dtype, _OUT_DTYPES, "out_dtype", "fp8amp.bias_dtype")
+    return torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """Returns ``[M, N]`` ``out_dtype``: ``(a·a_scale_inv) @ (b·b_scale_inv).T (+ bias)``.
+
+    ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are float8 (E4M3×E4M3, E4M3×E5M2 or E5M2×E4M3);
+    the scales are float32 ``[1]``; ``bias`` ``[N]`` of :func:`bias_dtype` (out_dtype).
+    ``fast_accum`` trades accuracy for speed (forward GEMMs only, DESIGN §3).
+    """
+    op = "gemm"
+    return ops.gemm(
+        _input(a, "a", op),
+        _input(b, "b", op),
+        _input(a_scale_inv, "a_scale_inv", op),
+        _input(b_scale_inv, "b_scale_inv", op),
+        check_dtype(out_dtype, _OUT_DTYPES, "out_dtype", f"fp8amp.{op}"),
+        _optional_input(bias, "bias", op),
+        _bool(fast_accum, "fast_accum", op),
+    )
+
+
+def gemm_accumulate(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> None:
+    """``out += (a·a_scale_inv) @ (b·b_scale_inv).T (+ bias)`` in place (cuBLASLt beta = 1).
+
+    With a 16-bit ``out`` the product and the sum are each rounded once (cuBLASLt's epilogue);
+    accumulate in float32 where that matters (weight gradients).
+    """
+    op = "gemm_accumulate"
+    ops.gemm_accumulate(
+        _input(a, "a", op),
+        _input(b, "b", op),
+        _input(a_scale_inv, "a_scale_inv", op),
+        _input(b_scale_inv, "b_scale_inv", op),
+        _tensor(out, "out", op),
+        _optional_input(bias, "bias", op),
+        _bool(fast_accum, "fast_accum", op),
+    )

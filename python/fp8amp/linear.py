@@ -1,0 +1,162 @@
+"""``Fp8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 (DESIGN §5).
+
+Forward: the input is cast to E4M3 with delayed scaling and, in the same pass, transposed (the
+transpose is what the weight-gradient GEMM needs, and it is all that is saved for backward:
+1 byte per element); the weight is cast to E4M3 with current scaling, also with its transpose;
+``y = x·Wᵀ (+ bias)`` runs on the FP8 tensor cores with FP32 accumulation, output in the autocast
+dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpose in one pass;
+``dX = dY·W`` and ``dW = dYᵀ·X`` run in FP8 with full FP32 accumulation.
+
+cuBLASLt's FP8 GEMMs take only K-major operands whose inner dimensions are multiples of 16:
+in_features and out_features must be (``convert`` leaves other Linears alone), and the token
+count is padded with zero rows to a multiple of 16 when needed (zero rows change no gradient).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gemm import bias_dtype, gemm
+from .formats import E4M3, E5M2
+from .scaling import ScalingRecipe, ScalingState
+
+__all__ = ["Fp8Linear", "fp8_linear_supported"]
+
+_ALIGN = 16
+
+
+def fp8_linear_supported(in_features: int, out_features: int) -> bool:
+    """Whether cuBLASLt's FP8 GEMMs can take a Linear of this shape."""
+    return in_features % _ALIGN == 0 and out_features % _ALIGN == 0 and in_features > 0 and out_features > 0
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.shape[0]
+    pad = -rows % _ALIGN
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        input_scaling: ScalingState,
+        weight_scaling: ScalingState,
+        grad_output_scaling: ScalingState,
+    ) -> torch.Tensor:
+        out_dtype = _output_dtype(x)
+        lead_shape = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        rows = x2d.shape[0]
+        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d))
+        w_fp8, w_fp8_t, w_scale_inv = weight_scaling.cast_transpose_current(weight)
+        bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
+        y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
+        ctx.grad_output_scaling = grad_output_scaling
+        ctx.rows = rows
+        ctx.input_dtype = x.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.has_bias = bias is not None
+        return y[:rows].reshape(*lead_shape, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(_pad_rows(dy2d))
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
+            grad_x = grad_x[: ctx.rows].reshape(*grad_output.shape[:-1], grad_x.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy2d.sum(0, dtype=torch.float32).to(ctx.weight_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` computing in FP8, with the same parameters and state-dict keys.
+
+    Extra state, in buffers (so checkpoints resume the scaling warm-up where it was):
+    ``input_scaling`` (E4M3, delayed), ``grad_output_scaling`` (E5M2, delayed) and
+    ``weight_scaling`` (E4M3, current scaling from the weight's own amax). Call
+    :func:`fp8amp.update_scaling` (or let the optimizer hook of :func:`fp8amp.convert` do it)
+    after each optimizer step.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Optional[ScalingRecipe] = None,
+    ) -> None:
+        if not fp8_linear_supported(in_features, out_features):
+            raise ValueError(
+                f"Fp8Linear: in_features ({in_features}) and out_features ({out_features}) must be positive "
+                f"multiples of {_ALIGN} (cuBLASLt FP8 GEMM rule); keep this layer as nn.Linear"
+            )
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._add_scaling_states(recipe, device)
+
+    def _add_scaling_states(self, recipe: Optional[ScalingRecipe], device) -> None:
+        self.input_scaling = ScalingState(1, E4M3, recipe, device=device)
+        self.weight_scaling = ScalingState(1, E4M3, recipe, device=device)
+        self.grad_output_scaling = ScalingState(1, E5M2, recipe, device=device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Optional[ScalingRecipe] = None) -> "Fp8Linear":
+        """Wraps an existing ``nn.Linear``, sharing its parameter objects (an optimizer built on
+        the old module keeps working)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Fp8Linear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
+        if not fp8_linear_supported(linear.in_features, linear.out_features):
+            raise ValueError(
+                f"Fp8Linear.from_linear: in_features ({linear.in_features}) and out_features "
+                f"({linear.out_features}) must be positive multiples of {_ALIGN}"
+            )
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features = linear.in_features
+        new.out_features = linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._add_scaling_states(recipe, linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
+            )
+        return _Fp8LinearFunction.apply(
+            x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling
+        )
+
+    def update_scaling(self) -> None:
+        """Delayed-scaling update of the input and output-gradient states (after a step)."""
+        self.input_scaling.update()
+        self.grad_output_scaling.update()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=e4m3/e5m2"

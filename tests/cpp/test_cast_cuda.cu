@@ -1,0 +1,688 @@
+// CUDA cast kernels against the CPU reference, bit for bit: every op runs through the public API
+// (cast.h) once on CPU tensors and once on CUDA tensors holding the same bytes, and every tensor
+// involved must end up byte-identical (inputs too, and guard elements around each tensor, so a
+// stray write shows). Skips cleanly on a machine without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/numerics.h"
+#include "fp8amp/cast.h"
+#include "fp8amp/dtype.h"
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+namespace {
+
+using numerics::bits_float;
+using numerics::float_bits;
+
+#define CUDA_OK(expr)                                                              \
+  do {                                                                             \
+    const cudaError_t status_ = (expr);                                            \
+    ASSERT_EQ(cudaSuccess, status_) << #expr << ": " << cudaGetErrorString(status_); \
+  } while (0)
+
+// Throws, for helpers that return values (gtest reports the exception as a failure).
+void cuda_ok(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+bool has_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define REQUIRE_GPU()                                      \
+  do {                                                     \
+    if (!has_gpu()) GTEST_SKIP() << "no CUDA device";      \
+  } while (0)
+
+constexpr int64_t kGuard = 16;            // elements on each side of a tensor, checked untouched
+constexpr uint8_t kGuardByte = 0xA5;
+
+// A tensor held twice, in host memory (for the CPU reference) and in device memory (for CUDA),
+// `offset` elements into its allocation so a test can make a misaligned start.
+class Tensor {
+ public:
+  Tensor(DType dtype, std::vector<int64_t> shape, int64_t offset = 0)
+      : dtype_(dtype), shape_(std::move(shape)), offset_(kGuard + offset) {
+    numel_ = 1;
+    for (int64_t d : shape_) numel_ *= d;
+    host_.assign(static_cast<size_t>((offset_ + numel_ + kGuard) * elem()), kGuardByte);
+    cuda_ok(cudaMalloc(&device_, host_.size()), "cudaMalloc");
+  }
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  ~Tensor() { cudaFree(device_); }
+
+  DType dtype() const { return dtype_; }
+  int64_t numel() const { return numel_; }
+  size_t elem() const { return dtype_size(dtype_); }
+
+  // The view's elements in host memory, as raw bits of the element's width.
+  void set_bits(int64_t i, uint32_t bits) { std::memcpy(host_.data() + (offset_ + i) * elem(), &bits, elem()); }
+  void set_float(int64_t i, float v) { set_bits(i, float_bits(v)); }
+  void set_int(int64_t i, int32_t v) { set_bits(i, static_cast<uint32_t>(v)); }
+  uint32_t bits(int64_t i) const {
+    uint32_t b = 0;
+    std::memcpy(&b, host_.data() + (offset_ + i) * elem(), elem());
+    return b;
+  }
+
+  TensorView view(Device device) const {
+    uint8_t* base = device == Device::kCPU ? const_cast<uint8_t*>(host_.data()) : static_cast<uint8_t*>(device_);
+    TensorView v;
+    v.data = base + offset_ * elem();
+    v.dtype = dtype_;
+    v.shape = shape_;
+    v.device = device;
+    v.device_index = device == Device::kCPU ? -1 : 0;
+    return v;
+  }
+
+  void upload() { cuda_ok(cudaMemcpy(device_, host_.data(), host_.size(), cudaMemcpyHostToDevice), "upload"); }
+
+  // Device bytes against host bytes, guards included; names the first differing element.
+  ::testing::AssertionResult same_on_both() const {
+    std::vector<uint8_t> got(host_.size());
+    cuda_ok(cudaMemcpy(got.data(), device_, got.size(), cudaMemcpyDeviceToHost), "download");
+    if (got == host_) return ::testing::AssertionSuccess();
+    size_t byte = 0;
+    while (got[byte] == host_[byte]) ++byte;
+    const int64_t i = static_cast<int64_t>(byte / elem()) - offset_;
+    uint32_t cpu = 0, cuda = 0;
+    std::memcpy(&cpu, host_.data() + (byte / elem()) * elem(), elem());
+    std::memcpy(&cuda, got.data() + (byte / elem()) * elem(), elem());
+    std::ostringstream s;
+    s << dtype_name(dtype_) << " tensor of " << numel_ << " elements differs first at element " << i
+      << (i < 0 || i >= numel_ ? " (a guard)" : "") << ": cpu 0x" << std::hex << cpu << ", cuda 0x" << cuda;
+    return ::testing::AssertionFailure() << s.str();
+  }
+
+ private:
+  DType dtype_;
+  std::vector<int64_t> shape_;
+  int64_t offset_;
+  int64_t numel_;
+  std::vector<uint8_t> host_;
+  void* device_ = nullptr;
+};
+
+// Uploads every tensor, runs op(Device::kCPU) then op(Device::kCUDA), and expects every tensor
+// byte-identical afterwards.
+void expect_cuda_matches_cpu(const std::vector<Tensor*>& tensors, const std::function<void(Device)>& op,
+                             const std::string& what) {
+  SCOPED_TRACE(what);
+  for (Tensor* t : tensors) t->upload();
+  op(Device::kCPU);
+  op(Device::kCUDA);
+  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (Tensor* t : tensors) EXPECT_TRUE(t->same_on_both());
+}
+
+std::vector<Tensor*> operator+(std::vector<Tensor*> a, const std::vector<Tensor*>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<Tensor*> pointers(const std::vector<std::unique_ptr<Tensor>>& ts) {
+  std::vector<Tensor*> r;
+  for (const auto& t : ts) r.push_back(t.get());
+  return r;
+}
+
+// The scaling buffers of n tensors, on both sides.
+struct ScalingTensors {
+  Tensor scale, amax, scale_inv;
+  std::unique_ptr<Tensor> counter;
+  int warmup_steps = 0;
+  ScaleRecipe recipe;
+  TensorView counter_view[2];
+
+  ScalingTensors(int64_t n, int64_t history)
+      : scale(DType::kFloat32, {n}),
+        amax(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history}),
+        scale_inv(DType::kFloat32, {n}) {
+    for (int64_t i = 0; i < n; ++i) {
+      scale.set_float(i, 1.0f);
+      scale_inv.set_float(i, -7.0f);  // must be overwritten
+    }
+    for (int64_t i = 0; i < amax.numel(); ++i) amax.set_float(i, 0.0f);
+  }
+
+  void with_counter(std::vector<int32_t> values, int steps) {
+    counter = std::make_unique<Tensor>(DType::kInt32, std::vector<int64_t>{static_cast<int64_t>(values.size())});
+    for (size_t i = 0; i < values.size(); ++i) counter->set_int(static_cast<int64_t>(i), values[i]);
+    warmup_steps = steps;
+  }
+
+  Scaling on(Device d) {
+    Scaling s;
+    s.scale = scale.view(d);
+    s.amax = amax.view(d);
+    s.scale_inv = scale_inv.view(d);
+    if (counter) {
+      counter_view[static_cast<int>(d)] = counter->view(d);
+      s.warmup_counter = &counter_view[static_cast<int>(d)];
+    }
+    s.warmup_steps = warmup_steps;
+    s.recipe = recipe;
+    return s;
+  }
+
+  std::vector<Tensor*> all() {
+    std::vector<Tensor*> r{&scale, &amax, &scale_inv};
+    if (counter) r.push_back(counter.get());
+    return r;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Inputs.
+
+const DType kHighPrecision[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+const DType kScaled[] = {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kFloat16};
+
+// The bits of v in a high-precision dtype (IEEE rounding).
+uint32_t bits_in(DType dtype, float v) {
+  if (dtype == DType::kFloat32) return float_bits(v);
+  return dtype == DType::kBFloat16 ? numerics::float_to_bf16(v) : numerics::float_to_fp16(v);
+}
+
+// Values whose encoding is delicate in some format: format maxima and their rounding ties,
+// subnormal boundaries, fp32 extremes and specials; each with both signs and fp32 neighbours.
+std::vector<float> boundary_values() {
+  const float anchors[] = {0.0f,        1.0f,         448.0f,        464.0f,       480.0f,       57344.0f,
+                           61440.0f,    65504.0f,     65520.0f,      0x1p-6f,      0x1p-9f,      0x1p-10f,
+                           0x3p-11f,    0x1p-14f,     0x1p-16f,      0x1p-17f,     0x3p-18f,     0x1p-24f,
+                           0x1p-25f,    0x3p-26f,     FLT_MIN,       FLT_MAX,      FLT_TRUE_MIN, 0x1.fffffcp-127f,
+                           INFINITY,    1e38f,        1.5f,          0.3f,         240.0f,       232.0f};
+  std::vector<float> v;
+  for (float a : anchors) {
+    for (float x : {a, std::nextafter(a, 0.0f), std::nextafter(a, INFINITY)}) {
+      v.push_back(x);
+      v.push_back(-x);
+    }
+  }
+  for (uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFFFFFFFFu, 0x7FFFFFFFu}) v.push_back(bits_float(nan));
+  return v;
+}
+
+// Finite values over a wide range of magnitudes and both signs, with a few specials mixed in.
+std::vector<float> random_values(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(-40, 40), pick(0, 999), sign(0, 1);
+  const std::vector<float> specials = boundary_values();
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) {
+    if (pick(rng) == 0) {
+      x = specials[static_cast<size_t>(pick(rng)) % specials.size()];
+    } else {
+      x = std::ldexp(mantissa(rng), exponent(rng)) * (sign(rng) ? -1.0f : 1.0f);
+    }
+  }
+  return v;
+}
+
+void fill(Tensor& t, const std::vector<float>& values) {
+  for (int64_t i = 0; i < t.numel(); ++i) t.set_bits(i, bits_in(t.dtype(), values[static_cast<size_t>(i)]));
+}
+
+std::string label(DType in, DType out, const std::string& rest) {
+  return std::string(dtype_name(in)) + " -> " + dtype_name(out) + ", " + rest;
+}
+
+// ------------------------------------------------------------------------------------------------
+// quantize
+
+// Quantizes x (already filled) into a fresh out with one scale, compares everything.
+void check_quantize(Tensor& x, DType out_dtype, float scale, const std::string& what, int64_t out_offset = 0) {
+  Tensor out(out_dtype, {x.numel()}, out_offset);
+  ScalingTensors s(1, 0);
+  s.scale.set_float(0, scale);
+  s.amax.set_float(0, 0.0f);
+  expect_cuda_matches_cpu(std::vector<Tensor*>{&x, &out} + s.all(), [&](Device d) { quantize(x.view(d), out.view(d), s.on(d), nullptr); },
+                          label(x.dtype(), out_dtype, what));
+}
+
+TEST(CastCuda, QuantizeEvery16BitPattern) {
+  REQUIRE_GPU();
+  for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+    Tensor x(in, {65536});
+    for (int64_t i = 0; i < 65536; ++i) x.set_bits(i, static_cast<uint32_t>(i));
+    for (DType out : kScaled) {
+      for (float scale : {1.0f, 0x1p-7f, 0x1p+9f, 3.7f, 0.0123f}) {
+        check_quantize(x, out, scale, "all 65536 patterns, scale " + std::to_string(scale));
+      }
+    }
+  }
+}
+
+TEST(CastCuda, QuantizeBoundaryAndRandomFloat32) {
+  REQUIRE_GPU();
+  std::vector<float> values = boundary_values();
+  const std::vector<float> random = random_values(100000, 1);
+  values.insert(values.end(), random.begin(), random.end());
+  Tensor x(DType::kFloat32, {static_cast<int64_t>(values.size())});
+  fill(x, values);
+  for (DType out : kScaled) {
+    for (float scale : {1.0f, 0x1p-7f, 0x1p+20f, 3.7f, 1e-30f}) {
+      check_quantize(x, out, scale, "boundary + random, scale " + std::to_string(scale));
+    }
+  }
+}
+
+TEST(CastCuda, QuantizeTailsAndMisalignedPointers) {
+  REQUIRE_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4097}, int64_t{65537}, int64_t{(1 << 20) + 3}}) {
+    const std::vector<float> values = random_values(n, static_cast<uint32_t>(n));
+    for (DType in : kHighPrecision) {
+      for (DType out : kScaled) {
+        for (auto [in_offset, out_offset] : {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 1}, std::pair{3, 5}}) {
+          Tensor x(in, {n}, in_offset);
+          fill(x, values);
+          check_quantize(x, out, 0x1p-3f,
+                         "numel " + std::to_string(n) + ", offsets " + std::to_string(in_offset) + "/" +
+                             std::to_string(out_offset),
+                         out_offset);
+        }
+      }
+    }
+  }
+}
+
+TEST(CastCuda, QuantizeEmptyTensorStillWritesScaleInv) {
+  REQUIRE_GPU();
+  for (DType out : kScaled) {
+    Tensor x(DType::kBFloat16, {0});
+    check_quantize(x, out, 0.25f, "numel 0");
+  }
+}
+
+// The GPU's saturating converters (cvt.rn.satfinite) against numerics' software codec, over every
+// fp32 bit pattern. The CPU would take minutes for 2^32 values, so the reference here is the same
+// numerics code run by a kernel of this test.
+__global__ void iota_bits(uint32_t first, int64_t n, uint32_t* x) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    x[i] = first + static_cast<uint32_t>(i);
+  }
+}
+
+template <class Out>
+__global__ void count_mismatches(uint32_t first, int64_t n, const void* got, unsigned long long* mismatches,
+                                 uint32_t* first_bad) {
+  const Out* codes = static_cast<const Out*>(got);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t bits = first + static_cast<uint32_t>(i);
+    if (codes[i].bits != numerics::quantize_to<Out>(bits_float(bits)).bits) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first_bad, bits);
+    }
+  }
+}
+
+TEST(CastCuda, QuantizeEveryFloat32Pattern) {
+  REQUIRE_GPU();
+  constexpr int64_t kChunk = int64_t{1} << 28;
+  uint32_t* x = nullptr;
+  void* y = nullptr;
+  float* scaling = nullptr;  // scale, amax, scale_inv
+  unsigned long long* mismatches = nullptr;
+  uint32_t* first_bad = nullptr;
+  CUDA_OK(cudaMalloc(&x, kChunk * sizeof(uint32_t)));
+  CUDA_OK(cudaMalloc(&y, kChunk * sizeof(uint16_t)));
+  CUDA_OK(cudaMalloc(&scaling, 3 * sizeof(float)));
+  CUDA_OK(cudaMalloc(&mismatches, sizeof(unsigned long long)));
+  CUDA_OK(cudaMalloc(&first_bad, sizeof(uint32_t)));
+  const float one[3] = {1.0f, 0.0f, 0.0f};
+  CUDA_OK(cudaMemcpy(scaling, one, sizeof(one), cudaMemcpyHostToDevice));
+  auto device_view = [](void* data, DType dtype, int64_t n) {
+    TensorView v;
+    v.data = data;
+    v.dtype = dtype;
+    v.shape = {n};
+    v.device = Device::kCUDA;
+    v.device_index = 0;
+    return v;
+  };
+  for (DType out : kScaled) {
+    CUDA_OK(cudaMemset(mismatches, 0, sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(first_bad, 0xFF, sizeof(uint32_t)));
+    Scaling s;
+    s.scale = device_view(scaling, DType::kFloat32, 1);
+    s.amax = device_view(scaling + 1, DType::kFloat32, 1);
+    s.scale_inv = device_view(scaling + 2, DType::kFloat32, 1);
+    for (int64_t first = 0; first < (int64_t{1} << 32); first += kChunk) {
+      iota_bits<<<1024, 256>>>(static_cast<uint32_t>(first), kChunk, x);
+      CUDA_OK(cudaGetLastError());
+      quantize(device_view(x, DType::kFloat32, kChunk), device_view(y, out, kChunk), s, nullptr);
+      const auto check = out == DType::kFloat8E4M3   ? count_mismatches<numerics::fp8_e4m3>
+                         : out == DType::kFloat8E5M2 ? count_mismatches<numerics::fp8_e5m2>
+                                                     : count_mismatches<numerics::fp16>;
+      check<<<1024, 256>>>(static_cast<uint32_t>(first), kChunk, y, mismatches, first_bad);
+      CUDA_OK(cudaGetLastError());
+    }
+    unsigned long long count = 0;
+    uint32_t bad = 0;
+    CUDA_OK(cudaMemcpy(&count, mismatches, sizeof(count), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&bad, first_bad, sizeof(bad), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(count, 0u) << dtype_name(out) << ": first differing input bits 0x" << std::hex << bad;
+  }
+  cudaFree(x);
+  cudaFree(y);
+  cudaFree(scaling);
+  cudaFree(mismatches);
+  cudaFree(first_bad);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Current scaling (warm-up) and amax folding.
+
+TEST(CastCuda, QuantizeWarmupBelowAndAboveSteps) {
+  REQUIRE_GPU();
+  const std::vector<float> values = random_values(70000, 7);
+  // The amax slot starts below, above, at zero, non-canonical (-0, negative, NaN payloads) or inf.
+  const float start_amax[] = {0.0f, 1e-3f, 1e30f, -0.0f, -5.0f, bits_float(0x7FC00000u), INFINITY};
+  for (DType in : kHighPrecision) {
+    Tensor x(in, {static_cast<int64_t>(values.size())});
+    fill(x, values);
+    for (DType out : kScaled) {
+      for (int counter : {0, 3, 4, 9}) {
+        for (bool pow2 : {true, false}) {
+          for (float a : start_amax) {
+            Tensor y(out, {x.numel()});
+            ScalingTensors s(1, 4);
+            s.scale.set_float(0, 0.5f);
+            s.amax.set_float(0, a);
+            s.amax.set_float(1, 123.0f);  // older history: never read here
+            s.with_counter({counter}, 4);
+            s.recipe.pow2 = pow2;
+            s.recipe.margin = pow2 ? 1 : 2;
+            expect_cuda_matches_cpu(std::vector<Tensor*>{&x, &y} + s.all(), [&](Device d) { quantize(x.view(d), y.view(d), s.on(d), nullptr); },
+                                    label(in, out, "counter " + std::to_string(counter) + " of 4, pow2 " +
+                                                       std::to_string(pow2) + ", amax " + std::to_string(a)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CastCuda, AmaxWithAndWithoutCounter) {
+  REQUIRE_GPU();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{4097}, int64_t{300001}}) {
+    std::vector<float> values = random_values(n, 11);
+    for (DType in : kHighPrecision) {
+      for (int offset : {0, 1}) {
+        Tensor x(in, {n}, offset);
+        fill(x, values);
+        for (int counter : {-1, 2, 5}) {  // -1: no counter
+          for (float start : {0.0f, -0.0f, 2.0f, -1e30f}) {
+            Tensor a(DType::kFloat32, {1});
+            a.set_float(0, start);
+            Tensor c(DType::kInt32, {1});
+            c.set_int(0, counter);
+            expect_cuda_matches_cpu(
+                {&x, &a, &c},
+                [&](Device d) {
+                  const TensorView cv = c.view(d);
+                  amax(x.view(d), a.view(d), counter < 0 ? nullptr : &cv, 3, nullptr);
+                },
+                std::string(dtype_name(in)) + " numel " + std::to_string(n) + " offset " + std::to_string(offset) +
+                    " counter " + std::to_string(counter) + " start " + std::to_string(start));
+          }
+        }
+      }
+    }
+  }
+  // NaN anywhere wins, whatever the payload.
+  Tensor x(DType::kFloat32, {100000});
+  fill(x, random_values(100000, 3));
+  x.set_float(77777, bits_float(0xFFC00001u));
+  Tensor a(DType::kFloat32, {1});
+  a.set_float(0, 1.0f);
+  expect_cuda_matches_cpu({&x, &a}, [&](Device d) { amax(x.view(d), a.view(d), nullptr, 0, nullptr); }, "NaN input");
+  EXPECT_EQ(a.bits(0), numerics::kCanonicalNanBits);
+}
+
+// ------------------------------------------------------------------------------------------------
+// dequantize
+
+TEST(CastCuda, DequantizeEveryCode) {
+  REQUIRE_GPU();
+  for (DType in : kScaled) {
+    const int64_t codes = dtype_size(in) == 1 ? 256 : 65536;
+    Tensor x(in, {codes});
+    for (int64_t i = 0; i < codes; ++i) x.set_bits(i, static_cast<uint32_t>(i));
+    for (DType out : kHighPrecision) {
+      for (float scale_inv : {1.0f, 0x1p-5f, 3.3e-3f, 1e30f, 0x1p-130f}) {
+        Tensor y(out, {codes});
+        Tensor si(DType::kFloat32, {1});
+        si.set_float(0, scale_inv);
+        expect_cuda_matches_cpu({&x, &y, &si}, [&](Device d) { dequantize(x.view(d), si.view(d), y.view(d), nullptr); },
+                                label(in, out, "scale_inv " + std::to_string(scale_inv)));
+      }
+    }
+  }
+}
+
+TEST(CastCuda, DequantizeTailsAndMisalignedPointers) {
+  REQUIRE_GPU();
+  std::mt19937 rng(5);
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4097}, int64_t{65537}}) {
+    for (DType in : kScaled) {
+      for (DType out : kHighPrecision) {
+        for (auto [in_offset, out_offset] : {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 3}}) {
+          Tensor x(in, {n}, in_offset);
+          for (int64_t i = 0; i < n; ++i) x.set_bits(i, static_cast<uint32_t>(rng()));
+          Tensor y(out, {n}, out_offset);
+          Tensor si(DType::kFloat32, {1});
+          si.set_float(0, 0.75f);
+          expect_cuda_matches_cpu({&x, &y, &si},
+                                  [&](Device d) { dequantize(x.view(d), si.view(d), y.view(d), nullptr); },
+                                  label(in, out, "numel " + std::to_string(n)));
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// cast_transpose
+
+void check_cast_transpose(DType in, DType out, int64_t rows, int64_t cols, int64_t x_offset, int counter) {
+  Tensor x(in, {rows, cols}, x_offset);
+  fill(x, random_values(rows * cols, static_cast<uint32_t>(rows * 131 + cols)));
+  Tensor y(out, {rows, cols});
+  Tensor yt(out, {cols, cols == 0 ? 0 : rows});  // cast.h views x as [numel / cols, cols]
+  ScalingTensors s(1, 0);
+  s.scale.set_float(0, 0x1p-4f);
+  s.amax.set_float(0, 1.0f);
+  if (counter >= 0) s.with_counter({counter}, 2);
+  expect_cuda_matches_cpu(
+      std::vector<Tensor*>{&x, &y, &yt} + s.all(), [&](Device d) { cast_transpose(x.view(d), y.view(d), yt.view(d), s.on(d), nullptr); },
+      label(in, out,
+            std::to_string(rows) + "x" + std::to_string(cols) + " offset " + std::to_string(x_offset) +
+                " counter " + std::to_string(counter)));
+}
+
+TEST(CastCuda, CastTransposeShapes) {
+  REQUIRE_GPU();
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},   {1, 17},  {17, 1},     {33, 65},  {128, 128},
+                                                {64, 48}, {48, 64}, {257, 1031}, {0, 5},    {5, 0}};
+  for (DType in : kHighPrecision) {
+    for (DType out : kScaled) {
+      for (auto [rows, cols] : shapes) check_cast_transpose(in, out, rows, cols, 0, -1);
+      check_cast_transpose(in, out, 128, 256, 1, -1);  // misaligned x: element-wise loads
+      check_cast_transpose(in, out, 96, 160, 0, 1);    // warming up
+      check_cast_transpose(in, out, 96, 160, 0, 2);    // warmed up
+    }
+  }
+  check_cast_transpose(DType::kBFloat16, DType::kFloat8E4M3, 4096, 4096, 0, -1);
+  check_cast_transpose(DType::kFloat32, DType::kFloat8E5M2, 4096, 4096, 0, 0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Multi-tensor ops: 300 tensors (several launches' worth), sizes from 0 up, each with its own
+// row of the scaling buffers.
+
+std::vector<int64_t> varied_sizes() {
+  std::vector<int64_t> sizes;
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int64_t> small(0, 5000), large(5000, 300000);
+  for (int i = 0; i < 300; ++i) sizes.push_back(i % 10 == 0 ? 0 : (i % 3 == 0 ? large(rng) : small(rng)));
+  return sizes;
+}
+
+template <class Make>
+std::vector<std::unique_ptr<Tensor>> make_tensors(const std::vector<int64_t>& sizes, Make&& make) {
+  std::vector<std::unique_ptr<Tensor>> r;
+  for (size_t i = 0; i < sizes.size(); ++i) r.push_back(make(i, sizes[i]));
+  return r;
+}
+
+std::vector<TensorView> views(const std::vector<std::unique_ptr<Tensor>>& ts, Device d) {
+  std::vector<TensorView> r;
+  for (const auto& t : ts) r.push_back(t->view(d));
+  return r;
+}
+
+TEST(CastCuda, MultiTensorOps) {
+  REQUIRE_GPU();
+  const std::vector<int64_t> sizes = varied_sizes();
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  for (DType in : kHighPrecision) {
+    auto xs = make_tensors(sizes, [&](size_t i, int64_t size) {
+      auto t = std::make_unique<Tensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
+      fill(*t, random_values(size, static_cast<uint32_t>(i)));
+      return t;
+    });
+    for (DType out : kScaled) {
+      auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
+        return std::make_unique<Tensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
+      });
+      ScalingTensors s(n, 3);
+      std::vector<int32_t> counters;
+      for (int64_t i = 0; i < n; ++i) {
+        s.scale.set_float(i, std::ldexp(1.0f, static_cast<int>(i % 11) - 5));
+        s.amax.set_float(i * 3, i % 4 == 0 ? 0.0f : 0.5f * static_cast<float>(i));
+        counters.push_back(static_cast<int32_t>(i % 7));
+      }
+      s.with_counter(counters, 4);
+      expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + s.all(),
+                              [&](Device d) { multi_quantize(views(xs, d), views(ys, d), s.on(d), nullptr); },
+                              label(in, out, "multi_quantize of 300 tensors"));
+    }
+    for (int64_t history : {int64_t{0}, int64_t{5}}) {
+      Tensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
+      for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, i % 5 == 0 ? -0.0f : 0.25f * static_cast<float>(i % 9));
+      expect_cuda_matches_cpu(pointers(xs) + std::vector<Tensor*>{&a},
+                              [&](Device d) { multi_amax(views(xs, d), a.view(d), nullptr); },
+                              std::string(dtype_name(in)) + " multi_amax, history " + std::to_string(history));
+    }
+  }
+  std::mt19937 rng(13);
+  for (DType in : kScaled) {
+    auto xs = make_tensors(sizes, [&](size_t i, int64_t size) {
+      auto t = std::make_unique<Tensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
+      for (int64_t j = 0; j < size; ++j) t->set_bits(j, static_cast<uint32_t>(rng()));
+      return t;
+    });
+    Tensor si(DType::kFloat32, {n});
+    for (int64_t i = 0; i < n; ++i) si.set_float(i, std::ldexp(1.3f, static_cast<int>(i % 13) - 6));
+    for (DType out : kHighPrecision) {
+      auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
+        return std::make_unique<Tensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
+      });
+      expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + std::vector<Tensor*>{&si},
+                              [&](Device d) { multi_dequantize(views(xs, d), si.view(d), views(ys, d), nullptr); },
+                              label(in, out, "multi_dequantize of 300 tensors"));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scale updates over histories full of awkward amaxes.
+
+float awkward_amax(std::mt19937& rng) {
+  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, bits_float(0x7FC00000u), bits_float(0xFFFFFFFFu),
+                            FLT_TRUE_MIN, FLT_MAX, 1e-40f, -3.0f, 448.0f, 65504.0f};
+  std::uniform_int_distribution<int> pick(0, 3), which(0, 11), exponent(-130, 130);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  if (pick(rng) == 0) return specials[which(rng)];
+  return std::ldexp(mantissa(rng), exponent(rng));
+}
+
+TEST(CastCuda, ComputeScale) {
+  REQUIRE_GPU();
+  std::mt19937 rng(17);
+  const int64_t n = 1000;
+  for (int64_t history : {int64_t{0}, int64_t{4}}) {
+    for (float fmax : {448.0f, 57344.0f, 65504.0f}) {
+      for (bool pow2 : {true, false}) {
+        for (int margin : {0, 3, -2, 200}) {
+          Tensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
+          for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, awkward_amax(rng));
+          Tensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n});
+          for (int64_t i = 0; i < n; ++i) {
+            scale.set_float(i, std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
+            scale_inv.set_float(i, 1.0f / std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
+          }
+          const ScaleRecipe recipe{margin, pow2};
+          expect_cuda_matches_cpu(
+              {&a, &scale, &scale_inv},
+              [&](Device d) { compute_scale(a.view(d), scale.view(d), scale_inv.view(d), fmax, recipe, nullptr); },
+              "fmax " + std::to_string(fmax) + " pow2 " + std::to_string(pow2) + " margin " + std::to_string(margin));
+        }
+      }
+    }
+  }
+}
+
+TEST(CastCuda, UpdateDelayedScaling) {
+  REQUIRE_GPU();
+  std::mt19937 rng(19);
+  for (int64_t n : {int64_t{1}, int64_t{1000}}) {
+    for (int64_t history : {int64_t{1}, int64_t{16}, int64_t{33}}) {
+      for (bool pow2 : {true, false}) {
+        Tensor h(DType::kFloat32, {n, history});
+        for (int64_t i = 0; i < h.numel(); ++i) h.set_float(i, awkward_amax(rng));
+        Tensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n}), counter(DType::kInt32, {n});
+        std::uniform_int_distribution<int32_t> count(-2, static_cast<int32_t>(history) + 2);
+        for (int64_t i = 0; i < n; ++i) {
+          scale.set_float(i, 2.0f);
+          scale_inv.set_float(i, 0.5f);
+          counter.set_int(i, i == 0 ? INT32_MAX : count(rng));
+        }
+        const ScaleRecipe recipe{1, pow2};
+        // Several steps in a row, so rolled histories and counters feed the next update.
+        for (int step = 0; step < 3; ++step) {
+          expect_cuda_matches_cpu({&h, &scale, &scale_inv, &counter},
+                                  [&](Device d) {
+                                    update_delayed_scaling(h.view(d), scale.view(d), scale_inv.view(d),
+                                                           counter.view(d), 448.0f, recipe, nullptr);
+                                  },
+                                  "n " + std::to_string(n) + " H " + std::to_string(history) + " pow2 " +
+                                      std::to_string(pow2) + " step " + std::to_string(step));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp8amp

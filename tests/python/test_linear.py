@@ -1,0 +1,213 @@
+"""Fp8Linear and convert(): accuracy against an fp32 nn.Linear, scaling state, state dicts,
+autocast, torch.compile, activation checkpointing, errors; on CPU (emulation) and GPU."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fp8amp
+
+# SQNR floors. Round to nearest with m mantissa bits has a relative error uniform in
+# +-2^-(m+1): an SQNR of 4.77 + 6.02 (m + 1) dB per operand, 28.8 dB for E4M3 (m = 3) and
+# 22.8 dB for E5M2 (m = 2). A product of two quantized operands adds both noises (-3 dB):
+# ~25.8 dB forward (E4M3 x E4M3), ~21.8 dB for dgrad and wgrad (E5M2 x E4M3). The floors sit
+# 3 dB under those predictions to absorb the spread of random data, and no lower.
+FORWARD_SQNR_DB = 22.8
+BACKWARD_SQNR_DB = 18.8
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    actual, reference = actual.detach().double(), reference.detach().double()
+    noise = (actual - reference).pow(2).sum()
+    return math.inf if noise == 0 else 10 * math.log10(reference.pow(2).sum() / noise)
+
+
+def pair(in_features=64, out_features=48, bias=True, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    reference = nn.Linear(in_features, out_features, bias=bias, device=device)
+    fp8 = fp8amp.Fp8Linear.from_linear(copy.deepcopy(reference))
+    return fp8, reference
+
+
+def run(module, x, grad_out):
+    x = x.detach().clone().requires_grad_()
+    y = module(x)
+    y.backward(grad_out)
+    return y, x.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead_shape", [(256,), (4, 37), (2, 3, 5)])
+def test_forward_and_grads_against_fp32(device, bias, lead_shape):
+    fp8, ref = pair(bias=bias, device=device)
+    x = torch.randn(*lead_shape, 64, device=device)
+    grad_out = torch.randn(*lead_shape, 48, device=device)
+    y, dx = run(fp8, x, grad_out)
+    y_ref, dx_ref = run(ref, x, grad_out)
+    assert y.shape == y_ref.shape and y.dtype == torch.float32
+    assert sqnr_db(y, y_ref) > FORWARD_SQNR_DB
+    assert sqnr_db(dx, dx_ref) > BACKWARD_SQNR_DB
+    assert sqnr_db(fp8.weight.grad, ref.weight.grad) > BACKWARD_SQNR_DB
+    if bias:  # the bias gradient is a high-precision sum
+        torch.testing.assert_close(fp8.bias.grad, ref.bias.grad)
+
+
+def test_quantization_error_is_really_there():
+    # The floors above must be able to fail: FP8 is measurably worse than fp32.
+    fp8, ref = pair()
+    x = torch.randn(64, 64)
+    assert sqnr_db(fp8(x), ref(x)) < 40
+
+
+def test_delayed_scaling_state_after_steps():
+    history_len = 4
+    fp8 = fp8amp.Fp8Linear.from_linear(nn.Linear(64, 48), fp8amp.ScalingRecipe(history_len=history_len))
+    amaxes = []
+    for step in range(6):
+        x = torch.randn(32, 64) * (step + 1)
+        amaxes.append(x.abs().max().item())
+        fp8(x).backward(torch.randn(32, 48))
+        assert fp8.input_scaling.amax_history[0, 0].item() == amaxes[-1]
+        fp8amp.update_scaling(fp8)
+    state = fp8.input_scaling
+    assert state.counter.tolist() == [history_len]
+    assert state.amax_history[0].tolist() == [0.0] + amaxes[-1 : -history_len : -1]
+    window_max = max(amaxes[-history_len:])
+    assert state.scale.item() == 2.0 ** math.floor(math.log2(448.0 / window_max))
+    assert fp8.grad_output_scaling.counter.tolist() == [history_len]
+
+
+def test_state_dict_round_trip_keeps_warmup():
+    fp8, _ = pair()
+    for _ in range(3):
+        fp8(torch.randn(16, 64)).sum().backward()
+        fp8amp.update_scaling(fp8)
+    sd = fp8.state_dict()
+    assert {"weight", "bias", "input_scaling.counter", "grad_output_scaling.amax_history"} <= set(sd)
+    fresh, _ = pair(seed=1)
+    fresh.load_state_dict(sd)
+    assert fresh.input_scaling.counter.tolist() == [3]
+    assert torch.equal(fresh.input_scaling.amax_history, fp8.input_scaling.amax_history)
+    assert torch.equal(fresh.weight, fp8.weight)
+
+
+def test_plain_linear_checkpoint_loads_strictly():
+    fp8, ref = pair()
+    fp8.load_state_dict(nn.Linear(64, 48).state_dict(), strict=True)
+    assert fp8.input_scaling.counter.tolist() == [0]
+
+
+def test_convert_swaps_filters_and_keeps_parameters():
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 17)), nn.Linear(17, 16)
+    )
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fp8amp.convert(model, module_filter_fn=lambda mod, fqn: fqn != "2.0", optimizer=optimizer)
+    assert isinstance(model[0], fp8amp.Fp8Linear)
+    assert type(model[2][0]) is nn.Linear  # filtered out by name
+    assert type(model[2][1]) is nn.Linear  # 17 outputs: not a multiple of 16
+    assert type(model[3]) is nn.Linear  # 17 inputs
+    assert list(model.parameters()) == params  # same objects: the optimizer still owns them
+    model(torch.randn(8, 64)).sum().backward()
+    optimizer.step()  # the hook convert() added rolls the scaling histories
+    assert model[0].input_scaling.counter.tolist() == [1]
+
+
+def test_convert_a_bare_linear_and_bad_arguments():
+    assert isinstance(fp8amp.convert(nn.Linear(32, 32)), fp8amp.Fp8Linear)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        fp8amp.convert("model")
+    with pytest.raises(TypeError, match="optimizer"):
+        fp8amp.convert(nn.Linear(32, 32), optimizer=object())
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8amp.Fp8Linear(17, 32)
+    with pytest.raises(ValueError, match="in_features"):
+        fp8amp.Fp8Linear(32, 32)(torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_output_dtype(device):
+    fp8, ref = pair(device=device)
+    x = torch.randn(32, 64, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = fp8(x)
+        y_ref = ref(x)
+    assert y.dtype == torch.bfloat16 == y_ref.dtype
+    assert sqnr_db(y.float(), y_ref.float()) > FORWARD_SQNR_DB
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    fp8, _ = pair()
+    twin = copy.deepcopy(fp8)
+    x = torch.randn(32, 64)
+    g = torch.randn(32, 48)
+    y, dx = run(fp8, x, g)
+    x2 = x.clone().requires_grad_()
+    checkpoint(twin, x2, use_reentrant=False).backward(g)
+    assert torch.equal(dx, x2.grad)
+    assert torch.equal(fp8.weight.grad, twin.weight.grad)
+
+
+def test_compile_matches_eager():
+    fp8, _ = pair()
+    twin = copy.deepcopy(fp8)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        x = torch.randn(32, 64)
+        g = torch.randn(32, 48)
+        y, dx = run(fp8, x, g)
+        y_c, dx_c = run(compiled, x, g)
+        assert torch.equal(y, y_c) and torch.equal(dx, dx_c)
+        fp8amp.update_scaling(fp8)
+        fp8amp.update_scaling(twin)
+    assert torch.equal(fp8.weight.grad, twin.weight.grad)
+    for name, buf in fp8.named_buffers():
+        assert torch.equal(buf, dict(twin.named_buffers())[name]), name
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_emulation():
+    fp8_cpu, _ = pair()
+    fp8_gpu = copy.deepcopy(fp8_cpu).cuda()
+    x = torch.randn(64, 64)
+    g = torch.randn(64, 48)
+    y, dx = run(fp8_cpu, x, g)
+    y_g, dx_g = run(fp8_gpu, x.cuda(), g.cuda())
+    # Same quantized operands; only the GEMM's summation order (and fast accumulation) differ.
+    assert sqnr_db(y_g.cpu(), y) > 40 and sqnr_db(dx_g.cpu(), dx) > 40
+    assert torch.equal(fp8_gpu.input_scaling.amax_history.cpu(), fp8_cpu.input_scaling.amax_history)
+
+
+@pytest.mark.gpu
+def test_small_gpt_loss_matches_bf16():
+    from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+
+    data = load_text_bytes(max_bytes=4 << 20)
+    cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
+
+    def train(fp8: bool) -> float:
+        torch.manual_seed(0)
+        model = GPT(cfg).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        if fp8:
+            fp8amp.convert(model, optimizer=opt)
+        losses = []
+        for step, (x, y) in zip(range(300), batches(data, 32, cfg.seq_len, "cuda")):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return sum(losses[-20:]) / 20
+
+    bf16, fp8 = train(False), train(True)
+    assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)
