@@ -103,6 +103,19 @@ TEST(CastTranspose, LayoutsAgreeWithQuantize) {
   EXPECT_EQ(a.amax[0], 7.0f);
 }
 
+TEST(CastTranspose, EmptyColumnsTransposeToColsByRows) {
+  std::vector<float> x;
+  std::vector<uint8_t> y, yt;
+  State st;
+  st.scale[0] = 4.0f;
+  cast_transpose(view(x, DType::kFloat32, {5, 0}), view(y, DType::kFloat8E4M3, {5, 0}),
+                 view(yt, DType::kFloat8E4M3, {0, 5}), st.scaling(), nullptr);
+  EXPECT_EQ(st.scale_inv[0], 0.25f);
+  EXPECT_THROW(cast_transpose(view(x, DType::kFloat32, {5, 0}), view(y, DType::kFloat8E4M3, {5, 0}),
+                              view(yt, DType::kFloat8E4M3, {0, 0}), st.scaling(), nullptr),
+               Error);
+}
+
 TEST(MultiTensor, EachTensorUsesItsRow) {
   std::vector<float> x0{1.0f, 2.0f}, x1{}, x2{-120.0f};
   std::vector<uint8_t> y0(2), y1(0), y2(1);
@@ -180,6 +193,12 @@ TEST(Errors, NameTheArgument) {
   strided.strides = {2};
   expect_value_error([&] { quantize(strided, view(y, DType::kFloat8E4M3, {2}), st.scaling(), nullptr); },
                      "must be contiguous");
+  for (int margin : {-2, 127}) {
+    Scaling wide = st.scaling();
+    wide.recipe.margin = margin;
+    expect_value_error([&] { quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {2}), wide, nullptr); },
+                       "margin must be in [0, 126]");
+  }
   TensorView on_gpu = view(y, DType::kFloat8E4M3, {2});
   on_gpu.device = Device::kCUDA;
   on_gpu.device_index = 0;
