@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fp8amp/cast.h"
+#include "expect_error.h"
 #include "fp8amp/error.h"
 
 namespace fp8amp {
@@ -161,16 +162,6 @@ TEST(DelayedScaling, HistoryRollCounterAndNonFinite) {
   EXPECT_EQ(scale[0], 1.0f / 32.0f);
   for (int i = 0; i < 5; ++i) step();
   EXPECT_EQ(counter[0], 3);  // capped at the history length
-}
-
-void expect_value_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kValue) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 TEST(Errors, NameTheArgument) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/numerics.h"
+#include "expect_error.h"
 #include "fp8amp/error.h"
 #include "fp8amp/gemm.h"
 
@@ -256,16 +257,6 @@ TEST(Gemm, MatchesANaiveLoopOnRandomOperands) {
   }
 }
 
-void expect_error(ErrorKind kind, const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
 struct Args {
   std::vector<uint8_t> a = std::vector<uint8_t>(64 * 64), b = std::vector<uint8_t>(64 * 64);
   std::vector<float> sa{1.0f}, sb{1.0f}, out = std::vector<float>(64 * 64);
@@ -280,39 +271,39 @@ struct Args {
   void run() { gemm(va, vb, vsa, vsb, bias_ptr, vout, {}, nullptr); }
 };
 
-void expect_value_error(const std::function<void(Args&)>& setup, const std::string& needle) {
+void expect_gemm_value_error(const std::function<void(Args&)>& setup, const std::string& needle) {
   Args args;
   setup(args);
   expect_error(ErrorKind::kValue, [&] { args.run(); }, needle);
 }
 
 TEST(GemmErrors, NameTheArgumentAndTheRule) {
-  expect_value_error([](Args& x) { x.va.shape = {4, 24}; x.vb.shape = {16, 24}; },
+  expect_gemm_value_error([](Args& x) { x.va.shape = {4, 24}; x.vb.shape = {16, 24}; },
                      "K (the columns of a and b) must be a multiple of 16 for cuBLASLt FP8, got K = 24");
-  expect_value_error([](Args& x) { x.vb.shape = {24, 32}; x.vout.shape = {4, 24}; },
+  expect_gemm_value_error([](Args& x) { x.vb.shape = {24, 32}; x.vout.shape = {4, 24}; },
                      "N (the rows of b) must be a multiple of 16 for cuBLASLt FP8, got N = 24");
-  expect_value_error([](Args& x) { x.va.strides = {40, 1}; }, "a row stride (leading dimension) must be a multiple of 16");
-  expect_value_error([](Args& x) { x.vout.strides = {24, 1}; }, "out row stride (leading dimension) must be a multiple of 16");
-  expect_value_error([](Args& x) { x.vb.strides = {16, 1}; }, "b rows must not overlap");
-  expect_value_error([](Args& x) { x.va.strides = {1, 4}; }, "a must be row-major (last stride 1)");
-  expect_value_error([](Args& x) { x.vb.data = x.b.data() + 1; }, "b must start at a 16-byte aligned address");
-  expect_value_error([](Args& x) { x.va.dtype = x.vb.dtype = DType::kFloat8E5M2; },
+  expect_gemm_value_error([](Args& x) { x.va.strides = {40, 1}; }, "a row stride (leading dimension) must be a multiple of 16");
+  expect_gemm_value_error([](Args& x) { x.vout.strides = {24, 1}; }, "out row stride (leading dimension) must be a multiple of 16");
+  expect_gemm_value_error([](Args& x) { x.vb.strides = {16, 1}; }, "b rows must not overlap");
+  expect_gemm_value_error([](Args& x) { x.va.strides = {1, 4}; }, "a must be row-major (last stride 1)");
+  expect_gemm_value_error([](Args& x) { x.vb.data = x.b.data() + 1; }, "b must start at a 16-byte aligned address");
+  expect_gemm_value_error([](Args& x) { x.va.dtype = x.vb.dtype = DType::kFloat8E5M2; },
                      "a and b are both float8_e5m2, which cuBLASLt cannot multiply");
-  expect_value_error([](Args& x) { x.va.dtype = DType::kBFloat16; }, "a must be float8_e4m3fn or float8_e5m2");
-  expect_value_error([](Args& x) { x.va.shape = {1, 4, 32}; }, "a must be 2-D");
-  expect_value_error([](Args& x) { x.vb.shape = {16, 48}; }, "a [M, K] and b [N, K] must share K");
-  expect_value_error([](Args& x) { x.vout.shape = {4, 32}; }, "out must be [M, N] = [4, 16]");
-  expect_value_error([](Args& x) { x.vout.dtype = DType::kFloat8E4M3; }, "out must be float32, bfloat16 or float16");
-  expect_value_error([](Args& x) { x.vsa.dtype = DType::kBFloat16; }, "a_scale_inv must be float32");
-  expect_value_error([](Args& x) { x.vsb.shape = {0}; }, "b_scale_inv must have 1 element(s)");
-  expect_value_error([](Args& x) { x.vbias.dtype = DType::kFloat32; x.bias_ptr = &x.vbias; },
+  expect_gemm_value_error([](Args& x) { x.va.dtype = DType::kBFloat16; }, "a must be float8_e4m3fn or float8_e5m2");
+  expect_gemm_value_error([](Args& x) { x.va.shape = {1, 4, 32}; }, "a must be 2-D");
+  expect_gemm_value_error([](Args& x) { x.vb.shape = {16, 48}; }, "a [M, K] and b [N, K] must share K");
+  expect_gemm_value_error([](Args& x) { x.vout.shape = {4, 32}; }, "out must be [M, N] = [4, 16]");
+  expect_gemm_value_error([](Args& x) { x.vout.dtype = DType::kFloat8E4M3; }, "out must be float32, bfloat16 or float16");
+  expect_gemm_value_error([](Args& x) { x.vsa.dtype = DType::kBFloat16; }, "a_scale_inv must be float32");
+  expect_gemm_value_error([](Args& x) { x.vsb.shape = {0}; }, "b_scale_inv must have 1 element(s)");
+  expect_gemm_value_error([](Args& x) { x.vbias.dtype = DType::kFloat32; x.bias_ptr = &x.vbias; },
                      "bias must be bfloat16 for a float32 out (cuBLASLt's FP8 bias type)");
-  expect_value_error([](Args& x) { x.vout.dtype = DType::kFloat16; x.bias_ptr = &x.vbias; },
+  expect_gemm_value_error([](Args& x) { x.vout.dtype = DType::kFloat16; x.bias_ptr = &x.vbias; },
                      "bias must be float16 for a float16 out");
-  expect_value_error([](Args& x) { x.vbias.shape = {32}; x.bias_ptr = &x.vbias; }, "bias must be [N] = [16]");
-  expect_value_error([](Args& x) { x.vbias.data = x.bias.data() + 1; x.bias_ptr = &x.vbias; },
+  expect_gemm_value_error([](Args& x) { x.vbias.shape = {32}; x.bias_ptr = &x.vbias; }, "bias must be [N] = [16]");
+  expect_gemm_value_error([](Args& x) { x.vbias.data = x.bias.data() + 1; x.bias_ptr = &x.vbias; },
                      "bias must start at a 16-byte aligned address");
-  expect_value_error([](Args& x) { x.vb.device = Device::kCUDA; x.vb.device_index = 0; },
+  expect_gemm_value_error([](Args& x) { x.vb.device = Device::kCUDA; x.vb.device_index = 0; },
                      "b and a must be on the same device");
 }
 

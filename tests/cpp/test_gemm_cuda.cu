@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/numerics.h"
+#include "expect_error.h"
 #include "fp8amp/error.h"
 #include "fp8amp/gemm.h"
 
@@ -395,15 +396,6 @@ TEST(GemmCuda, IllegalShapesAreRefusedBeforeAnyLaunch) {
   Matrix a_si(DType::kFloat32, 1, 1, 1), b_si(DType::kFloat32, 1, 1, 1);
   auto run = [&](const TensorView& va, const TensorView& vb) {
     gemm(va, vb, a_si.view(Device::kCUDA), b_si.view(Device::kCUDA), nullptr, out.view(Device::kCUDA), {}, nullptr);
-  };
-  auto expect_value_error = [&](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kValue) << e.what();
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
   };
   expect_value_error([&] { run(a.view(Device::kCUDA), b.view(Device::kCUDA)); }, "K (the columns of a and b) must be a multiple of 16");
   TensorView e5 = a.view(Device::kCUDA), e5b = b.view(Device::kCUDA);
