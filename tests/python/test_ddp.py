@@ -1,0 +1,70 @@
+"""Fp8Linear under stock DistributedDataParallel: 2 processes on CPU with gloo (FP8 emulation).
+
+DDP all-reduces the (high-precision) gradients of the shared parameters and broadcasts rank 0's
+buffers, the scaling state included, before each forward: every rank then quantizes with the
+same scales and the parameters stay identical. The amaxes a rank records are its own until the
+next broadcast replaces them by rank 0's, so under stock DDP the delayed scales follow rank 0's
+data (FP8 gradient communication with amaxes reduced over the ranks is DESIGN §7's work).
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fp8amp
+
+WORLD_SIZE = 2
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    return fp8amp.convert(model)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        model = nn.parallel.DistributedDataParallel(make_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            model(batch(step, rank)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            fp8amp.update_scaling(model)
+        results[rank] = {k: v.clone() for k, v in model.module.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_replicas_stay_identical_and_train():
+    port = free_port()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(port, results), nprocs=WORLD_SIZE, join=True)
+        states = [dict(results[r]) for r in range(WORLD_SIZE)]
+    for key in ("0.weight", "0.bias", "2.weight", "2.bias", "0.input_scaling.counter"):
+        assert torch.equal(states[0][key], states[1][key]), key
+    # Each rank's last recorded input amax is its own batch's.
+    assert states[0]["0.input_scaling.amax_history"][0, 1] == batch(STEPS - 1, 0).abs().max()
+    assert states[1]["0.input_scaling.amax_history"][0, 1] == batch(STEPS - 1, 1).abs().max()
+    initial = make_model().state_dict()
+    assert not torch.equal(states[0]["0.weight"], initial["0.weight"])  # it did train
+    assert states[0]["0.input_scaling.counter"].tolist() == [STEPS]
