@@ -24,8 +24,6 @@ Prints a markdown table; with $OUT set, also writes it to $OUT/bench_cast.md.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -34,8 +32,8 @@ from typing import Callable
 import torch
 
 import fp8amp
+from _common import markdown_table, report, require_gpu, rotation_sets
 
-L2_BYTES = 60 * 2**20  # H200; the input rotation covers 4x this
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 
@@ -162,14 +160,12 @@ HEADER = ["op", "shape (bf16)", "fp8amp µs", "GB/s", "of copy", "torch eager µ
 
 
 def markdown(rows: list[Row], copy_bw: float) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(row.cells(copy_bw)) + " |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table(HEADER, [row.cells(copy_bw) for row in rows])
 
 
 def bench_shape(rows_n: int, cols_n: int, iters: int) -> list[Row]:
     numel = rows_n * cols_n
-    copies = max(2, math.ceil(4 * L2_BYTES / (2 * numel)))
+    copies = rotation_sets(2 * numel, min_sets=2, max_sets=None)  # bf16 bytes of one input
     xs = [torch.randn(rows_n, cols_n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     scale_inv = torch.full((1,), 2.0**-4, device="cuda")
     fp8s = [((x * 16).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale_inv) for x in xs]
@@ -198,9 +194,7 @@ def main() -> int:
                         help="comma-separated ROWSxCOLS of the bf16 input")
     parser.add_argument("--iters", type=int, default=200, help="timed runs per measurement")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_cast.py needs a CUDA GPU, and torch.cuda.is_available() is False here.", file=sys.stderr)
-        return 1
+    require_gpu("bench_cast")
     copy_bw = copy_bandwidth(args.iters)
     rows = []
     for spec in args.shapes.split(","):
@@ -210,11 +204,7 @@ def main() -> int:
     title = (f"Cast kernels, {device}, torch {torch.__version__}: GPU time per call (CUDA graph replay, "
              f"median); device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)\n\n")
     table = title + markdown(rows, copy_bw) + "\n"
-    print(table)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "bench_cast.md"), "w") as f:
-            f.write(table)
+    report("cast", table)
     return 0
 
 

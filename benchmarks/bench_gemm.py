@@ -24,19 +24,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import statistics
 import sys
-from typing import Callable
 
 import torch
 
 import fp8amp
+from _common import FP8_PEAK_FLOPS, median_seconds, parse_mkn, report, require_gpu, rotation_sets, warm_up_gpu
 
-FP8_PEAK_FLOPS = 1979e12  # H200 / H100 SXM dense FP8
-L2_BYTES = 60 * 2**20  # H200; operand sets rotate through 4x this
 E4M3 = torch.float8_e4m3fn
-SAMPLE_SECONDS = 0.02  # length of one timed batch
 
 SQUARE = [(n, n, n) for n in (1024, 2048, 4096, 8192, 16384)]
 # Linear layers of 1B-8B transformers at 8192 tokens: (M tokens, K in, N out).
@@ -52,28 +47,6 @@ LINEAR = [
 ]
 
 
-def median_seconds(fn: Callable[[int], object], samples: int) -> float:
-    """Median time of one fn(i) call (i rotates the operand set), from batches of calls."""
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(0)
-    end.record()
-    torch.cuda.synchronize()
-    batch = max(1, min(1000, round(SAMPLE_SECONDS / max(start.elapsed_time(end) * 1e-3, 1e-7))))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
-    for s in range(samples):
-        starts[s].record()
-        for i in range(batch):
-            fn(s * batch + i)
-        ends[s].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)) * 1e-3 / batch
-
-
 def quantize(x: torch.Tensor):
     """E4M3 with the power-of-two scale of its amax (DESIGN §3)."""
     scale = 2.0 ** math.floor(math.log2(448.0 / x.abs().max().item()))
@@ -81,8 +54,7 @@ def quantize(x: torch.Tensor):
 
 
 def bench_shape(m: int, k: int, n: int, samples: int) -> list[dict]:
-    per_set = m * k + n * k  # FP8 bytes of one operand set
-    sets = max(1, min(8, math.ceil(4 * L2_BYTES / per_set)))
+    sets = rotation_sets(m * k + n * k)  # FP8 bytes of one operand set
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(sets)]
     x8 = [quantize(x) for x in xs]
@@ -126,42 +98,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    shapes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"bench_gemm: --shapes takes MxKxN,MxKxN,... (e.g. 8192x4096x14336), got {item!r}")
-        shapes.append(tuple(int(p) for p in parts))
-    return shapes
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=SQUARE + LINEAR, help="MxKxN,MxKxN,...")
+    parser.add_argument("--shapes", type=parse_mkn, default=SQUARE + LINEAR, help="MxKxN,MxKxN,...")
     parser.add_argument("--samples", type=int, default=15, help="timed batches per measurement")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_gemm: needs a CUDA GPU (torch.cuda.is_available() is False); nothing to measure")
-    if torch.cuda.get_device_capability() < (8, 9):
-        sys.exit(f"bench_gemm: {torch.cuda.get_device_name()} has compute capability "
-                 f"{torch.cuda.get_device_capability()}; FP8 GEMMs need 8.9 or newer")
-
-    # Clocks up and cuBLASLt loaded before the first timed shape.
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(20):
-        x @ x
-    del x
+    require_gpu("bench_gemm", min_capability=(8, 9))
+    warm_up_gpu()
     rows = []
     for m, k, n in args.shapes:
         rows += bench_shape(m, k, n, args.samples)
         print(f"  {m} x {k} -> {n}: done", file=sys.stderr, flush=True)
     text = (f"FP8 GEMM (E4M3 x E4M3 -> bfloat16) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"median of {args.samples} batches\n\n{table(rows)}\n")
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_gemm.md"), "w") as f:
-            f.write(text)
+    report("gemm", text)
 
 
 if __name__ == "__main__":

@@ -4,19 +4,28 @@
 #   --sanitize  also run the CUDA gtests under compute-sanitizer (memcheck, racecheck)
 #   --no-bench  skip the benchmarks
 #   --gpu-only  run only the GPU-labelled/marked tests (CI runs the CPU ones)
+#   --no-tests  build, then only the benchmarks (to split a long check over two device calls)
+#   --benches=cast,gemm  only these benchmarks/bench_<name>.py (default: all)
 # The GPU machine has no GoogleTest package: carry its sources as .deps/googletest
 # (cp -r /usr/src/googletest .deps/) and name .deps in the device call's carry list.
+# Python packages the image lacks (torchao, the float8 baseline of bench_linear/bench_train) travel
+# as wheels in .whl/ (git-ignored; fetch them here with `python3 -m pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+# --platform any -d .whl torchao==0.17.0`): name .whl in the carry list together with .deps. They are
+# installed into /tmp/site and put on PYTHONPATH for the benchmarks only; tests use the image's packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-SANITIZE=0 BENCH=1 CTEST_ARGS=() PYTEST_ARGS=()
+SANITIZE=0 BENCH=1 TESTS=1 BENCHES="" CTEST_ARGS=() PYTEST_ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --sanitize) SANITIZE=1 ;;
     --no-bench) BENCH=0 ;;
     --gpu-only) CTEST_ARGS=(-L gpu) PYTEST_ARGS=(-m gpu) ;;
-    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only)"; exit 2 ;;
+    --no-tests) TESTS=0 ;;
+    --benches=*) BENCHES=${arg#--benches=} ;;
+    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b)"; exit 2 ;;
   esac
 done
 # Keep NVLink multicast off on shared multi-GPU hosts.
@@ -42,10 +51,12 @@ if ! python3 -m pip install --no-build-isolation --no-deps --no-index -v \
 fi
 echo "build: $(( $(date +%s) - start )) s"
 
-ctest --test-dir build/py --output-on-failure "${CTEST_ARGS[@]}" > "$OUT/ctest.log" 2>&1 || status=1
-tail -8 "$OUT/ctest.log"
-python3 -m pytest tests/python -q -rs -p no:cacheprovider "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
-tail -15 "$OUT/pytest.log"
+if [ "$TESTS" = 1 ]; then
+  ctest --test-dir build/py --output-on-failure "${CTEST_ARGS[@]}" > "$OUT/ctest.log" 2>&1 || status=1
+  tail -8 "$OUT/ctest.log"
+  python3 -m pytest tests/python -q -rs -p no:cacheprovider "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
+  tail -15 "$OUT/pytest.log"
+fi
 
 if [ "$SANITIZE" = 1 ]; then
   for tool in memcheck racecheck; do
@@ -56,7 +67,23 @@ if [ "$SANITIZE" = 1 ]; then
 fi
 
 if [ "$BENCH" = 1 ]; then
-  for bench in benchmarks/bench_*.py; do
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >> "$OUT/bench.log" 2>&1; then
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      echo "benchmark wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
+    else
+      status=1; echo "installing .whl/*.whl FAILED (see bench.log); benchmarks run without them"
+    fi
+  fi
+  selected=()
+  if [ -n "$BENCHES" ]; then
+    IFS=, read -ra names <<< "$BENCHES"
+    for name in "${names[@]}"; do selected+=("benchmarks/bench_$name.py"); done
+  else
+    selected=(benchmarks/bench_*.py)
+  fi
+  for bench in "${selected[@]}"; do
     echo "== $bench"
     python3 "$bench" >> "$OUT/bench.log" 2>&1 || { status=1; echo "$bench FAILED"; }
   done

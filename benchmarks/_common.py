@@ -1,0 +1,162 @@
+"""Helpers shared by the GPU benchmarks (this file is no benchmark: gpu_check.sh runs bench_*.py).
+
+- require_gpu: the clear exit on a machine without a (suitable) CUDA GPU.
+- rotation_sets: how many input sets to rotate through so that no call reads from L2.
+- median_seconds: event-timed batches of back-to-back calls, median per call.
+- warm_up_gpu: clocks up and cuBLAS loaded before the first timed shape.
+- markdown_table, report: the table printed last and written to $OUT/bench_<name>.md.
+- parse_mkn, parse_subset: argparse types for MxKxN shape lists and --modes subsets.
+- import_torchao: torchao's float8 training conversion, or why it is not there.
+- dynamo_summary: how many graphs torch.compile made and where it broke them (a silent fallback
+  to eager would otherwise pass for a slow compiled run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H200 (torch.cuda.get_device_properties().L2_cache_size)
+FP8_PEAK_FLOPS = 1979e12  # H200 / H100 SXM dense FP8 (datasheet)
+BF16_PEAK_FLOPS = 989.5e12  # H200 / H100 SXM dense BF16 (datasheet)
+SAMPLE_SECONDS = 0.02  # length of one timed batch in median_seconds
+
+
+def require_gpu(name: str, min_capability: Optional[tuple[int, int]] = None) -> None:
+    """Exits (status 1, message on stderr) unless a CUDA GPU of at least min_capability is here."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{name}: needs a CUDA GPU (torch.cuda.is_available() is False); nothing to measure")
+    if min_capability is not None and torch.cuda.get_device_capability() < min_capability:
+        sys.exit(f"{name}: {torch.cuda.get_device_name()} has compute capability "
+                 f"{torch.cuda.get_device_capability()}; FP8 GEMMs need "
+                 f"{min_capability[0]}.{min_capability[1]} or newer")
+
+
+def rotation_sets(bytes_per_set: int, min_sets: int = 1, max_sets: Optional[int] = 8, cover: int = 4) -> int:
+    """The number of input sets whose bytes together exceed cover x the L2 cache, clamped."""
+    sets = max(min_sets, math.ceil(cover * L2_BYTES / max(bytes_per_set, 1)))
+    return sets if max_sets is None else max(min_sets, min(max_sets, sets))
+
+
+def median_seconds(fn: Callable[[int], object], samples: int, sample_seconds: float = SAMPLE_SECONDS) -> float:
+    """Median time of one fn(i) call (i rotates the operand set), from batches of calls.
+
+    Each sample is a batch of back-to-back calls between two CUDA events, the batch sized to
+    last about sample_seconds, so launch overhead hides behind the GPU where it can, as in
+    training; where the host is slower than the GPU, the time is the host's.
+    """
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(0)
+    end.record()
+    torch.cuda.synchronize()
+    batch = max(1, min(1000, round(sample_seconds / max(start.elapsed_time(end) * 1e-3, 1e-7))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    for s in range(samples):
+        starts[s].record()
+        for i in range(batch):
+            fn(s * batch + i)
+        ends[s].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)) * 1e-3 / batch
+
+
+def warm_up_gpu() -> None:
+    """Clocks up and cuBLAS(Lt) loaded before the first timed shape."""
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):
+        x @ x
+    torch.cuda.synchronize()
+    del x
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(name: str, text: str) -> None:
+    """Prints text (the table, last) and, with $OUT set, writes it to $OUT/bench_<name>.md."""
+    print(text)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, f"bench_{name}.md"), "w") as f:
+            f.write(text)
+
+
+def dynamo_reset_counters() -> None:
+    try:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+    except Exception:  # private API: a diagnostic only
+        pass
+
+
+def dynamo_summary() -> str:
+    """'N graphs, M breaks' since the last dynamo_reset_counters(), with the first break reason."""
+    try:
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"].get("unique_graphs", 0)
+        breaks = sum(counters["graph_break"].values())
+        text = f"{graphs} graph{'s' if graphs != 1 else ''}, {breaks} break{'s' if breaks != 1 else ''}"
+        if breaks:
+            text += f" (first: {next(iter(counters['graph_break']))[:120]!r})"
+        return text
+    except Exception:  # private API: a diagnostic only
+        return "dynamo counters unavailable"
+
+
+def set_recompile_limit(limit: int) -> None:
+    """Raises dynamo's per-code-object recompile limit (named cache_size_limit before torch 2.6),
+    so that compiling many shapes or module instances never falls back to eager silently."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(limit, getattr(config, name)))
+
+
+def parse_mkn(text: str) -> list[tuple[int, int, int]]:
+    """argparse type of --shapes: 'MxKxN,MxKxN,...' (M rows/tokens, K inner, N out)."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"takes MxKxN,MxKxN,... (e.g. 8192x4096x14336), got {item!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def parse_subset(text: str, choices: Sequence[str]) -> list[str]:
+    """A comma-separated subset of choices, returned in the order of choices."""
+    picked = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in picked if c not in choices]
+    if unknown or not picked:
+        raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {', '.join(choices)}; got {text!r}")
+    return [c for c in choices if c in picked]
+
+
+def import_torchao() -> tuple[Optional[Callable], str]:
+    """(torchao.float8.convert_to_float8_training or None, a note for the table)."""
+    try:
+        import torchao
+        from torchao.float8 import convert_to_float8_training
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "torchao":
+            return None, "torchao: not installed"
+        return None, f"torchao: import failed ({type(e).__name__}: {e})"
+    except Exception as e:  # installed but broken (e.g. built for another torch)
+        return None, f"torchao: import failed ({type(e).__name__}: {e})"
+    return convert_to_float8_training, f"torchao {getattr(torchao, '__version__', '?')}"

@@ -1,0 +1,257 @@
+"""End-to-end GPT training on one GPU: fp8amp against BF16 and torchao float8, side by side (DESIGN §9).
+
+A plain pre-norm GPT (fp8amp.testing.GPT) trains on the built-in data (the Python standard
+library's sources as bytes, vocabulary 256) with float32 parameters, torch.autocast(bfloat16),
+gradient clipping and torch.optim.AdamW(fused=True), in these modes:
+
+    bf16 eager                 the baseline of DESIGN §9's memory target (BF16 autocast)
+    bf16 + compile             the baseline of its speed target
+    torchao float8 + compile   torchao.float8.convert_to_float8_training (default recipe: dynamic
+                               tensorwise scaling), compiled as torchao recommends
+    fp8amp eager               fp8amp.convert(model, optimizer=...): every Linear of the blocks
+                               becomes an Fp8Linear (the tied output head is F.linear and stays BF16)
+    fp8amp + compile           the same, compiled
+
+"compile" compiles each transformer block (regional compilation: one compiled graph reused by
+all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model).
+Every mode starts from the same initial weights (same seed) and sees the same batches, prepared
+on the GPU beforehand so no host-to-device copy stalls a step. Warm-up steps come first (they
+include compilation, and take fp8amp's delayed scaling past its current-scaling warm-up of
+history_len steps); then the timed steps, each between CUDA events: tokens/s is from the median
+step time. Peak memory is torch.cuda.max_memory_allocated over the timed steps (counters reset
+after warm-up, so weights, gradients and optimizer states are in it, compile-time scratch is not).
+Model TFLOP/s counts 6·N + 12·L·d·T FLOPs per token (N: parameters without the position
+embedding; the attention term as in nanoGPT). The final loss is the last step's: with a handful of
+steps it shows that training runs and agrees, not convergence (tests/python/test_linear.py's
+test_small_gpt_loss_matches_bf16 checks that).
+
+fp8amp here is Fp8Linear with PyTorch's AdamW on float32 parameters: its O2 optimizer (FP16
+master weights, FP8/FP16 states, DESIGN §6) is what the ≤ 0.5x memory target needs.
+
+Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
+       [--modes bf16,bf16-compile,torchao-compile,fp8amp,fp8amp-compile] [--compile-scope block|model]
+Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import fp8amp
+from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+from _common import (
+    dynamo_reset_counters,
+    dynamo_summary,
+    import_torchao,
+    markdown_table,
+    parse_subset,
+    report,
+    require_gpu,
+    set_recompile_limit,
+)
+
+PRESETS = {
+    # 20 x 12·2048² (+ biases, norms, embeddings) = 1.01e9 parameters; at batch 8 x 2048 tokens
+    # BF16 autocast needs roughly 16 GB of model and optimizer state and ~30 GB of activations.
+    "1b": dict(model=GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), batch=8, lr=3e-4, steps=10),
+    "small": dict(model=GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), batch=32, lr=1e-3, steps=20),
+}
+
+# key: (label, kind, compiled)
+MODES = {
+    "bf16": ("bf16 eager", "bf16", False),
+    "bf16-compile": ("bf16 + compile", "bf16", True),
+    "torchao": ("torchao float8 eager", "torchao", False),
+    "torchao-compile": ("torchao float8 + compile", "torchao", True),
+    "fp8amp": ("fp8amp eager", "fp8amp", False),
+    "fp8amp-compile": ("fp8amp + compile", "fp8amp", True),
+}
+DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp", "fp8amp-compile"]
+
+
+@dataclass
+class Result:
+    step_seconds: Optional[float] = None
+    peak_bytes: Optional[int] = None
+    final_loss: Optional[float] = None
+    warmup_seconds: Optional[float] = None
+    failure: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+
+def flops_per_token(model: GPT) -> float:
+    cfg = model.cfg
+    n = model.num_parameters() - model.pos.weight.numel()
+    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torchao_convert) -> Result:
+    result = Result()
+    t0 = time.perf_counter()
+    dynamo_reset_counters()
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).cuda()
+    if kind == "torchao":
+        model = torchao_convert(model)  # swaps the Linears in place, sharing their parameters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
+    if kind == "fp8amp":
+        model = fp8amp.convert(model, optimizer=optimizer)  # update_scaling after every step()
+        result.notes.append(f"{sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())} Fp8Linear")
+    step_model = model
+    if compiled:
+        if args.compile_scope == "model":
+            step_model = torch.compile(model, dynamic=False)
+        else:
+            for block in model.blocks:
+                block.compile(dynamic=False)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        return loss.detach()
+
+    for x, y in data[: args.warmup]:
+        train_step(x, y)
+    torch.cuda.synchronize()
+    result.warmup_seconds = time.perf_counter() - t0
+    if compiled:
+        result.notes.append(dynamo_summary())
+
+    torch.cuda.reset_peak_memory_stats()
+    timed = data[args.warmup:]
+    starts = [torch.cuda.Event(enable_timing=True) for _ in timed]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in timed]
+    losses = []
+    for (x, y), start, end in zip(timed, starts, ends):
+        start.record()
+        losses.append(train_step(x, y))
+        end.record()
+    torch.cuda.synchronize()
+    result.peak_bytes = torch.cuda.max_memory_allocated()
+    times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
+    result.step_seconds = statistics.median(times)
+    result.final_loss = losses[-1].item()
+    if not all(torch.isfinite(torch.stack(losses)).tolist()):
+        result.notes.append("non-finite loss")
+    result.notes.append(f"steps {min(times) * 1e3:.0f}-{max(times) * 1e3:.0f} ms")
+    return result
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def table(results: dict[str, Result], tokens_per_step: int, flops_token: float) -> str:
+    header = ["mode", "step ms", "tokens/s", "vs bf16 + compile", "model TFLOP/s", "peak GiB",
+              "memory vs bf16 eager", "final loss", "warm-up s", "notes"]
+    speed_base = results.get("bf16-compile", Result()).step_seconds
+    mem_base = results.get("bf16", Result()).peak_bytes
+    rows = []
+    for key, r in results.items():
+        label = MODES[key][0]
+        if r.step_seconds is None:
+            rows.append([label, r.failure or "not run"] + ["–"] * (len(header) - 2))
+            continue
+        rows.append([
+            label, f"{r.step_seconds * 1e3:.1f}", f"{tokens_per_step / r.step_seconds:,.0f}",
+            f"{speed_base / r.step_seconds:.2f}x" if speed_base else "–",
+            f"{flops_token * tokens_per_step / r.step_seconds / 1e12:.0f}",
+            f"{r.peak_bytes / 2**30:.1f}", f"{r.peak_bytes / mem_base:.2f}x" if mem_base else "–",
+            f"{r.final_loss:.4f}", f"{r.warmup_seconds:.0f}", "; ".join(r.notes),
+        ])
+    return markdown_table(header, rows)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    parser.add_argument("--steps", type=positive, default=None, help="timed steps (default: the preset's)")
+    parser.add_argument("--warmup", type=positive, default=None,
+                        help="untimed steps first (default: fp8amp's history_len + 2, i.e. 18)")
+    parser.add_argument("--batch", type=positive, default=None, help="sequences per step (default: the preset's)")
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--modes", type=lambda t: parse_subset(t, list(MODES)), default=DEFAULT_MODES,
+                        help=", ".join(MODES))
+    parser.add_argument("--compile-scope", choices=["block", "model"], default="block")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    require_gpu("bench_train", min_capability=(8, 9))
+
+    preset = PRESETS[args.preset]
+    cfg: GPTConfig = preset["model"]
+    args.steps = args.steps or preset["steps"]
+    args.batch = args.batch or preset["batch"]
+    args.lr = args.lr or preset["lr"]
+    args.warmup = args.warmup or fp8amp.ScalingRecipe().history_len + 2
+    torchao_convert, torchao_note = import_torchao()
+    set_recompile_limit(64)
+
+    with torch.device("meta"):
+        meta_model = GPT(cfg)
+    n_params, flops_token = meta_model.num_parameters(), flops_per_token(meta_model)
+    del meta_model
+    text_bytes = load_text_bytes()
+    loader = batches(text_bytes, args.batch, cfg.seq_len, "cuda", seed=args.seed)
+    data = list(itertools.islice(loader, args.warmup + args.steps))
+    torch.cuda.synchronize()
+    tokens_per_step = args.batch * cfg.seq_len
+    print(f"bench_train: {n_params / 1e6:,.1f}M parameters, {cfg}, batch {args.batch} x {cfg.seq_len}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, {len(text_bytes) / 1e6:.1f} MB of text",
+          file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    results: dict[str, Result] = {}
+    for key in args.modes:
+        label, kind, compiled = MODES[key]
+        if kind == "torchao" and torchao_convert is None:
+            results[key] = Result(failure=torchao_note)
+            continue
+        try:
+            results[key] = run_mode(kind, compiled, cfg, data, args, torchao_convert)
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            oom = isinstance(e, torch.OutOfMemoryError)
+            results[key] = Result(failure="out of memory" if oom else f"error: {type(e).__name__}: {str(e)[:100]}")
+        free_memory()
+        r = results[key]
+        text = (f"{tokens_per_step / r.step_seconds:,.0f} tokens/s, loss {r.final_loss:.4f}"
+                if r.step_seconds else r.failure)
+        print(f"  {label}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
+              file=sys.stderr, flush=True)
+
+    text = (f"GPT training on {torch.cuda.get_device_name()}, torch {torch.__version__}, {torchao_note}: "
+            f"{n_params / 1e6:,.0f}M parameters (n_layer {cfg.n_layer}, d_model {cfg.d_model}, n_head {cfg.n_head}), "
+            f"batch {args.batch} x seq {cfg.seq_len} = {tokens_per_step:,} tokens/step, AdamW(fused) lr {args.lr:g}, "
+            f"autocast bfloat16, compile per {args.compile_scope}; {args.warmup} warm-up + {args.steps} timed steps, "
+            f"median step time\n\n{table(results, tokens_per_step, flops_token)}\n")
+    report("train", text)
+
+
+if __name__ == "__main__":
+    main()
