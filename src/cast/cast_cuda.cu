@@ -19,6 +19,7 @@
 
 #include "cast/cast_kernels.h"
 #include "common/cuda_check.h"
+#include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
 
 namespace fp8amp {
@@ -31,16 +32,6 @@ using numerics::to_float;
 constexpr int kThreads = 256;  // the block size of the cast kernels
 constexpr int kWarps = kThreads / 32;
 
-cudaStream_t cuda_stream(Stream stream) { return static_cast<cudaStream_t>(stream); }
-
-// A grid of `blocks` blocks in x (its limit is 2^31 - 1; y and z would stop at 65535).
-unsigned grid_size(int64_t blocks) {
-  FP8AMP_CHECK(blocks <= INT_MAX, kNotImplemented, "cast", "too large for one launch: ", blocks, " blocks");
-  return static_cast<unsigned>(blocks);
-}
-
-__host__ __device__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // ----------------------------------------------------------------------------------------------
 // Element access: packs of N consecutive elements moved as one load or store of up to 16 bytes.
 
@@ -48,50 +39,6 @@ template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
-
-// The bits of one element.
-__device__ uint32_t bits_of(float x) { return numerics::float_bits(x); }
-template <class T>
-__device__ uint32_t bits_of(T x) {
-  return x.bits;
-}
-template <class T>
-__device__ T from_bits(uint32_t b) {
-  if constexpr (std::is_same_v<T, float>) {
-    return numerics::bits_float(b);
-  } else {
-    return T{static_cast<decltype(T::bits)>(b)};
-  }
-}
-
-// A pack moves through global memory as one access of 4, 8 or 16 bytes, made of 32-bit words
-// assembled here. Stores go through __stwb (st.global.wb, the default policy) because a plain
-// store of a uint4 may still be split into 4-byte pieces by the compiler.
-template <int Words>
-__device__ void load_words(const void* p, uint32_t (&w)[Words]) {
-  if constexpr (Words == 4) {
-    const uint4 v = *static_cast<const uint4*>(p);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (Words == 2) {
-    const uint2 v = *static_cast<const uint2*>(p);
-    w[0] = v.x, w[1] = v.y;
-  } else {
-    static_assert(Words == 1, "packs are 4, 8 or 16 bytes");
-    w[0] = *static_cast<const uint32_t*>(p);
-  }
-}
-
-template <int Words>
-__device__ void store_words(void* p, const uint32_t (&w)[Words]) {
-  if constexpr (Words == 4) {
-    __stwb(static_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
-  } else if constexpr (Words == 2) {
-    __stwb(static_cast<uint2*>(p), make_uint2(w[0], w[1]));
-  } else {
-    static_assert(Words == 1, "packs are 4, 8 or 16 bytes");
-    __stwb(static_cast<unsigned int*>(p), w[0]);
-  }
-}
 
 template <int N, class T>
 __device__ Pack<T, N> load_vector(const T* p) {
@@ -466,7 +413,7 @@ void launch_multi_tensor(const std::vector<TensorSlice>& tensors, const Op& op, 
   int64_t blocks = 0;
   const auto launch = [&] {
     batch.block_begin[batch.count] = static_cast<int32_t>(blocks);
-    multi_tensor_kernel<Op><<<grid_size(blocks), kThreads, 0, stream>>>(batch, op);
+    multi_tensor_kernel<Op><<<grid_size(blocks, "cast"), kThreads, 0, stream>>>(batch, op);
     FP8AMP_CUDA_CHECK_LAUNCH();
     batch.first += batch.count;
     batch.count = 0;
@@ -698,7 +645,7 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
       const bool out_vector_ok = cols % NI == 0 && is_aligned(y, NI * sizeof(Out));
       const bool out_t_vector_ok = rows % NT == 0 && is_aligned(yt, 16);
       const int64_t blocks = ceil_div(ceil_div(rows, kTile), kTilesPerBlock) * ceil_div(cols, kTile);
-      cast_transpose_kernel<In, Out><<<grid_size(blocks), kThreads, 0, cuda_stream(stream)>>>(
+      cast_transpose_kernel<In, Out><<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(
           xi, y, yt, rows, cols, x_vector_ok, out_vector_ok, out_t_vector_ok, s);
       FP8AMP_CUDA_CHECK_LAUNCH();
     });
@@ -716,7 +663,7 @@ void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* ama
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
                    int margin, bool pow2, Stream stream) {
   if (n == 0) return;
-  compute_scale_kernel<<<grid_size(ceil_div(n, kScaleThreads)), kScaleThreads, 0, cuda_stream(stream)>>>(
+  compute_scale_kernel<<<grid_size(ceil_div(n, kScaleThreads), "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
       amax, amax_stride, scale, scale_inv, n, fmax, margin, pow2);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
@@ -724,7 +671,7 @@ void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* 
 void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
                             int32_t* counter, float fmax, int margin, bool pow2, Stream stream) {
   if (n == 0) return;
-  update_delayed_scaling_kernel<<<grid_size(ceil_div(n, kScaleThreads)), kScaleThreads, 0, cuda_stream(stream)>>>(
+  update_delayed_scaling_kernel<<<grid_size(ceil_div(n, kScaleThreads), "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
       amax_history, n, history_len, scale, scale_inv, counter, fmax, margin, pow2);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "common/numerics.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/dtype.h"
@@ -33,21 +34,6 @@ using numerics::float_bits;
   do {                                                                             \
     const cudaError_t status_ = (expr);                                            \
     ASSERT_EQ(cudaSuccess, status_) << #expr << ": " << cudaGetErrorString(status_); \
-  } while (0)
-
-// Throws, for helpers that return values (gtest reports the exception as a failure).
-void cuda_ok(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-bool has_gpu() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-#define REQUIRE_GPU()                                      \
-  do {                                                     \
-    if (!has_gpu()) GTEST_SKIP() << "no CUDA device";      \
   } while (0)
 
 constexpr int64_t kGuard = 16;            // elements on each side of a tensor, checked untouched

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "common/numerics.h"
 #include "expect_error.h"
 #include "fp8amp/error.h"
@@ -25,10 +26,6 @@
 
 namespace fp8amp {
 namespace {
-
-void cuda_ok(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
 
 // Compute capability of device 0 as major * 10 + minor; 0 without a GPU.
 int compute_capability() {

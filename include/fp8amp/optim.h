@@ -1,0 +1,154 @@
+// Optimizer op family (DESIGN §6): the fused multi-tensor Adam / AdamW step of the O1/O2
+// optimizers, with FP32 or low-precision (scaled) master weights and moments.
+//
+// One call updates a list of parameter tensors with one set of hyperparameters (a param group).
+// It never syncs with the host: lr and the hyperparameters are host numbers (a scheduler may
+// change them every call), the step count is a host number or a device counter, and every new
+// scale comes from an amax computed on the device in the same call.
+//
+// ------------------------------------------------------------------------------------------------
+// Element math. Everything is IEEE float32 with round-to-nearest-even, each operation rounded
+// once; fma(a, b, c) is a * b + c rounded once. It is the operation order of
+// torch.optim.Adam/AdamW (foreach=False, CPU), whose vectorized kernels use the same fmas, so the
+// all-FP32 path (O1) agrees with torch to the last bit except where torch's own vectorized sqrt
+// is not correctly rounded (measured: 1 ulp of sqrt in ~0.6% of elements on AVX-512).
+//
+// Per step, once, in float64 (each operation rounded once), then rounded to float32 (f32(.)):
+//   t          = the step number, >= 1 (see adam_step's `step` / `step_tensor`)
+//   bc1        = 1 - pow_int(beta1, t)           bc2 = 1 - pow_int(beta2, t)
+//                pow_int: exponentiation by squaring (a defined sequence of float64 products; it
+//                may differ from libm's pow in the last float64 bit, which survives the rounding
+//                to float32 below with probability ~1e-8)
+//   decay      = f32(1 - lr * weight_decay)      (AdamW)     wd = f32(weight_decay)   (Adam)
+//   w1         = f32(1 - beta1)                  w1m1 = w1 - 1 (float32)   small = |w1| < 0.5
+//   b2         = f32(beta2)                      w2 = f32(1 - beta2)
+//   neg_step   = f32(-(lr / bc1))                bc2_sqrt = f32(sqrt(bc2))    eps32 = f32(eps)
+//
+// Per element (g, p, m, v: the stored values dequantized, x = code * scale_inv, see below):
+//   if maximize:               g = -g
+//   if weight_decay != 0:      AdamW: p = p * decay                       torch: param.mul_(1 - lr*wd)
+//                              Adam:  g = fma(p, wd, g)                   torch: grad.add(param, alpha=wd)
+//   d1 = g - m
+//   m' = small ? fma(w1, d1, m) : fma(w1m1, d1, g)                        torch: exp_avg.lerp_(grad, 1-beta1)
+//   v' = fma(w2 * g, g, v * b2)                                           torch: exp_avg_sq.mul_(beta2)
+//                                                                                .addcmul_(grad, grad, 1-beta2)
+//   den = sqrt(v') / bc2_sqrt + eps32                                     torch: (v.sqrt() / bc2_sqrt).add_(eps)
+//   p' = p + (neg_step * m') / den                                        torch: param.addcdiv_(m, den, -step_size)
+// (= DESIGN §6's m' = β1·m + (1−β1)·g, v' = β2·v + (1−β2)·g², p' = p·(1 − lr·wd) − lr/bc1 · m' /
+// (sqrt(v')/sqrt(bc2) + eps), in the order torch rounds it.) sqrt is the correctly rounded IEEE
+// square root; the division is IEEE. The update uses the full-precision m' and v', not their
+// stored (rounded) forms, as MS-AMP does.
+//
+// Dequantization (the inputs): float32/bf16/fp16 grads convert exactly; an FP8 grad is
+// code * grad_scale_inv; a float16 master is code * param_scale_inv; an FP8 m is code *
+// exp_avg_scale_inv; a float16 v is code * exp_avg_sq_scale_inv (one float32 product each).
+//
+// ------------------------------------------------------------------------------------------------
+// New scales (DESIGN §3). Each low-precision output gets a power-of-two scale from the amax of its
+// NEW values: scale = 2^(floor(log2(fmax / amax)) - margin) (numerics::scale_from_amax, fmax 448
+// for E4M3 m, 65504 for float16 v and master), an amax of 0 keeping the previous pair. Stored =
+// quantize(x' * scale) with saturation and round-to-nearest-even, as quantize() does.
+// The FP8 weight copy is quantized from the master AS STORED (its dequantized value; for a
+// float32 master that is p' itself), so it equals what re-casting the stored master gives; its
+// amax is derived exactly from the fp32 amax of p' (rounding is monotonic: the largest stored
+// magnitude is the rounded largest magnitude), no extra pass.
+//
+// How, without a host sync (the CUDA path; the CPU reference runs the same steps in order):
+//   1. zero `amax` (a memset);
+//   2. pass 1, one launch per up to ~30 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
+//      |p'| into amax[i, 0..3]; nothing is stored. A block that meets a non-finite value sets
+//      found_inf = 1;
+//   3. pass 2 (same batching): if found_inf != 0 nothing happens; else each block derives the new
+//      scales from amax[i] and the old scales, recomputes the same values and stores m, v, p
+//      and the FP8 weight copy;
+//   4. commit, one thread per tensor: if found_inf == 0, write the new scale/scale_inv pairs (pass
+//      2 still needed the old ones) and increment step_tensor.
+// A pass launch takes tensors of one dtype combination (a call may mix them), up to 30 (the 4 KB
+// of kernel parameters hold their pointers); an empty tensor takes no block. Launches per call:
+// 1 memset + 2 x sum over combinations of ceil(tensors / 30) + ceil(n / 30) commits. Pass 1 reads
+// p, g, m, v; pass 2 reads them again and writes p, m, v and the weight copy: at O2 (FP16 master,
+// FP8 grad and m, FP16 v, FP8 copy) 6 + 6 + 6 = 18 bytes per element, against 28 for a fused
+// FP32 AdamW (read 16, write 12).
+// No two tensors or scales of a call may share memory (each tensor's scales are its own).
+//
+// ------------------------------------------------------------------------------------------------
+// Non-finite values. A step never stores a non-finite m, v or master:
+//   - found_inf (float32 [1], in/out) nonzero on entry (GradScaler's flag, or an earlier call's):
+//     the call is a no-op on the device (amax is still written).
+//   - any non-finite value among the dequantized grads, m', v' or p' of ANY tensor of the call
+//     (an inf/NaN grad, a g² that overflows float32, ...): found_inf is set to 1 and the call is a
+//     no-op. So one bad tensor skips the whole param group, as GradScaler skips the whole step.
+//     eps = 0 makes an element with m' = v' = 0 a 0/0: torch writes NaN there, this op skips.
+// "No-op" means every param, state, scale, weight copy and step_tensor is left bit-identical.
+// Calls are independent: a param group stepped by an earlier call is not undone when a later
+// call (another group) finds a bad value; pass one found_inf to all calls of a step so the rest
+// skip. (Making a whole multi-group step atomic needs the groups in one call: a later extension.)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// The buffers of one parameter tensor. All contiguous, same shape (the scales: float32 with one
+// element), on one device (every tensor of the call on the same device). A scale is given iff
+// its tensor is in a scaled format:
+//   param:       float32, or float16 with param_scale + param_scale_inv (FP16 master, DESIGN §1)
+//   grad:        float32, bfloat16 or float16; or float8_e4m3fn / float8_e5m2 with grad_scale_inv
+//   exp_avg:     float32, or float8_e4m3fn with exp_avg_scale + exp_avg_scale_inv
+//   exp_avg_sq:  float32, or float16 with exp_avg_sq_scale + exp_avg_sq_scale_inv
+//   weight_fp8:  optional float8_e4m3fn output, the copy of the new master for the forward GEMMs,
+//                with weight_scale + weight_scale_inv (all three or none)
+// param, exp_avg, exp_avg_sq, weight_fp8 and every scale but grad_scale_inv are updated in place.
+struct AdamTensors {
+  TensorView param;
+  TensorView grad;
+  TensorView exp_avg;
+  TensorView exp_avg_sq;
+  std::optional<TensorView> param_scale, param_scale_inv;
+  std::optional<TensorView> grad_scale_inv;
+  std::optional<TensorView> exp_avg_scale, exp_avg_scale_inv;
+  std::optional<TensorView> exp_avg_sq_scale, exp_avg_sq_scale_inv;
+  std::optional<TensorView> weight_fp8, weight_scale, weight_scale_inv;
+};
+
+// Hyperparameters of one param group, as torch.optim.Adam / AdamW take them (host numbers).
+// Checked as torch checks them: lr >= 0, eps >= 0, 0 <= beta < 1, weight_decay >= 0, all finite.
+struct AdamHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool adamw = true;      // decoupled weight decay (AdamW); false: L2 added to the grad (Adam)
+  bool maximize = false;
+  int margin = 0;         // of the new power-of-two scales, in [0, 126]
+};
+
+// Columns of the amax output: amax[i, c] for tensor i.
+enum AdamAmaxColumn : int {
+  kAdamAmaxGrad = 0,       // |dequantized grad| (before maximize and weight decay)
+  kAdamAmaxExpAvg = 1,     // |m'|
+  kAdamAmaxExpAvgSq = 2,   // v'
+  kAdamAmaxParam = 3,      // |p'|, the new master in float32 before it is stored
+  kAdamAmaxColumns = 4,
+};
+
+// One Adam/AdamW step over tensors[0..n) (n >= 1), in the element math above.
+//
+// The step number t: exactly one of
+//   step >= 1 with step_tensor == nullptr: t = step, a host count the caller keeps (it advances
+//       even when the device skips; prefer step_tensor when skips are possible);
+//   step == 0 with step_tensor: float32 [1] on the tensors' device holding the number of steps
+//       taken so far (torch's state["step"]); t = its value + 1 (a negative or NaN value counts
+//       as 0), and it is incremented on the device unless the step is skipped.
+// found_inf: float32 [1], in/out, see "Non-finite values".
+// amax:      float32 [n, kAdamAmaxColumns], contiguous, written (the columns above; on a skipped
+//            step too, for diagnosis).
+void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, int64_t step,
+               const TensorView* step_tensor, const TensorView& found_inf, const TensorView& amax, Stream stream);
+
+}  // namespace fp8amp

@@ -1,0 +1,76 @@
+// Launch and memory-access helpers shared by the CUDA kernels (cast_cuda.cu, adam_cuda.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/numerics.h"
+#include "fp8amp/error.h"
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+namespace cuda {
+
+inline cudaStream_t cuda_stream(Stream stream) { return static_cast<cudaStream_t>(stream); }
+
+// A grid of `blocks` blocks in x (its limit is 2^31 - 1; y and z would stop at 65535).
+inline unsigned grid_size(int64_t blocks, const char* op) {
+  FP8AMP_CHECK(blocks <= INT_MAX, kNotImplemented, op, "too large for one launch: ", blocks, " blocks");
+  return static_cast<unsigned>(blocks);
+}
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The bits of one element (float, or a storage type of numerics.h), and back.
+template <class T>
+__device__ __forceinline__ uint32_t bits_of(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return numerics::float_bits(x);
+  } else {
+    return x.bits;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ T from_bits(uint32_t b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return numerics::bits_float(b);
+  } else {
+    return T{static_cast<decltype(T::bits)>(b)};
+  }
+}
+
+// A pack of elements moves through global memory as one access of 4, 8 or 16 bytes, made of
+// 32-bit words. Stores go through __stwb (st.global.wb, the default policy) because a plain store
+// of a uint4 may still be split into 4-byte pieces by the compiler.
+template <int Words>
+__device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[Words]) {
+  if constexpr (Words == 4) {
+    const uint4 v = *static_cast<const uint4*>(p);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (Words == 2) {
+    const uint2 v = *static_cast<const uint2*>(p);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    static_assert(Words == 1, "packs are 4, 8 or 16 bytes");
+    w[0] = *static_cast<const uint32_t*>(p);
+  }
+}
+
+template <int Words>
+__device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[Words]) {
+  if constexpr (Words == 4) {
+    __stwb(static_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+  } else if constexpr (Words == 2) {
+    __stwb(static_cast<uint2*>(p), make_uint2(w[0], w[1]));
+  } else {
+    static_assert(Words == 1, "packs are 4, 8 or 16 bytes");
+    __stwb(static_cast<unsigned int*>(p), w[0]);
+  }
+}
+
+}  // namespace cuda
+}  // namespace fp8amp

@@ -1,0 +1,156 @@
+// Public Adam op: validate the views once, then hand raw pointers to the CPU reference or the
+// CUDA kernels (adam_kernels.h).
+#include <cmath>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+
+#include "common/run_on.h"
+#include "fp8amp/error.h"
+#include "fp8amp/optim.h"
+#include "optim/adam_kernels.h"
+
+namespace fp8amp {
+
+namespace {
+
+constexpr const char* kOp = "adam_step";
+
+// The name of tensor i's buffer in a list, as the torch op calls its arguments: "exp_avgs[3]".
+std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+bool one_of(DType d, std::initializer_list<DType> accepted) {
+  for (DType a : accepted) {
+    if (d == a) return true;
+  }
+  return false;
+}
+
+// A buffer of tensor i: its dtype among `accepted` (spelled out in `accepted_names`), contiguous,
+// the shape of the param and on its device.
+void check_buffer(const TensorView& t, const TensorView& param, const std::string& name,
+                  std::initializer_list<DType> accepted, const char* accepted_names) {
+  FP8AMP_CHECK_VALUE(one_of(t.dtype, accepted), kOp, name, " must be ", accepted_names, ", got ", t.describe());
+  check::contiguous(t, kOp, name.c_str());
+  check::same_shape(t, param, kOp, name.c_str(), "its param");
+  check::same_device(t, param, kOp, name.c_str(), "its param");
+}
+
+// A float32 scalar on `like`'s device.
+void check_scalar(const TensorView& t, const TensorView& like, const std::string& name, const char* like_name) {
+  check::dtype_is(t, DType::kFloat32, kOp, name.c_str());
+  check::numel_is(t, 1, kOp, name.c_str());
+  check::same_device(t, like, kOp, name.c_str(), like_name);
+}
+
+// A scale that must be given iff `needed` (its tensor is in a scaled format, described by `why`).
+template <class Ptr>
+Ptr scale_ptr(const std::optional<TensorView>& t, bool needed, const TensorView& param, const char* list, size_t i,
+              const char* why) {
+  const std::string name = item(list, i);
+  if (!needed) {
+    FP8AMP_CHECK_VALUE(!t.has_value(), kOp, name, " must be None: ", why);
+    return nullptr;
+  }
+  FP8AMP_CHECK_VALUE(t.has_value(), kOp, name, " is required: ", why);
+  check_scalar(*t, param, name, "its param");
+  return t->template ptr<std::remove_pointer_t<Ptr>>();
+}
+
+void check_hyper(const AdamHyper& h) {
+  const auto finite_at_least_0 = [](double x) { return std::isfinite(x) && x >= 0.0; };
+  FP8AMP_CHECK_VALUE(finite_at_least_0(h.lr), kOp, "lr must be finite and >= 0, got ", h.lr);
+  FP8AMP_CHECK_VALUE(finite_at_least_0(h.eps), kOp, "eps must be finite and >= 0, got ", h.eps);
+  FP8AMP_CHECK_VALUE(finite_at_least_0(h.weight_decay), kOp, "weight_decay must be finite and >= 0, got ",
+                     h.weight_decay);
+  FP8AMP_CHECK_VALUE(h.beta1 >= 0.0 && h.beta1 < 1.0, kOp, "beta1 must be in [0, 1), got ", h.beta1);
+  FP8AMP_CHECK_VALUE(h.beta2 >= 0.0 && h.beta2 < 1.0, kOp, "beta2 must be in [0, 1), got ", h.beta2);
+  FP8AMP_CHECK_VALUE(h.margin >= 0 && h.margin <= numerics::kMaxScaleExponent, kOp, "margin must be in [0, ",
+                     numerics::kMaxScaleExponent, "], got ", h.margin);
+}
+
+AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t i, AdamFormats* formats) {
+  const TensorView& p = t.param;
+  const std::string pname = item("params", i);
+  FP8AMP_CHECK_VALUE(one_of(p.dtype, {DType::kFloat32, DType::kFloat16}), kOp, pname,
+                     " must be float32, or float16 with a scale (the FP16 master), got ", p.describe());
+  check::contiguous(p, kOp, pname.c_str());
+  check::same_device(p, first, kOp, pname.c_str(), "params[0]");
+  check_buffer(t.grad, p, item("grads", i),
+               {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E5M2},
+               "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
+  check_buffer(t.exp_avg, p, item("exp_avgs", i), {DType::kFloat32, DType::kFloat8E4M3},
+               "float32 or float8_e4m3fn");
+  check_buffer(t.exp_avg_sq, p, item("exp_avg_sqs", i), {DType::kFloat32, DType::kFloat16}, "float32 or float16");
+  if (t.weight_fp8) {
+    check_buffer(*t.weight_fp8, p, item("weights_fp8", i), {DType::kFloat8E4M3}, "float8_e4m3fn");
+  }
+
+  AdamTensorPtrs r{};
+  r.param = p.data;
+  r.grad = t.grad.data;
+  r.exp_avg = t.exp_avg.data;
+  r.exp_avg_sq = t.exp_avg_sq.data;
+  r.weight_fp8 = t.weight_fp8 ? t.weight_fp8->data : nullptr;
+  r.numel = p.numel();
+
+  const bool fp16_param = p.dtype == DType::kFloat16;
+  const bool fp8_grad = is_fp8(t.grad.dtype);
+  const bool fp8_m = t.exp_avg.dtype == DType::kFloat8E4M3;
+  const bool fp16_v = t.exp_avg_sq.dtype == DType::kFloat16;
+  const bool weight = t.weight_fp8.has_value();
+  const char* param_why = fp16_param ? "its param is float16" : "its param is float32";
+  const char* grad_why = fp8_grad ? "its grad is float8" : "its grad is not float8";
+  const char* m_why = fp8_m ? "its exp_avg is float8_e4m3fn" : "its exp_avg is float32";
+  const char* v_why = fp16_v ? "its exp_avg_sq is float16" : "its exp_avg_sq is float32";
+  const char* w_why = weight ? "weights_fp8[i] is given" : "weights_fp8[i] is None";
+  r.param_scale = scale_ptr<float*>(t.param_scale, fp16_param, p, "param_scales", i, param_why);
+  r.param_scale_inv = scale_ptr<float*>(t.param_scale_inv, fp16_param, p, "param_scale_invs", i, param_why);
+  r.grad_scale_inv = scale_ptr<const float*>(t.grad_scale_inv, fp8_grad, p, "grad_scale_invs", i, grad_why);
+  r.exp_avg_scale = scale_ptr<float*>(t.exp_avg_scale, fp8_m, p, "exp_avg_scales", i, m_why);
+  r.exp_avg_scale_inv = scale_ptr<float*>(t.exp_avg_scale_inv, fp8_m, p, "exp_avg_scale_invs", i, m_why);
+  r.exp_avg_sq_scale = scale_ptr<float*>(t.exp_avg_sq_scale, fp16_v, p, "exp_avg_sq_scales", i, v_why);
+  r.exp_avg_sq_scale_inv = scale_ptr<float*>(t.exp_avg_sq_scale_inv, fp16_v, p, "exp_avg_sq_scale_invs", i, v_why);
+  r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why);
+  r.weight_scale_inv = scale_ptr<float*>(t.weight_scale_inv, weight, p, "weight_scale_invs", i, w_why);
+  *formats = AdamFormats{p.dtype, t.grad.dtype, t.exp_avg.dtype, t.exp_avg_sq.dtype};
+  return r;
+}
+
+}  // namespace
+
+void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, int64_t step,
+               const TensorView* step_tensor, const TensorView& found_inf, const TensorView& amax, Stream stream) {
+  FP8AMP_CHECK_VALUE(!tensors.empty(), kOp, "params must hold at least one tensor");
+  check_hyper(hyper);
+  const TensorView& first = tensors[0].param;
+  const size_t n = tensors.size();
+  std::vector<AdamTensorPtrs> ptrs(n);
+  std::vector<AdamFormats> formats(n);
+  for (size_t i = 0; i < n; ++i) ptrs[i] = tensor_ptrs(tensors[i], first, i, &formats[i]);
+
+  AdamArgs args{hyper, step, nullptr, nullptr, nullptr};
+  if (step_tensor != nullptr) {
+    FP8AMP_CHECK_VALUE(step == 0, kOp, "step must be 0 when step_tensor is given (t comes from it), got ", step);
+    check_scalar(*step_tensor, first, "step_tensor", "params[0]");
+    args.step_tensor = step_tensor->ptr<float>();
+  } else {
+    FP8AMP_CHECK_VALUE(step >= 1, kOp, "step must be >= 1 (the number of this step), or give step_tensor; got ",
+                       step);
+  }
+  check_scalar(found_inf, first, "found_inf", "params[0]");
+  args.found_inf = found_inf.ptr<float>();
+  check::dtype_is(amax, DType::kFloat32, kOp, "amax");
+  check::contiguous(amax, kOp, "amax");
+  FP8AMP_CHECK_VALUE(amax.dim() == 2 && amax.shape[0] == static_cast<int64_t>(n) &&
+                         amax.shape[1] == kAdamAmaxColumns,
+                     kOp, "amax must be [", n, ", ", static_cast<int>(kAdamAmaxColumns), "], got ", amax.describe());
+  check::same_device(amax, first, kOp, "amax", "params[0]");
+  args.amax = amax.ptr<float>();
+
+  run_on(
+      first, kOp, [&] { cpu::adam_step(ptrs, formats, args); },
+      [&] { cuda::adam_step(ptrs, formats, args, stream); });
+}
+
+}  // namespace fp8amp

@@ -1,0 +1,120 @@
+// CPU reference of the Adam step: the readable definition of correct for adam_cuda.cu. It runs
+// the same steps as the CUDA path (optim.h): amax pass, skip decision, store pass, commit.
+
+// No contraction of a product into a later add (see adam_kernels.h): every operation rounds once.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common/dispatch.h"
+#include "optim/adam_kernels.h"
+
+namespace fp8amp {
+namespace cpu {
+
+namespace {
+
+using numerics::amax_from_key;
+using numerics::amax_key;
+using numerics::to_float;
+
+// code * scale_inv for a scaled format, the value itself otherwise.
+template <class T>
+float dequantize(T x, const float* scale_inv) {
+  const float f = to_float(x);
+  return scale_inv != nullptr ? rn::mul(f, *scale_inv) : f;
+}
+
+// The stored form of x: itself in float32, else quantize(x * scale) (saturating, RNE).
+template <class T>
+T store(float x, float scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return numerics::quantize_to<T>(rn::mul(x, scale));
+  }
+}
+
+// Element j of tensor t: the dequantized grad and the update.
+template <class G, class P, class M, class V>
+AdamUpdate element(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c, float* grad) {
+  *grad = dequantize(static_cast<const G*>(t.grad)[j], t.grad_scale_inv);
+  return adam_update(dequantize(static_cast<const P*>(t.param)[j], t.param_scale_inv), *grad,
+                     dequantize(static_cast<const M*>(t.exp_avg)[j], t.exp_avg_scale_inv),
+                     dequantize(static_cast<const V*>(t.exp_avg_sq)[j], t.exp_avg_sq_scale_inv), c);
+}
+
+// Pass 1: the amaxes of tensor t's new values, into its row.
+template <class G, class P, class M, class V>
+void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
+  uint32_t keys[kAdamAmaxColumns] = {};
+  for (int64_t j = 0; j < t.numel; ++j) {
+    float g;
+    const AdamUpdate u = element<G, P, M, V>(t, j, c, &g);
+    keys[kAdamAmaxGrad] = std::max(keys[kAdamAmaxGrad], amax_key(g));
+    keys[kAdamAmaxExpAvg] = std::max(keys[kAdamAmaxExpAvg], amax_key(u.exp_avg));
+    keys[kAdamAmaxExpAvgSq] = std::max(keys[kAdamAmaxExpAvgSq], amax_key(u.exp_avg_sq));
+    keys[kAdamAmaxParam] = std::max(keys[kAdamAmaxParam], amax_key(u.param));
+  }
+  for (int col = 0; col < kAdamAmaxColumns; ++col) row[col] = amax_from_key(keys[col]);
+}
+
+// Pass 2: recompute and store tensor t with its new scales.
+template <class G, class P, class M, class V>
+void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScales& s) {
+  for (int64_t j = 0; j < t.numel; ++j) {
+    float g;
+    const AdamUpdate u = element<G, P, M, V>(t, j, c, &g);
+    static_cast<M*>(t.exp_avg)[j] = store<M>(u.exp_avg, s.exp_avg.scale);
+    static_cast<V*>(t.exp_avg_sq)[j] = store<V>(u.exp_avg_sq, s.exp_avg_sq.scale);
+    const P p = store<P>(u.param, s.param.scale);
+    static_cast<P*>(t.param)[j] = p;
+    if (t.weight_fp8 != nullptr) {
+      const float stored = std::is_same_v<P, float> ? u.param : rn::mul(to_float(p), s.param.scale_inv);
+      static_cast<numerics::fp8_e4m3*>(t.weight_fp8)[j] = store<numerics::fp8_e4m3>(stored, s.weight.scale);
+    }
+  }
+}
+
+}  // namespace
+
+void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<AdamFormats>& formats,
+               const AdamArgs& args) {
+  const int64_t t = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
+  const AdamConstants c = adam_constants(args.hyper, t);
+  const size_t n = tensors.size();
+
+  // Pass 1 and the skip decision.
+  bool nonfinite = false;
+  for (size_t i = 0; i < n; ++i) {
+    float* row = args.amax + i * kAdamAmaxColumns;
+    visit_formats(formats[i], [&](auto g, auto p, auto m, auto v) {
+      amax_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors[i], c, row);
+    });
+    for (int col = 0; col < kAdamAmaxColumns; ++col) nonfinite = nonfinite || is_nonfinite_key(amax_key(row[col]));
+  }
+  if (nonfinite) *args.found_inf = 1.0f;
+  if (*args.found_inf != 0.0f) return;
+
+  // Pass 2, with the old scales still in place.
+  for (size_t i = 0; i < n; ++i) {
+    const AdamScales s = adam_new_scales(tensors[i], args.amax + i * kAdamAmaxColumns, args.hyper.margin);
+    visit_formats(formats[i], [&](auto g, auto p, auto m, auto v) {
+      store_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors[i], c, s);
+    });
+  }
+
+  // Commit.
+  for (size_t i = 0; i < n; ++i) {
+    store_scales(tensors[i], adam_new_scales(tensors[i], args.amax + i * kAdamAmaxColumns, args.hyper.margin));
+  }
+  if (args.step_tensor != nullptr) *args.step_tensor = rn::add(*args.step_tensor, 1.0f);
+}
+
+}  // namespace cpu
+}  // namespace fp8amp

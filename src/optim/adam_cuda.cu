@@ -1,0 +1,401 @@
+// CUDA twin of adam_cpu.cpp: the same step, bit for bit, in kernels that never sync with the host.
+//
+// A step is (optim.h, "How, without a host sync"):
+//   memset(amax) -> pass 1 (adam_kernel<..., false>) for every tensor -> pass 2
+//   (adam_kernel<..., true>) for every tensor -> commit_kernel for every tensor.
+// Passes are multi-tensor launches, like cast_cuda.cu's: a launch covers up to kMaxTensors
+// tensors of one dtype combination, whose pointers travel in the kernel parameters; tensor t owns
+// blocks [block_begin[t], block_begin[t + 1]), a block one chunk of kChunk elements. Every
+// thread handles packs of N consecutive elements, each array moved as one access of N * its
+// element size bytes (4, 8 or 16) where the tensor's arrays are aligned for it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/cuda_check.h"
+#include "common/cuda_utils.cuh"
+#include "common/dispatch.h"
+#include "optim/adam_kernels.h"
+
+namespace fp8amp {
+namespace cuda {
+namespace {
+
+using numerics::amax_key;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kElementsPerThread = 32;  // per block: a chunk of kThreads * 32 elements of one tensor
+constexpr int64_t kChunk = int64_t{kThreads} * kElementsPerThread;
+
+// Tensors per launch: the batch must fit the 4 KB of kernel parameters with AdamArgs.
+constexpr int kMaxTensors = 30;
+
+struct AdamBatch {
+  AdamTensorPtrs tensors[kMaxTensors];
+  int32_t index[kMaxTensors];  // the tensor's position in the call: its row of amax
+  int32_t block_begin[kMaxTensors + 1];
+  int32_t count;
+};
+static_assert(sizeof(AdamBatch) + sizeof(AdamArgs) <= 4096, "kernel parameters must stay under 4 KB");
+
+// ------------------------------------------------------------------------------------------------
+// Elements as raw bits: a pack of N elements of T is N * sizeof(T) bytes, 4, 8 or 16.
+
+// The first `valid` elements at p as bits, zeros after them. One vector access when the pack is
+// whole and `vector_ok` (the caller checked alignment), else element by element.
+template <int N, class T>
+__device__ void load_bits(const T* p, int valid, bool vector_ok, uint32_t (&b)[N]) {
+  constexpr int kSize = sizeof(T);
+  if (vector_ok && valid == N) {
+    uint32_t w[N * kSize / 4];
+    load_words(p, w);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if constexpr (kSize == 4) {
+        b[k] = w[k];
+      } else {
+        b[k] = (w[k * kSize / 4] >> (8 * ((k * kSize) % 4))) & ((1u << (8 * kSize)) - 1u);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) b[k] = k < valid ? bits_of(p[k]) : 0u;
+}
+
+template <int N, class T>
+__device__ void store_bits(T* p, const uint32_t (&b)[N], int valid, bool vector_ok) {
+  constexpr int kSize = sizeof(T);
+  if (vector_ok && valid == N) {
+    uint32_t w[N * kSize / 4] = {};
+#pragma unroll
+    for (int k = 0; k < N; ++k) w[k * kSize / 4] |= b[k] << (8 * ((k * kSize) % 4));
+    store_words(p, w);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (k < valid) p[k] = from_bits<T>(b[k]);
+  }
+}
+
+__device__ bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Conversions. numerics.h defines every result; on sm_89+ the instructions cast_cuda.cu uses (and
+// test_cast_cuda proves equal to numerics) replace the software codec, which would make these
+// kernels compute-bound.
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kHardwareConvert = true;
+#else
+constexpr bool kHardwareConvert = false;
+#endif
+
+template <class T>
+constexpr bool kIsFp8 = std::is_same_v<T, numerics::fp8_e4m3> || std::is_same_v<T, numerics::fp8_e5m2>;
+
+// numerics::to_float of the element with bits b. (A NaN may keep its payload here: a NaN is never
+// stored, and amax keys are canonical.)
+template <class T>
+__device__ float decode(uint32_t b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return numerics::bits_float(b);
+  } else if constexpr (std::is_same_v<T, numerics::bf16>) {
+    return numerics::bits_float(b << 16);
+  } else if constexpr (kHardwareConvert) {
+    uint16_t h = static_cast<uint16_t>(b);
+    if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
+      uint32_t h2;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(h));
+      h = static_cast<uint16_t>(h2);
+    } else if constexpr (std::is_same_v<T, numerics::fp8_e5m2>) {
+      h = static_cast<uint16_t>(h << 8);  // E5M2 is the high byte of an fp16
+    }
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+  } else {
+    return numerics::to_float(from_bits<T>(b));
+  }
+}
+
+// The stored bits of x (already multiplied by its scale): float32 as is, the scaled formats by
+// numerics::quantize_to (RNE, saturating to +-max, NaN -> the NaN code).
+template <class T, int N>
+__device__ void encode(const float (&x)[N], uint32_t (&b)[N]) {
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) b[k] = numerics::float_bits(x[k]);
+  } else if constexpr (kHardwareConvert) {
+    static_assert(N % 2 == 0, "packs convert in pairs");
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      uint32_t pair;  // x[k] in the low half, x[k + 1] in the high half
+      if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
+        uint16_t h;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x[k + 1]), "f"(x[k]));
+        b[k] = h & 0xFFu;
+        b[k + 1] = static_cast<uint32_t>(h) >> 8;
+      } else {
+        static_assert(std::is_same_v<T, numerics::fp16>, "stored formats: float32, E4M3, FP16");
+        asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(x[k + 1]), "f"(x[k]));
+        b[k] = pair & 0xFFFFu;
+        b[k + 1] = pair >> 16;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) b[k] = numerics::quantize_to<T>(x[k]).bits;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The passes.
+
+template <class G, class P, class M, class V>
+constexpr int kPackSize =
+    static_cast<int>(16 / std::max({sizeof(G), sizeof(P), sizeof(M), sizeof(V)}));
+
+// The tensor that owns this block: the last t with block_begin[t] <= blockIdx.x.
+__device__ int owning_tensor(const AdamBatch& batch) {
+  const int block = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.block_begin[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// The scale_inv of a scaled input, 1 (unused) otherwise.
+__device__ float scale_inv_or_1(const float* p) { return p != nullptr ? *p : 1.0f; }
+
+template <class T, int N>
+__device__ void dequantize(const uint32_t (&b)[N], bool scaled, float scale_inv, float (&x)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float f = decode<T>(b[k]);
+    x[k] = scaled ? rn::mul(f, scale_inv) : f;
+  }
+}
+
+// Pass 1 (kStore false): fold the amaxes of g, m', v', p' into amax[index] and flag non-finite
+// values in found_inf. Pass 2 (kStore true): unless found_inf is set, store m', v', p' and the
+// weight copy with the new scales. Both compute the same values in the same order.
+template <class G, class P, class M, class V, bool kStore>
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
+  constexpr int N = kPackSize<G, P, M, V>;
+  constexpr bool kScaledParam = !std::is_same_v<P, float>;
+  constexpr bool kScaledExpAvg = !std::is_same_v<M, float>;
+  constexpr bool kScaledExpAvgSq = !std::is_same_v<V, float>;
+  __shared__ AdamConstants shared_constants;
+  __shared__ AdamScales shared_scales;
+  __shared__ bool shared_skip;
+
+  const int t = owning_tensor(batch);
+  const AdamTensorPtrs& tp = batch.tensors[t];
+  float* const amax_row = args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns;
+  if (threadIdx.x == 0) {
+    const int64_t step = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
+    shared_constants = adam_constants(args.hyper, step);
+    shared_skip = kStore && *args.found_inf != 0.0f;
+    if (kStore && !shared_skip) shared_scales = adam_new_scales(tp, amax_row, args.hyper.margin);
+  }
+  __syncthreads();
+  if (shared_skip) return;  // the same answer for the whole block
+  const AdamConstants c = shared_constants;
+
+  const float g_si = scale_inv_or_1(tp.grad_scale_inv);
+  const float p_si = scale_inv_or_1(tp.param_scale_inv);
+  const float m_si = scale_inv_or_1(tp.exp_avg_scale_inv);
+  const float v_si = scale_inv_or_1(tp.exp_avg_sq_scale_inv);
+
+  const G* grad = static_cast<const G*>(tp.grad);
+  P* param = static_cast<P*>(tp.param);
+  M* exp_avg = static_cast<M*>(tp.exp_avg);
+  V* exp_avg_sq = static_cast<V*>(tp.exp_avg_sq);
+  auto* weight = static_cast<numerics::fp8_e4m3*>(tp.weight_fp8);
+  const bool vector_ok = is_aligned(grad, N * sizeof(G)) && is_aligned(param, N * sizeof(P)) &&
+                         is_aligned(exp_avg, N * sizeof(M)) && is_aligned(exp_avg_sq, N * sizeof(V)) &&
+                         is_aligned(weight, N);
+
+  const int64_t begin = static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk;
+  const int64_t end = min(tp.numel, begin + kChunk);
+  uint32_t keys[kAdamAmaxColumns] = {};
+
+  for (int u = 0; u < kElementsPerThread / N; ++u) {
+    const int64_t j = begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * N;
+    if (j >= end) break;
+    const int valid = static_cast<int>(min(int64_t{N}, end - j));
+    uint32_t b[N];
+    float g[N], p[N], m[N], v[N];
+    load_bits<N>(grad + j, valid, vector_ok, b);
+    dequantize<G>(b, kIsFp8<G>, g_si, g);
+    load_bits<N>(param + j, valid, vector_ok, b);
+    dequantize<P>(b, kScaledParam, p_si, p);
+    load_bits<N>(exp_avg + j, valid, vector_ok, b);
+    dequantize<M>(b, kScaledExpAvg, m_si, m);
+    load_bits<N>(exp_avg_sq + j, valid, vector_ok, b);
+    dequantize<V>(b, kScaledExpAvgSq, v_si, v);
+
+    AdamUpdate r[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) r[k] = adam_update(p[k], g[k], m[k], v[k], c);
+
+    if constexpr (!kStore) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        if (k < valid) {  // lanes past the end hold zeros, whose update may be 0/0 when eps is 0
+          keys[kAdamAmaxGrad] = max(keys[kAdamAmaxGrad], amax_key(g[k]));
+          keys[kAdamAmaxExpAvg] = max(keys[kAdamAmaxExpAvg], amax_key(r[k].exp_avg));
+          keys[kAdamAmaxExpAvgSq] = max(keys[kAdamAmaxExpAvgSq], amax_key(r[k].exp_avg_sq));
+          keys[kAdamAmaxParam] = max(keys[kAdamAmaxParam], amax_key(r[k].param));
+        }
+      }
+    } else {
+      const AdamScales& s = shared_scales;
+      float x[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) x[k] = kScaledExpAvg ? rn::mul(r[k].exp_avg, s.exp_avg.scale) : r[k].exp_avg;
+      encode<M>(x, b);
+      store_bits<N>(exp_avg + j, b, valid, vector_ok);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        x[k] = kScaledExpAvgSq ? rn::mul(r[k].exp_avg_sq, s.exp_avg_sq.scale) : r[k].exp_avg_sq;
+      }
+      encode<V>(x, b);
+      store_bits<N>(exp_avg_sq + j, b, valid, vector_ok);
+#pragma unroll
+      for (int k = 0; k < N; ++k) x[k] = kScaledParam ? rn::mul(r[k].param, s.param.scale) : r[k].param;
+      encode<P>(x, b);
+      store_bits<N>(param + j, b, valid, vector_ok);
+      if (weight != nullptr) {
+        // The copy of the master as stored: the code just written, dequantized with the new scale.
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float stored = kScaledParam ? rn::mul(decode<P>(b[k]), s.param.scale_inv) : r[k].param;
+          x[k] = rn::mul(stored, s.weight.scale);
+        }
+        encode<numerics::fp8_e4m3>(x, b);
+        store_bits<N>(weight + j, b, valid, vector_ok);
+      }
+    }
+  }
+
+  if constexpr (!kStore) {
+    // Block max of the four keys, then one atomic max per column (the row was zeroed by this
+    // call and holds only keys, which order like their values).
+    __shared__ uint32_t warp_keys[kAdamAmaxColumns][kWarps];
+#pragma unroll
+    for (int col = 0; col < kAdamAmaxColumns; ++col) {
+      uint32_t key = keys[col];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, offset));
+      if (threadIdx.x % 32 == 0) warp_keys[col][threadIdx.x / 32] = key;
+    }
+    __syncthreads();
+    if (threadIdx.x < kAdamAmaxColumns) {
+      const int col = static_cast<int>(threadIdx.x);
+      uint32_t key = 0;
+      for (int w = 0; w < kWarps; ++w) key = max(key, warp_keys[col][w]);
+      if (key != 0) atomicMax(reinterpret_cast<unsigned int*>(amax_row + col), key);
+      if (is_nonfinite_key(key)) *args.found_inf = 1.0f;  // every writer writes the same value
+    }
+  }
+}
+
+// The commit: thread t writes tensor t's new scale pairs (recomputed as pass 2 did), and the
+// thread of tensor 0 advances the step counter.
+__global__ void __launch_bounds__(kMaxTensors)
+    commit_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (t >= batch.count || *args.found_inf != 0.0f) return;
+  const AdamTensorPtrs& tp = batch.tensors[t];
+  const int64_t index = batch.index[t];
+  store_scales(tp, adam_new_scales(tp, args.amax + index * kAdamAmaxColumns, args.hyper.margin));
+  if (index == 0 && args.step_tensor != nullptr) *args.step_tensor = rn::add(*args.step_tensor, 1.0f);
+}
+
+// Runs pass 1 or 2 over the tensors `indices` (one dtype combination), in as few launches as the
+// batch size allows. Empty tensors have no elements to visit; the commit still sees them.
+template <class G, class P, class M, class V>
+void launch_pass(const std::vector<AdamTensorPtrs>& tensors, const std::vector<int32_t>& indices,
+                 const AdamArgs& args, bool store, cudaStream_t stream) {
+  AdamBatch batch{};
+  int64_t blocks = 0;
+  const auto launch = [&] {
+    batch.block_begin[batch.count] = static_cast<int32_t>(blocks);
+    if (store) {
+      adam_kernel<G, P, M, V, true><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
+    } else {
+      adam_kernel<G, P, M, V, false><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
+    }
+    FP8AMP_CUDA_CHECK_LAUNCH();
+    batch.count = 0;
+    blocks = 0;
+  };
+  for (const int32_t i : indices) {
+    const int64_t need = ceil_div(tensors[i].numel, kChunk);
+    if (need == 0) continue;
+    if (batch.count == kMaxTensors || (batch.count > 0 && blocks + need > INT_MAX)) launch();
+    batch.tensors[batch.count] = tensors[i];
+    batch.index[batch.count] = i;
+    batch.block_begin[batch.count] = static_cast<int32_t>(blocks);
+    ++batch.count;
+    blocks += need;
+  }
+  if (batch.count > 0) launch();
+}
+
+}  // namespace
+
+void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<AdamFormats>& formats,
+               const AdamArgs& args, Stream stream) {
+  const cudaStream_t s = cuda_stream(stream);
+  const size_t n = tensors.size();
+  FP8AMP_CUDA_CHECK(cudaMemsetAsync(args.amax, 0, n * kAdamAmaxColumns * sizeof(float), s));
+
+  // The tensors of each dtype combination, in order of first appearance.
+  std::vector<std::pair<AdamFormats, std::vector<int32_t>>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == formats[i]; });
+    if (it == groups.end()) it = groups.insert(groups.end(), {formats[i], {}});
+    it->second.push_back(static_cast<int32_t>(i));
+  }
+  // Every tensor's pass 1 runs before any pass 2: the skip decision covers the whole call.
+  for (const bool store : {false, true}) {
+    for (const auto& group : groups) {
+      visit_formats(group.first, [&](auto g, auto p, auto m, auto v) {
+        launch_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors, group.second, args, store, s);
+      });
+    }
+  }
+
+  AdamBatch batch{};
+  for (size_t i = 0; i < n; ++i) {
+    batch.tensors[batch.count] = tensors[i];
+    batch.index[batch.count] = static_cast<int32_t>(i);
+    if (++batch.count == kMaxTensors || i + 1 == n) {
+      commit_kernel<<<1, kMaxTensors, 0, s>>>(batch, args);
+      FP8AMP_CUDA_CHECK_LAUNCH();
+      batch.count = 0;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace fp8amp

@@ -1,0 +1,259 @@
+// What the Adam kernels see: raw pointers, validated by adam.cpp, and the element math shared by
+// the CPU reference (adam_cpu.cpp) and the CUDA kernels (adam_cuda.cu). fp8amp/optim.h states the
+// math; the functions here are its one implementation, so both backends agree bit for bit.
+//
+// Rounding is explicit: every operation goes through the helpers below, which on the device are
+// CUDA's round-to-nearest intrinsics (never contracted into an fma by nvcc) and on the host plain
+// IEEE operations. The host TU that runs them (adam_cpu.cpp) turns floating-point contraction
+// off, since GCC would otherwise fuse a product into a later add on targets with FMA (aarch64,
+// x86 with -mfma).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/dispatch.h"
+#include "common/numerics.h"
+#include "fp8amp/dtype.h"
+#include "fp8amp/optim.h"
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// ------------------------------------------------------------------------------------------------
+// Correctly rounded float32 / float64 operations.
+namespace rn {
+
+#if defined(__CUDA_ARCH__)
+FP8AMP_HD float add(float a, float b) { return __fadd_rn(a, b); }
+FP8AMP_HD float sub(float a, float b) { return __fsub_rn(a, b); }
+FP8AMP_HD float mul(float a, float b) { return __fmul_rn(a, b); }
+FP8AMP_HD float div(float a, float b) { return __fdiv_rn(a, b); }
+FP8AMP_HD float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+FP8AMP_HD float sqrt(float a) { return __fsqrt_rn(a); }
+FP8AMP_HD double add(double a, double b) { return __dadd_rn(a, b); }
+FP8AMP_HD double sub(double a, double b) { return __dsub_rn(a, b); }
+FP8AMP_HD double mul(double a, double b) { return __dmul_rn(a, b); }
+FP8AMP_HD double div(double a, double b) { return __ddiv_rn(a, b); }
+FP8AMP_HD double sqrt(double a) { return __dsqrt_rn(a); }
+FP8AMP_HD float to_float(double a) { return __double2float_rn(a); }
+#else
+FP8AMP_HD float add(float a, float b) { return a + b; }
+FP8AMP_HD float sub(float a, float b) { return a - b; }
+FP8AMP_HD float mul(float a, float b) { return a * b; }
+FP8AMP_HD float div(float a, float b) { return a / b; }
+FP8AMP_HD float fma(float a, float b, float c) { return std::fma(a, b, c); }
+FP8AMP_HD float sqrt(float a) { return std::sqrt(a); }
+FP8AMP_HD double add(double a, double b) { return a + b; }
+FP8AMP_HD double sub(double a, double b) { return a - b; }
+FP8AMP_HD double mul(double a, double b) { return a * b; }
+FP8AMP_HD double div(double a, double b) { return a / b; }
+FP8AMP_HD double sqrt(double a) { return std::sqrt(a); }
+FP8AMP_HD float to_float(double a) { return static_cast<float>(a); }
+#endif
+
+}  // namespace rn
+
+// ------------------------------------------------------------------------------------------------
+// Per-step constants (optim.h, "Per step, once").
+
+struct AdamConstants {
+  float decay;         // f32(1 - lr * wd), AdamW
+  float weight_decay;  // f32(wd), Adam
+  float w1;            // f32(1 - beta1)
+  float w1m1;          // w1 - 1
+  bool lerp_small;     // |w1| < 0.5: torch's lerp branch
+  float beta2;         // f32(beta2)
+  float w2;            // f32(1 - beta2)
+  float neg_step;      // f32(-(lr / bc1))
+  float bc2_sqrt;      // f32(sqrt(bc2))
+  float eps;           // f32(eps)
+  bool adamw;
+  bool maximize;
+  bool decays;         // weight_decay != 0
+};
+
+// base^e for e >= 0 by squaring: a fixed sequence of float64 products.
+FP8AMP_HD double pow_int(double base, int64_t e) {
+  double result = 1.0;
+  while (e > 0) {
+    if (e & 1) result = rn::mul(result, base);
+    e >>= 1;
+    if (e > 0) base = rn::mul(base, base);
+  }
+  return result;
+}
+
+// The step number t of a device counter holding the steps taken so far (optim.h).
+FP8AMP_HD int64_t step_number(float steps_taken) {
+  // Counts beyond 2^53 are not integers anyway; torch keeps them in float32 (exact to 2^24).
+  if (!(steps_taken >= 0.0f)) return 1;
+  if (steps_taken >= 9.0e15f) return static_cast<int64_t>(9.0e15);
+  return static_cast<int64_t>(steps_taken) + 1;
+}
+
+FP8AMP_HD AdamConstants adam_constants(const AdamHyper& h, int64_t t) {
+  AdamConstants c;
+  c.decay = rn::to_float(rn::sub(1.0, rn::mul(h.lr, h.weight_decay)));
+  c.weight_decay = rn::to_float(h.weight_decay);
+  c.w1 = rn::to_float(rn::sub(1.0, h.beta1));
+  c.w1m1 = rn::sub(c.w1, 1.0f);
+  c.lerp_small = (c.w1 < 0.0f ? -c.w1 : c.w1) < 0.5f;
+  c.beta2 = rn::to_float(h.beta2);
+  c.w2 = rn::to_float(rn::sub(1.0, h.beta2));
+  const double bc1 = rn::sub(1.0, pow_int(h.beta1, t));
+  const double bc2 = rn::sub(1.0, pow_int(h.beta2, t));
+  c.neg_step = rn::to_float(-rn::div(h.lr, bc1));
+  c.bc2_sqrt = rn::to_float(rn::sqrt(bc2));
+  c.eps = rn::to_float(h.eps);
+  c.adamw = h.adamw;
+  c.maximize = h.maximize;
+  c.decays = h.weight_decay != 0.0;
+  return c;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element math (optim.h, "Per element"). Inputs are the dequantized values.
+
+struct AdamUpdate {
+  float exp_avg;     // m'
+  float exp_avg_sq;  // v'
+  float param;       // p'
+};
+
+FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamConstants& c) {
+  if (c.maximize) g = -g;
+  if (c.decays) {
+    if (c.adamw) {
+      p = rn::mul(p, c.decay);
+    } else {
+      g = rn::fma(p, c.weight_decay, g);
+    }
+  }
+  const float d1 = rn::sub(g, m);
+  AdamUpdate r;
+  r.exp_avg = c.lerp_small ? rn::fma(c.w1, d1, m) : rn::fma(c.w1m1, d1, g);
+  r.exp_avg_sq = rn::fma(rn::mul(c.w2, g), g, rn::mul(v, c.beta2));
+  const float den = rn::add(rn::div(rn::sqrt(r.exp_avg_sq), c.bc2_sqrt), c.eps);
+  r.param = rn::add(p, rn::div(rn::mul(c.neg_step, r.exp_avg), den));
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// One tensor's buffers. A scale pointer is null iff its tensor is not in a scaled format (and the
+// weight pointers iff there is no FP8 weight copy).
+struct AdamTensorPtrs {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* weight_fp8;  // float8_e4m3fn or nullptr
+  const float* grad_scale_inv;
+  float* param_scale;
+  float* param_scale_inv;
+  float* exp_avg_scale;
+  float* exp_avg_scale_inv;
+  float* exp_avg_sq_scale;
+  float* exp_avg_sq_scale_inv;
+  float* weight_scale;
+  float* weight_scale_inv;
+  int64_t numel;
+};
+
+// The storage formats of one tensor; tensors of a call may mix them.
+struct AdamFormats {
+  DType param, grad, exp_avg, exp_avg_sq;
+  bool operator==(const AdamFormats& o) const {
+    return param == o.param && grad == o.grad && exp_avg == o.exp_avg && exp_avg_sq == o.exp_avg_sq;
+  }
+};
+
+// The call's other arguments.
+struct AdamArgs {
+  AdamHyper hyper;
+  int64_t step;        // t when step_tensor is null
+  float* step_tensor;  // steps taken so far, or null
+  float* found_inf;    // [1]
+  float* amax;         // [n, kAdamAmaxColumns]
+};
+
+// The type sets the kernels are instantiated for (dispatch.h's visitor picks one).
+using AdamGradTypes =
+    TypeSet<float, numerics::bf16, numerics::fp16, numerics::fp8_e4m3, numerics::fp8_e5m2>;
+using AdamParamTypes = TypeSet<float, numerics::fp16>;
+using AdamExpAvgTypes = TypeSet<float, numerics::fp8_e4m3>;
+using AdamExpAvgSqTypes = TypeSet<float, numerics::fp16>;
+
+// Calls f(G{}, P{}, M{}, V{}) with the storage types of `formats` (grad, param, exp_avg, exp_avg_sq).
+template <class F>
+void visit_formats(const AdamFormats& formats, F&& f) {
+  visit(AdamGradTypes{}, formats.grad, [&](auto g) {
+    visit(AdamParamTypes{}, formats.param, [&](auto p) {
+      visit(AdamExpAvgTypes{}, formats.exp_avg, [&](auto m) {
+        visit(AdamExpAvgSqTypes{}, formats.exp_avg_sq, [&](auto v) { f(g, p, m, v); });
+      });
+    });
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// New scales (optim.h, "New scales"): the same function for pass 2 and the commit.
+
+struct AdamScales {
+  numerics::ScalePair param, exp_avg, exp_avg_sq, weight;
+};
+
+FP8AMP_HD numerics::ScalePair new_scale(const float* scale, const float* scale_inv, float amax, float fmax,
+                                        int margin) {
+  if (scale == nullptr) return {1.0f, 1.0f};
+  return numerics::scale_from_amax(amax, fmax, margin, true, {*scale, *scale_inv});
+}
+
+// amax_row: the tensor's kAdamAmaxColumns amaxes of this step.
+FP8AMP_HD AdamScales adam_new_scales(const AdamTensorPtrs& t, const float* amax_row, int margin) {
+  AdamScales s;
+  s.param = new_scale(t.param_scale, t.param_scale_inv, amax_row[kAdamAmaxParam], numerics::FP16::max, margin);
+  s.exp_avg = new_scale(t.exp_avg_scale, t.exp_avg_scale_inv, amax_row[kAdamAmaxExpAvg], numerics::E4M3::max,
+                        margin);
+  s.exp_avg_sq = new_scale(t.exp_avg_sq_scale, t.exp_avg_sq_scale_inv, amax_row[kAdamAmaxExpAvgSq],
+                           numerics::FP16::max, margin);
+  // The weight copy is quantized from the stored master; its largest magnitude is the stored form
+  // of the largest |p'| (encode, decode and the power-of-two products are all monotonic).
+  float weight_amax = amax_row[kAdamAmaxParam];
+  if (t.param_scale != nullptr) {
+    weight_amax = rn::mul(numerics::to_float(numerics::quantize_to<numerics::fp16>(rn::mul(weight_amax, s.param.scale))),
+                          s.param.scale_inv);
+  }
+  s.weight = new_scale(t.weight_scale, t.weight_scale_inv, weight_amax, numerics::E4M3::max, margin);
+  return s;
+}
+
+FP8AMP_HD void store_scale(float* scale, float* scale_inv, numerics::ScalePair pair) {
+  if (scale == nullptr) return;
+  *scale = pair.scale;
+  *scale_inv = pair.scale_inv;
+}
+
+// Writes the new pairs (the commit).
+FP8AMP_HD void store_scales(const AdamTensorPtrs& t, const AdamScales& s) {
+  store_scale(t.param_scale, t.param_scale_inv, s.param);
+  store_scale(t.exp_avg_scale, t.exp_avg_scale_inv, s.exp_avg);
+  store_scale(t.exp_avg_sq_scale, t.exp_avg_sq_scale_inv, s.exp_avg_sq);
+  store_scale(t.weight_scale, t.weight_scale_inv, s.weight);
+}
+
+// A non-finite amax key (inf or NaN) in any column.
+FP8AMP_HD bool is_nonfinite_key(uint32_t key) { return key >= 0x7F800000u; }
+
+namespace cpu {
+void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<AdamFormats>& formats,
+               const AdamArgs& args);
+}  // namespace cpu
+
+namespace cuda {
+void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<AdamFormats>& formats,
+               const AdamArgs& args, Stream stream);
+}  // namespace cuda
+
+}  // namespace fp8amp
