@@ -1,0 +1,306 @@
+"""Fused low-precision Adam / AdamW (DESIGN §6) over the core op ``torch.ops.fp8amp.adam_step``.
+
+:class:`Adam` and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses with the API of
+``torch.optim.Adam`` / ``AdamW``: param groups, per-group ``lr`` / ``betas`` / ``eps`` /
+``weight_decay`` / ``maximize`` read at every step (so lr schedulers work), ``state_dict`` /
+``load_state_dict``, ``zero_grad``, ``torch.amp.GradScaler``. One keyword is added:
+
+``state_dtypes``
+    ``"O1"``: ``exp_avg`` and ``exp_avg_sq`` in float32. The element math is torch's
+    (``foreach=False``, CPU) operation for operation: m and v are bit-identical to torch's, the
+    params agree to the last bit except where torch's vectorized sqrt is not correctly rounded
+    (see ``include/fp8amp/optim.h``).
+    ``"O2"``: ``exp_avg`` float8_e4m3fn with ``exp_avg_scale`` / ``exp_avg_scale_inv``,
+    ``exp_avg_sq`` float16 with ``exp_avg_sq_scale`` / ``exp_avg_sq_scale_inv`` (DESIGN §1): new
+    power-of-two scales are computed on the device from the new amaxes at every step.
+    A group's ``state_dtypes`` decides the formats when a param's state is created.
+
+State per param: ``step`` (float32 0-dim tensor on the param's device, the number of steps
+taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` and, at O2, the
+four float32 ``[1]`` scale tensors. Params must be float32 (the master weights); bf16/fp16
+params are refused: the op keeps low-precision masters only as FP16 + scale, which a plain
+``nn.Parameter`` cannot express.
+
+``step()`` never syncs with the host. A step whose grads (or new m, v, params) hold an inf/NaN
+is skipped on the device: params, states, scales and ``step`` stay bit-identical. When a step
+needs several op calls (several param groups or devices), the grads are first checked in one
+amax pass, so a non-finite grad anywhere skips the whole step, as GradScaler would. (A
+non-finite m', v' or p' that only the op sees skips the call that meets it and the calls after
+it, not the ones before: optim.h's "calls are independent".)
+
+``torch.amp.GradScaler.step(optimizer)`` takes its standard path (this optimizer does not set
+``_step_supports_amp_scaling``): it unscales the grads, checks them, and calls ``step()`` only
+when they are finite (that check is GradScaler's own host sync).
+
+Not supported (a ``ValueError`` names the argument): ``amsgrad=True``, ``capturable=True``,
+``differentiable=True``, a Tensor ``lr`` or ``betas``, sparse grads. ``foreach`` and ``fused``
+are accepted and ignored: the step is always one fused multi-tensor op call per param group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import torch
+
+from .cast import multi_amax
+from .formats import E4M3, FP16
+
+__all__ = ["Adam", "AdamW", "STATE_DTYPES"]
+
+#: The accepted ``state_dtypes``: (exp_avg dtype, exp_avg_sq dtype).
+STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "O1": (torch.float32, torch.float32),
+    "O2": (E4M3, FP16),
+}
+
+_SCALES = ("exp_avg_scale", "exp_avg_scale_inv", "exp_avg_sq_scale", "exp_avg_sq_scale_inv")
+
+
+class Adam(torch.optim.Optimizer):
+    """``torch.optim.Adam`` over the fused fp8amp op; see the module docstring.
+
+    Args:
+        params: iterable of float32 parameters or of param-group dicts.
+        lr, betas, eps, weight_decay, maximize, decoupled_weight_decay: as ``torch.optim.Adam``
+            (Python numbers only).
+        amsgrad, capturable, differentiable: must be False (refused otherwise).
+        foreach, fused: accepted and ignored (the step is always fused).
+        state_dtypes: ``"O1"`` (float32 moments) or ``"O2"`` (E4M3 m, FP16 v, each with a scale).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        state_dtypes: str = "O1",
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay, state_dtypes=state_dtypes,
+        )
+        # Host-side knowledge of which params have equal step counts (see _cohort_key); set
+        # before super().__init__, which calls add_param_group.
+        self._cohorts: dict[torch.Tensor, object] = {}
+        self._cohort_ids = itertools.count(1)
+        super().__init__(params, defaults)
+
+    @property
+    def _name(self) -> str:
+        return f"fp8amp.optim.{type(self).__name__}"
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, then the checks of this optimizer (every group, also
+        groups whose dicts came from a ``torch.optim`` optimizer)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for flag in ("amsgrad", "capturable", "differentiable"):
+            if group[flag]:
+                raise ValueError(f"{self._name}: {flag}=True is not supported; accepted: {flag}=False")
+        if group["state_dtypes"] not in STATE_DTYPES:
+            raise ValueError(f"{self._name}: state_dtypes must be one of {', '.join(map(repr, STATE_DTYPES))}; "
+                             f"got {group['state_dtypes']!r}")
+        self._check_hyper(group)
+        for i, p in enumerate(group["params"]):
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"{self._name}: params must be float32 (the master weights); param {i} of group "
+                    f"{len(self.param_groups) - 1} is {p.dtype}. bfloat16/float16 params are not supported: "
+                    "keep float32 params (fp8amp.convert does) and let autocast/Fp8Linear lower the compute")
+
+    def _check_hyper(self, group: dict) -> None:
+        for key in ("lr", "eps", "weight_decay"):
+            value = group[key]
+            if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{self._name}: {key} must be a Python float, got {type(value).__name__}")
+            if not value >= 0.0:
+                raise ValueError(f"{self._name}: invalid {key}: {value} (must be >= 0)")
+        betas = group["betas"]
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+            raise ValueError(f"{self._name}: betas must be two Python floats, got {betas!r}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{self._name}: invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+
+    # --------------------------------------------------------------------------------------------
+    # State
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        m_dtype, v_dtype = STATE_DTYPES[group["state_dtypes"]]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, dtype=m_dtype, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=v_dtype, memory_format=torch.contiguous_format)
+        if m_dtype != torch.float32:
+            for key in ("exp_avg_scale", "exp_avg_scale_inv"):
+                state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
+        if v_dtype != torch.float32:
+            for key in ("exp_avg_sq_scale", "exp_avg_sq_scale_inv"):
+                state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
+        self._cohorts[p] = 0  # cohort 0: step count 0
+
+    def _cohort_key(self, p: torch.Tensor) -> object:
+        """Params with the same key have the same step count. The op takes one step tensor per
+        call while torch keeps one per param (a param without a grad does not step), so a group's
+        params are stepped in one call per cohort: params stepped by exactly the same calls since
+        their counts were last known. Usually all params of a group form one cohort."""
+        key = self._cohorts.get(p)
+        if key is None:  # state set from outside (unpickling, assignment): read it, once
+            key = self._cohorts[p] = ("step", float(self.state[p]["step"]))
+        return key
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._cohorts = {}
+        self._cohort_ids = itertools.count(1)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, keeping the state dtypes: torch casts every floating-point
+        state tensor to its param's dtype (float32), which holds FP8/FP16 values exactly, so they
+        are cast back bit for bit; ``step`` and the scales go to the param's device."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        self._cohorts = {}
+        for pid, p in zip(ids, params):
+            if pid not in saved:
+                continue
+            state = self.state[p]
+            if "step" in state and not isinstance(state["step"], torch.Tensor):  # a Python number
+                state["step"] = torch.tensor(float(state["step"]))
+            for key, value in saved[pid].items():
+                if isinstance(value, torch.Tensor) or key == "step":
+                    dtype = torch.float32 if key == "step" else value.dtype  # a step: any dtype
+                    state[key] = state[key].to(dtype=dtype, device=p.device)
+            if "step" in state:
+                state["step"] = state["step"].reshape(())
+                self._cohort_key(p)  # one host read per param, at load time only
+
+    # --------------------------------------------------------------------------------------------
+    # Step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Adam/AdamW step over every param with a grad; returns ``closure()``'s loss if given.
+
+        Per param group (and device and cohort, see ``_cohort_key``), one call of the fused op
+        with the group's current hyperparameters. No host sync.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        calls: list[tuple[dict, list[torch.Tensor]]] = []
+        for group in self.param_groups:
+            self._check_hyper(group)
+            parts: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"{self._name}: sparse grads are not supported (param of shape "
+                                     f"{tuple(p.shape)}); accepted: dense float32/bfloat16/float16 grads")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state, group)
+                parts.setdefault((p.device, self._cohort_key(p)), []).append(p)
+            calls += [(group, ps) for ps in parts.values()]
+
+        found_infs = self._found_infs(calls)
+        for group, params in calls:
+            self._call(group, params, found_infs[params[0].device])
+            cohort = next(self._cohort_ids)
+            for p in params:
+                self._cohorts[p] = cohort
+        return loss
+
+    def _found_infs(self, calls) -> dict[torch.device, torch.Tensor]:
+        """One float32 [1] skip flag per device, shared by that device's calls. With more than one
+        call on a device, it starts as "some grad there is non-finite" (one amax pass), so the whole
+        step skips together."""
+        by_device: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(list)
+        for _, params in calls:
+            by_device[params[0].device].append(params)
+        found = {}
+        for device, lists in by_device.items():
+            if len(lists) == 1:
+                found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                continue
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+            for p in itertools.chain.from_iterable(lists):
+                by_dtype[p.grad.dtype].append(p.grad)
+            amaxes = []
+            for grads in by_dtype.values():
+                amax = torch.zeros(len(grads), dtype=torch.float32, device=device)
+                multi_amax(grads, amax)
+                amaxes.append(amax)
+            found[device] = torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
+        return found
+
+    def _call(self, group: dict, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        states = [self.state[p] for p in params]
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"{self._name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
+        scale_lists = []
+        for key in _SCALES:
+            entries = [s.get(key) for s in states]
+            scale_lists.append([] if all(e is None for e in entries) else entries)
+        steps = [s["step"] for s in states]
+        beta1, beta2 = group["betas"]
+        torch.ops.fp8amp.adam_step(
+            params, [p.grad.contiguous() for p in params], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [], [], [],  # param_scales, param_scale_invs, grad_scale_invs: float32 params and grads
+            *scale_lists,
+            [], [], [],  # weights_fp8, weight_scales, weight_scale_invs
+            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
+            maximize=bool(group["maximize"]), step_tensor=steps[0].view(1), found_inf=found_inf,
+        )
+        if len(steps) > 1:  # the cohort's counts were equal: they stay equal
+            torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW`` over the fused fp8amp op (decoupled weight decay, default 1e-2);
+    see :class:`Adam` and the module docstring."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        state_dtypes: str = "O1",
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, state_dtypes=state_dtypes)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
