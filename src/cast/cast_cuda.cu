@@ -350,21 +350,6 @@ constexpr int kPackSize = static_cast<int>(
 template <class Op>
 constexpr int64_t kChunkSize = int64_t{kThreads} * kPacksPerThread * kPackSize<Op>;  // elements per block
 
-// The tensor that owns this block: the last t with block_begin[t] <= blockIdx.x.
-__device__ int owning_tensor(const TensorBatch& batch) {
-  const int block = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.block_begin[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 template <class Op>
 __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_constant__ TensorBatch batch,
                                                                  const __grid_constant__ Op op) {

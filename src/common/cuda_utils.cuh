@@ -72,5 +72,22 @@ __device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[Words])
   }
 }
 
+// Multi-tensor launches: tensor t of a batch owns blocks [block_begin[t], block_begin[t + 1]).
+// Returns the tensor that owns this block: the last t with block_begin[t] <= blockIdx.x.
+template <class Batch>
+__device__ __forceinline__ int owning_tensor(const Batch& batch) {
+  const int block = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.block_begin[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace cuda
 }  // namespace fp8amp

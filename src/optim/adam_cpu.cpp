@@ -1,13 +1,6 @@
 // CPU reference of the Adam step: the readable definition of correct for adam_cuda.cu. It runs
 // the same steps as the CUDA path (optim.h): amax pass, skip decision, store pass, commit.
 
-// No contraction of a product into a later add (see adam_kernels.h): every operation rounds once.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
 #include <algorithm>
 #include <type_traits>
 

@@ -165,21 +165,6 @@ template <class G, class P, class M, class V>
 constexpr int kPackSize =
     static_cast<int>(16 / std::max({sizeof(G), sizeof(P), sizeof(M), sizeof(V)}));
 
-// The tensor that owns this block: the last t with block_begin[t] <= blockIdx.x.
-__device__ int owning_tensor(const AdamBatch& batch) {
-  const int block = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.block_begin[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 // The scale_inv of a scaled input, 1 (unused) otherwise.
 __device__ float scale_inv_or_1(const float* p) { return p != nullptr ? *p : 1.0f; }
 

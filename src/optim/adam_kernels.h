@@ -4,9 +4,8 @@
 //
 // Rounding is explicit: every operation goes through the helpers below, which on the device are
 // CUDA's round-to-nearest intrinsics (never contracted into an fma by nvcc) and on the host plain
-// IEEE operations. The host TU that runs them (adam_cpu.cpp) turns floating-point contraction
-// off, since GCC would otherwise fuse a product into a later add on targets with FMA (aarch64,
-// x86 with -mfma).
+// IEEE operations. The core builds with -ffp-contract=off (CMakeLists.txt), since GCC would
+// otherwise fuse a product into a later add on targets with FMA (aarch64, x86 with -mfma).
 #pragma once
 
 #include <cmath>

@@ -3,13 +3,6 @@
 // low-precision state paths (power-of-two scales from the new amaxes, values within the formats'
 // precision), the non-finite policy, the device step counter, and errors naming the argument.
 
-// As in adam_cpu.cpp: no contraction, so the float loop below rounds every operation once.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
