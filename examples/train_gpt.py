@@ -4,7 +4,7 @@
     python examples/train_gpt.py --precision bf16    # the baseline
     python examples/train_gpt.py --preset small --steps 500 --compile
 
-On a GPU the default preset is a ~30M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
+On a GPU the default preset is a ~20M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
 so that the FP8 emulation (the CPU reference kernels) finishes in a minute or two.
 """
 
