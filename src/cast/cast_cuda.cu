@@ -60,11 +60,6 @@ __device__ void store_vector(T* p, const Pack<T, N>& x) {
   store_words(p, words);
 }
 
-template <class T>
-__host__ __device__ bool is_aligned(const T* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 // How many of the N elements starting at index j lie before `end`.
 template <int N>
 __device__ int valid_count(int64_t j, int64_t end) {
@@ -100,15 +95,6 @@ __device__ void store_pack(T* p, const Pack<T, N>& x, int valid, bool vector_ok)
 // the same bits, it is used instead of the software codec (which costs ~20 integer operations an
 // element and would make these kernels compute-bound). test_cast_cuda proves each one: the
 // saturating encoders over every fp32 input, the decoders over every code.
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-constexpr bool kHardwareConvert = true;
-#else
-constexpr bool kHardwareConvert = false;
-#endif
-
-template <class T>
-constexpr bool kIsFp8 = std::is_same_v<T, numerics::fp8_e4m3> || std::is_same_v<T, numerics::fp8_e5m2>;
 
 // numerics::to_float of every element.
 template <int N, class T>

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -23,6 +24,21 @@ inline unsigned grid_size(int64_t blocks, const char* op) {
 }
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__host__ __device__ inline bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// sm_89+ converts FP8/FP16 in hardware with the bits numerics.h defines (test_cast_cuda proves
+// it); older targets use the software codec.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kHardwareConvert = true;
+#else
+constexpr bool kHardwareConvert = false;
+#endif
+
+template <class T>
+constexpr bool kIsFp8 = std::is_same_v<T, numerics::fp8_e4m3> || std::is_same_v<T, numerics::fp8_e5m2>;
 
 // The bits of one element (float, or a storage type of numerics.h), and back.
 template <class T>

@@ -85,23 +85,10 @@ __device__ void store_bits(T* p, const uint32_t (&b)[N], int valid, bool vector_
   }
 }
 
-__device__ bool is_aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 // ------------------------------------------------------------------------------------------------
 // Conversions. numerics.h defines every result; on sm_89+ the instructions cast_cuda.cu uses (and
 // test_cast_cuda proves equal to numerics) replace the software codec, which would make these
 // kernels compute-bound.
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-constexpr bool kHardwareConvert = true;
-#else
-constexpr bool kHardwareConvert = false;
-#endif
-
-template <class T>
-constexpr bool kIsFp8 = std::is_same_v<T, numerics::fp8_e4m3> || std::is_same_v<T, numerics::fp8_e5m2>;
 
 // numerics::to_float of the element with bits b. (A NaN may keep its payload here: a NaN is never
 // stored, and amax keys are canonical.)
