@@ -16,7 +16,7 @@ from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState
 from .linear import Fp8Linear
 from .convert import convert, update_scaling
-from . import optim
+from . import gemm, optim
 
 __all__ = [
     "ops",
@@ -41,6 +41,7 @@ __all__ = [
     "Fp8Linear",
     "convert",
     "update_scaling",
+    "gemm",
     "optim",
 ]
 __version__ = "0.1.0"
