@@ -14,6 +14,7 @@ from .cast import (
 )
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState
+from .scaled_tensor import ScaledTensor
 from .linear import Fp8Linear
 from .convert import convert, update_scaling
 from . import gemm, optim
@@ -38,6 +39,7 @@ __all__ = [
     "update_delayed_scaling",
     "ScalingRecipe",
     "ScalingState",
+    "ScaledTensor",
     "Fp8Linear",
     "convert",
     "update_scaling",

@@ -1,0 +1,362 @@
+"""``ScaledTensor``: a per-tensor-scaled low-precision tensor that *is* a ``torch.Tensor`` (DESIGN §1, §3).
+
+A ``ScaledTensor`` stores ``_data`` (float16, float8_e4m3fn or float8_e5m2, contiguous) and
+``_scale_inv`` (float32 ``[1]``, same device) and stands for ``real = _data * _scale_inv``. To
+PyTorch it is a tensor of a high-precision *logical* dtype (float32 by default; bfloat16 / float16
+allowed) with ``_data``'s shape, strides and device: it can be a parameter, a ``.grad``, a buffer,
+an optimizer state, and it can be traced by ``torch.compile`` (``__tensor_flatten__`` /
+``__tensor_unflatten__``). It is the representation of FP16-with-scale master weights and FP8 E4M3
+weight gradients (issue 4). MS-AMP's ``ScalingTensor`` is not a ``torch.Tensor``, which breaks
+GradScaler, clip_grad_norm_, DDP, FSDP2 and compile; this one is.
+
+Semantics of ops (``__torch_dispatch__``):
+
+* Kept in the subclass (no data pass unless stated):
+  ``detach``, ``alias``, ``view`` (contiguous reshape; shares ``_data`` storage *and* the
+  ``_scale_inv`` tensor, so in-place ops through the view reach the base, as for any view),
+  ``clone`` (copies both), ``_to_copy`` that only changes the device (``.to(device)``, ``.cpu()``,
+  ``.cuda()``: moves both inner tensors; the codes are not touched).
+* In place, supported:
+  ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
+  (amax -> pow2 scale -> quantize, no host sync); ``copy_(ScaledTensor)`` of the same storage
+  format and shape: copies ``_data`` and ``_scale_inv`` bit for bit (another format: re-quantizes
+  its real values);
+  ``mul_(s)`` / ``div_(s)`` with ``s`` a Python number or a 0-dim real tensor (e.g. the clip
+  coefficient of ``clip_grad_norm_``): O(1), only ``_scale_inv`` changes, the codes are untouched
+  (what MS-AMP does for unscale and world-size averaging). ``_scale_inv * s`` is computed in float32,
+  so it is exact when ``s`` is a power of two (and nothing under/overflows); otherwise the new
+  ``_scale_inv`` is rounded once (a Python float is first rounded to float32 by PyTorch's scalar
+  handling, a second rounding), i.e. a relative error of at most ~2^-23 on every real value, shared
+  by all elements, and ``_scale_inv`` stops being a power of two until the next re-quantize.
+  Unlike a plain FP16 tensor, a large ``s`` cannot overflow the codes;
+  ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
+  ``_foreach_mul_`` / ``_foreach_div_`` / ``_foreach_zero_`` over lists that contain ScaledTensors
+  (element by element, through the above);
+  ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
+  check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
+* Any other op that would write into a ScaledTensor (``add_``, ``fill_``, ``lerp_``, ``out=`` ...)
+  raises ``NotImplementedError`` naming the op: data is never silently dropped.
+* Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
+  plain tensors, returning plain tensors: printing, arithmetic, comparisons, ``norm`` /
+  ``vector_norm``, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
+  than ``view``/``detach``/``alias`` (``t()``, ``transpose``, slicing) go through this path too, so
+  they return a dequantized *copy*, not an alias: writing into that copy does not reach the
+  ScaledTensor.
+
+``x.float()`` / ``x.to(torch.float32)`` on a ScaledTensor whose logical dtype is already float32
+return ``x`` itself, as for any float32 tensor (``aten::to`` short-circuits before dispatch); call
+:meth:`ScaledTensor.dequantize` for a plain tensor. ScaledTensor is not differentiable: it is a
+storage type for weights, gradients and optimizer states, not an autograd activation.
+
+Serialization: ``torch.save`` / ``torch.load`` (``weights_only=True`` included: the class is
+registered as a safe global) round-trip a ScaledTensor bit for bit (codes, scale, logical dtype).
+Plan for module ``state_dict`` (not done here): DESIGN §1 wants checkpoints of converted models to
+hold real values, loadable into an unconverted model, so converted modules will register
+``_save_to_state_dict`` / ``_load_from_state_dict`` (or state-dict hooks) that write
+``dequantize()`` and re-quantize on load (``copy_`` from a plain tensor), keeping the exact
+codes + scale in an optional extra entry when a bit-exact resume is requested.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from . import cast
+from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype, format_max
+
+__all__ = ["ScaledTensor"]
+
+aten = torch.ops.aten
+
+_STORAGE_FORMATS = tuple(SCALED_FORMATS)
+
+
+def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling with the pow2 rule: (codes, scale_inv [1]); all on x's device, no host sync."""
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        x = x.to(torch.float32)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    scale = torch.ones(1, dtype=torch.float32, device=x.device)
+    scale_inv = torch.ones(1, dtype=torch.float32, device=x.device)
+    cast.amax(x, amax)
+    cast.compute_scale(amax, scale, scale_inv, format_max(fmt), margin=margin, pow2_scale=True)
+    data, scale_inv = cast.quantize(x, scale, amax, fmt)
+    return data, scale_inv
+
+
+def _is_scalar(s: object) -> bool:
+    if isinstance(s, bool):
+        return False
+    if isinstance(s, numbers.Real):
+        return True
+    return (isinstance(s, torch.Tensor) and not isinstance(s, ScaledTensor) and s.dim() == 0
+            and not s.dtype.is_complex and s.dtype != torch.bool)
+
+
+def _written_args(func, args, kwargs):
+    """The argument values the op's schema marks as written (Tensor(a!) / Tensor(a!)[])."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif not arg.kwarg_only and i < len(args):
+            out.append(args[i])
+    flat = []
+    for v in out:
+        flat.extend(v if isinstance(v, (list, tuple)) else [v])
+    return flat
+
+
+class ScaledTensor(torch.Tensor):
+    """A tensor whose real values are ``_data * _scale_inv`` (per-tensor scale, DESIGN §3).
+
+    Args:
+        data: the codes, float16 / float8_e4m3fn / float8_e5m2, contiguous.
+        scale_inv: float32 ``[1]`` on ``data``'s device.
+        dtype: the logical (outer) dtype: float32 (default), bfloat16 or float16.
+        requires_grad: of the wrapper (for parameters).
+
+    Build one from real values with :meth:`from_tensor`.
+    """
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                requires_grad: bool = False):
+        where = "fp8amp.ScaledTensor"
+        if not isinstance(data, torch.Tensor) or isinstance(data, ScaledTensor):
+            raise TypeError(f"{where}: data must be a plain torch.Tensor, got {type(data).__name__}")
+        if not isinstance(scale_inv, torch.Tensor) or isinstance(scale_inv, ScaledTensor):
+            raise TypeError(f"{where}: scale_inv must be a plain torch.Tensor, got {type(scale_inv).__name__}")
+        check_dtype(data.dtype, _STORAGE_FORMATS, "data.dtype", where)
+        check_dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", where)
+        if not data.is_contiguous():
+            raise ValueError(f"{where}: data must be contiguous")
+        if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != (1,):
+            raise ValueError(f"{where}: scale_inv must be float32 of shape [1], got {scale_inv.dtype} "
+                             f"{list(scale_inv.shape)}")
+        if scale_inv.device != data.device:
+            raise ValueError(f"{where}: scale_inv must be on data's device {data.device}, got {scale_inv.device}")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=0, dtype=dtype, device=data.device,
+            layout=data.layout, requires_grad=requires_grad)
+        self._data = data
+        self._scale_inv = scale_inv
+        return self
+
+    # Outputs of plain ops must stay plain: no automatic re-wrapping by __torch_function__.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ------------------------------------------------------------------ construction / conversion
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, dtype: torch.dtype = torch.float16, *, margin: int = 0,
+                    orig_dtype: torch.dtype | None = None) -> "ScaledTensor":
+        """Quantizes ``x`` into ``dtype`` (FP16, E4M3 or E5M2) with current scaling.
+
+        ``scale = 2^(floor(log2(fmax / amax(x))) - margin)`` (1 when amax is 0 or not finite), all
+        on ``x``'s device without a host sync. The logical dtype is ``orig_dtype``, by default
+        ``x.dtype`` when that is float32/bfloat16/float16, else float32. ``x`` is read, not tracked
+        by autograd.
+        """
+        where = "fp8amp.ScaledTensor.from_tensor"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+        check_dtype(dtype, _STORAGE_FORMATS, "dtype", where)
+        if isinstance(x, ScaledTensor):
+            x = x.dequantize()
+        if orig_dtype is None:
+            orig_dtype = x.dtype if x.dtype in HIGH_PRECISION_DTYPES else torch.float32
+        if x.dtype.is_complex:
+            raise ValueError(f"{where}: x must be real, got {x.dtype}")
+        data, scale_inv = _quantize_current(x.detach(), dtype, margin)
+        return cls(data, scale_inv, orig_dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The real values ``_data * _scale_inv`` as a plain tensor of ``dtype`` (default: the logical
+        dtype), via :func:`fp8amp.dequantize`."""
+        return cast.dequantize(self._data, self._scale_inv, self.dtype if dtype is None else dtype)
+
+    to_tensor = dequantize
+
+    @property
+    def storage_format(self) -> torch.dtype:
+        """The dtype of the codes: float16, float8_e4m3fn or float8_e5m2."""
+        return self._data.dtype
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105 (host sync: printing only)
+        real = self.dequantize()
+        return (f"ScaledTensor({real!r}, format={self._data.dtype}, "
+                f"scale_inv={self._scale_inv.item()!r})")
+
+    # ------------------------------------------------------------------ torch.compile support
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], ctx)
+
+    # ------------------------------------------------------------------ dispatch
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            result = handler(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        for v in _written_args(func, args, kwargs):
+            if isinstance(v, ScaledTensor):
+                raise NotImplementedError(
+                    f"fp8amp.ScaledTensor: in-place op {func} is not supported on a ScaledTensor (it would "
+                    f"lose the scaled representation); supported in place: copy_, mul_/div_ by a scalar, zero_. "
+                    f"Dequantize, compute, then copy_ the result back.")
+        args, kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- special cases
+
+
+def _detach(func, args, kwargs):
+    (x,) = args
+    return ScaledTensor(func(x._data), func(x._scale_inv), x.dtype)
+
+
+def _clone(func, args, kwargs):
+    x = args[0]
+    fmt = kwargs.get("memory_format", None)
+    if fmt not in (None, torch.preserve_format, torch.contiguous_format):
+        return NotImplemented
+    return ScaledTensor(x._data.clone(), x._scale_inv.clone(), x.dtype)
+
+
+def _view(func, args, kwargs):
+    x, size = args
+    return ScaledTensor(x._data.view(size), x._scale_inv, x.dtype)
+
+
+def _to_copy(func, args, kwargs):
+    x = args[0]
+    kw = dict(kwargs)
+    device = kw.pop("device", None)
+    dtype = kw.pop("dtype", None)
+    layout = kw.pop("layout", None)
+    kw.pop("non_blocking", None)
+    kw.pop("pin_memory", None)
+    memory_format = kw.pop("memory_format", None)
+    if (kw or dtype not in (None, x.dtype) or layout not in (None, torch.strided)
+            or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
+        return NotImplemented  # a dtype change: the dequantizing fallback gives a plain tensor
+    non_blocking = kwargs.get("non_blocking", False)
+    return ScaledTensor(x._data.to(device, non_blocking=non_blocking),
+                        x._scale_inv.to(device, non_blocking=non_blocking), x.dtype)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, ScaledTensor):
+        return NotImplemented  # plain destination: dequantize src, ordinary copy_
+    if isinstance(src, ScaledTensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
+        dst._data.copy_(src._data)
+        dst._scale_inv.copy_(src._scale_inv)
+        return dst
+    if isinstance(src, ScaledTensor):
+        src = src.dequantize()
+    if not isinstance(src, torch.Tensor):
+        return NotImplemented
+    src = src.to(device=dst.device).expand(dst.shape)
+    if src.dtype not in HIGH_PRECISION_DTYPES:
+        src = src.to(dst.dtype)
+    data, scale_inv = _quantize_current(src, dst._data.dtype, 0)
+    dst._data.copy_(data)
+    dst._scale_inv.copy_(scale_inv)
+    return dst
+
+
+def _scale_op(func, args, kwargs):
+    x, s = args[0], args[1]
+    if not isinstance(x, ScaledTensor) or kwargs or not _is_scalar(s):
+        return NotImplemented  # e.g. div_ with rounding_mode, or by a full tensor: raises below
+    if isinstance(s, torch.Tensor):
+        s = s.to(device=x.device, dtype=torch.float32)
+    if func in (aten.mul_.Tensor, aten.mul_.Scalar):
+        x._scale_inv.mul_(s)
+    else:
+        x._scale_inv.div_(s)
+    return x
+
+
+def _zero_(func, args, kwargs):
+    (x,) = args
+    x._data.zero_()
+    x._scale_inv.fill_(1.0)
+    return x
+
+
+def _foreach(method):
+    def handler(func, args, kwargs):
+        tensors = args[0]
+        if not any(isinstance(t, ScaledTensor) for t in tensors):
+            return NotImplemented
+        if method == "zero_":
+            for t in tensors:
+                t.zero_()
+            return None
+        other = args[1] if len(args) > 1 else kwargs.get("scalar", kwargs.get("scalars", kwargs.get("other")))
+        others = other if isinstance(other, (list, tuple)) else [other] * len(tensors)
+        for t, s in zip(tensors, others):
+            getattr(t, method)(s)
+        return None
+    return handler
+
+
+def _amp_unscale(func, args, kwargs):
+    """GradScaler's ``_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``:
+    plain grads go to the aten op; a ScaledTensor grad is checked on its real values (one read pass,
+    no host sync) and unscaled through ``_scale_inv`` only."""
+    grads, found_inf, inv_scale = args
+    scaled = [g for g in grads if isinstance(g, ScaledTensor)]
+    plain = [g for g in grads if not isinstance(g, ScaledTensor)]
+    if plain:
+        func(plain, found_inf, inv_scale)
+    for g in scaled:
+        bad = torch.isfinite(g.dequantize(torch.float32)).all().logical_not().to(found_inf.dtype).reshape(found_inf.shape)
+        found_inf.copy_(torch.maximum(found_inf, bad))
+        g._scale_inv.mul_(inv_scale)
+    return None
+
+
+_HANDLERS = {
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten.clone.default: _clone,
+    aten.view.default: _view,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.mul_.Tensor: _scale_op,
+    aten.mul_.Scalar: _scale_op,
+    aten.div_.Tensor: _scale_op,
+    aten.div_.Scalar: _scale_op,
+    aten.zero_.default: _zero_,
+    aten._foreach_mul_.Scalar: _foreach("mul_"),
+    aten._foreach_mul_.Tensor: _foreach("mul_"),
+    aten._foreach_mul_.ScalarList: _foreach("mul_"),
+    aten._foreach_div_.Scalar: _foreach("div_"),
+    aten._foreach_div_.Tensor: _foreach("div_"),
+    aten._foreach_div_.ScalarList: _foreach("div_"),
+    aten._foreach_zero_.default: _foreach("zero_"),
+}
+
+torch.serialization.add_safe_globals([ScaledTensor])

@@ -1,0 +1,288 @@
+"""fp8amp.ScaledTensor (CPU): the per-tensor-scaled torch.Tensor subclass (DESIGN §1, §3)."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import fp8amp
+from cast_reference import assert_bits_equal
+from fp8amp.scaled_tensor import ScaledTensor
+
+FORMATS = [fp8amp.FP16, fp8amp.E4M3, fp8amp.E5M2]
+
+
+def reference_quantize(x, fmt, margin=0):
+    """What from_tensor must do: amax -> pow2 compute_scale -> quantize, with the cast ops."""
+    amax = torch.zeros(1)
+    scale, scale_inv = torch.ones(1), torch.ones(1)
+    fp8amp.amax(x, amax)
+    fp8amp.compute_scale(amax, scale, scale_inv, fp8amp.format_max(fmt), margin=margin)
+    return fp8amp.quantize(x, scale, amax, fmt)
+
+
+def make(fmt=fp8amp.E4M3, shape=(8, 16), seed=0, mult=3.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * mult
+    return x, ScaledTensor.from_tensor(x, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("margin", [0, 2])
+def test_round_trip_matches_cast_ops(fmt, margin):
+    x = torch.randn(8, 16) * 7
+    s = ScaledTensor.from_tensor(x, fmt, margin=margin)
+    data, scale_inv = reference_quantize(x, fmt, margin)
+    assert s.storage_format == fmt and s._data.dtype == fmt and s._data.is_contiguous()
+    assert_bits_equal(s._data, data)
+    assert_bits_equal(s._scale_inv, scale_inv)
+    assert s._scale_inv.shape == (1,)
+    for dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+        out = s.dequantize(dtype)
+        assert type(out) is torch.Tensor
+        assert_bits_equal(out, fp8amp.dequantize(data, scale_inv, dtype or torch.float32))
+    assert_bits_equal(s.to_tensor(), s.dequantize())
+
+
+def test_pow2_scale_and_metadata():
+    x = torch.full((4, 8), 10.0)
+    s = ScaledTensor.from_tensor(x, fp8amp.E4M3)  # amax 10, fmax 448 -> scale 32 (DESIGN §3)
+    assert s._scale_inv.item() == 1 / 32
+    assert isinstance(s, torch.Tensor) and isinstance(s, ScaledTensor)
+    assert s.dtype == torch.float32 and s.shape == x.shape and s.stride() == x.stride()
+    assert s.device == x.device and s.numel() == 32 and s.dim() == 2
+    assert ScaledTensor.from_tensor(x.bfloat16(), fp8amp.E4M3).dtype == torch.bfloat16
+    assert ScaledTensor.from_tensor(x, fp8amp.E4M3, orig_dtype=torch.float16).dtype == torch.float16
+    assert ScaledTensor.from_tensor(torch.zeros(3), fp8amp.E5M2)._scale_inv.item() == 1.0  # amax 0: scale 1
+
+
+def test_constructor_checks():
+    data = torch.zeros(4, dtype=fp8amp.E4M3)
+    with pytest.raises(ValueError, match="data.dtype"):
+        ScaledTensor(torch.zeros(4), torch.ones(1))
+    with pytest.raises(ValueError, match="scale_inv"):
+        ScaledTensor(data, torch.ones(2))
+    with pytest.raises(ValueError, match="dtype"):
+        ScaledTensor(data, torch.ones(1), torch.float64)
+    with pytest.raises(ValueError, match="contiguous"):
+        ScaledTensor(torch.zeros(4, 4, dtype=fp8amp.FP16).t(), torch.ones(1))
+    with pytest.raises(ValueError, match="dtype"):
+        ScaledTensor.from_tensor(torch.randn(4), torch.bfloat16)
+
+
+def test_printing():
+    x, s = make(fp8amp.E5M2, shape=(3,))
+    r = repr(s)
+    assert r.startswith("ScaledTensor(tensor(") and "float8_e5m2" in r and "scale_inv=" in r
+    assert str(s) == r
+    assert repr(s.dequantize()) in r
+    assert "ScaledTensor(tensor(" in repr(ScaledTensor.from_tensor(torch.tensor(3.0), fp8amp.E4M3))
+
+
+def test_float_and_to():
+    x, s = make(fp8amp.E4M3)
+    real = s.dequantize()
+    f = s.float()  # logical dtype already float32: aten::to returns the tensor itself
+    assert f is s and torch.equal(f.dequantize(), real)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        out = s.to(dtype)
+        assert type(out) is torch.Tensor and out.dtype == dtype
+        assert torch.equal(out, real.to(dtype))
+    assert type(s.double()) is torch.Tensor and type(s.half()) is torch.Tensor
+    b = ScaledTensor.from_tensor(x.bfloat16(), fp8amp.E4M3)
+    assert type(b.float()) is torch.Tensor and torch.equal(b.float(), b.dequantize().float())
+
+
+def test_arithmetic_fallback_equals_dequantized():
+    x, s = make(fp8amp.E4M3)
+    y, t = make(fp8amp.FP16, seed=1)
+    a, b = s.dequantize(), t.dequantize()
+    cases = [
+        (s + t, a + b), (s * 2, a * 2), (s - y, a - y), (s @ t.T, a @ b.T), (s.sum(), a.sum()),
+        (torch.norm(s), torch.norm(a)), (torch.linalg.vector_norm(s, 2.0), torch.linalg.vector_norm(a, 2.0)),
+        (s > 0, a > 0), (s == t, a == b), (s.isinf(), a.isinf()), (s.isnan(), a.isnan()),
+        (s.abs().max(), a.abs().max()), (s.t(), a.t()), (s[1:3], a[1:3]), (torch.nn.functional.relu(s), a.relu()),
+    ]
+    for got, want in cases:
+        assert type(got) is torch.Tensor
+        assert torch.equal(got, want)
+    assert torch.allclose(s, a) and torch.equal(s, a)
+
+
+def test_detach_clone_to_device_keep_subclass():
+    x, s = make(fp8amp.FP16)
+    for out in (s.detach(), s.clone(), s.to("cpu", copy=True), s.to(device="cpu", copy=True), s.view(-1),
+                s.reshape(4, 32), copy.deepcopy(s)):
+        assert type(out) is ScaledTensor and out.storage_format == fp8amp.FP16
+        assert torch.equal(out.dequantize().flatten(), s.dequantize().flatten())
+    assert s.cpu() is s and s.to("cpu") is s
+    c = s.clone()
+    assert c._data.data_ptr() != s._data.data_ptr() and c._scale_inv.data_ptr() != s._scale_inv.data_ptr()
+    d = s.detach()
+    assert d._data.data_ptr() == s._data.data_ptr()
+    expected = c.dequantize() * 2
+    d.mul_(2.0)  # detach is a view: the base sees it
+    assert torch.equal(s.dequantize(), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mul_div_touch_only_scale_inv(fmt):
+    x, s = make(fmt)
+    data0, si0 = s._data.clone(), s._scale_inv.clone()
+    ptr = s._data.data_ptr()
+    assert s.mul_(4) is s
+    assert_bits_equal(s._data, data0)
+    assert s._data.data_ptr() == ptr
+    assert_bits_equal(s._scale_inv, si0 * 4)
+    s.div_(0.5)
+    assert_bits_equal(s._scale_inv, si0 * 8)
+    s.mul_(torch.tensor(0.25))  # a 0-dim tensor: the clip coefficient of clip_grad_norm_
+    s.div_(torch.tensor(4.0))
+    assert_bits_equal(s._scale_inv, si0 / 2)
+    assert_bits_equal(s._data, data0)
+    s.mul_(3.0)  # not a power of two: one float32 rounding of scale_inv
+    assert_bits_equal(s._scale_inv, si0 / 2 * 3.0)
+    assert torch.allclose(s.dequantize(), fp8amp.dequantize(data0, si0, torch.float32) * 1.5, rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="mul_"):
+        s.mul_(torch.ones(8, 16))  # elementwise: would need a data pass
+
+
+def test_foreach_mul_and_zero():
+    _, s = make(fp8amp.E4M3)
+    p = torch.randn(3)
+    si, p0 = s._scale_inv.clone(), p.clone()
+    torch._foreach_mul_([s, p], 0.5)
+    assert_bits_equal(s._scale_inv, si * 0.5)
+    assert torch.equal(p, p0 * 0.5)
+    torch._foreach_div_([s], torch.tensor(0.5))
+    assert_bits_equal(s._scale_inv, si)
+    torch._foreach_zero_([s])
+    assert torch.equal(s.dequantize(), torch.zeros(8, 16))
+
+
+def test_zero_():
+    _, s = make(fp8amp.E5M2)
+    s.mul_(float("inf"))
+    assert s.zero_() is s
+    assert torch.equal(s.dequantize(), torch.zeros(8, 16)) and s._scale_inv.item() == 1.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_copy_from_plain_requantizes(fmt):
+    _, s = make(fmt)
+    y = torch.randn(8, 16) * 1000
+    ptr = s._data.data_ptr()
+    assert s.copy_(y) is s
+    data, scale_inv = reference_quantize(y, fmt)
+    assert_bits_equal(s._data, data)
+    assert_bits_equal(s._scale_inv, scale_inv)
+    assert s._data.data_ptr() == ptr
+    s.copy_(y.double())  # other dtypes go through the logical dtype
+    assert_bits_equal(s._data, data)
+    s.copy_(torch.tensor(2.0))  # broadcast
+    assert torch.equal(s.dequantize(), torch.full((8, 16), 2.0))
+
+
+def test_copy_between_scaled_tensors():
+    _, s = make(fp8amp.E4M3)
+    _, t = make(fp8amp.E4M3, seed=5, mult=100)
+    s.copy_(t)  # same format: codes and scale, bit for bit
+    assert_bits_equal(s._data, t._data)
+    assert_bits_equal(s._scale_inv, t._scale_inv)
+    _, h = make(fp8amp.FP16, seed=6)
+    s.copy_(h)  # another format: re-quantizes the real values
+    data, scale_inv = reference_quantize(h.dequantize(), fp8amp.E4M3)
+    assert_bits_equal(s._data, data)
+    assert_bits_equal(s._scale_inv, scale_inv)
+    plain = torch.empty(8, 16)
+    assert plain.copy_(t) is plain and type(plain) is torch.Tensor
+    assert torch.equal(plain, t.dequantize())
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_save_load_round_trip(weights_only):
+    _, s = make(fp8amp.E4M3)
+    s.mul_(3.0)  # a non-power-of-two scale_inv survives too
+    b = ScaledTensor.from_tensor(torch.randn(5, dtype=torch.bfloat16), fp8amp.FP16)
+    buf = io.BytesIO()
+    torch.save({"s": s, "b": b}, buf)
+    buf.seek(0)
+    out = torch.load(buf, weights_only=weights_only)
+    for got, want in ((out["s"], s), (out["b"], b)):
+        assert type(got) is ScaledTensor and got.dtype == want.dtype and got.shape == want.shape
+        assert_bits_equal(got._data, want._data)
+        assert_bits_equal(got._scale_inv, want._scale_inv)
+
+
+@pytest.mark.parametrize(
+    "op", [lambda s: s.add_(1), lambda s: s.fill_(0.0), lambda s: s.clamp_(0, 1), lambda s: s.lerp_(s.dequantize(), 0.5),
+           lambda s: torch.add(s, 1, out=s), lambda s: s.div_(2.0, rounding_mode="floor"), lambda s: s.t_()])
+def test_unsupported_in_place_raises(op):
+    _, s = make(fp8amp.E4M3)
+    data0, si0 = s._data.clone(), s._scale_inv.clone()
+    with pytest.raises(NotImplementedError, match=r"ScaledTensor: in-place op aten\."):
+        op(s)
+    assert_bits_equal(s._data, data0)
+    assert_bits_equal(s._scale_inv, si0)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_clip_grad_norm(foreach):
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    g = torch.randn(8, 16) * 10
+    p.grad = ScaledTensor.from_tensor(g, fp8amp.E4M3)
+    data0, real = p.grad._data.clone(), p.grad.dequantize()
+    total = torch.nn.utils.clip_grad_norm_([p], 1.0, foreach=foreach)
+    assert torch.equal(total, torch.linalg.vector_norm(real))
+    assert type(p.grad) is ScaledTensor
+    assert_bits_equal(p.grad._data, data0)  # only the scale changed
+    assert torch.allclose(torch.linalg.vector_norm(p.grad.dequantize()), torch.tensor(1.0), rtol=1e-5)
+
+
+def test_parameter_and_module():
+    m = torch.nn.Linear(16, 8)
+    w = m.weight.detach().clone()
+    m.weight = torch.nn.Parameter(ScaledTensor.from_tensor(w, fp8amp.FP16))
+    assert type(m.weight) is ScaledTensor and m.weight.requires_grad
+    x = torch.randn(2, 16)
+    assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight.dequantize(), m.bias))
+    plain = torch.nn.Linear(16, 8)
+    plain.load_state_dict(m.state_dict())  # param.copy_(ScaledTensor) dequantizes
+    assert torch.equal(plain.weight, m.weight.dequantize())
+
+
+@pytest.mark.parametrize("fmt", [fp8amp.FP16, fp8amp.E4M3])
+def test_compile_aot_eager_fullgraph(fmt):
+    _, s = make(fmt)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: t.float() * 2, backend="aot_eager", fullgraph=True)
+    out = f(s)
+    assert type(out) is torch.Tensor
+    assert_bits_equal(out, s.dequantize() * 2)
+
+
+def test_grad_scaler_unscale():
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    q = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([p, q], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    p.grad = ScaledTensor.from_tensor(torch.randn(8, 16) * 1024, fp8amp.E4M3)
+    q.grad = torch.randn(4) * 1024
+    data0, si0, q0 = p.grad._data.clone(), p.grad._scale_inv.clone(), q.grad.clone()
+    scaler.scale(torch.ones(()))  # initializes the scale, as scaler.scale(loss) would
+    scaler.unscale_(opt)
+    assert type(p.grad) is ScaledTensor
+    assert_bits_equal(p.grad._data, data0)
+    assert_bits_equal(p.grad._scale_inv, si0 / 1024)
+    assert torch.equal(q.grad, q0 / 1024)
+    assert scaler._found_inf_per_device(opt)[torch.device("cpu")].item() == 0.0
+
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
+    g = torch.ones(8, 16)
+    g[3, 5] = float("nan")
+    p.grad = ScaledTensor.from_tensor(g, fp8amp.FP16)
+    q.grad = torch.randn(4)
+    scaler2.scale(torch.ones(()))
+    scaler2.unscale_(opt)
+    assert scaler2._found_inf_per_device(opt)[torch.device("cpu")].item() == 1.0
