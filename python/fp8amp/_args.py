@@ -1,23 +1,41 @@
-"""Argument checks shared by the op wrappers: TypeErrors that name the op and the argument."""
+"""Argument checks shared by the op wrappers: TypeErrors that name the op and the argument.
+
+They sit on the hot path of every Fp8Linear step, so each accepts a good value with one
+``isinstance`` (or one tuple membership test) and builds its message only when it raises.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .formats import check_dtype
+
+_Tensor = torch.Tensor
+
+
+def _type_error(op: str, arg: str, what: str, value: object) -> TypeError:
+    return TypeError(f"fp8amp.{op}: {arg} must be {what}, got {type(value).__name__}")
+
 
 def _tensor(value: object, arg: str, op: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a torch.Tensor, got {type(value).__name__}")
-    return value
+    if isinstance(value, _Tensor):
+        return value
+    raise _type_error(op, arg, "a torch.Tensor", value)
 
 
 def _input(value: object, arg: str, op: str) -> torch.Tensor:
     """A tensor the op only reads, made contiguous."""
-    return _tensor(value, arg, op).contiguous()
+    if isinstance(value, _Tensor):
+        return value.contiguous()
+    raise _type_error(op, arg, "a torch.Tensor", value)
 
 
 def _optional_input(value: object, arg: str, op: str) -> torch.Tensor | None:
-    return None if value is None else _input(value, arg, op)
+    if value is None:
+        return None
+    if isinstance(value, _Tensor):
+        return value.contiguous()
+    raise _type_error(op, arg, "a torch.Tensor", value)
 
 
 def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
@@ -27,18 +45,26 @@ def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
 
 
 def _int(value: object, arg: str, op: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"fp8amp.{op}: {arg} must be an int, got {type(value).__name__}")
-    return value
+    if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise _type_error(op, arg, "an int", value)
 
 
 def _bool(value: object, arg: str, op: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a bool, got {type(value).__name__}")
-    return value
+    if value is True or value is False:
+        return value
+    raise _type_error(op, arg, "a bool", value)
 
 
 def _float(value: object, arg: str, op: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a float, got {type(value).__name__}")
+        raise _type_error(op, arg, "a float", value)
     return float(value)
+
+
+def _dtype(value: object, accepted: tuple, arg: str, op: str) -> torch.dtype:
+    """``value`` if it is one of the ``accepted`` dtypes; otherwise the TypeError / ValueError of
+    :func:`fp8amp.formats.check_dtype`, which names the accepted values."""
+    if isinstance(value, torch.dtype) and value in accepted:
+        return value
+    return check_dtype(value, accepted, arg, f"fp8amp.{op}")

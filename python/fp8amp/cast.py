@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ._args import _bool, _float, _input, _inputs, _int, _optional_input, _tensor
+from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _tensor
 from ._library import ops
-from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
+from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 
 __all__ = [
     "quantize",
@@ -35,6 +35,18 @@ __all__ = [
 ]
 
 _SCALED_FORMATS = tuple(SCALED_FORMATS)
+
+# The op overloads, resolved once (a torch.ops attribute lookup and overload resolution per call
+# is host time on every step). Each op has a single overload.
+_quantize = ops.quantize.default
+_cast_transpose = ops.cast_transpose.default
+_dequantize = ops.dequantize.default
+_amax = ops.amax.default
+_multi_amax = ops.multi_amax.default
+_multi_quantize = ops.multi_quantize.default
+_multi_dequantize = ops.multi_dequantize.default
+_compute_scale = ops.compute_scale.default
+_update_delayed_scaling = ops.update_delayed_scaling.default
 
 
 def _scaling_args(
@@ -51,7 +63,7 @@ def _scaling_args(
     return (
         _input(scale, "scale", op),
         _tensor(amax_buffer, "amax", op),
-        check_dtype(dtype, _SCALED_FORMATS, "dtype", f"fp8amp.{op}"),
+        _dtype(dtype, _SCALED_FORMATS, "dtype", op),
         _optional_input(warmup_counter, "warmup_counter", op),
         _int(warmup_steps, "warmup_steps", op),
         _int(margin, "margin", op),
@@ -81,7 +93,7 @@ def quantize(
     (current scaling), or stays ``scale[0]`` if that amax is 0 or not finite.
     """
     op = "quantize"
-    return ops.quantize(
+    return _quantize(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
     )
@@ -105,7 +117,7 @@ def cast_transpose(
     GEMMs need) and holds the same codes.
     """
     op = "cast_transpose"
-    return ops.cast_transpose(
+    return _cast_transpose(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
     )
@@ -115,10 +127,10 @@ def dequantize(x: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> 
     """Returns ``x * scale_inv`` (x in E4M3, E5M2 or FP16; scale_inv float32 ``[1]``) in ``dtype``
     (float32, bfloat16 or float16), rounded to nearest even."""
     op = "dequantize"
-    return ops.dequantize(
+    return _dequantize(
         _input(x, "x", op),
         _input(scale_inv, "scale_inv", op),
-        check_dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", f"fp8amp.{op}"),
+        _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op),
     )
 
 
@@ -135,7 +147,7 @@ def amax(
     warmup_steps``: the amax pass current scaling needs before a quantize.
     """
     op = "amax"
-    ops.amax(
+    _amax(
         _input(x, "x", op),
         _tensor(amax, "amax", op),
         _optional_input(warmup_counter, "warmup_counter", op),
@@ -147,7 +159,7 @@ def multi_amax(xs: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     """:func:`amax` of many tensors of one dtype in one launch: ``xs[i]`` folds into ``amax[i, 0]``
     (``amax`` float32 ``[n]`` or ``[n, H]``)."""
     op = "multi_amax"
-    ops.multi_amax(_inputs(xs, "xs", op), _tensor(amax, "amax", op))
+    _multi_amax(_inputs(xs, "xs", op), _tensor(amax, "amax", op))
 
 
 def multi_quantize(
@@ -170,7 +182,7 @@ def multi_quantize(
     inputs = _inputs(xs, "xs", op)
     scale, amax, dtype, *rest = _scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale)
     outs = [torch.empty_like(x, dtype=dtype) for x in inputs]
-    scale_inv = ops.multi_quantize(inputs, outs, scale, amax, *rest)
+    scale_inv = _multi_quantize(inputs, outs, scale, amax, *rest)
     return outs, scale_inv
 
 
@@ -178,10 +190,10 @@ def multi_dequantize(xs: Sequence[torch.Tensor], scale_inv: torch.Tensor, dtype:
     """:func:`dequantize` of many tensors of one dtype in one launch; ``xs[i]`` uses
     ``scale_inv[i]`` (float32 ``[n]``)."""
     op = "multi_dequantize"
-    return ops.multi_dequantize(
+    return _multi_dequantize(
         _inputs(xs, "xs", op),
         _input(scale_inv, "scale_inv", op),
-        check_dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", f"fp8amp.{op}"),
+        _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op),
     )
 
 
@@ -202,7 +214,7 @@ def compute_scale(
     :func:`fp8amp.formats.format_max`.
     """
     op = "compute_scale"
-    ops.compute_scale(
+    _compute_scale(
         _input(amax, "amax", op),
         _tensor(scale, "scale", op),
         _tensor(scale_inv, "scale_inv", op),
@@ -231,7 +243,7 @@ def update_delayed_scaling(
     by one and ``amax_history[i, 0] = 0``.
     """
     op = "update_delayed_scaling"
-    ops.update_delayed_scaling(
+    _update_delayed_scaling(
         _tensor(amax_history, "amax_history", op),
         _tensor(scale, "scale", op),
         _tensor(scale_inv, "scale_inv", op),

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from ._args import _bool, _input, _optional_input, _tensor
+from ._args import _bool, _dtype, _input, _optional_input, _tensor
 from ._library import ops
-from .formats import check_dtype
 
 __all__ = ["gemm", "gemm_accumulate", "bias_dtype"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# Resolved once: no torch.ops lookup or overload resolution per call.
+_gemm = ops.gemm.default
+_gemm_accumulate = ops.gemm_accumulate.default
+
 
 def bias_dtype(out_dtype: torch.dtype) -> torch.dtype:
     """The bias dtype cuBLASLt's FP8 GEMM takes for an output dtype: float16 for float16 output,
     bfloat16 otherwise."""
-    out_dtype = check_dtype(out_dtype, _OUT_DTYPES, "out_dtype", "fp8amp.bias_dtype")
+    out_dtype = _dtype(out_dtype, _OUT_DTYPES, "out_dtype", "bias_dtype")
     return torch.float16 if out_dtype == torch.float16 else torch.bfloat16
 
 
@@ -43,12 +46,12 @@ def gemm(
     ``fast_accum`` trades accuracy for speed (forward GEMMs only, DESIGN §3).
     """
     op = "gemm"
-    return ops.gemm(
+    return _gemm(
         _input(a, "a", op),
         _input(b, "b", op),
         _input(a_scale_inv, "a_scale_inv", op),
         _input(b_scale_inv, "b_scale_inv", op),
-        check_dtype(out_dtype, _OUT_DTYPES, "out_dtype", f"fp8amp.{op}"),
+        _dtype(out_dtype, _OUT_DTYPES, "out_dtype", op),
         _optional_input(bias, "bias", op),
         _bool(fast_accum, "fast_accum", op),
     )
@@ -70,7 +73,7 @@ def gemm_accumulate(
     accumulate in float32 where that matters (weight gradients).
     """
     op = "gemm_accumulate"
-    ops.gemm_accumulate(
+    _gemm_accumulate(
         _input(a, "a", op),
         _input(b, "b", op),
         _input(a_scale_inv, "a_scale_inv", op),
