@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from . import cast
+from ._args import _input
+from .cast import _cast_transpose, _quantize, _update_delayed_scaling
 from .formats import E4M3, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScalingRecipe", "ScalingState"]
@@ -95,6 +97,7 @@ class ScalingState(torch.nn.Module):
         self.register_buffer("counter", torch.zeros(n, dtype=torch.int32, device=device))
         # A counter that is always in warm-up: current scaling on every call (weights).
         self.register_buffer("_always_current", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self._view_cache = None  # see _views
 
     def _row(self, index: int) -> slice:
         if isinstance(index, bool) or not isinstance(index, int):
@@ -104,7 +107,8 @@ class ScalingState(torch.nn.Module):
         return slice(index, index + 1)
 
     def _scaling(self, index: int) -> dict:
-        """Keyword arguments of the quantizing ops for tensor ``index``: views of its rows."""
+        """Keyword arguments of the quantizing ops for tensor ``index``: views of its rows (the
+        traced path, under ``torch.compile``)."""
         row = self._row(index)
         return dict(
             scale=self.scale[row],
@@ -116,19 +120,69 @@ class ScalingState(torch.nn.Module):
             pow2_scale=self.recipe.pow2_scale,
         )
 
+    # The eager hot path. Every argument but x was checked once, here (dtype) and by
+    # ScalingRecipe, so the ops are called directly; the per-tensor views of the buffers are made
+    # once and reused. They are keyed on the buffer objects: .to(device), load_state_dict(...,
+    # assign=True) or an assignment replace a buffer and the views are made anew; in-place writes
+    # (load_state_dict, DDP's broadcast) keep them valid. With one tensor (every Fp8Linear state)
+    # the "views" are the buffers themselves.
+
+    def _views(self, index: int) -> tuple:
+        """``(scale, amax, counter, amax_now)`` of tensor ``index``: its rows of ``scale``,
+        ``amax_history`` and ``counter`` and column 0 of its history row."""
+        if type(index) is not int or not 0 <= index < self.num_tensors:
+            self._row(index)  # raises the TypeError / ValueError naming index
+        buffers = self._buffers
+        scale, amax, counter = buffers["scale"], buffers["amax_history"], buffers["counter"]
+        cache = self._view_cache
+        if cache is None or cache[0] is not scale or cache[1] is not amax or cache[2] is not counter:
+            if self.num_tensors == 1:
+                views = ((scale, amax, counter, amax[:, 0]),)
+            else:
+                views = tuple(
+                    (scale[i : i + 1], amax[i : i + 1], counter[i : i + 1], amax[i : i + 1, 0])
+                    for i in range(self.num_tensors)
+                )
+            cache = (scale, amax, counter, views)
+            self.__dict__["_view_cache"] = cache
+        return cache[3][index]
+
+    def __getstate__(self):
+        # Copies and pickles make their views anew, from their own buffers.
+        state = super().__getstate__()
+        state = dict(state)
+        state["_view_cache"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_view_cache", None)
+
     def quantize(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` as tensor ``index`` of this state; records its amax.
 
         Returns ``(out, scale_inv)``, ``scale_inv`` float32 ``[1]`` being 1 / the scale used.
         """
-        return cast.quantize(x, **self._scaling(index))
+        if torch.compiler.is_compiling():
+            return cast.quantize(x, **self._scaling(index))
+        scale, amax, counter, _ = self._views(index)
+        r = self.recipe
+        return _quantize(
+            _input(x, "x", "quantize"), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale
+        )
 
     def cast_transpose(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` ``[..., N]`` as tensor ``index`` and transposes it; records its amax.
 
         Returns ``(out, out_t, scale_inv)``: ``out`` of ``x``'s shape, ``out_t`` ``[N, M]``.
         """
-        return cast.cast_transpose(x, **self._scaling(index))
+        if torch.compiler.is_compiling():
+            return cast.cast_transpose(x, **self._scaling(index))
+        scale, amax, counter, _ = self._views(index)
+        r = self.recipe
+        return _cast_transpose(
+            _input(x, "x", "cast_transpose"), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale
+        )
 
     def cast_transpose_current(
         self, x: torch.Tensor, index: int = 0
@@ -136,23 +190,27 @@ class ScalingState(torch.nn.Module):
         """Like :meth:`cast_transpose`, with current scaling on every call: the scale comes from
         ``x``'s own amax (kept in column 0 of row ``index``'s history, which this resets first;
         the stored scale is the fallback for an all-zero or non-finite ``x``). For weights."""
-        scaling = self._scaling(index)
-        scaling["amax"][:, 0].zero_()
-        scaling.update(warmup_counter=self._always_current, warmup_steps=1)
-        return cast.cast_transpose(x, **scaling)
+        if torch.compiler.is_compiling():
+            scaling = self._scaling(index)
+            scaling["amax"][:, 0].zero_()
+            scaling.update(warmup_counter=self._always_current, warmup_steps=1)
+            return cast.cast_transpose(x, **scaling)
+        scale, amax, _, amax_now = self._views(index)
+        x = _input(x, "x", "cast_transpose")
+        amax_now.zero_()
+        r = self.recipe
+        return _cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin, r.pow2_scale)
 
     def update(self) -> None:
         """The delayed update of all n tensors, after the optimizer step: new scales from the
         amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
-        cast.update_delayed_scaling(
-            self.amax_history,
-            self.scale,
-            self.scale_inv,
-            self.counter,
-            self.fmax,
-            margin=self.recipe.margin,
-            pow2_scale=self.recipe.pow2_scale,
-        )
+        r = self.recipe
+        if torch.compiler.is_compiling():
+            amax, scale, scale_inv, counter = self.amax_history, self.scale, self.scale_inv, self.counter
+        else:
+            b = self._buffers
+            amax, scale, scale_inv, counter = b["amax_history"], b["scale"], b["scale_inv"], b["counter"]
+        _update_delayed_scaling(amax, scale, scale_inv, counter, self.fmax, r.margin, r.pow2_scale)
 
     def reset(self) -> None:
         """Back to the initial state: empty histories, unit scales, warm-up from the start."""

@@ -324,3 +324,88 @@ def test_deepcopy_is_independent():
     copied = copy.deepcopy(state)
     state.quantize(torch.tensor([3.0]))
     assert copied.amax_history.count_nonzero() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The eager hot path (cached views of the buffers, ops called directly) against the traced path
+# (views sliced per call, through the checked wrappers) that torch.compile takes.
+
+
+def traced_path(monkeypatch):
+    """Makes ScalingState take its torch.compile path in eager mode."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+
+def all_methods_sequence(state, steps=20):
+    """quantize (index 0), cast_transpose (last index) and cast_transpose_current (index 0)
+    over the ROW0 / ROW1 plan with updates; returns every output and the final buffers."""
+    outputs = []
+    last = state.num_tensors - 1
+    for step in range(steps):
+        for row, plan in ((0, ROW0), (1, ROW1)):
+            for k, magnitude in enumerate(plan[step]):
+                x = step_input(magnitude, step * 10 + k, row).to(torch.bfloat16)
+                outputs += state.quantize(x, 0) if row == 0 else state.cast_transpose(x, last)
+        outputs += state.cast_transpose_current(step_input(ROW1[step][0], step, 7), 0)
+        state.update()
+    return outputs + [buffer.clone() for buffer in state.buffers()]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("dtype", [fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16])
+def test_eager_fast_path_equals_traced_path(n, dtype, monkeypatch):
+    recipe = fp8amp.ScalingRecipe(history_len=4, margin=1, pow2_scale=dtype != fp8amp.E5M2)
+    fast = all_methods_sequence(fp8amp.ScalingState(n, dtype, recipe))
+    traced_path(monkeypatch)
+    traced = all_methods_sequence(fp8amp.ScalingState(n, dtype, recipe))
+    assert len(fast) == len(traced)
+    for a, b in zip(fast, traced):
+        assert_bits_equal(a, b)
+
+
+def test_cached_views_follow_replaced_buffers():
+    for n in (1, 3):
+        state = fp8amp.ScalingState(n, fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2))
+        state.quantize(torch.tensor([1.0]), n - 1)  # the views are made
+        old = state.amax_history
+        state._apply(lambda t: t.clone())  # what .to(device) does: new buffer objects
+        state.quantize(torch.tensor([2.0]), n - 1)
+        assert state.amax_history[n - 1, 0] == 2.0 and old[n - 1, 0] == 1.0
+        # load_state_dict(assign=True) and plain assignment replace buffers too
+        state.load_state_dict({k: torch.zeros_like(v) for k, v in state.state_dict().items()}, assign=True)
+        state.cast_transpose(torch.tensor([[3.0]]), n - 1)
+        assert state.amax_history[n - 1, 0] == 3.0
+        state.amax_history = torch.zeros(n, 2)
+        state.cast_transpose_current(torch.tensor([[5.0]]), 0)
+        assert state.amax_history[0, 0] == 5.0
+        # a plain load_state_dict writes in place: the views stay valid
+        state.load_state_dict({k: torch.zeros_like(v) for k, v in state.state_dict().items()})
+        state.quantize(torch.tensor([6.0]), 0)
+        assert state.amax_history[0, 0] == 6.0
+
+
+def test_used_state_copies_and_pickles_independently():
+    state = fp8amp.ScalingState(2, fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2))
+    state.quantize(torch.tensor([1.0]), 1)
+    copied = copy.deepcopy(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other, value in ((copied, 7.0), (loaded, 9.0)):
+        other.quantize(torch.tensor([value]), 1)
+        assert other.amax_history[1, 0] == value
+    assert state.amax_history[1, 0] == 1.0
+    state.quantize(torch.tensor([4.0]), 0)
+    assert copied.amax_history[0, 0] == 0.0 and loaded.amax_history[0, 0] == 0.0
+
+
+def test_inference_mode_then_training():
+    state = fp8amp.ScalingState(2, fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2))
+    with torch.inference_mode():
+        state.cast_transpose_current(torch.ones(2, 2), 0)
+        state.quantize(torch.ones(2), 1)
+    state.cast_transpose_current(torch.full((2, 2), 3.0), 0)
+    state.quantize(torch.full((2,), 2.0), 1)
+    state.update()
+    assert state.amax_history[:, 1].tolist() == [3.0, 2.0]
