@@ -257,4 +257,54 @@ void update_delayed_scaling(const TensorView& amax_history, const TensorView& sc
       [&] { cuda::update_delayed_scaling(hist, n, h, sc, si, cnt, fmax, recipe.margin, recipe.pow2, stream); });
 }
 
+// ------------------------------------------------------------------------------------------------
+// scaled_accumulate
+
+namespace {
+
+// A float32 [1] buffer on dst's device.
+void check_scalar_buffer(const TensorView& t, const TensorView& dst, const char* op, const char* arg) {
+  check::dtype_is(t, DType::kFloat32, op, arg);
+  check::numel_is(t, 1, op, arg);
+  check::same_device(t, dst, op, arg, "dst");
+}
+
+}  // namespace
+
+void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, const TensorView& src,
+                       const TensorView* src_scale_inv, float alpha, const TensorView& amax_out,
+                       const ScaleRecipe& recipe, Stream stream) {
+  const char* op = "scaled_accumulate";
+  FP8AMP_CHECK_VALUE(is_scaled_format(dst.dtype), op, "dst must be float8_e4m3fn, float8_e5m2 or float16, got ",
+                     dst.describe());
+  check::contiguous(dst, op, "dst");
+  check_scalar_buffer(dst_scale_inv, dst, op, "dst_scale_inv");
+  if (src_scale_inv == nullptr) {
+    FP8AMP_CHECK_VALUE(is_high_precision(src.dtype), op,
+                       "src must be float32, bfloat16 or float16 when src_scale_inv is None (a scaled src, "
+                       "float8_e4m3fn, float8_e5m2 or float16, comes with src_scale_inv), got ",
+                       src.describe());
+  } else {
+    FP8AMP_CHECK_VALUE(is_scaled_format(src.dtype), op,
+                       "src must be float8_e4m3fn, float8_e5m2 or float16 when src_scale_inv is given (a "
+                       "high-precision src, float32 or bfloat16, takes src_scale_inv=None), got ",
+                       src.describe());
+    check_scalar_buffer(*src_scale_inv, dst, op, "src_scale_inv");
+  }
+  check::same_device(src, dst, op, "src", "dst");
+  check::contiguous(src, op, "src");
+  FP8AMP_CHECK_VALUE(src.numel() == dst.numel(), op, "src must have as many elements as dst (", dst.numel(),
+                     "), got ", src.describe());
+  check_scalar_buffer(amax_out, dst, op, "amax");
+  check_recipe(recipe, op);
+  const AccumulatePtrs p{dst.data,     dst_scale_inv.ptr<float>(),
+                         src.data,     src_scale_inv != nullptr ? src_scale_inv->ptr<const float>() : nullptr,
+                         alpha,        amax_out.ptr<float>(),
+                         dst.numel(),  recipe.margin,
+                         recipe.pow2};
+  run_on(
+      dst, op, [&] { cpu::scaled_accumulate(dst.dtype, src.dtype, p); },
+      [&] { cuda::scaled_accumulate(dst.dtype, src.dtype, p, stream); });
+}
+
 }  // namespace fp8amp

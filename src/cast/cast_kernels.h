@@ -74,4 +74,67 @@ void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len,
                             int32_t* counter, float fmax, int margin, bool pow2, Stream stream);
 }  // namespace cuda
 
+// ------------------------------------------------------------------------------------------------
+// scaled_accumulate (cast.h): the element math and scale rule shared bit for bit by the CPU
+// reference (accumulate_cpu.cpp) and the CUDA kernels (accumulate_cuda.cu).
+
+struct AccumulatePtrs {
+  void* dst;
+  float* dst_scale_inv;
+  const void* src;
+  const float* src_scale_inv;  // nullptr: src holds high-precision values
+  float alpha;
+  float* amax;
+  int64_t numel;
+  int margin;
+  bool pow2;
+};
+
+namespace accumulate {
+
+// One IEEE rounding per operation: on the device CUDA's _rn intrinsics, which nvcc never
+// contracts into an fma; on the host plain operations (the core builds with -ffp-contract=off).
+FP8AMP_HD float mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FP8AMP_HD float add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// s = fl(fl(decode(d) * dst_scale_inv) + fl(alpha * v)), v = decode(x) [* src_scale_inv].
+template <bool kScaledSrc, class Dst, class Src>
+FP8AMP_HD float sum(Dst d, Src x, float dst_scale_inv, float src_scale_inv, float alpha) {
+  float v = numerics::to_float(x);
+  if constexpr (kScaledSrc) v = mul(v, src_scale_inv);
+  return add(mul(numerics::to_float(d), dst_scale_inv), mul(alpha, v));
+}
+
+// The new (scale, scale_inv) from the amax of the sums: the recipe's rule; 1 for amax 0; NaN for
+// a non-finite amax.
+FP8AMP_HD numerics::ScalePair new_scale(float amax, float fmax, int margin, bool pow2) {
+  if (!numerics::is_finite(amax)) {
+    const float nan = numerics::bits_float(numerics::kCanonicalNanBits);
+    return {nan, nan};
+  }
+  return numerics::scale_from_amax(amax, fmax, margin, pow2, {1.0f, 1.0f});
+}
+
+}  // namespace accumulate
+
+namespace cpu {
+void scaled_accumulate(DType dst_dtype, DType src_dtype, const AccumulatePtrs& p);
+}  // namespace cpu
+
+namespace cuda {
+void scaled_accumulate(DType dst_dtype, DType src_dtype, const AccumulatePtrs& p, Stream stream);
+}  // namespace cuda
+
 }  // namespace fp8amp
