@@ -224,3 +224,37 @@ TORCH_LIBRARY(fp8amp, m) {
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_KERNELS(m, ); }
 TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_KERNELS(m, ); }
 TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { FP8AMP_REGISTER_KERNELS(m, _meta); }
+
+// ------------------------------------------------------------------------------------------------
+// scaled_accumulate (fp8amp/cast.h): dst, dst_scale_inv and amax are written in place.
+
+namespace fp8amp::torch_binding {
+namespace {
+
+void scaled_accumulate(const at::Tensor& dst, const at::Tensor& dst_scale_inv, const at::Tensor& src,
+                       const std::optional<at::Tensor>& src_scale_inv, double alpha, const at::Tensor& amax_out,
+                       int64_t margin, bool pow2_scale) {
+  const char* op = "scaled_accumulate";
+  call(dst, [&](Stream stream) {
+    const auto src_si = optional_view(src_scale_inv, op, "src_scale_inv");
+    fp8amp::scaled_accumulate(view(dst, op, "dst"), view(dst_scale_inv, op, "dst_scale_inv"), view(src, op, "src"),
+                              src_si ? &*src_si : nullptr, static_cast<float>(alpha), view(amax_out, op, "amax"),
+                              ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
+  });
+}
+
+void scaled_accumulate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            double, const at::Tensor&, int64_t, bool) {}
+
+}  // namespace
+}  // namespace fp8amp::torch_binding
+
+TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
+  m.def(
+      "scaled_accumulate(Tensor(a!) dst, Tensor(b!) dst_scale_inv, Tensor src, Tensor? src_scale_inv, "
+      "float alpha, Tensor(c!) amax, int margin=0, bool pow2_scale=True) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { m.impl("scaled_accumulate", fp8amp::torch_binding::scaled_accumulate); }
+TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { m.impl("scaled_accumulate", fp8amp::torch_binding::scaled_accumulate); }
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { m.impl("scaled_accumulate", fp8amp::torch_binding::scaled_accumulate_meta); }
