@@ -29,8 +29,13 @@ layer's GEMM precision (BF16 989, FP8 1979 TFLOP/s). "host ms" is the CPU time t
 marked so. "err" is ‖out − ref‖ / ‖ref‖ of y, dx and dW against bf16 eager on the same input:
 FP8 lands at a few 1e-2, BF16 compiled near 0; NaN or ~1 means a broken path.
 
+For each shape it also prints what ``fp8amp.convert``'s default policy (``policy="auto"``, which
+keeps nn.Linear wherever FP8 is measured slower, DESIGN §9) decides for that layer at M tokens:
+its own measurement (fp8amp.convert.decide, the same timer and threshold convert uses), beside
+this benchmark's fp8amp eager / bf16 eager ratio (--no-policy skips it).
+
 Usage: python benchmarks/bench_linear.py [--shapes 8192x4096x16384,...] [--samples 15] [--bias]
-       [--modes bf16,bf16-compiled,fp8amp,fp8amp-compiled,torchao,torchao-compiled]
+       [--modes bf16,bf16-compiled,fp8amp,fp8amp-compiled,torchao,torchao-compiled] [--no-policy]
 Shapes are MxKxN: M tokens, K in_features, N out_features. Prints a markdown table (last); with
 $OUT set, also writes it to $OUT/bench_linear.md.
 """
@@ -50,6 +55,7 @@ import torch
 from torch import nn
 
 import fp8amp
+from fp8amp.convert import LayerDecision, decide
 from _common import (
     BF16_PEAK_FLOPS,
     FP8_PEAK_FLOPS,
@@ -178,8 +184,33 @@ def measure(kind: str, compiled: bool, base: nn.Linear, xs: list, dys: list, ref
     return result, outputs
 
 
+def policy_decision(base: nn.Linear, tokens: int) -> object:
+    """What convert(policy="auto") decides for this layer at `tokens` tokens (a LayerDecision),
+    or the error it raised (a string)."""
+    try:
+        decision = decide(base, tokens=tokens)
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        return f"error: {type(e).__name__}: {str(e)[:100]}"
+    print(f"  {base.in_features} -> {base.out_features} at {tokens} tokens, convert(policy='auto'): "
+          f"{'FP8' if decision.converted else 'kept nn.Linear'}: {decision.reason}", file=sys.stderr, flush=True)
+    return decision
+
+
+def policy_line(shape: tuple[int, int, int], decision: object, results: dict[str, Result]) -> str:
+    if not isinstance(decision, LayerDecision):
+        return f"- {shape_name(shape)}: {decision}"
+    what = "converted to FP8" if decision.converted else "kept as nn.Linear"
+    line = f"- {shape_name(shape)}: {what}; {decision.reason}"
+    ours, theirs = results.get("fp8amp"), results.get("bf16")
+    if ours and theirs and ours.seconds and theirs.seconds:
+        line += f"; this benchmark: fp8amp eager {theirs.seconds / ours.seconds:.2f}x bf16 eager"
+    return line
+
+
 def bench_shape(m: int, k: int, n: int, modes: list[str], samples: int, bias: bool,
-                torchao_convert: Optional[Callable], torchao_note: str) -> dict[str, Result]:
+                torchao_convert: Optional[Callable], torchao_note: str,
+                policy: bool = True) -> tuple[dict[str, Result], object]:
     torch._dynamo.reset()  # a new shape compiles anew; keep no stale graphs around
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=bias, device="cuda")  # float32 parameters
@@ -208,9 +239,12 @@ def bench_shape(m: int, k: int, n: int, modes: list[str], samples: int, bias: bo
         text = f"{result.seconds * 1e3:.3f} ms" if result.seconds is not None else result.failure
         print(f"  {m} x {k} -> {n} {label}: {text} ({'; '.join(result.notes)})", file=sys.stderr, flush=True)
         results[key] = result
-    del xs, dys, base, ref
+    del xs, dys, ref
     torch.cuda.empty_cache()
-    return results
+    decision = policy_decision(base, m) if policy else None
+    del base
+    torch.cuda.empty_cache()
+    return results, decision
 
 
 def shape_name(shape: tuple[int, int, int]) -> str:
@@ -272,6 +306,8 @@ def main() -> None:
     parser.add_argument("--bias", action="store_true", help="Linear layers with a bias (default: none)")
     parser.add_argument("--modes", type=lambda t: parse_subset(t, list(MODES)), default=list(MODES),
                         help=", ".join(MODES))
+    parser.add_argument("--no-policy", action="store_true",
+                        help="do not report convert(policy='auto')'s decision per shape")
     args = parser.parse_args()
     require_gpu("bench_linear", min_capability=(8, 9))
     for m, k, n in args.shapes:
@@ -282,9 +318,10 @@ def main() -> None:
     set_recompile_limit(64)
     warm_up_gpu()
     start = time.perf_counter()
-    all_results = {}
+    all_results, decisions = {}, {}
     for shape in args.shapes:
-        all_results[shape] = bench_shape(*shape, args.modes, args.samples, args.bias, torchao_convert, torchao_note)
+        all_results[shape], decisions[shape] = bench_shape(*shape, args.modes, args.samples, args.bias,
+                                                           torchao_convert, torchao_note, not args.no_policy)
     print(f"bench_linear: {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     summary = [crossover(all_results, "fp8amp-compiled", "bf16-compiled"),
@@ -295,6 +332,11 @@ def main() -> None:
             f"autocast bfloat16, bfloat16 x and dy; median of {args.samples} batches\n\n"
             "FP8 speedup crossover (smallest measured shape at which FP8 is at least as fast as BF16):\n"
             + "\n".join(summary) + "\n\n" + table(all_results, args.modes) + "\n")
+    if not args.no_policy:
+        text += ("\nfp8amp.convert(policy='auto') per shape (its own timing at M tokens; FP8 kept only where at "
+                 "least min_speedup as fast):\n"
+                 + "\n".join(policy_line(shape, decisions[shape], all_results[shape]) for shape in args.shapes)
+                 + "\n")
     report("linear", text)
 
 
