@@ -14,9 +14,11 @@ from .cast import (
 )
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState
+from .accumulate import scaled_accumulate
 from .scaled_tensor import ScaledTensor
 from .linear import Fp8Linear
 from .convert import convert, update_scaling
+from .initialize import OPT_LEVELS, initialize
 from . import gemm, optim
 
 __all__ = [
@@ -37,12 +39,15 @@ __all__ = [
     "multi_dequantize",
     "compute_scale",
     "update_delayed_scaling",
+    "scaled_accumulate",
     "ScalingRecipe",
     "ScalingState",
     "ScaledTensor",
     "Fp8Linear",
     "convert",
     "update_scaling",
+    "initialize",
+    "OPT_LEVELS",
     "gemm",
     "optim",
 ]

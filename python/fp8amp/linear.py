@@ -7,6 +7,13 @@ transpose is what the weight-gradient GEMM needs, and it is all that is saved fo
 dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpose in one pass;
 ``dX = dY·W`` and ``dW = dYᵀ·X`` run in FP8 with full FP32 accumulation.
 
+At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.ScaledTensor`
+(FP16 codes + scale, the master copy): the forward takes its E4M3 copy from a cache that the
+fp8amp optimizer rewrites in its step (re-cast here only when the master changed some other way:
+loading, ``copy_``), the backward transposes that copy, and the weight gradient is an E4M3
+``ScaledTensor`` with a current scale, accumulated across micro-batches by
+:func:`fp8amp.scaled_accumulate` (one fused dequantize-add-requantize).
+
 cuBLASLt's FP8 GEMMs take only K-major operands whose inner dimensions are multiples of 16:
 in_features and out_features must be (``convert`` leaves other Linears alone), and the token
 count is padded with zero rows to a multiple of 16 when needed (zero rows change no gradient).
@@ -20,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .accumulate import scaled_accumulate
 from .gemm import bias_dtype, gemm
 from .formats import E4M3, E5M2
+from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe, ScalingState
 
 __all__ = ["Fp8Linear", "fp8_linear_supported"]
@@ -47,6 +56,51 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
+class WeightCache:
+    """The E4M3 copy of a ScaledTensor master weight that the forward GEMM reads.
+
+    Attached to the parameter (``weight._fp8amp_cache``), so the optimizer that updates the master
+    finds it and rewrites it in the same fused step. ``version`` is the master's version
+    counter when the copy was made: any other write to the master (``copy_``, ``load_state_dict``)
+    bumps the counter and the next forward re-casts.
+    """
+
+    __slots__ = ("data", "scale", "scale_inv", "version")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, version: int) -> None:
+        self.data = data
+        self.scale_inv = scale_inv
+        self.scale = scale_inv.reciprocal()  # exact: power-of-two scales
+        self.version = version
+
+    def valid_for(self, weight: ScaledTensor) -> bool:
+        return (self.version == weight._version and self.data.device == weight.device
+                and self.data.shape == weight.shape)
+
+
+def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
+    """(w_fp8, w_fp8_t or None, scale_inv) for the forward GEMM."""
+    if not isinstance(weight, ScaledTensor):
+        return weight_scaling.cast_transpose_current(weight)
+    if torch.compiler.is_compiling():  # no Python-side cache in a graph: cast in it
+        return weight_scaling.cast_transpose_current(weight.dequantize())
+    cache = getattr(weight, "_fp8amp_cache", None)
+    if cache is not None and cache.valid_for(weight):
+        return cache.data, None, cache.scale_inv
+    w_fp8, w_fp8_t, scale_inv = weight_scaling.cast_transpose_current(weight.dequantize())
+    weight._fp8amp_cache = WeightCache(w_fp8, scale_inv, weight._version)
+    return w_fp8, w_fp8_t, scale_inv
+
+
+def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
+    """The weight gradient as an E4M3 ScaledTensor with a current scale (DESIGN §5); a non-finite
+    gradient reads as NaN (an E4M3 code cannot hold inf), so GradScaler and the optimizer see it."""
+    codes = torch.zeros(grad.shape, dtype=E4M3, device=grad.device)
+    scale_inv = torch.ones(1, dtype=torch.float32, device=grad.device)
+    scaled_accumulate(codes, scale_inv, grad)
+    return ScaledTensor(codes, scale_inv, dtype)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -63,10 +117,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
         x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d))
-        w_fp8, w_fp8_t, w_scale_inv = weight_scaling.cast_transpose_current(weight)
+        w_fp8, w_fp8_t, w_scale_inv = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
-        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
+        # A cached copy is transposed in backward (1 byte per element), not kept twice.
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8 if w_fp8_t is None else w_fp8_t, w_scale_inv)
+        ctx.w_transposed = w_fp8_t is not None
+        ctx.scaled_weight = isinstance(weight, ScaledTensor)
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows
         ctx.input_dtype = x.dtype
@@ -77,13 +134,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
+        if not ctx.w_transposed:
+            w_fp8_t = w_fp8_t.t().contiguous()
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
         dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(_pad_rows(dy2d))
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
             grad_x = grad_x[: ctx.rows].reshape(*grad_output.shape[:-1], grad_x.shape[-1])
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.scaled_weight:
+            grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=torch.float32)
+            grad_weight = _fp8_weight_grad(grad_weight, ctx.weight_dtype)
+        elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy2d.sum(0, dtype=torch.float32).to(ctx.weight_dtype)
@@ -152,6 +214,12 @@ class Fp8Linear(nn.Linear):
         return _Fp8LinearFunction.apply(
             x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling
         )
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The real values of a ScaledTensor weight (O1/O2), loadable into an ``nn.Linear``."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if isinstance(self.weight, ScaledTensor) and not keep_vars:
+            destination[prefix + "weight"] = self.weight.dequantize()
 
     def update_scaling(self) -> None:
         """Delayed-scaling update of the input and output-gradient states (after a step)."""

@@ -17,9 +17,13 @@
 
 State per param: ``step`` (float32 0-dim tensor on the param's device, the number of steps
 taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` and, at O2, the
-four float32 ``[1]`` scale tensors. Params must be float32 (the master weights); bf16/fp16
-params are refused: the op keeps low-precision masters only as FP16 + scale, which a plain
-``nn.Parameter`` cannot express.
+four float32 ``[1]`` scale tensors. Params are float32, or :class:`~fp8amp.ScaledTensor` masters
+with float16 codes (what :func:`fp8amp.initialize` makes of Linear weights at O1/O2): the op
+updates their codes and scale in place, and also rewrites the E4M3 copy that their
+:class:`~fp8amp.Fp8Linear` forward reads (when that copy is up to date), so the forward does not
+re-cast the weight. Grads may be plain (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the
+FP8 weight gradients of Fp8Linear at O1/O2). bf16/fp16 plain params are refused: the op keeps
+low-precision masters only as FP16 + scale.
 
 ``step()`` never syncs with the host. A step whose grads (or new m, v, params) hold an inf/NaN
 is skipped on the device: params, states, scales and ``step`` stay bit-identical. When a step
@@ -46,6 +50,7 @@ import torch
 
 from .cast import multi_amax
 from .formats import E4M3, FP16
+from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "STATE_DTYPES"]
 
@@ -115,11 +120,17 @@ class Adam(torch.optim.Optimizer):
                              f"got {group['state_dtypes']!r}")
         self._check_hyper(group)
         for i, p in enumerate(group["params"]):
-            if p.dtype != torch.float32:
+            if isinstance(p, ScaledTensor):
+                if p.storage_format != FP16:
+                    raise ValueError(
+                        f"{self._name}: a ScaledTensor param must hold float16 codes (the O1/O2 master); "
+                        f"param {i} of group {len(self.param_groups) - 1} holds {p.storage_format}")
+            elif p.dtype != torch.float32:
                 raise ValueError(
-                    f"{self._name}: params must be float32 (the master weights); param {i} of group "
-                    f"{len(self.param_groups) - 1} is {p.dtype}. bfloat16/float16 params are not supported: "
-                    "keep float32 params (fp8amp.convert does) and let autocast/Fp8Linear lower the compute")
+                    f"{self._name}: params must be float32 or FP16 ScaledTensors (the master weights); param {i} "
+                    f"of group {len(self.param_groups) - 1} is {p.dtype}. bfloat16/float16 params are not "
+                    "supported: keep float32 params and let autocast/Fp8Linear lower the compute (fp8amp.initialize "
+                    "turns Linear weights into FP16 ScaledTensors)")
 
     def _check_hyper(self, group: dict) -> None:
         for key in ("lr", "eps", "weight_decay"):
@@ -141,8 +152,8 @@ class Adam(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         m_dtype, v_dtype = STATE_DTYPES[group["state_dtypes"]]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = torch.zeros_like(p, dtype=m_dtype, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=v_dtype, memory_format=torch.contiguous_format)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=v_dtype, device=p.device)
         if m_dtype != torch.float32:
             for key in ("exp_avg_scale", "exp_avg_scale_inv"):
                 state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
@@ -260,20 +271,53 @@ class Adam(torch.optim.Optimizer):
         for key in _SCALES:
             entries = [s.get(key) for s in states]
             scale_lists.append([] if all(e is None for e in entries) else entries)
+        masters = [p for p in params if isinstance(p, ScaledTensor)]
+        # The op writes each master's new scale as well as its scale_inv; the scale is derived
+        # here (exactly: powers of two) rather than stored, so it can never go stale.
+        master_scales = iter(torch._foreach_reciprocal([p._scale_inv for p in masters]) if masters else [])
+        caches = [_valid_cache(p) for p in params]
+        data, param_scales, param_scale_invs, grads, grad_scale_invs = [], [], [], [], []
+        for p in params:
+            scaled = isinstance(p, ScaledTensor)
+            data.append(p._data if scaled else p)
+            param_scales.append(next(master_scales) if scaled else None)
+            param_scale_invs.append(p._scale_inv if scaled else None)
+            g = p.grad
+            grads.append(g._data if isinstance(g, ScaledTensor) else g.contiguous())
+            grad_scale_invs.append(g._scale_inv if isinstance(g, ScaledTensor) else None)
+        any_cache = any(c is not None for c in caches)
         steps = [s["step"] for s in states]
         beta1, beta2 = group["betas"]
         torch.ops.fp8amp.adam_step(
-            params, [p.grad.contiguous() for p in params], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [], [], [],  # param_scales, param_scale_invs, grad_scale_invs: float32 params and grads
+            data, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            _or_empty(param_scales), _or_empty(param_scale_invs), _or_empty(grad_scale_invs),
             *scale_lists,
-            [], [], [],  # weights_fp8, weight_scales, weight_scale_invs
+            [c and c.data for c in caches] if any_cache else [],
+            [c and c.scale for c in caches] if any_cache else [],
+            [c and c.scale_inv for c in caches] if any_cache else [],
             lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
             maximize=bool(group["maximize"]), step_tensor=steps[0].view(1), found_inf=found_inf,
         )
+        for p, cache in zip(params, caches):
+            if isinstance(p, ScaledTensor):
+                # The master changed under a custom op on its inner codes, which bumps no version
+                # counter: mark it changed, and the FP8 copy written with it as current.
+                torch.autograd.graph.increment_version(p)
+                if cache is not None:
+                    cache.version = p._version
         if len(steps) > 1:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+
+
+def _or_empty(entries: list) -> list:
+    return [] if all(e is None for e in entries) else entries
+
+
+def _valid_cache(p: torch.Tensor):
+    """The Fp8Linear weight cache of a master, if it is up to date (else the forward re-casts)."""
+    cache = getattr(p, "_fp8amp_cache", None) if isinstance(p, ScaledTensor) else None
+    return cache if cache is not None and cache.valid_for(p) else None
 
 
 class AdamW(Adam):

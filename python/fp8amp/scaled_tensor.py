@@ -30,11 +30,16 @@ Semantics of ops (``__torch_dispatch__``):
   by all elements, and ``_scale_inv`` stops being a power of two until the next re-quantize.
   Unlike a plain FP16 tensor, a large ``s`` cannot overflow the codes;
   ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
+  ``add_(other, alpha=a)`` with ``other`` of the same shape (a ScaledTensor or a plain
+  float32/bfloat16/float16 tensor): one fused dequantize-add-requantize
+  (:func:`fp8amp.scaled_accumulate`, a fresh current scale from the sums' amax; a non-finite sum
+  makes ``_scale_inv`` NaN so the whole tensor reads NaN). It is how autograd accumulates FP8
+  weight gradients across micro-batches (``param.grad += new_grad``);
   ``_foreach_mul_`` / ``_foreach_div_`` / ``_foreach_zero_`` over lists that contain ScaledTensors
   (element by element, through the above);
   ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
   check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
-* Any other op that would write into a ScaledTensor (``add_``, ``fill_``, ``lerp_``, ``out=`` ...)
+* Any other op that would write into a ScaledTensor (``sub_``, ``fill_``, ``lerp_``, ``out=`` ...)
   raises ``NotImplementedError`` naming the op: data is never silently dropped.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
   plain tensors, returning plain tensors: printing, arithmetic, comparisons, ``norm`` /
@@ -50,11 +55,11 @@ storage type for weights, gradients and optimizer states, not an autograd activa
 
 Serialization: ``torch.save`` / ``torch.load`` (``weights_only=True`` included: the class is
 registered as a safe global) round-trip a ScaledTensor bit for bit (codes, scale, logical dtype).
-Plan for module ``state_dict`` (not done here): DESIGN §1 wants checkpoints of converted models to
-hold real values, loadable into an unconverted model, so converted modules will register
-``_save_to_state_dict`` / ``_load_from_state_dict`` (or state-dict hooks) that write
-``dequantize()`` and re-quantize on load (``copy_`` from a plain tensor), keeping the exact
-codes + scale in an optional extra entry when a bit-exact resume is requested.
+Module state dicts: :class:`~fp8amp.Fp8Linear` saves a ScaledTensor weight as its real values
+(a plain tensor of the logical dtype), so a checkpoint of a converted model loads into an
+unconverted one; loading into a ScaledTensor parameter re-quantizes through ``copy_``. The real
+values survive that round trip exactly (codes times a power-of-two scale), so a resumed run steps
+from the same values.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from . import cast
+from .accumulate import scaled_accumulate
 from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype, format_max
 
 __all__ = ["ScaledTensor"]
@@ -219,7 +225,7 @@ class ScaledTensor(torch.Tensor):
             if isinstance(v, ScaledTensor):
                 raise NotImplementedError(
                     f"fp8amp.ScaledTensor: in-place op {func} is not supported on a ScaledTensor (it would "
-                    f"lose the scaled representation); supported in place: copy_, mul_/div_ by a scalar, zero_. "
+                    f"lose the scaled representation); supported in place: copy_, add_, mul_/div_ by a scalar, zero_. "
                     f"Dequantize, compute, then copy_ the result back.")
         args, kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
@@ -297,6 +303,20 @@ def _scale_op(func, args, kwargs):
     return x
 
 
+def _add_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    alpha = kwargs.get("alpha", 1)
+    if (not isinstance(dst, ScaledTensor) or not isinstance(src, torch.Tensor) or src.shape != dst.shape
+            or set(kwargs) - {"alpha"} or isinstance(alpha, torch.Tensor)):
+        return NotImplemented  # broadcasting, a tensor alpha: raises below
+    if isinstance(src, ScaledTensor):
+        codes, scale_inv = src._data, src._scale_inv
+    else:
+        codes, scale_inv = src.contiguous(), None
+    scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
+    return dst
+
+
 def _zero_(func, args, kwargs):
     (x,) = args
     x._data.zero_()
@@ -350,6 +370,7 @@ _HANDLERS = {
     aten.div_.Tensor: _scale_op,
     aten.div_.Scalar: _scale_op,
     aten.zero_.default: _zero_,
+    aten.add_.Tensor: _add_,
     aten._foreach_mul_.Scalar: _foreach("mul_"),
     aten._foreach_mul_.Tensor: _foreach("mul_"),
     aten._foreach_mul_.ScalarList: _foreach("mul_"),

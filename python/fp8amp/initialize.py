@@ -1,0 +1,134 @@
+"""``initialize``: the one call that turns a model and its Adam/AdamW optimizer into O1/O2 (DESIGN §1).
+
+What it does, in place on ``model`` and with a new optimizer:
+
+1. :func:`fp8amp.convert` swaps the ``nn.Linear`` layers FP8 can take for :class:`Fp8Linear`
+   (FP8 GEMMs, delayed scaling; same parameters and state-dict keys).
+2. Each converted layer's weight becomes an FP16 :class:`ScaledTensor` parameter (the master
+   copy: 2 bytes per element, no FP32 copy anywhere); its gradient will be an E4M3 ScaledTensor.
+   A weight that is also used outside converted Linears (say an embedding tied to the output
+   head) stays as it is: other modules need a plain tensor.
+3. The optimizer is rebuilt as :class:`fp8amp.optim.Adam` / :class:`~fp8amp.optim.AdamW` with the
+   same param groups and hyperparameters and ``state_dtypes=opt_level`` (O1: FP32 m and v; O2: E4M3 m
+   and FP16 v, each with a scale), stepping every param (Linear masters and the rest) in fused
+   multi-tensor calls; after each step it updates the FP8 scaling of every Fp8Linear.
+
+Create lr schedulers after this call (a scheduler holds the optimizer it was built with).
+Non-Linear parameters (norms, embeddings, biases) keep their dtype,
+and their optimizer states follow the level (their m and v take the same formats).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import optim as fp8_optim
+from .convert import ModuleFilter, convert, update_scaling
+from .formats import FP16
+from .linear import Fp8Linear
+from .scaled_tensor import ScaledTensor
+from .scaling import ScalingRecipe
+
+__all__ = ["initialize", "OPT_LEVELS"]
+
+#: The accepted ``opt_level`` values.
+OPT_LEVELS = ("O1", "O2")
+
+_ACCEPTED_OPTIMIZERS = "torch.optim.Adam, torch.optim.AdamW, fp8amp.optim.Adam, fp8amp.optim.AdamW"
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    opt_level: str = "O1",
+    *,
+    module_filter_fn: Optional[ModuleFilter] = None,
+    recipe: Optional[ScalingRecipe] = None,
+) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+    """Converts ``model`` (in place) and ``optimizer`` to ``opt_level``; returns ``(model, optimizer)``.
+
+    Args:
+        model: the model, on its final device (move it before: the masters are made where the
+            weights are).
+        optimizer: ``torch.optim.Adam`` / ``AdamW`` (or fp8amp's) over ``model``'s parameters,
+            before its first step; ``None`` converts the model only (the returned optimizer is
+            ``None``; build an :class:`fp8amp.optim.AdamW` over ``model.parameters()`` later).
+        opt_level: ``"O1"`` or ``"O2"`` (DESIGN §1's table).
+        module_filter_fn: ``(module, fully_qualified_name) -> bool``, which Linears to convert.
+        recipe: the delayed-scaling recipe of the Fp8Linear layers.
+
+    Raises:
+        ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
+            has already stepped, or hyperparameters fp8amp's Adam does not take (``amsgrad``...).
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        extra = " (O3, FP8 weights sharded with FSDP2, is not implemented yet)" if opt_level == "O3" else ""
+        raise ValueError(f"initialize: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
+                         f"got {opt_level!r}{extra}")
+    if optimizer is not None:
+        _check_optimizer(optimizer)
+
+    model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe)
+    masters = _make_masters(model)
+    if optimizer is None:
+        return model, None
+    new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
+    new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    return model, new_optimizer
+
+
+def _check_optimizer(optimizer: object) -> None:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, fp8_optim.Adam)):
+        raise ValueError(f"initialize: optimizer must be one of {_ACCEPTED_OPTIMIZERS} (or None); "
+                         f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    if any(optimizer.state.values()):
+        raise ValueError("initialize: the optimizer has already taken steps (it holds state); call initialize "
+                         "before the first step, or load the checkpoint into the optimizer it returns")
+
+
+def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+    """Replaces each Fp8Linear weight that nothing else uses by an FP16 ScaledTensor parameter;
+    returns {old parameter: new parameter}."""
+    users: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                users.setdefault(param, []).append((module, name))
+    masters: dict[torch.Tensor, torch.Tensor] = {}
+    for param, owners in users.items():
+        if isinstance(param, ScaledTensor) or not all(
+                isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
+            continue
+        with torch.no_grad():
+            master = nn.Parameter(ScaledTensor.from_tensor(param.detach(), FP16), requires_grad=param.requires_grad)
+        for module, name in owners:
+            setattr(module, name, master)
+        masters[param] = master
+    return masters
+
+
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_level: str) -> fp8_optim.Adam:
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    groups = []
+    for group in optimizer.param_groups:
+        new_group = dict(group)
+        new_group["params"] = [masters.get(p, p) for p in group["params"]]
+        new_group["state_dtypes"] = opt_level
+        if decoupled:
+            new_group["decoupled_weight_decay"] = True
+        groups.append(new_group)
+    defaults = dict(optimizer.defaults)
+    kwargs = {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay", "amsgrad") if key in defaults}
+    for key in ("maximize", "capturable", "differentiable"):
+        if key in defaults:
+            kwargs[key] = defaults[key]
+    cls = fp8_optim.AdamW if decoupled or defaults.get("decoupled_weight_decay", False) else fp8_optim.Adam
+    if cls is fp8_optim.Adam:
+        kwargs["decoupled_weight_decay"] = bool(defaults.get("decoupled_weight_decay", False))
+    return cls(groups, state_dtypes=opt_level, **kwargs)

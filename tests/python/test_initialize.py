@@ -1,0 +1,448 @@
+"""fp8amp.initialize (O1/O2): module swap, FP16 ScaledTensor masters, FP8 weight gradients and their
+accumulation, the optimizer rebuild (param groups, hyperparameters), the FP8 weight cache the
+optimizer rewrites, state dicts (real values, bit-identical resume), GradScaler and non-finite
+gradients, clip_grad_norm_, torch.compile, errors; a small GPT on the GPU within 1 % of BF16.
+
+Bounds, derived from the formats:
+
+* One optimizer step from the same state, against torch.optim on the dequantized values: the
+  element math is torch's (test_optim.py), so the float32 p' agrees to a few float32 ulps; the
+  master stores it in FP16 at a power-of-two scale s chosen from the new amax, so the stored real
+  value is within half an FP16 ulp: 2^-11 |p'| in the normal range, 2^-25 / s below it (FP16's
+  subnormal spacing 2^-24, halved, in real units). Same for an FP16 v; an E4M3 m is within 2^-4 |m'|
+  or 2^-10 / s (E4M3's subnormal spacing 2^-9, halved).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+from fp8amp import Fp8Linear, ScaledTensor
+from fp8amp.optim import Adam, AdamW
+
+E4M3, FP16 = torch.float8_e4m3fn, torch.float16
+
+
+class Net(nn.Module):
+    """Biased and bias-less Linears, a Linear pair sharing one weight, a frozen Linear, a LayerNorm,
+    an embedding tied to an (unconverted-by-sharing) head, and a Linear FP8 cannot take (24 wide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32, bias=False)
+        self.shared_a = nn.Linear(32, 32)
+        self.shared_b = nn.Linear(32, 32)
+        self.shared_b.weight = self.shared_a.weight
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(32)
+        self.odd = nn.Linear(32, 24)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.down(torch.relu(self.up(h)))
+        h = h + self.shared_b(torch.tanh(self.shared_a(h)))
+        h = self.norm(self.frozen(h))
+        return self.head(h) + self.odd(h).sum(-1, keepdim=True)
+
+
+def net(seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    return Net().to(device)
+
+
+def groups(model):
+    """Two param groups with different lr / weight decay (matrices, and the rest)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    mats = [p for p in params if p.dim() == 2]
+    rest = [p for p in params if p.dim() != 2]
+    return [dict(params=mats, lr=2e-3, weight_decay=0.1), dict(params=rest, lr=5e-3, weight_decay=0.0)]
+
+
+def tokens(step, n=48, device="cpu"):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 64, (n + 1,), generator=gen).to(device)
+
+
+def loss_of(model, step, device="cpu"):
+    t = tokens(step, device=device)
+    return nn.functional.cross_entropy(model(t[:-1]), t[1:])
+
+
+def setup(level="O2", cls=torch.optim.AdamW, seed=0):
+    model = net(seed)
+    return fp8amp.initialize(model, cls(groups(model)), level)
+
+
+def real(t):
+    return t.dequantize(torch.float32) if isinstance(t, ScaledTensor) else t.float()
+
+
+# ------------------------------------------------------------------------------------------ swap
+
+
+def test_module_swap_and_masters():
+    model = net()
+    old = dict(model.named_parameters(remove_duplicate=False))
+    opt = torch.optim.AdamW(groups(model))
+    model, new_opt = fp8amp.initialize(model, opt, "O2")
+    for name in ("up", "down", "shared_a", "shared_b", "frozen"):
+        layer = getattr(model, name)
+        assert type(layer) is Fp8Linear, name
+        assert isinstance(layer.weight, ScaledTensor) and isinstance(layer.weight, nn.Parameter), name
+        assert layer.weight.storage_format == FP16 and layer.weight.dtype == torch.float32
+        # the master holds the old weight to FP16 precision
+        w_old = old[f"{name}.weight"].detach()
+        assert (real(layer.weight) - w_old).abs().max() <= w_old.abs().max() * 2.0 ** -11
+    assert model.shared_a.weight is model.shared_b.weight  # still shared, one master
+    assert not model.frozen.weight.requires_grad
+    assert type(model.odd) is nn.Linear and type(model.odd.weight) is nn.Parameter  # 24: FP8 can't
+    # the head is a Linear FP8 can take, but its weight is the embedding's: it stays plain
+    assert type(model.head) is Fp8Linear and not isinstance(model.head.weight, ScaledTensor)
+    assert model.head.weight is model.emb.weight
+    for name in ("up.bias", "norm.weight", "emb.weight"):  # non-Linear-weight params unchanged
+        assert dict(model.named_parameters())[name] is old[name]
+
+
+def test_optimizer_rebuild_keeps_groups_and_hyperparameters():
+    model = net()
+    opt = torch.optim.AdamW(groups(model), betas=(0.8, 0.95), eps=1e-6, maximize=False)
+    model, new = fp8amp.initialize(model, opt, "O1")
+    assert type(new) is AdamW
+    assert len(new.param_groups) == 2
+    for g_old, g_new in zip(opt.param_groups, new.param_groups):
+        for key in ("lr", "betas", "eps", "weight_decay", "maximize"):
+            assert g_new[key] == g_old[key], key
+        assert g_new["state_dtypes"] == "O1" and g_new["decoupled_weight_decay"]
+    model_params = {id(p) for p in model.parameters()}
+    seen = [id(p) for g in new.param_groups for p in g["params"]]
+    assert len(seen) == len(set(seen)) and set(seen) <= model_params
+    assert any(isinstance(p, ScaledTensor) for p in new.param_groups[0]["params"])
+    # frozen params were not in the optimizer and are not now
+    assert id(model.frozen.weight) not in set(seen)
+
+    _, adam = fp8amp.initialize(net(), torch.optim.Adam(net().parameters(), weight_decay=0.01), "O2")
+    assert type(adam) is Adam and not adam.param_groups[0]["decoupled_weight_decay"]
+
+
+def test_without_optimizer():
+    model, opt = fp8amp.initialize(net(), None, "O2")
+    assert opt is None and isinstance(model.up.weight, ScaledTensor)
+    later = AdamW(model.parameters(), state_dtypes="O2")
+    loss_of(model, 0).backward()
+    later.step()
+
+
+def test_errors_name_the_argument():
+    model = net()
+    with pytest.raises(ValueError, match=r"opt_level must be one of 'O1', 'O2'.*O3"):
+        fp8amp.initialize(model, None, "O3")
+    with pytest.raises(ValueError, match="opt_level"):
+        fp8amp.initialize(model, None, "o2")
+    with pytest.raises(ValueError, match=r"optimizer must be one of torch.optim.Adam.*got torch.optim.*SGD"):
+        fp8amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        fp8amp.initialize("model", None, "O1")
+    stepped = torch.optim.AdamW(model.parameters())
+    loss_of(model, 0).backward()
+    stepped.step()
+    with pytest.raises(ValueError, match="already taken steps"):
+        fp8amp.initialize(model, stepped, "O1")
+    with pytest.raises(ValueError, match="amsgrad"):
+        fp8amp.initialize(net(), torch.optim.AdamW(net().parameters(), amsgrad=True), "O1")
+
+
+# ------------------------------------------------------------------------------------------ grads
+
+
+def test_weight_grad_is_fp8_and_poisoned_when_nonfinite():
+    model, _ = setup("O1")
+    loss_of(model, 0).backward()
+    g = model.up.weight.grad
+    assert isinstance(g, ScaledTensor) and g.storage_format == E4M3 and g.dtype == torch.float32
+    assert torch.isfinite(real(g)).all() and real(g).abs().max() > 0
+    # the scale is the current power-of-two one: the largest code is within a binade of 448
+    codes = g._data.float().abs().max()
+    assert 224 <= codes <= 448
+    model.zero_grad()
+    (loss_of(model, 0) * float("inf")).backward()
+    assert torch.isnan(real(model.up.weight.grad)).all()  # inf cannot be an E4M3 code: NaN, not 448
+
+
+def test_micro_batch_accumulation_is_one_fused_requantize():
+    model, _ = setup("O2")
+    grads = []
+    for step in (0, 1):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, step).backward()
+        grads.append(model.up.weight.grad.clone())
+    model.zero_grad(set_to_none=True)
+    loss_of(model, 0).backward()
+    loss_of(model, 1).backward()
+    acc = model.up.weight.grad
+    expected = grads[0].clone()
+    fp8amp.scaled_accumulate(expected._data, expected._scale_inv, grads[1]._data, grads[1]._scale_inv)
+    assert isinstance(acc, ScaledTensor) and acc.storage_format == E4M3
+    assert torch.equal(acc._data.view(torch.uint8), expected._data.view(torch.uint8))
+    assert torch.equal(acc._scale_inv, expected._scale_inv)
+    # and that is the sum of the two to E4M3 precision
+    total = real(grads[0]) + real(grads[1])
+    assert (real(acc) - total).abs().max() <= total.abs().max() * 2.0 ** -4
+
+
+def test_clip_grad_norm_on_fp8_grads():
+    model, _ = setup("O2")
+    loss_of(model, 0).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(real(g)) for g in grads]))
+    before = real(model.up.weight.grad)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    torch.testing.assert_close(norm, expected)
+    assert isinstance(model.up.weight.grad, ScaledTensor)
+    torch.testing.assert_close(real(model.up.weight.grad), before * (1e-3 / (norm + 1e-6)))
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_one_step_matches_torch_within_the_format_bounds(level):
+    """Each step from the same state: torch.optim.AdamW on the dequantized params, grads and states
+    against ours; ours must be torch's value rounded once to the storage format."""
+    model, opt = setup(level)
+    for step in range(4):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        ref_params = [nn.Parameter(real(p).clone()) for p in params]
+        for p, r in zip(params, ref_params):
+            r.grad = real(p.grad).clone()
+        ref = torch.optim.AdamW(
+            [dict(params=ref_params[: len(opt.param_groups[0]["params"])], **_hyper(opt.param_groups[0])),
+             dict(params=ref_params[len(opt.param_groups[0]["params"]):], **_hyper(opt.param_groups[1]))],
+            foreach=False)
+        for p, r in zip(params, ref_params):
+            s = opt.state.get(p)
+            if s:  # continue from our (dequantized) state
+                ref.state[r] = dict(step=s["step"].clone(), exp_avg=_state(s, "exp_avg"),
+                                    exp_avg_sq=_state(s, "exp_avg_sq"))
+        ref.step()
+        opt.step()
+        for p, r in zip(params, ref_params):
+            expected = r.detach()
+            if isinstance(p, ScaledTensor):
+                scale = 1.0 / p._scale_inv
+                bound = expected.abs() * 2.0 ** -11 + 2.0 ** -25 / scale + 4 * torch.finfo(torch.float32).eps * expected.abs()
+            else:
+                bound = 4 * torch.finfo(torch.float32).eps * expected.abs() + 1e-12
+            assert ((real(p) - expected).abs() <= bound).all(), (step, tuple(p.shape))
+            s = opt.state[p]
+            m_ref, v_ref = ref.state[r]["exp_avg"], ref.state[r]["exp_avg_sq"]
+            if level == "O1":
+                torch.testing.assert_close(s["exp_avg"], m_ref, rtol=0, atol=0)
+                torch.testing.assert_close(s["exp_avg_sq"], v_ref, rtol=0, atol=0)
+            else:
+                m_scale, v_scale = s["exp_avg_scale"], s["exp_avg_sq_scale"]
+                assert ((_state(s, "exp_avg") - m_ref).abs() <= m_ref.abs() * 2.0 ** -4 + 2.0 ** -10 / m_scale
+                        + 1e-7 * m_ref.abs()).all()
+                assert ((_state(s, "exp_avg_sq") - v_ref).abs() <= v_ref.abs() * 2.0 ** -11 + 2.0 ** -25 / v_scale
+                        + 1e-7 * v_ref.abs()).all()
+
+
+def _hyper(group):
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
+
+
+def _state(s, key):
+    t = s[key]
+    return t.float() * s[f"{key}_scale_inv"] if f"{key}_scale_inv" in s else t.clone()
+
+
+def test_forward_reads_the_copy_the_optimizer_wrote():
+    model, opt = setup("O2")
+    layer = model.up
+    casts = []
+    original = layer.weight_scaling.cast_transpose_current
+    layer.weight_scaling.cast_transpose_current = lambda x: casts.append(1) or original(x)
+    loss_of(model, 0).backward()
+    assert len(casts) == 1  # the first forward casts the master and keeps the copy
+    opt.step()
+    cache = layer.weight._fp8amp_cache
+    recast, _, recast_scale_inv = original(layer.weight.dequantize())
+    assert torch.equal(cache.data.view(torch.uint8), recast.view(torch.uint8))  # the step wrote it
+    assert torch.equal(cache.scale_inv, recast_scale_inv)
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    assert len(casts) == 1  # no re-cast after the step
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.dequantize() * 2)  # written some other way: re-cast
+    loss_of(model, 2).backward()
+    assert len(casts) == 2
+
+
+# ------------------------------------------------------------------------------------------ state dicts
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_state_dict_round_trip_is_bit_identical(level):
+    model, opt = setup(level)
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert all(type(v) is torch.Tensor for v in ckpt["model"].values())  # real values, plain tensors
+
+    model2, opt2 = setup(level, seed=1)  # other initial weights: everything must come from ckpt
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        loss_of(m, 3).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(real(a), real(b)), name
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        for key in a:
+            assert torch.equal(a[key].float(), b[key].float()), key
+
+    plain = Net()
+    plain.load_state_dict({k: v for k, v in ckpt["model"].items() if "scaling" not in k})
+    assert torch.equal(plain.up.weight, ckpt["model"]["up.weight"])  # loaded strictly, real values
+    assert torch.equal(plain.shared_b.weight, ckpt["model"]["shared_a.weight"])
+
+
+def test_plain_checkpoint_loads_into_converted_model():
+    source = net(seed=3)
+    model, _ = setup("O2")
+    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+    assert not unexpected and all("scaling" in k for k in missing)
+    w = source.up.weight.detach()
+    assert (real(model.up.weight) - w).abs().max() <= w.abs().max() * 2.0 ** -11
+
+
+# ------------------------------------------------------------------------------------------ non-finite
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_grad_scaler_skips_inf_steps(level):
+    model, opt = setup(level)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    before = {n: real(p).clone() for n, p in model.named_parameters()}
+    states = copy.deepcopy({id(p): s for p, s in opt.state.items()})
+    opt.zero_grad()
+    scaler.scale(loss_of(model, 1) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 9  # backed off
+    for n, p in model.named_parameters():
+        assert torch.equal(real(p), before[n]), n
+    for p, s in opt.state.items():
+        for key, value in s.items():
+            assert torch.equal(value.float(), states[id(p)][key].float()), key
+
+
+def test_nonfinite_grad_without_scaler_leaves_everything():
+    model, opt = setup("O2")
+    loss_of(model, 0).backward()
+    opt.step()
+    before = {n: real(p).clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    (loss_of(model, 1) * float("nan")).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(real(p), before[n]), n
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+
+def test_compile_matches_eager():
+    model, opt = setup("O1")
+    eager = copy.deepcopy(model)
+    opt_eager = AdamW(groups(eager), state_dtypes="O1")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        for m, o in ((compiled, opt), (eager, opt_eager)):
+            o.zero_grad()
+            loss_of(m, step).backward()
+        assert torch.equal(real(model.up.weight.grad), real(eager.up.weight.grad))
+        opt.step()
+        opt_eager.step()
+    assert torch.equal(real(model.up.weight), real(eager.up.weight))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    model_cpu, opt_cpu = setup("O2")
+    model_gpu = net().cuda()
+    model_gpu, opt_gpu = fp8amp.initialize(model_gpu, torch.optim.AdamW(groups(model_gpu)), "O2")
+    for step in range(3):
+        for m, o, dev in ((model_cpu, opt_cpu, "cpu"), (model_gpu, opt_gpu, "cuda")):
+            o.zero_grad()
+            loss_of(m, step, dev).backward()
+            o.step()
+    a, b = real(model_cpu.up.weight), real(model_gpu.up.weight).cpu()
+    assert (a - b).abs().max() <= a.abs().max() * 2.0 ** -6  # the GEMMs differ; FP8-noise level
+
+
+@pytest.mark.gpu
+def test_module_to_device_keeps_masters():
+    model, _ = setup("O2")
+    model.cuda()
+    assert isinstance(model.up.weight, ScaledTensor) and model.up.weight.device.type == "cuda"
+    loss_of(model, 0, "cuda").backward()
+    assert isinstance(model.up.weight.grad, ScaledTensor)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_loss(mode: str) -> float:
+    from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+
+    data = load_text_bytes(max_bytes=4 << 20)
+    cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    if mode in ("O1", "O2"):
+        model, opt = fp8amp.initialize(model, opt, mode)
+    # the usual stable recipe: linear warm-up and clipping, created after initialize
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
+    losses = []
+    for step, (x, y) in zip(range(400), batches(data, 32, cfg.seq_len, "cuda")):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        schedule.step()
+        losses.append(loss.detach())
+    return float(torch.stack(losses[-50:]).mean())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_small_gpt_loss_matches_bf16(level):
+    bf16, fp8 = _gpt_loss("bf16"), _gpt_loss(level)
+    assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)
