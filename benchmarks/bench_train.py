@@ -11,6 +11,9 @@ gradient clipping and torch.optim.AdamW(fused=True), in these modes:
     fp8amp eager               fp8amp.convert(model, optimizer=...): every Linear of the blocks
                                becomes an Fp8Linear (the tied output head is F.linear and stays BF16)
     fp8amp + compile           the same, compiled
+    fp8amp O1 / O2 (+ compile) fp8amp.initialize(model, optimizer, "O1" | "O2"): the same Fp8Linear
+                               layers with FP16 ScaledTensor master weights, FP8 weight gradients and
+                               fp8amp's fused AdamW (O1: FP32 m, v; O2: E4M3 m, FP16 v), DESIGN §1
 
 "compile" compiles each transformer block (regional compilation: one compiled graph reused by
 all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model).
@@ -25,11 +28,11 @@ embedding; the attention term as in nanoGPT). The final loss is the last step's:
 steps it shows that training runs and agrees, not convergence (tests/python/test_linear.py's
 test_small_gpt_loss_matches_bf16 checks that).
 
-fp8amp here is Fp8Linear with PyTorch's AdamW on float32 parameters: its O2 optimizer (FP16
-master weights, FP8/FP16 states, DESIGN §6) is what the ≤ 0.5x memory target needs.
+"fp8amp eager / + compile" is Fp8Linear with PyTorch's AdamW on float32 parameters (FP8 compute
+only); the O1/O2 modes add the memory formats that DESIGN §9's ≤ 0.5x memory target needs.
 
 Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
-       [--modes bf16,bf16-compile,torchao-compile,fp8amp,fp8amp-compile] [--compile-scope block|model]
+       [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile] [--compile-scope block|model]
 Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
 """
 
@@ -75,8 +78,12 @@ MODES = {
     "torchao-compile": ("torchao float8 + compile", "torchao", True),
     "fp8amp": ("fp8amp eager", "fp8amp", False),
     "fp8amp-compile": ("fp8amp + compile", "fp8amp", True),
+    "o1": ("fp8amp O1", "O1", False),
+    "o1-compile": ("fp8amp O1 + compile", "O1", True),
+    "o2": ("fp8amp O2", "O2", False),
+    "o2-compile": ("fp8amp O2 + compile", "O2", True),
 }
-DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp", "fp8amp-compile"]
+DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp-compile", "o1", "o2", "o2-compile"]
 
 
 @dataclass
@@ -104,10 +111,13 @@ def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torcha
     if kind == "torchao":
         model = torchao_convert(model)  # swaps the Linears in place, sharing their parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     if kind == "fp8amp":
         model = fp8amp.convert(model, optimizer=optimizer)  # update_scaling after every step()
+    elif kind in fp8amp.OPT_LEVELS:
+        model, optimizer = fp8amp.initialize(model, optimizer, kind)
+    if kind == "fp8amp" or kind in fp8amp.OPT_LEVELS:
         result.notes.append(f"{sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())} Fp8Linear")
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     step_model = model
     if compiled:
         if args.compile_scope == "model":

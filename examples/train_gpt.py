@@ -1,7 +1,8 @@
 """Train a GPT on the built-in data (the Python standard library's sources, as bytes) with FP8.
 
-    python examples/train_gpt.py                     # FP8 on the GPU, or FP8 emulation on CPU
+    python examples/train_gpt.py                     # O2 on the GPU, or FP8 emulation on CPU
     python examples/train_gpt.py --precision bf16    # the baseline
+    python examples/train_gpt.py --precision O1      # O1; "fp8": FP8 GEMMs only (fp8amp.convert)
     python examples/train_gpt.py --preset small --steps 500 --compile
 
 On a GPU the default preset is a ~20M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
@@ -29,7 +30,9 @@ PRESETS = {
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--precision", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--precision", choices=["O2", "O1", "fp8", "bf16"], default="O2",
+                   help="O1/O2: fp8amp.initialize (FP8 GEMMs, FP16 master weights, FP8 weight gradients, "
+                        "fused Adam with FP32 (O1) or FP8/FP16 (O2) states); fp8: FP8 GEMMs only; bf16: baseline")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: small on GPU, tiny on CPU")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -58,11 +61,13 @@ def main() -> None:
 
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
+    if args.precision in fp8amp.OPT_LEVELS:
+        model, optimizer = fp8amp.initialize(model, optimizer, opt_level=args.precision)
+    elif args.precision == "fp8":
+        model = fp8amp.convert(model, optimizer=optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # after initialize: it holds the optimizer
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    if args.precision == "fp8":
-        model = fp8amp.convert(model, optimizer=optimizer)
     converted = sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())
     step_model = torch.compile(model) if args.compile else model
     autocast = (

@@ -1,0 +1,150 @@
+"""Optimizer step time and model-state bytes per parameter: fp8amp O1/O2 against torch AdamW (DESIGN §9).
+
+The parameters are the Linear weights of a ~1B-parameter GPT (20 layers, d_model 2048: per layer
+2048->6144, 2048->2048, 2048->8192, 8192->2048; 1.007B parameters), each with a gradient, stepped
+by AdamW (lr 1e-4, weight decay 0.1). Modes:
+
+    torch fused         torch.optim.AdamW(fused=True): float32 params, grads, m, v (the baseline)
+    torch foreach       torch.optim.AdamW(foreach=True), the same tensors
+    fp8amp fp32         fp8amp.optim.AdamW(state_dtypes="O1") on the same float32 params and grads
+    fp8amp O1           FP16 ScaledTensor masters, E4M3 ScaledTensor grads, float32 m and v
+    fp8amp O2           FP16 masters, E4M3 grads, E4M3 m, FP16 v (DESIGN §1's 6 bytes per parameter)
+    fp8amp O2 + copy    O2 also rewriting each weight's E4M3 copy for the forward GEMM (what an
+                        Fp8Linear training step does: its forward reads that copy instead of
+                        re-casting the weight)
+
+Step time: median over timed steps (CUDA events around each step(); the first steps, which create
+the states, are untimed). Floor: the bytes a step must move at the measured copy bandwidth
+(torch: read p, g, m, v and write p, m, v = 28 B per parameter; fp8amp's two passes: see
+include/fp8amp/optim.h). Model-state bytes per parameter: torch.cuda.memory_allocated() after the
+first step (params + grads + optimizer states + the weight copy where there is one) over the
+parameter count, measured from an empty allocator.
+
+Usage: python benchmarks/bench_optim.py [--layers 20] [--d-model 2048] [--steps 20] [--modes a,b]
+Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_optim.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+import torch
+
+import fp8amp
+from fp8amp.linear import WeightCache
+from _common import markdown_table, parse_subset, report, require_gpu, warm_up_gpu
+
+MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-copy"]
+LABELS = {
+    "torch-fused": "torch AdamW fused", "torch-foreach": "torch AdamW foreach", "fp8amp-fp32": "fp8amp fp32",
+    "o1": "fp8amp O1", "o2": "fp8amp O2", "o2-copy": "fp8amp O2 + weight copy",
+}
+# Bytes per parameter a step must move (read + write); fp8amp reads p, g, m, v in both passes.
+FLOOR_BYTES = {
+    "torch-fused": 28, "torch-foreach": 28, "fp8amp-fp32": 16 + 28, "o1": 11 + 21, "o2": 6 + 11, "o2-copy": 6 + 12,
+}
+
+
+def shapes(layers: int, d: int) -> list[tuple[int, int]]:
+    return [s for _ in range(layers) for s in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
+
+
+def make(mode: str, sizes: list[tuple[int, int]], device: str):
+    """Params with grads and the optimizer of `mode`."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for shape in sizes:
+        w = torch.randn(shape, device=device, generator=gen) * 0.02
+        g = torch.randn(shape, device=device, generator=gen) * 1e-3
+        if mode in ("o1", "o2", "o2-copy"):
+            p = torch.nn.Parameter(fp8amp.ScaledTensor.from_tensor(w, fp8amp.FP16))
+            p.grad = fp8amp.ScaledTensor.from_tensor(g, fp8amp.E4M3)
+            if mode == "o2-copy":
+                copy = fp8amp.ScaledTensor.from_tensor(p.dequantize(), fp8amp.E4M3)
+                p._fp8amp_cache = WeightCache(copy._data, copy._scale_inv, p._version)
+        else:
+            p = torch.nn.Parameter(w)
+            p.grad = g
+        del w, g
+        params.append(p)
+    hyper = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if mode == "torch-fused":
+        opt = torch.optim.AdamW(params, fused=True, **hyper)
+    elif mode == "torch-foreach":
+        opt = torch.optim.AdamW(params, foreach=True, **hyper)
+    else:
+        opt = fp8amp.optim.AdamW(params, state_dtypes="O2" if mode.startswith("o2") else "O1", **hyper)
+    return params, opt
+
+
+def measure(mode: str, sizes, device: str, steps: int) -> tuple[float, float]:
+    """(median step seconds, model-state bytes per parameter)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    params, opt = make(mode, sizes, device)
+    numel = sum(p.numel() for p in params)
+    opt.step()  # creates the states
+    torch.cuda.synchronize()
+    state_bytes = (torch.cuda.memory_allocated() - base) / numel
+    for _ in range(2):
+        opt.step()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    seconds = statistics.median(s.elapsed_time(e) * 1e-3 for s, e in times)
+    del params, opt
+    return seconds, state_bytes
+
+
+def copy_bandwidth(device: str) -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (start.elapsed_time(end) * 1e-3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", type=lambda t: parse_subset(t, MODES), default=MODES)
+    args = parser.parse_args()
+    require_gpu("bench_optim")
+    warm_up_gpu()
+    sizes = shapes(args.layers, args.d_model)
+    numel = sum(a * b for a, b in sizes)
+    bandwidth = copy_bandwidth("cuda")
+    results = {mode: measure(mode, sizes, "cuda", args.steps) for mode in args.modes}
+    base = results.get("torch-fused", (None, None))[0]
+    rows = []
+    for mode, (seconds, state_bytes) in results.items():
+        floor = FLOOR_BYTES[mode] * numel / bandwidth
+        rows.append([
+            LABELS[mode], f"{seconds * 1e3:.2f}", f"{base / seconds:.2f}x" if base else "-",
+            f"{floor * 1e3:.2f}", f"{floor / seconds:.0%}", f"{state_bytes:.2f}",
+        ])
+    title = (f"AdamW step on {torch.cuda.get_device_name()}, torch {torch.__version__}: {numel / 1e9:.3f}B parameters "
+             f"in {len(sizes)} tensors ({args.layers} layers x d_model {args.d_model}); copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s; median of {args.steps} steps\n\n")
+    header = ["mode", "step ms", "speedup vs torch fused", "floor ms", "of floor", "model-state bytes / param"]
+    report("optim", title + markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
