@@ -36,6 +36,8 @@ __all__ = ["initialize", "OPT_LEVELS"]
 
 #: The accepted ``opt_level`` values.
 OPT_LEVELS = ("O1", "O2")
+#: The accepted ``weight_grad`` values.
+WEIGHT_GRADS = ("fp8", "fp32")
 
 _ACCEPTED_OPTIMIZERS = "torch.optim.Adam, torch.optim.AdamW, fp8amp.optim.Adam, fp8amp.optim.AdamW"
 
@@ -47,6 +49,7 @@ def initialize(
     *,
     module_filter_fn: Optional[ModuleFilter] = None,
     recipe: Optional[ScalingRecipe] = None,
+    weight_grad: str = "fp8",
 ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
     """Converts ``model`` (in place) and ``optimizer`` to ``opt_level``; returns ``(model, optimizer)``.
 
@@ -59,6 +62,9 @@ def initialize(
         opt_level: ``"O1"`` or ``"O2"`` (DESIGN §1's table).
         module_filter_fn: ``(module, fully_qualified_name) -> bool``, which Linears to convert.
         recipe: the delayed-scaling recipe of the Fp8Linear layers.
+        weight_grad: ``"fp8"`` (DESIGN §1: E4M3 ScaledTensor gradients, 1 byte per element,
+            accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
+            (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
 
     Raises:
         ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
@@ -71,11 +77,17 @@ def initialize(
         extra = " (O3, FP8 weights sharded with FSDP2, is not implemented yet)" if opt_level == "O3" else ""
         raise ValueError(f"initialize: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
                          f"got {opt_level!r}{extra}")
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"initialize: weight_grad must be one of {', '.join(map(repr, WEIGHT_GRADS))}; "
+                         f"got {weight_grad!r}")
     if optimizer is not None:
         _check_optimizer(optimizer)
 
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe)
     masters = _make_masters(model)
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.fp8_weight_grad = weight_grad == "fp8"
     if optimizer is None:
         return model, None
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)

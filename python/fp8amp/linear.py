@@ -111,6 +111,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         input_scaling: ScalingState,
         weight_scaling: ScalingState,
         grad_output_scaling: ScalingState,
+        fp8_weight_grad: bool,
     ) -> torch.Tensor:
         out_dtype = _output_dtype(x)
         lead_shape = x.shape[:-1]
@@ -123,7 +124,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # A cached copy is transposed in backward (1 byte per element), not kept twice.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8 if w_fp8_t is None else w_fp8_t, w_scale_inv)
         ctx.w_transposed = w_fp8_t is not None
-        ctx.scaled_weight = isinstance(weight, ScaledTensor)
+        ctx.fp8_weight_grad = isinstance(weight, ScaledTensor) and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows
         ctx.input_dtype = x.dtype
@@ -142,14 +143,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
             grad_x = grad_x[: ctx.rows].reshape(*grad_output.shape[:-1], grad_x.shape[-1])
-        if ctx.needs_input_grad[1] and ctx.scaled_weight:
+        if ctx.needs_input_grad[1] and ctx.fp8_weight_grad:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=torch.float32)
             grad_weight = _fp8_weight_grad(grad_weight, ctx.weight_dtype)
         elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy2d.sum(0, dtype=torch.float32).to(ctx.weight_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -161,6 +162,11 @@ class Fp8Linear(nn.Linear):
     :func:`fp8amp.update_scaling` (or let the optimizer hook of :func:`fp8amp.convert` do it)
     after each optimizer step.
     """
+
+    #: With an O1/O2 ScaledTensor weight: the weight gradient is an E4M3 ScaledTensor (True), or a
+    #: float32 tensor (False: the higher-precision accumulator across micro-batches, 4 bytes per
+    #: element). Set by ``fp8amp.initialize(weight_grad=...)``; plain weights get grads of their dtype.
+    fp8_weight_grad: bool = True
 
     def __init__(
         self,
@@ -212,7 +218,8 @@ class Fp8Linear(nn.Linear):
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
             )
         return _Fp8LinearFunction.apply(
-            x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling
+            x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
+            self.fp8_weight_grad,
         )
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

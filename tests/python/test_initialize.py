@@ -152,6 +152,8 @@ def test_errors_name_the_argument():
         fp8amp.initialize(model, None, "o2")
     with pytest.raises(ValueError, match=r"optimizer must be one of torch.optim.Adam.*got torch.optim.*SGD"):
         fp8amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+    with pytest.raises(ValueError, match=r"weight_grad must be one of 'fp8', 'fp32'; got 'bf16'"):
+        fp8amp.initialize(model, None, "O1", weight_grad="bf16")
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         fp8amp.initialize("model", None, "O1")
     stepped = torch.optim.AdamW(model.parameters())
@@ -199,6 +201,24 @@ def test_micro_batch_accumulation_is_one_fused_requantize():
     # and that is the sum of the two to E4M3 precision
     total = real(grads[0]) + real(grads[1])
     assert (real(acc) - total).abs().max() <= total.abs().max() * 2.0 ** -4
+
+
+def test_fp32_weight_grad_option():
+    """weight_grad="fp32": plain float32 grads for the FP16 masters, summed exactly by autograd, and
+    the same optimizer; the E4M3 grad of the default equals it to E4M3 precision."""
+    model_fp8, _ = setup("O2")
+    model = net()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(groups(model)), "O2", weight_grad="fp32")
+    for step in (0, 1):
+        loss_of(model, step).backward()
+        loss_of(model_fp8, step).backward()
+    g = model.up.weight.grad
+    assert type(g) is torch.Tensor and g.dtype == torch.float32
+    g8 = real(model_fp8.up.weight.grad)
+    assert (g8 - g).abs().max() <= g.abs().max() * 2.0 ** -3  # two E4M3 roundings
+    before = real(model.up.weight).clone()
+    opt.step()
+    assert isinstance(model.up.weight, ScaledTensor) and not torch.equal(real(model.up.weight), before)
 
 
 def test_clip_grad_norm_on_fp8_grads():
