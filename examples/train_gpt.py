@@ -33,6 +33,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=["O2", "O1", "fp8", "bf16"], default="O2",
                    help="O1/O2: fp8amp.initialize (FP8 GEMMs, FP16 master weights, FP8 weight gradients, "
                         "fused Adam with FP32 (O1) or FP8/FP16 (O2) states); fp8: FP8 GEMMs only; bf16: baseline")
+    p.add_argument("--policy", choices=["all", "auto"], default="all",
+                   help="which Linears take FP8 (fp8amp.convert): all (default here, to show FP8 training at any "
+                        "size), or auto: only where FP8 is measured faster on this GPU")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: small on GPU, tiny on CPU")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -62,9 +65,10 @@ def main() -> None:
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     if args.precision in fp8amp.OPT_LEVELS:
-        model, optimizer = fp8amp.initialize(model, optimizer, opt_level=args.precision)
+        model, optimizer = fp8amp.initialize(model, optimizer, opt_level=args.precision, policy=args.policy,
+                                             tokens=batch * cfg.seq_len)
     elif args.precision == "fp8":
-        model = fp8amp.convert(model, optimizer=optimizer)
+        model = fp8amp.convert(model, optimizer=optimizer, policy=args.policy, tokens=batch * cfg.seq_len)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # after initialize: it holds the optimizer
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import ModuleFilter, convert, update_scaling
+from .convert import DEFAULT_TOKENS, ModuleFilter, convert, update_scaling
 from .formats import FP16
 from .linear import Fp8Linear
 from .scaled_tensor import ScaledTensor
@@ -50,6 +50,8 @@ def initialize(
     module_filter_fn: Optional[ModuleFilter] = None,
     recipe: Optional[ScalingRecipe] = None,
     weight_grad: str = "fp8",
+    policy: str = "auto",
+    tokens: int = DEFAULT_TOKENS,
 ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
     """Converts ``model`` (in place) and ``optimizer`` to ``opt_level``; returns ``(model, optimizer)``.
 
@@ -65,6 +67,9 @@ def initialize(
         weight_grad: ``"fp8"`` (DESIGN §1: E4M3 ScaledTensor gradients, 1 byte per element,
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
             (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
+        policy, tokens: which Linears FP8 takes, as :func:`fp8amp.convert` decides: ``"auto"``
+            (default) keeps ``nn.Linear`` where FP8 is measured slower on the GPU for a micro-batch
+            of ``tokens`` rows, ``"all"`` converts every Linear FP8 can take.
 
     Raises:
         ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
@@ -83,7 +88,7 @@ def initialize(
     if optimizer is not None:
         _check_optimizer(optimizer)
 
-    model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe)
+    model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens)
     masters = _make_masters(model)
     for module in model.modules():
         if isinstance(module, Fp8Linear):

@@ -201,7 +201,7 @@ def test_small_gpt_loss_matches_bf16():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
         if fp8:
-            fp8amp.convert(model, optimizer=opt)
+            fp8amp.convert(model, optimizer=opt, policy="all")  # these layers are too small to pay
         losses = []
         for step, (x, y) in zip(range(400), batches(data, 32, cfg.seq_len, "cuda")):
             with torch.autocast("cuda", dtype=torch.bfloat16):
