@@ -17,7 +17,7 @@ from .scaling import ScalingRecipe, ScalingState
 from .accumulate import scaled_accumulate
 from .scaled_tensor import ScaledTensor
 from .linear import Fp8Linear
-from .convert import convert, update_scaling
+from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize
 from . import gemm, optim
 
@@ -45,6 +45,9 @@ __all__ = [
     "ScaledTensor",
     "Fp8Linear",
     "convert",
+    "conversion_report",
+    "ConversionReport",
+    "LayerDecision",
     "update_scaling",
     "initialize",
     "OPT_LEVELS",

@@ -114,10 +114,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fp8_weight_grad: bool,
     ) -> torch.Tensor:
         out_dtype = _output_dtype(x)
-        lead_shape = x.shape[:-1]
-        x2d = x.reshape(-1, x.shape[-1])
+        # Host time: no reshape / pad / slice ops where the input is 2-D with aligned rows.
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
-        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d))
+        padded = rows % _ALIGN != 0
+        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d) if padded else x2d)
         w_fp8, w_fp8_t, w_scale_inv = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
@@ -130,19 +131,26 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.weight_dtype = weight.dtype
         ctx.has_bias = bias is not None
-        return y[:rows].reshape(*lead_shape, y.shape[-1])
+        if padded:
+            y = y[:rows]
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
         if not ctx.w_transposed:
             w_fp8_t = w_fp8_t.t().contiguous()
-        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(_pad_rows(dy2d))
+        two_d = grad_output.dim() == 2
+        dy2d = grad_output if two_d else grad_output.reshape(-1, grad_output.shape[-1])
+        padded = ctx.rows % _ALIGN != 0
+        dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(_pad_rows(dy2d) if padded else dy2d)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
-            grad_x = grad_x[: ctx.rows].reshape(*grad_output.shape[:-1], grad_x.shape[-1])
+            if padded:
+                grad_x = grad_x[: ctx.rows]
+            if not two_d:
+                grad_x = grad_x.view(*grad_output.shape[:-1], grad_x.shape[-1])
         if ctx.needs_input_grad[1] and ctx.fp8_weight_grad:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=torch.float32)
             grad_weight = _fp8_weight_grad(grad_weight, ctx.weight_dtype)
