@@ -8,7 +8,6 @@
 // Current scaling (warm-up) needs a tensor's whole amax before its first element is quantized, so
 // quantize and cast_transpose then run an amax pre-pass first; its blocks read the warm-up counter
 // on the device and skip tensors that are past warm-up.
-#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,23 +39,37 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// A pack as the 32-bit words it occupies in memory (element k at bit 8 * sizeof(T) * k of the
+// little-endian whole), and back.
 template <int N, class T>
-__device__ Pack<T, N> load_vector(const T* p) {
+__device__ void pack_words(const Pack<T, N>& x, uint32_t (&w)[N * sizeof(T) / 4]) {
   constexpr int kPerWord = 4 / sizeof(T);
-  uint32_t words[N / kPerWord];
-  load_words(p, words);
+#pragma unroll
+  for (int i = 0; i < N / kPerWord; ++i) w[i] = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) w[k / kPerWord] |= bits_of(x.v[k]) << (8 * sizeof(T) * (k % kPerWord));
+}
+
+template <int N, class T>
+__device__ Pack<T, N> words_pack(const uint32_t (&w)[N * sizeof(T) / 4]) {
+  constexpr int kPerWord = 4 / sizeof(T);
   Pack<T, N> x;
 #pragma unroll
-  for (int k = 0; k < N; ++k) x.v[k] = from_bits<T>(words[k / kPerWord] >> (8 * sizeof(T) * (k % kPerWord)));
+  for (int k = 0; k < N; ++k) x.v[k] = from_bits<T>(w[k / kPerWord] >> (8 * sizeof(T) * (k % kPerWord)));
   return x;
 }
 
 template <int N, class T>
+__device__ Pack<T, N> load_vector(const T* p) {
+  uint32_t words[N * sizeof(T) / 4];
+  load_words(p, words);
+  return words_pack<N, T>(words);
+}
+
+template <int N, class T>
 __device__ void store_vector(T* p, const Pack<T, N>& x) {
-  constexpr int kPerWord = 4 / sizeof(T);
-  uint32_t words[N / kPerWord] = {};
-#pragma unroll
-  for (int k = 0; k < N; ++k) words[k / kPerWord] |= bits_of(x.v[k]) << (8 * sizeof(T) * (k % kPerWord));
+  uint32_t words[N * sizeof(T) / 4];
+  pack_words(x, words);
   store_words(p, words);
 }
 
@@ -87,6 +100,26 @@ __device__ void store_pack(T* p, const Pack<T, N>& x, int valid, bool vector_ok)
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     if (k < valid) p[k] = x.v[k];
+  }
+}
+
+// The same for packs of a matrix whose every pack the caller knows to be aligned and wholly inside
+// or wholly outside it (kWhole): then valid is 0 or N, and no element-wise code is compiled.
+template <bool kWhole, int N, class T>
+__device__ Pack<T, N> load_matrix_pack(const T* p, int valid, bool vector_ok) {
+  if constexpr (kWhole) {
+    return valid == N ? load_vector<N>(p) : Pack<T, N>{};
+  } else {
+    return load_pack<N>(p, valid, vector_ok);
+  }
+}
+
+template <bool kWhole, int N, class T>
+__device__ void store_matrix_pack(T* p, const Pack<T, N>& x, int valid, bool vector_ok) {
+  if constexpr (kWhole) {
+    if (valid == N) store_vector(p, x);
+  } else {
+    store_pack(p, x, valid, vector_ok);
   }
 }
 
@@ -413,110 +446,169 @@ void warmup_amax(const std::vector<TensorSlice>& tensors, const ScalingPtrs& s, 
 // ----------------------------------------------------------------------------------------------
 // Cast + transpose.
 //
-// A block quantizes kTilesPerBlock kTile x kTile tiles of x stacked down one column of tiles, and
-// consecutive blocks take consecutive columns of tiles: x is then read in long runs across
-// blocks, and each block writes runs of kTilesPerBlock * kTile codes to every out_t row it
-// touches. Each tile goes through three steps:
-// - stage: copy the x tile into shared memory with cp.async (16 bytes a thread) while the block
-//   works on the previous tile, so reads are in flight without holding registers;
-// - phase 1: read the tile's rows in 16-byte packs, write them to out in the same layout, and keep
-//   the codes in a shared code tile;
-// - phase 2: read the code tile's columns and write them as 16-byte packs of out_t rows.
-// Bank conflicts: warps read and write 32 consecutive packs of a row (the 16-byte accesses of the
-// stage and phase 1 are conflict-free by quarter-warp), and phase 2 puts a warp on 32 consecutive
-// columns of one tile row, 32 different bytes or half-words, so no padding is needed.
-// Measured on H200 at 16384 x 4096: ~69% of copy bandwidth from bf16, ~81% from fp32; the
-// register-staged version of this kernel (one tile a block) reached ~63% and ~81%.
+// A tile is kTileRows rows x 128 bytes of x (64 columns of bf16/fp16, 32 of fp32). A block
+// quantizes kTilesPerBlock tiles stacked down one column of tiles, and consecutive blocks take
+// consecutive columns of tiles, so the blocks resident at one time read whole rows of x. Each
+// thread owns the same 4-row x 16-byte block of every tile and per tile:
+// - loads its 4 rows at once (16 bytes each; a warp reads 4 x 128 bytes per load instruction),
+//   quantizes them and stores them into out, then transposes the codes in registers (byte
+//   permutes) into one 4-row piece per column and writes each piece to a shared code tile with
+//   one 4- or 8-byte store;
+// - after one barrier, copies 16-byte chunks of the code tile's columns to out_t, 8 (FP8) or 16
+//   (FP16) threads per column: a warp writes whole 128-byte lines of out_t rows. (The previous
+//   version went through shared memory byte by byte and wrote each out_t row in 16-byte pieces
+//   from different warps: 64-67 % of copy bandwidth from bf16.)
+// The code tile is double-buffered: tile k + 1 writes the buffer whose last reads (the out_t stores
+// of tile k - 1) every thread finished before the barrier of tile k, so one barrier a tile suffices.
+// Bank conflicts: the chunks of column c are stored in the order chunk ^ (c / NI), NI the columns of
+// a thread's block. A warp's piece stores hit 8 columns with different c / NI at one chunk index,
+// which the swizzle spreads over all 32 banks; a quarter-warp reads 8 consecutive chunks of one
+// column, a permutation of one 128-byte row of banks. Both are conflict-free.
 
-constexpr int kTile = 64;
-constexpr int kTilesPerBlock = 4;
+constexpr int kTileRows = 128;
+constexpr int kTileBytes = 128;  // of an x row
+constexpr int kTilesPerBlock = 2;
+// Blocks of cast_transpose_kernel resident per SM, which sets its register budget: with FP8 codes,
+// 64 registers (4 blocks) let a thread issue its 4 loads of a tile at once (at 48, for 5 blocks,
+// the compiler split them into two round trips); FP16 codes need 3 blocks' worth to avoid spills.
+template <class Out>
+constexpr int kTransposeBlocksPerSm = sizeof(Out) == 1 ? 4 : 3;
+constexpr int kThreadsPerTileRow = kTileBytes / 16;  // one 16-byte load each
+constexpr int kThreadRows = kTileRows * kThreadsPerTileRow / kThreads;
+static_assert(kThreadRows == 4, "the register transpose takes 4 rows (FP8) or 2 x 2 rows (FP16)");
 
-// Copies tile (r0, c0) of x into shared memory, zeros outside the matrix. When `async` (x is
-// 16-byte aligned and every row a whole number of packs), as 16-byte cp.async copies that the
-// caller waits for; else element by element, visible after the caller's next __syncthreads.
-template <class In>
-__device__ void stage_tile(In (&tile)[kTile][kTile], const In* x, int64_t rows, int64_t cols, int64_t r0, int64_t c0,
-                           bool async) {
-  constexpr int NI = 16 / sizeof(In);
-  if (async) {
-    for (int p = threadIdx.x; p < kTile * kTile / NI; p += kThreads) {
-      const int tr = p / (kTile / NI), tc = (p % (kTile / NI)) * NI;
-      const int64_t r = r0 + tr, c = c0 + tc;
-      if (r < rows && c < cols) {
-        __pipeline_memcpy_async(&tile[tr][tc], x + r * cols + c, 16);
-      } else {
-        *reinterpret_cast<uint4*>(&tile[tr][tc]) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    return;
+// The shared code tile of cast_transpose_kernel<In, Out, ...>: kCols columns (rows of out_t) of
+// kTileRows codes each, as words, swizzled as described above.
+template <class In, class Out>
+struct CodeTile {
+  static constexpr int kCols = kTileBytes / sizeof(In);
+  static constexpr int kChunks = kTileRows * sizeof(Out) / 16;  // 16-byte chunks in a column
+  static_assert(kChunks >= kThreadsPerTileRow, "the swizzle permutes chunks within a column");
+  uint32_t words[2][kCols][kChunks * 4];
+
+  // Word w of column c in buffer b.
+  __device__ uint32_t* at(int b, int c, int w) {
+    const int swizzle = c / (16 / static_cast<int>(sizeof(In)));
+    return &words[b][c][((w / 4) ^ swizzle) * 4 + w % 4];
   }
-  for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
-    const int64_t r = r0 + e / kTile, c = c0 + e % kTile;
-    tile[e / kTile][e % kTile] = r < rows && c < cols ? x[r * cols + c] : In{};
+};
+
+// Transposes a square block of codes held in words: w[i] holds row i, its code j at bit
+// 8 * sizeof(Out) * j; afterwards w[j] holds column j, its code i at the same place.
+// __byte_perm(a, b, s): result byte n is byte (s >> 4n) & 7 of the 8 bytes of (b:a).
+template <class Out>
+__device__ void transpose_words(uint32_t (&w)[4 / sizeof(Out)]) {
+  if constexpr (sizeof(Out) == 1) {
+    const uint32_t r01_c01 = __byte_perm(w[0], w[1], 0x5140);  // bytes: r0c0 r1c0 r0c1 r1c1
+    const uint32_t r01_c23 = __byte_perm(w[0], w[1], 0x7362);  //        r0c2 r1c2 r0c3 r1c3
+    const uint32_t r23_c01 = __byte_perm(w[2], w[3], 0x5140);
+    const uint32_t r23_c23 = __byte_perm(w[2], w[3], 0x7362);
+    w[0] = __byte_perm(r01_c01, r23_c01, 0x5410);
+    w[1] = __byte_perm(r01_c01, r23_c01, 0x7632);
+    w[2] = __byte_perm(r01_c23, r23_c23, 0x5410);
+    w[3] = __byte_perm(r01_c23, r23_c23, 0x7632);
+  } else {
+    static_assert(sizeof(Out) == 2, "codes are 1 or 2 bytes");
+    const uint32_t c0 = __byte_perm(w[0], w[1], 0x5410);  // the low halves: column 0
+    w[1] = __byte_perm(w[0], w[1], 0x7632);
+    w[0] = c0;
   }
 }
 
-template <class In, class Out>
-__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const In* __restrict__ x, Out* __restrict__ out,
-                                                                  Out* __restrict__ out_t, int64_t rows, int64_t cols,
-                                                                  bool x_vector_ok, bool out_vector_ok,
-                                                                  bool out_t_vector_ok, const ScalingPtrs s) {
-  constexpr int NI = 16 / sizeof(In);   // elements of a pack along a row of x and out
-  constexpr int NT = 16 / sizeof(Out);  // elements of a pack along a row of out_t
-  constexpr int kRowPacks = kTile * kTile / NI / kThreads;
-  constexpr int kColPacks = kTile * kTile / NT / kThreads;
-  static_assert(kRowPacks >= 1 && kColPacks >= 1, "a tile must give every thread work");
-  __shared__ alignas(16) In x_tiles[2][kTile][kTile];
-  __shared__ alignas(16) Out codes[kTile][kTile];
+// kWholePacks: the launcher found x, out and out_t aligned to their packs and both dimensions whole
+// numbers of packs, so no element-wise code is compiled (the vector_ok flags are then all true).
+template <class In, class Out, bool kWholePacks>
+__global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
+    cast_transpose_kernel(const In* __restrict__ x, Out* __restrict__ out, Out* __restrict__ out_t, int64_t rows,
+                          int64_t cols, bool x_vector_ok, bool out_vector_ok, bool out_t_vector_ok,
+                          const ScalingPtrs s) {
+  using Tile = CodeTile<In, Out>;
+  constexpr int NI = 16 / sizeof(In);   // columns of a thread's block: one 16-byte load per row
+  constexpr int NT = 16 / sizeof(Out);  // codes in a 16-byte chunk of an out_t row
+  constexpr int kPerWord = 4 / sizeof(Out);
+  constexpr int kPieceWords = kThreadRows / kPerWord;  // a thread's piece of a code-tile column
+  __shared__ alignas(16) Tile codes;
 
-  // This block's tiles: kTilesPerBlock row bands from `band`, at column tile blockIdx.x % col_tiles.
-  const int64_t col_tiles = ceil_div(cols, kTile);
+  // This block's tiles: up to kTilesPerBlock tile rows from `band`, at column tile blockIdx.x % col_tiles.
+  const int64_t col_tiles = ceil_div(cols, Tile::kCols);
   const int64_t band = static_cast<int64_t>(blockIdx.x) / col_tiles * kTilesPerBlock;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) % col_tiles * kTile;
-  const int n = static_cast<int>(min(int64_t{kTilesPerBlock}, ceil_div(rows, kTile) - band));
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) % col_tiles * Tile::kCols;
+  const int n = static_cast<int>(min(int64_t{kTilesPerBlock}, ceil_div(rows, kTileRows) - band));
+
+  // This thread's block of each tile: rows tr + [0, kThreadRows), columns tc + [0, NI).
+  const int tc = static_cast<int>(threadIdx.x) % kThreadsPerTileRow * NI;
+  const int tr = static_cast<int>(threadIdx.x) / kThreadsPerTileRow * kThreadRows;
+  const int64_t c = c0 + tc;
+  const int row_valid = valid_count<NI>(c, cols);  // of each of its rows inside the matrix
+
+  // The rows of this thread's block of tile k, 16 bytes each, zeros outside the matrix (which change
+  // no amax). Held as words, not elements, so that a 16-bit row takes 4 registers rather than 8.
+  uint32_t xs[kThreadRows][4];
+  const auto load = [&](int k) {
+    const int64_t r = (band + k) * kTileRows + tr;
+#pragma unroll
+    for (int i = 0; i < kThreadRows; ++i) {
+      const int valid = r + i < rows ? row_valid : 0;
+      pack_words(load_matrix_pack<kWholePacks, NI>(x + (r + i) * cols + c, valid, x_vector_ok), xs[i]);
+    }
+  };
+  load(0);  // first, so that these loads are in flight while the scale is read
   const float scale = quantize_scale<Out>(s, 0, blockIdx.x == 0);
 
-  stage_tile(x_tiles[0], x, rows, cols, band * kTile, c0, x_vector_ok);
-  __pipeline_commit();
   uint32_t abs_max = 0;
+#pragma unroll 1
   for (int k = 0; k < n; ++k) {
-    // Start the next tile's copy, then wait for this one's. Its buffer was last read in phase 1
-    // of tile k - 1, which every thread finished before that tile's second __syncthreads.
-    if (k + 1 < n) stage_tile(x_tiles[(k + 1) % 2], x, rows, cols, (band + k + 1) * kTile, c0, x_vector_ok);
-    __pipeline_commit();
-    __pipeline_wait_prior(1);
-    __syncthreads();  // tile k staged by every thread; phase 2 of tile k - 1 is done with `codes`
-
-    const int64_t r0 = (band + k) * kTile;
-    // Phase 1: pack p covers tile row p / (kTile / NI), columns (p % (kTile / NI)) * NI + [0, NI).
+    if (k > 0) load(k);
+    const int64_t r0 = (band + k) * kTileRows;
+    uint32_t row_words[kThreadRows][NI / kPerWord];  // the codes of each row
 #pragma unroll
-    for (int u = 0; u < kRowPacks; ++u) {
-      const int p = u * kThreads + static_cast<int>(threadIdx.x);
-      const int tr = p / (kTile / NI), tc = (p % (kTile / NI)) * NI;
-      const Pack<In, NI> xs = load_vector<NI>(&x_tiles[k % 2][tr][tc]);
-      abs_max = abs_max_bits(xs, abs_max);  // zeros outside the matrix change nothing
+    for (int i = 0; i < kThreadRows; ++i) {
+      const Pack<In, NI> xi = words_pack<NI, In>(xs[i]);
+      abs_max = abs_max_bits(xi, abs_max);
       float v[NI];
-      decode_pack(xs, v);
+      decode_pack(xi, v);
 #pragma unroll
       for (int e = 0; e < NI; ++e) v[e] *= scale;
       const Pack<Out, NI> q = quantize_pack<Out>(v);
-      const int64_t r = r0 + tr, c = c0 + tc;
-      store_pack(out + r * cols + c, q, r < rows ? valid_count<NI>(c, cols) : 0, out_vector_ok);
+      const int64_t r = r0 + tr + i;
+      store_matrix_pack<kWholePacks>(out + r * cols + c, q, r < rows ? row_valid : 0, out_vector_ok);
+      pack_words(q, row_words[i]);
+    }
+
+    uint32_t col_words[NI][kPieceWords];  // the codes of each column, rows tr + [0, kThreadRows)
 #pragma unroll
-      for (int e = 0; e < NI; ++e) codes[tr][tc + e] = q.v[e];
+    for (int i0 = 0; i0 < kThreadRows; i0 += kPerWord) {
+#pragma unroll
+      for (int jw = 0; jw < NI / kPerWord; ++jw) {
+        uint32_t block[kPerWord];
+#pragma unroll
+        for (int t = 0; t < kPerWord; ++t) block[t] = row_words[i0 + t][jw];
+        transpose_words<Out>(block);
+#pragma unroll
+        for (int t = 0; t < kPerWord; ++t) col_words[jw * kPerWord + t][i0 / kPerWord] = block[t];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NI; ++j) {
+      uint32_t* piece = codes.at(k % 2, tc + j, tr / kPerWord);
+      if constexpr (kPieceWords == 2) {
+        *reinterpret_cast<uint2*>(piece) = make_uint2(col_words[j][0], col_words[j][1]);
+      } else {
+        *piece = col_words[j][0];
+      }
     }
     __syncthreads();
 
-    // Phase 2: pack p covers tile column p % kTile, rows (p / kTile) * NT + [0, NT).
+    // Chunk p: column p / kChunks of the code tile, rows (p % kChunks) * NT + [0, NT) of the tile.
 #pragma unroll
-    for (int u = 0; u < kColPacks; ++u) {
+    for (int u = 0; u < Tile::kCols * Tile::kChunks / kThreads; ++u) {
       const int p = u * kThreads + static_cast<int>(threadIdx.x);
-      const int tc = p % kTile, tr = (p / kTile) * NT;
-      Pack<Out, NT> q;
-#pragma unroll
-      for (int e = 0; e < NT; ++e) q.v[e] = codes[tr + e][tc];
-      const int64_t r = r0 + tr, c = c0 + tc;
-      store_pack(out_t + c * rows + r, q, c < cols ? valid_count<NT>(r, rows) : 0, out_t_vector_ok);
+      const int col = p / Tile::kChunks, chunk = p % Tile::kChunks;
+      const uint4 w4 = *reinterpret_cast<const uint4*>(codes.at(k % 2, col, chunk * 4));
+      const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+      const int64_t r = r0 + chunk * NT, cc = c0 + col;
+      store_matrix_pack<kWholePacks>(out_t + cc * rows + r, words_pack<NT, Out>(w),
+                                     cc < cols ? valid_count<NT>(r, rows) : 0, out_t_vector_ok);
     }
   }
   fold_block_amax(s.amax, amax_key_from<In>(abs_max));
@@ -610,14 +702,18 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
       const In* xi = static_cast<const In*>(x);
       Out* y = static_cast<Out*>(out);
       Out* yt = static_cast<Out*>(out_t);
-      // Packs are used only where every pack of the matrix is whole and aligned.
+      // Packs are used only where every pack of the matrix is whole and aligned; when all three
+      // are, the kernel without element-wise code (and its registers) runs.
       constexpr int NI = 16 / sizeof(In), NT = 16 / sizeof(Out);
       const bool x_vector_ok = cols % NI == 0 && is_aligned(xi, 16);
       const bool out_vector_ok = cols % NI == 0 && is_aligned(y, NI * sizeof(Out));
       const bool out_t_vector_ok = rows % NT == 0 && is_aligned(yt, 16);
-      const int64_t blocks = ceil_div(ceil_div(rows, kTile), kTilesPerBlock) * ceil_div(cols, kTile);
-      cast_transpose_kernel<In, Out><<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(
-          xi, y, yt, rows, cols, x_vector_ok, out_vector_ok, out_t_vector_ok, s);
+      const int64_t blocks =
+          ceil_div(ceil_div(rows, kTileRows), kTilesPerBlock) * ceil_div(cols, CodeTile<In, Out>::kCols);
+      const auto kernel = x_vector_ok && out_vector_ok && out_t_vector_ok ? cast_transpose_kernel<In, Out, true>
+                                                                         : cast_transpose_kernel<In, Out, false>;
+      kernel<<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(xi, y, yt, rows, cols, x_vector_ok,
+                                                                             out_vector_ok, out_t_vector_ok, s);
       FP8AMP_CUDA_CHECK_LAUNCH();
     });
   });
