@@ -111,12 +111,15 @@ def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torcha
     if kind == "torchao":
         model = torchao_convert(model)  # swaps the Linears in place, sharing their parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    tokens = args.batch * cfg.seq_len  # what convert's default policy times each layer shape with
     if kind == "fp8amp":
-        model = fp8amp.convert(model, optimizer=optimizer)  # update_scaling after every step()
+        model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens)  # update_scaling after every step()
     elif kind in fp8amp.OPT_LEVELS:
-        model, optimizer = fp8amp.initialize(model, optimizer, kind)
+        model, optimizer = fp8amp.initialize(model, optimizer, kind, tokens=tokens)
     if kind == "fp8amp" or kind in fp8amp.OPT_LEVELS:
-        result.notes.append(f"{sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())} Fp8Linear")
+        report = fp8amp.conversion_report(model)
+        result.notes.append(f"{len(report.converted)} of {len(report.decisions)} Linears in FP8")
+        result.notes += [f"kept {d.name} ({d.speedup or 0:.2f}x)" for d in report.skipped[:2]]
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     step_model = model
     if compiled:

@@ -14,17 +14,18 @@ What ``convert`` decided, and why, is logged (logger ``fp8amp.convert``, INFO) a
 :func:`conversion_report` returns, for each ``nn.Linear`` it saw, whether it was converted,
 the reason, and the measured times.
 
-The timing is of an eager step, host (Python, launch) time included: where FP8's extra host work
-exceeds its GPU savings (small layers, eager mode), the layer counts as slower, as it is in an
-eager training step. Under ``torch.compile`` that overhead mostly goes, so the decision is
-conservative there; ``policy="all"`` converts regardless. Under ``torch.distributed`` every rank
-times, then all use rank 0's measurements, so the replicas' modules stay identical.
+The timing is of the GPU's work in an eager step (:func:`cuda_event_timer` queues it behind a GPU
+sleep so that the host's Python and launch time is not in it): in a training step the host runs
+ahead of the GPU and its time overlaps with other layers' GPU work, unless the whole model is so
+small that the step is host-bound, where FP8 brings nothing anyway. Under ``torch.distributed``
+every rank times, then all use rank 0's measurements, so the replicas' modules stay identical.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -343,14 +344,17 @@ def _time_pair(linear: nn.Linear, tokens: int, timer: Timer, recipe: Optional[Sc
 
 
 def cuda_event_timer(module: nn.Module, tokens: int, *, iters: int = 10, samples: int = 5) -> float:
-    """Seconds of one training micro-step of ``module`` (an ``nn.Linear`` or ``Fp8Linear`` on a
+    """GPU seconds of one training micro-step of ``module`` (an ``nn.Linear`` or ``Fp8Linear`` on a
     CUDA device): ``y = module(x)`` under bfloat16 autocast, ``y.backward(dy)``, with ``x``
     (requiring grad) and ``dy`` bfloat16 of ``tokens`` rows and the gradients reset each step.
 
     An ``Fp8Linear`` first runs past its current-scaling warm-up (``history_len`` steps, each
     followed by the scale update), so the steady state of training is timed. Then ``samples``
-    batches of ``iters`` back-to-back steps are timed between CUDA events (host time counts where
-    the host is slower than the GPU); the median per step is returned.
+    batches of ``iters`` back-to-back steps are timed between CUDA events, each batch queued
+    behind a GPU sleep that outlasts the host's enqueueing: the events measure the GPU's work
+    alone, as in a training step where the host runs ahead of the GPU (host time would make
+    every small layer look slower here while it overlaps with other layers' GPU work there). The
+    median per step is returned.
     """
     weight = module.weight
     device = weight.device
@@ -374,8 +378,17 @@ def cuda_event_timer(module: nn.Module, tokens: int, *, iters: int = 10, samples
         for _ in range(3):
             step()
         torch.cuda.synchronize(device)
+        host = time.perf_counter()
+        for _ in range(iters):
+            step()
+        host = time.perf_counter() - host  # enqueueing time of a batch (the GPU may be slower)
+        torch.cuda.synchronize(device)
+        # torch.cuda._sleep counts SM clock cycles; 2 GHz is at least any current GPU's clock, so
+        # the sleep lasts at least twice the enqueueing time.
+        sleep_cycles = int(min(2.0 * host + 1e-3, 1.0) * 2.0e9)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
         for start, end in events:
+            torch.cuda._sleep(sleep_cycles)
             start.record()
             for _ in range(iters):
                 step()
