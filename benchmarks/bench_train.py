@@ -25,7 +25,7 @@ step time. Peak memory is torch.cuda.max_memory_allocated over the timed steps (
 after warm-up, so weights, gradients and optimizer states are in it, compile-time scratch is not).
 Model TFLOP/s counts 6·N + 12·L·d·T FLOPs per token (N: parameters without the position
 embedding; the attention term as in nanoGPT). The final loss is the last step's: with a handful of
-steps it shows that training runs and agrees, not convergence (tests/python/test_linear.py's
+steps it shows that training runs and agrees, not convergence (tests/python/test_initialize.py's
 test_small_gpt_loss_matches_bf16 checks that).
 
 "fp8amp eager / + compile" is Fp8Linear with PyTorch's AdamW on float32 parameters (FP8 compute

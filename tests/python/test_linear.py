@@ -184,35 +184,3 @@ def test_cuda_matches_cpu_emulation():
     # Same quantized operands; only the GEMM's summation order (and fast accumulation) differ.
     assert sqnr_db(y_g.cpu(), y) > 40 and sqnr_db(dx_g.cpu(), dx) > 40
     assert torch.equal(fp8_gpu.input_scaling.amax_history.cpu(), fp8_cpu.input_scaling.amax_history)
-
-
-@pytest.mark.gpu
-def test_small_gpt_loss_matches_bf16():
-    from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
-
-    data = load_text_bytes(max_bytes=4 << 20)
-    cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
-
-    def train(fp8: bool) -> float:
-        # The usual stable recipe (linear warm-up, gradient clipping), so that the comparison
-        # measures FP8's numerics rather than early-training instability of either run.
-        torch.manual_seed(0)
-        model = GPT(cfg).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
-        if fp8:
-            fp8amp.convert(model, optimizer=opt, policy="all")  # these layers are too small to pay
-        losses = []
-        for step, (x, y) in zip(range(400), batches(data, 32, cfg.seq_len, "cuda")):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            schedule.step()
-            losses.append(loss.item())
-        return sum(losses[-50:]) / 50
-
-    bf16, fp8 = train(False), train(True)
-    assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)
