@@ -2,7 +2,8 @@
 //
 // Three kernel families:
 // - multi_tensor_kernel<Op>: element-wise work over a list of tensors in one launch (quantize,
-//   dequantize, amax); a block owns one chunk of one tensor and folds its amax once.
+//   dequantize, amax); a block owns one chunk of one tensor (an amax block possibly several) and
+//   folds its amax once.
 // - cast_transpose_kernel: quantize a [rows, cols] matrix into out and out_t through a shared tile.
 // - compute_scale_kernel / update_delayed_scaling_kernel: one thread per tensor.
 // Current scaling (warm-up) needs a tensor's whole amax before its first element is quantized, so
@@ -400,41 +401,60 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
   if (!op.start(i, block_in_tensor == 0, &factor)) return;  // the same answer for the whole block
 
   const In* in = static_cast<const In*>(batch.in[t]);
-  const int64_t begin = block_in_tensor * kChunkSize<Op>;
-  const int64_t end = min(batch.numel[t], begin + kChunkSize<Op>);
   bool vector_ok = is_aligned(in, sizeof(Pack<In, N>));
   if constexpr (kWrites) vector_ok = vector_ok && is_aligned(batch.out[t], sizeof(Pack<Out, N>));
 
-  // Pack u of this thread starts at element begin + (u * kThreads + threadIdx.x) * N, so a warp
-  // reads 32 consecutive packs. kPacksInFlight packs in registers at a time: for quantize and amax
-  // one (16 bytes) measured fastest on H200: holding 2 or 4 (to have more loads in flight) cost
-  // more in occupancy than it gained.
-  constexpr int G = kPacksInFlight<Op>;
+  // The block takes chunks block_in_tensor, + tensor_blocks, ...: quantize and dequantize launch one
+  // block per chunk, amax passes at most about one wave of blocks (launch_multi_tensor), so that the
+  // pre-pass of delayed scaling, whose blocks find the tensor warmed up and return, costs one wave.
+  // Amax passes also take the chunks last first: blocks start roughly in order, so the chunks they
+  // read last are the first ones that the quantize or cast_transpose launched next reads (current
+  // scaling reads x twice), and up to the L2 cache's size of them (50 MB on H100/H200) is not read
+  // from DRAM again. The amax does not depend on the order.
+  const int64_t chunks = ceil_div(batch.numel[t], kChunkSize<Op>);
+  const int tensor_blocks = batch.block_begin[t + 1] - batch.block_begin[t];
   uint32_t abs_max = 0;
-  for (int u0 = 0; u0 < kPacksPerThread; u0 += G) {
-    if (begin + (u0 * kThreads + static_cast<int>(threadIdx.x)) * N >= end) break;
-    int64_t j[G];
-    int valid[G];
-    Pack<In, N> x[G];
+  for (int64_t c = block_in_tensor; c < chunks; c += tensor_blocks) {
+    const int64_t begin = (kWrites ? c : chunks - 1 - c) * kChunkSize<Op>;
+    const int64_t end = min(batch.numel[t], begin + kChunkSize<Op>);
+    // Pack u of this thread starts at element begin + (u * kThreads + threadIdx.x) * N, so a warp
+    // reads 32 consecutive packs. kPacksInFlight packs in registers at a time: for quantize and amax
+    // one (16 bytes) measured fastest on H200: holding 2 or 4 (to have more loads in flight) cost
+    // more in occupancy than it gained.
+    constexpr int G = kPacksInFlight<Op>;
+    for (int u0 = 0; u0 < kPacksPerThread; u0 += G) {
+      if (begin + (u0 * kThreads + static_cast<int>(threadIdx.x)) * N >= end) break;
+      int64_t j[G];
+      int valid[G];
+      Pack<In, N> x[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      j[g] = begin + ((u0 + g) * kThreads + static_cast<int>(threadIdx.x)) * N;
-      valid[g] = valid_count<N>(j[g], end);
-      x[g] = load_pack<N>(in + j[g], valid[g], vector_ok);
-    }
+      for (int g = 0; g < G; ++g) {
+        j[g] = begin + ((u0 + g) * kThreads + static_cast<int>(threadIdx.x)) * N;
+        valid[g] = valid_count<N>(j[g], end);
+        x[g] = load_pack<N>(in + j[g], valid[g], vector_ok);
+      }
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if constexpr (Op::kFoldsAmax) abs_max = abs_max_bits(x[g], abs_max);
-      if constexpr (kWrites) {
-        float v[N];
-        decode_pack(x[g], v);
+      for (int g = 0; g < G; ++g) {
+        if constexpr (Op::kFoldsAmax) abs_max = abs_max_bits(x[g], abs_max);
+        if constexpr (kWrites) {
+          float v[N];
+          decode_pack(x[g], v);
 #pragma unroll
-        for (int k = 0; k < N; ++k) v[k] *= factor;
-        store_pack(static_cast<Out*>(batch.out[t]) + j[g], op.template convert<N>(v), valid[g], vector_ok);
+          for (int k = 0; k < N; ++k) v[k] *= factor;
+          store_pack(static_cast<Out*>(batch.out[t]) + j[g], op.template convert<N>(v), valid[g], vector_ok);
+        }
       }
     }
   }
   if constexpr (Op::kFoldsAmax) fold_block_amax(op.amax_slot(i), amax_key_from<In>(abs_max));
+}
+
+// Blocks an amax pass launches per tensor at most: about one wave (8 blocks of kThreads per SM).
+int64_t amax_blocks_cap() {
+  int device = 0, sms = 0;
+  FP8AMP_CUDA_CHECK(cudaGetDevice(&device));
+  FP8AMP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return int64_t{std::max(sms, 1)} * (2048 / kThreads);
 }
 
 // Runs op over all tensors, in as few launches as the batch size allows.
@@ -450,8 +470,9 @@ void launch_multi_tensor(const std::vector<TensorSlice>& tensors, const Op& op, 
     batch.count = 0;
     blocks = 0;
   };
+  const int64_t cap = std::is_void_v<typename Op::Out> ? amax_blocks_cap() : INT_MAX;
   for (const TensorSlice& tensor : tensors) {
-    const int64_t need = std::max<int64_t>(1, ceil_div(tensor.numel, kChunkSize<Op>));
+    const int64_t need = std::clamp<int64_t>(ceil_div(tensor.numel, kChunkSize<Op>), 1, cap);
     if (batch.count == kMaxTensorsPerLaunch || (batch.count > 0 && blocks + need > INT_MAX)) launch();
     batch.in[batch.count] = tensor.in;
     batch.out[batch.count] = tensor.out;
