@@ -27,7 +27,7 @@ void accumulate(const AccumulatePtrs& p) {
   const numerics::ScalePair pair = accumulate::new_scale(amax, numerics::format_max<Dst>(), p.margin, p.pow2);
 
   // dst[i] is read (by sum(i)) before it is written, so src may be dst itself.
-  for (int64_t i = 0; i < p.numel; ++i) dst[i] = numerics::quantize_to<Dst>(accumulate::mul(sum(i), pair.scale));
+  for (int64_t i = 0; i < p.numel; ++i) dst[i] = numerics::quantize_to<Dst>(rn::mul(sum(i), pair.scale));
   p.amax[0] = amax;
   p.dst_scale_inv[0] = pair.scale_inv;
 }

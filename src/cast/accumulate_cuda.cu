@@ -126,13 +126,13 @@ __global__ void __launch_bounds__(kThreads) store_pass(const AccumulatePtrs p, b
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       d[k] = numerics::quantize_to<Dst>(
-          accumulate::mul(accumulate::sum<kScaledSrc>(d[k], x[k], dst_scale_inv, src_scale_inv, p.alpha), scale));
+          rn::mul(accumulate::sum<kScaledSrc>(d[k], x[k], dst_scale_inv, src_scale_inv, p.alpha), scale));
     }
     write_pack(dst + q * N, d);
   }
   for (int64_t i = w.tail + w.thread; i < p.numel; i += w.threads) {
     dst[i] = numerics::quantize_to<Dst>(
-        accumulate::mul(accumulate::sum<kScaledSrc>(dst[i], src[i], dst_scale_inv, src_scale_inv, p.alpha), scale));
+        rn::mul(accumulate::sum<kScaledSrc>(dst[i], src[i], dst_scale_inv, src_scale_inv, p.alpha), scale));
   }
 }
 

@@ -92,29 +92,13 @@ struct AccumulatePtrs {
 
 namespace accumulate {
 
-// One IEEE rounding per operation: on the device CUDA's _rn intrinsics, which nvcc never
-// contracts into an fma; on the host plain operations (the core builds with -ffp-contract=off).
-FP8AMP_HD float mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-FP8AMP_HD float add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-// s = fl(fl(decode(d) * dst_scale_inv) + fl(alpha * v)), v = decode(x) [* src_scale_inv].
+// s = fl(fl(decode(d) * dst_scale_inv) + fl(alpha * v)), v = decode(x) [* src_scale_inv]: one
+// IEEE rounding per operation (numerics.h's rn::), never an fma.
 template <bool kScaledSrc, class Dst, class Src>
 FP8AMP_HD float sum(Dst d, Src x, float dst_scale_inv, float src_scale_inv, float alpha) {
   float v = numerics::to_float(x);
-  if constexpr (kScaledSrc) v = mul(v, src_scale_inv);
-  return add(mul(numerics::to_float(d), dst_scale_inv), mul(alpha, v));
+  if constexpr (kScaledSrc) v = rn::mul(v, src_scale_inv);
+  return rn::add(rn::mul(numerics::to_float(d), dst_scale_inv), rn::mul(alpha, v));
 }
 
 // The new (scale, scale_inv) from the amax of the sums: the recipe's rule; 1 for amax 0; NaN for

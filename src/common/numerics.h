@@ -1,8 +1,10 @@
 // Scalar numerics shared bit for bit by the CPU reference and the CUDA kernels (DESIGN §3):
 // the FP8/FP16 codecs, bf16 conversion, amax ordering and the scale rules.
-// Everything here is plain integer and IEEE fp32 arithmetic, so host and device agree exactly.
+// Everything here is plain integer and IEEE fp32 arithmetic, so host and device agree exactly;
+// the rn:: helpers at the end are how kernels' element math spells an IEEE operation.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -213,4 +215,42 @@ template <> FP8AMP_HD bf16 round_to<bf16>(float f) { return bf16{float_to_bf16(f
 template <> FP8AMP_HD fp16 round_to<fp16>(float f) { return fp16{float_to_fp16(f)}; }
 
 }  // namespace numerics
+
+// ------------------------------------------------------------------------------------------------
+// Correctly rounded float32 / float64 operations, for element math that host and device must
+// compute bit for bit alike: one IEEE rounding per operation, never contracted into an fma. On the
+// device CUDA's _rn intrinsics (which nvcc never contracts); on the host plain operations, as the
+// core builds with -ffp-contract=off (CMakeLists.txt), since GCC would otherwise fuse a product
+// into a later add on targets with FMA (aarch64, x86 with -mfma). An fma is written as rn::fma.
+namespace rn {
+
+#if defined(__CUDA_ARCH__)
+FP8AMP_HD float add(float a, float b) { return __fadd_rn(a, b); }
+FP8AMP_HD float sub(float a, float b) { return __fsub_rn(a, b); }
+FP8AMP_HD float mul(float a, float b) { return __fmul_rn(a, b); }
+FP8AMP_HD float div(float a, float b) { return __fdiv_rn(a, b); }
+FP8AMP_HD float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+FP8AMP_HD float sqrt(float a) { return __fsqrt_rn(a); }
+FP8AMP_HD double add(double a, double b) { return __dadd_rn(a, b); }
+FP8AMP_HD double sub(double a, double b) { return __dsub_rn(a, b); }
+FP8AMP_HD double mul(double a, double b) { return __dmul_rn(a, b); }
+FP8AMP_HD double div(double a, double b) { return __ddiv_rn(a, b); }
+FP8AMP_HD double sqrt(double a) { return __dsqrt_rn(a); }
+FP8AMP_HD float to_float(double a) { return __double2float_rn(a); }
+#else
+FP8AMP_HD float add(float a, float b) { return a + b; }
+FP8AMP_HD float sub(float a, float b) { return a - b; }
+FP8AMP_HD float mul(float a, float b) { return a * b; }
+FP8AMP_HD float div(float a, float b) { return a / b; }
+FP8AMP_HD float fma(float a, float b, float c) { return std::fma(a, b, c); }
+FP8AMP_HD float sqrt(float a) { return std::sqrt(a); }
+FP8AMP_HD double add(double a, double b) { return a + b; }
+FP8AMP_HD double sub(double a, double b) { return a - b; }
+FP8AMP_HD double mul(double a, double b) { return a * b; }
+FP8AMP_HD double div(double a, double b) { return a / b; }
+FP8AMP_HD double sqrt(double a) { return std::sqrt(a); }
+FP8AMP_HD float to_float(double a) { return static_cast<float>(a); }
+#endif
+
+}  // namespace rn
 }  // namespace fp8amp

@@ -2,13 +2,10 @@
 // the CPU reference (adam_cpu.cpp) and the CUDA kernels (adam_cuda.cu). fp8amp/optim.h states the
 // math; the functions here are its one implementation, so both backends agree bit for bit.
 //
-// Rounding is explicit: every operation goes through the helpers below, which on the device are
-// CUDA's round-to-nearest intrinsics (never contracted into an fma by nvcc) and on the host plain
-// IEEE operations. The core builds with -ffp-contract=off (CMakeLists.txt), since GCC would
-// otherwise fuse a product into a later add on targets with FMA (aarch64, x86 with -mfma).
+// Rounding is explicit: every operation goes through numerics.h's rn:: helpers (one IEEE
+// rounding each, never contracted into an fma, on host and device alike).
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -19,40 +16,6 @@
 #include "fp8amp/tensor.h"
 
 namespace fp8amp {
-
-// ------------------------------------------------------------------------------------------------
-// Correctly rounded float32 / float64 operations.
-namespace rn {
-
-#if defined(__CUDA_ARCH__)
-FP8AMP_HD float add(float a, float b) { return __fadd_rn(a, b); }
-FP8AMP_HD float sub(float a, float b) { return __fsub_rn(a, b); }
-FP8AMP_HD float mul(float a, float b) { return __fmul_rn(a, b); }
-FP8AMP_HD float div(float a, float b) { return __fdiv_rn(a, b); }
-FP8AMP_HD float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-FP8AMP_HD float sqrt(float a) { return __fsqrt_rn(a); }
-FP8AMP_HD double add(double a, double b) { return __dadd_rn(a, b); }
-FP8AMP_HD double sub(double a, double b) { return __dsub_rn(a, b); }
-FP8AMP_HD double mul(double a, double b) { return __dmul_rn(a, b); }
-FP8AMP_HD double div(double a, double b) { return __ddiv_rn(a, b); }
-FP8AMP_HD double sqrt(double a) { return __dsqrt_rn(a); }
-FP8AMP_HD float to_float(double a) { return __double2float_rn(a); }
-#else
-FP8AMP_HD float add(float a, float b) { return a + b; }
-FP8AMP_HD float sub(float a, float b) { return a - b; }
-FP8AMP_HD float mul(float a, float b) { return a * b; }
-FP8AMP_HD float div(float a, float b) { return a / b; }
-FP8AMP_HD float fma(float a, float b, float c) { return std::fma(a, b, c); }
-FP8AMP_HD float sqrt(float a) { return std::sqrt(a); }
-FP8AMP_HD double add(double a, double b) { return a + b; }
-FP8AMP_HD double sub(double a, double b) { return a - b; }
-FP8AMP_HD double mul(double a, double b) { return a * b; }
-FP8AMP_HD double div(double a, double b) { return a / b; }
-FP8AMP_HD double sqrt(double a) { return std::sqrt(a); }
-FP8AMP_HD float to_float(double a) { return static_cast<float>(a); }
-#endif
-
-}  // namespace rn
 
 // ------------------------------------------------------------------------------------------------
 // Per-step constants (optim.h, "Per step, once").
