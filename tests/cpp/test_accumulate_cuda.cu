@@ -27,70 +27,6 @@ namespace {
 using numerics::bits_float;
 using numerics::float_bits;
 
-constexpr int64_t kGuard = 16;  // elements on each side of a buffer, checked untouched
-constexpr uint8_t kGuardByte = 0x5A;
-
-// A buffer held twice, in host memory (for the CPU reference) and in device memory, starting
-// `offset` elements into its allocation so that a test can misalign it.
-class Buffer {
- public:
-  Buffer(DType dtype, int64_t numel, int64_t offset = 0) : dtype_(dtype), numel_(numel), offset_(kGuard + offset) {
-    host_.assign(static_cast<size_t>((offset_ + numel_ + kGuard) * elem()), kGuardByte);
-    cuda_ok(cudaMalloc(&device_, host_.size()), "cudaMalloc");
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() { cudaFree(device_); }
-
-  int64_t numel() const { return numel_; }
-  DType dtype() const { return dtype_; }
-  size_t elem() const { return dtype_size(dtype_); }
-  void set_bits(int64_t i, uint32_t bits) { std::memcpy(host_.data() + (offset_ + i) * elem(), &bits, elem()); }
-  void set_float(int64_t i, float v) { set_bits(i, float_bits(v)); }
-  float get_float(int64_t i) const {
-    float v;
-    std::memcpy(&v, host_.data() + (offset_ + i) * elem(), sizeof(v));
-    return v;
-  }
-
-  TensorView view(Device device, std::vector<int64_t> shape) const {
-    uint8_t* base = device == Device::kCPU ? const_cast<uint8_t*>(host_.data()) : static_cast<uint8_t*>(device_);
-    TensorView v;
-    v.data = base + offset_ * elem();
-    v.dtype = dtype_;
-    v.shape = std::move(shape);
-    v.device = device;
-    v.device_index = device == Device::kCPU ? -1 : 0;
-    return v;
-  }
-  TensorView view(Device device) const { return view(device, {numel_}); }
-
-  void upload() { cuda_ok(cudaMemcpy(device_, host_.data(), host_.size(), cudaMemcpyHostToDevice), "upload"); }
-
-  ::testing::AssertionResult same_on_both() const {
-    std::vector<uint8_t> got(host_.size());
-    cuda_ok(cudaMemcpy(got.data(), device_, got.size(), cudaMemcpyDeviceToHost), "download");
-    if (got == host_) return ::testing::AssertionSuccess();
-    size_t byte = 0;
-    while (got[byte] == host_[byte]) ++byte;
-    const int64_t i = static_cast<int64_t>(byte / elem()) - offset_;
-    uint32_t cpu = 0, cuda = 0;
-    std::memcpy(&cpu, host_.data() + (byte / elem()) * elem(), elem());
-    std::memcpy(&cuda, got.data() + (byte / elem()) * elem(), elem());
-    std::ostringstream s;
-    s << dtype_name(dtype_) << " buffer of " << numel_ << " elements differs first at element " << i
-      << (i < 0 || i >= numel_ ? " (a guard)" : "") << ": cpu 0x" << std::hex << cpu << ", cuda 0x" << cuda;
-    return ::testing::AssertionFailure() << s.str();
-  }
-
- private:
-  DType dtype_;
-  int64_t numel_;
-  int64_t offset_;
-  std::vector<uint8_t> host_;
-  void* device_ = nullptr;
-};
-
 // One accumulation: dst (+ its scale_inv), src (+ scale_inv when scaled), amax.
 struct Case {
   Case(DType dst, DType src, bool scaled, int64_t n) : dst_dtype(dst), src_dtype(src), scaled_src(scaled), numel(n) {}
@@ -139,11 +75,11 @@ uint32_t random_value_bits(DType dtype, std::mt19937& rng) {
 
 // Fills the buffers of `c` and runs the op on CPU and CUDA; `tweak` may change the host data
 // before the upload. Every buffer must be byte-identical afterwards.
-void check(const Case& c, const std::function<void(Buffer& dst, Buffer& src)>& tweak = {}) {
+void check(const Case& c, const std::function<void(MirroredTensor& dst, MirroredTensor& src)>& tweak = {}) {
   SCOPED_TRACE(describe(c));
   std::mt19937 rng(c.seed);
-  Buffer dst(c.dst_dtype, c.numel, c.dst_offset), src(c.src_dtype, c.numel, c.src_offset);
-  Buffer dst_si(DType::kFloat32, 1), src_si(DType::kFloat32, 1), amax(DType::kFloat32, 1);
+  MirroredTensor dst(c.dst_dtype, {c.numel}, c.dst_offset), src(c.src_dtype, {c.numel}, c.src_offset);
+  MirroredTensor dst_si(DType::kFloat32, {1}), src_si(DType::kFloat32, {1}), amax(DType::kFloat32, {1});
   for (int64_t i = 0; i < c.numel; ++i) {
     dst.set_bits(i, random_finite_code(c.dst_dtype, rng));
     src.set_bits(i, c.scaled_src ? random_finite_code(c.src_dtype, rng) : random_value_bits(c.src_dtype, rng));
@@ -152,15 +88,15 @@ void check(const Case& c, const std::function<void(Buffer& dst, Buffer& src)>& t
   src_si.set_float(0, c.src_scale_inv);
   amax.set_float(0, -77.0f);  // overwritten, not folded
   if (tweak) tweak(dst, src);
-  std::vector<Buffer*> all{&dst, &src, &dst_si, &src_si, &amax};
-  for (Buffer* b : all) b->upload();
+  std::vector<MirroredTensor*> all{&dst, &src, &dst_si, &src_si, &amax};
+  for (MirroredTensor* b : all) b->upload();
   for (Device d : {Device::kCPU, Device::kCUDA}) {
     const TensorView ssi = src_si.view(d);
     scaled_accumulate(dst.view(d), dst_si.view(d), src.view(d), c.scaled_src ? &ssi : nullptr, c.alpha, amax.view(d),
                       c.recipe, nullptr);
   }
   cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  for (Buffer* b : all) EXPECT_TRUE(b->same_on_both());
+  for (MirroredTensor* b : all) EXPECT_TRUE(b->same_on_both());
 }
 
 const DType kScaled[] = {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kFloat16};
@@ -235,11 +171,11 @@ TEST(AccumulateCuda, NonFiniteSums) {
                                 : 0x7Fu;  // E4M3 has no inf: its NaN
       // An infinity (or NaN) in src, in the middle and in the tail.
       for (int64_t at : {int64_t{5000}, n - 1}) {
-        check(Case(dst, src, scaled, n), [&](Buffer&, Buffer& s) { s.set_bits(at, inf_bits); });
+        check(Case(dst, src, scaled, n), [&](MirroredTensor&, MirroredTensor& s) { s.set_bits(at, inf_bits); });
       }
       // A NaN code in dst; a NaN and an infinite dst_scale_inv on entry; alpha 0 and huge.
       const uint32_t dst_nan = dtype_size(dst) == 1 ? 0x7Fu : 0x7FFFu;
-      check(Case(dst, src, scaled, n), [&](Buffer& d, Buffer&) { d.set_bits(77, dst_nan); });
+      check(Case(dst, src, scaled, n), [&](MirroredTensor& d, MirroredTensor&) { d.set_bits(77, dst_nan); });
       Case c(dst, src, scaled, n);
       c.dst_scale_inv = bits_float(0xFFC00001u);
       check(c);
@@ -247,7 +183,7 @@ TEST(AccumulateCuda, NonFiniteSums) {
       check(c);
       c.dst_scale_inv = 1.0f;
       c.alpha = 0.0f;
-      check(c, [&](Buffer&, Buffer& s) { s.set_bits(3, inf_bits); });
+      check(c, [&](MirroredTensor&, MirroredTensor& s) { s.set_bits(3, inf_bits); });
       c.alpha = 3e38f;  // finite terms whose products overflow
       check(c);
     }
@@ -260,7 +196,7 @@ TEST(AccumulateCuda, ZeroSumsAndExtremeAmaxes) {
   for (DType dst : kScaled) {
     for (auto [src, scaled] : sources()) {
       // All zero (signed zeros mixed): amax 0, scale_inv 1.
-      check(Case(dst, src, scaled, n), [](Buffer& d, Buffer& s) {
+      check(Case(dst, src, scaled, n), [](MirroredTensor& d, MirroredTensor& s) {
         for (int64_t i = 0; i < d.numel(); ++i) {
           d.set_bits(i, i % 3 == 0 ? (dtype_size(d.dtype()) == 1 ? 0x80u : 0x8000u) : 0u);
           s.set_bits(i, i % 2 == 0 ? (s.dtype() == DType::kFloat32   ? 0x80000000u
@@ -290,17 +226,17 @@ TEST(AccumulateCuda, SrcIsDst) {
     for (int64_t n : {int64_t{1}, int64_t{4097}, (int64_t{1} << 20) + 7}) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " numel " + std::to_string(n));
       std::mt19937 rng(static_cast<uint32_t>(n));
-      Buffer dst(dtype, n), si(DType::kFloat32, 1), amax(DType::kFloat32, 1);
+      MirroredTensor dst(dtype, {n}), si(DType::kFloat32, {1}), amax(DType::kFloat32, {1});
       for (int64_t i = 0; i < n; ++i) dst.set_bits(i, random_finite_code(dtype, rng));
       si.set_float(0, 0.125f);
       amax.set_float(0, 0.0f);
-      for (Buffer* b : {&dst, &si, &amax}) b->upload();
+      for (MirroredTensor* b : {&dst, &si, &amax}) b->upload();
       for (Device d : {Device::kCPU, Device::kCUDA}) {
         const TensorView s = si.view(d);
         scaled_accumulate(dst.view(d), s, dst.view(d), &s, -0.75f, amax.view(d), ScaleRecipe{}, nullptr);
       }
       cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      for (Buffer* b : {&dst, &si, &amax}) EXPECT_TRUE(b->same_on_both());
+      for (MirroredTensor* b : {&dst, &si, &amax}) EXPECT_TRUE(b->same_on_both());
     }
   }
 }
@@ -310,8 +246,8 @@ TEST(AccumulateCuda, MicroBatchSequence) {
   // Eight accumulations into one E4M3 gradient, each from a fresh bf16 micro-batch gradient,
   // then a scaled E4M3 one: state carries over from step to step on both sides.
   const int64_t n = 300007;
-  Buffer dst(DType::kFloat8E4M3, n), si(DType::kFloat32, 1), amax(DType::kFloat32, 1);
-  Buffer src(DType::kBFloat16, n), src8(DType::kFloat8E4M3, n), src_si(DType::kFloat32, 1);
+  MirroredTensor dst(DType::kFloat8E4M3, {n}), si(DType::kFloat32, {1}), amax(DType::kFloat32, {1});
+  MirroredTensor src(DType::kBFloat16, {n}), src8(DType::kFloat8E4M3, {n}), src_si(DType::kFloat32, {1});
   for (int64_t i = 0; i < n; ++i) dst.set_bits(i, 0);
   si.set_float(0, 1.0f);
   src_si.set_float(0, 0x1p-9f);
@@ -322,9 +258,9 @@ TEST(AccumulateCuda, MicroBatchSequence) {
       src.set_bits(i, random_value_bits(DType::kBFloat16, rng));
       src8.set_bits(i, random_finite_code(DType::kFloat8E4M3, rng));
     }
-    for (Buffer* b : {&src, &src8, &src_si}) b->upload();
+    for (MirroredTensor* b : {&src, &src8, &src_si}) b->upload();
     if (step == 0) {
-      for (Buffer* b : {&dst, &si, &amax}) b->upload();
+      for (MirroredTensor* b : {&dst, &si, &amax}) b->upload();
     }
     for (Device d : {Device::kCPU, Device::kCUDA}) {
       const TensorView ssi = src_si.view(d);
@@ -335,7 +271,7 @@ TEST(AccumulateCuda, MicroBatchSequence) {
       }
     }
     cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    for (Buffer* b : {&dst, &si, &amax}) ASSERT_TRUE(b->same_on_both());
+    for (MirroredTensor* b : {&dst, &si, &amax}) ASSERT_TRUE(b->same_on_both());
     EXPECT_TRUE(std::isfinite(si.get_float(0)));
   }
 }

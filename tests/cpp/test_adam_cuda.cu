@@ -25,60 +25,7 @@
 namespace fp8amp {
 namespace {
 
-constexpr int64_t kGuard = 16;  // bytes on each side of a buffer, checked untouched
-constexpr uint8_t kGuardByte = 0xA5;
-
-// A buffer held twice, in host memory (CPU reference) and device memory (CUDA), `offset` elements
-// into its allocation so a test can make a misaligned start.
-class Buffer {
- public:
-  Buffer(DType dtype, int64_t numel, int64_t offset = 0)
-      : dtype_(dtype), numel_(numel), offset_(kGuard + offset * static_cast<int64_t>(dtype_size(dtype))) {
-    host_.assign(static_cast<size_t>(offset_ + numel_ * elem() + kGuard), kGuardByte);
-    cuda_ok(cudaMalloc(&device_, host_.size()), "cudaMalloc");
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() { cudaFree(device_); }
-
-  int64_t elem() const { return static_cast<int64_t>(dtype_size(dtype_)); }
-  void set_bits(int64_t i, uint32_t bits) { std::memcpy(host_.data() + offset_ + i * elem(), &bits, elem()); }
-  void set_float(int64_t i, float v) { set_bits(i, numerics::float_bits(v)); }
-
-  TensorView view(Device device, std::vector<int64_t> shape) const {
-    uint8_t* base = device == Device::kCPU ? const_cast<uint8_t*>(host_.data()) : static_cast<uint8_t*>(device_);
-    TensorView v;
-    v.data = base + offset_;
-    v.dtype = dtype_;
-    v.shape = std::move(shape);
-    v.device = device;
-    v.device_index = device == Device::kCPU ? -1 : 0;
-    return v;
-  }
-
-  void upload() { cuda_ok(cudaMemcpy(device_, host_.data(), host_.size(), cudaMemcpyHostToDevice), "upload"); }
-
-  ::testing::AssertionResult same_on_both(const std::string& name) const {
-    std::vector<uint8_t> got(host_.size());
-    cuda_ok(cudaMemcpy(got.data(), device_, got.size(), cudaMemcpyDeviceToHost), "download");
-    if (got == host_) return ::testing::AssertionSuccess();
-    size_t byte = 0;
-    while (got[byte] == host_[byte]) ++byte;
-    const int64_t i = (static_cast<int64_t>(byte) - offset_) / elem();
-    std::ostringstream s;
-    s << name << " (" << dtype_name(dtype_) << ", " << numel_ << " elements) differs first at element " << i
-      << (i < 0 || i >= numel_ ? " (a guard)" : "") << ": cpu byte 0x" << std::hex << int{host_[byte]}
-      << ", cuda byte 0x" << int{got[byte]};
-    return ::testing::AssertionFailure() << s.str();
-  }
-
- private:
-  DType dtype_;
-  int64_t numel_;
-  int64_t offset_;  // in bytes
-  std::vector<uint8_t> host_;
-  void* device_ = nullptr;
-};
+using Shape = std::vector<int64_t>;
 
 struct Formats {
   DType p, g, m, v;
@@ -89,17 +36,17 @@ struct Formats {
 struct Param {
   int64_t n;
   Formats f;
-  std::unique_ptr<Buffer> p, g, m, v, w;
-  std::unique_ptr<Buffer> p_s, p_si, g_si, m_s, m_si, v_s, v_si, w_s, w_si;
+  std::unique_ptr<MirroredTensor> p, g, m, v, w;
+  std::unique_ptr<MirroredTensor> p_s, p_si, g_si, m_s, m_si, v_s, v_si, w_s, w_si;
 
   Param(int64_t numel, Formats formats, int64_t offset, std::mt19937& rng) : n(numel), f(formats) {
-    p = std::make_unique<Buffer>(f.p, n, offset);
-    g = std::make_unique<Buffer>(f.g, n, offset);
-    m = std::make_unique<Buffer>(f.m, n, offset);
-    v = std::make_unique<Buffer>(f.v, n, offset);
-    w = std::make_unique<Buffer>(DType::kFloat8E4M3, n, offset);
+    p = std::make_unique<MirroredTensor>(f.p, Shape{n}, offset);
+    g = std::make_unique<MirroredTensor>(f.g, Shape{n}, offset);
+    m = std::make_unique<MirroredTensor>(f.m, Shape{n}, offset);
+    v = std::make_unique<MirroredTensor>(f.v, Shape{n}, offset);
+    w = std::make_unique<MirroredTensor>(DType::kFloat8E4M3, Shape{n}, offset);
     for (auto* s : {&p_s, &p_si, &g_si, &m_s, &m_si, &v_s, &v_si, &w_s, &w_si}) {
-      *s = std::make_unique<Buffer>(DType::kFloat32, 1);
+      *s = std::make_unique<MirroredTensor>(DType::kFloat32, Shape{1});
       (*s)->set_float(0, 1.0f);
     }
     p_s->set_float(0, 2048.0f);
@@ -134,7 +81,7 @@ struct Param {
     for (int64_t j = 0; j < n; ++j) g->set_bits(j, encode(f.g, normal(rng) * std::ldexp(1.0f, exponent(rng)), scale));
   }
 
-  std::vector<std::pair<Buffer*, std::string>> all(int index) {
+  std::vector<std::pair<MirroredTensor*, std::string>> all(int index) {
     const std::string k = "[" + std::to_string(index) + "]";
     return {{p.get(), "params" + k}, {g.get(), "grads" + k}, {m.get(), "exp_avgs" + k},
             {v.get(), "exp_avg_sqs" + k}, {w.get(), "weights_fp8" + k}, {p_s.get(), "param_scales" + k},
@@ -151,7 +98,7 @@ struct Param {
     t.grad = g->view(d, shape);
     t.exp_avg = m->view(d, shape);
     t.exp_avg_sq = v->view(d, shape);
-    const auto scalar = [d](const std::unique_ptr<Buffer>& b) { return b->view(d, {1}); };
+    const auto scalar = [d](const std::unique_ptr<MirroredTensor>& b) { return b->view(d, {1}); };
     if (f.p == DType::kFloat16) t.param_scale = scalar(p_s), t.param_scale_inv = scalar(p_si);
     if (is_fp8(f.g)) t.grad_scale_inv = scalar(g_si);
     if (f.m == DType::kFloat8E4M3) t.exp_avg_scale = scalar(m_s), t.exp_avg_scale_inv = scalar(m_si);
@@ -178,11 +125,11 @@ std::vector<Formats> all_formats() {
 class Call {
  public:
   std::vector<std::unique_ptr<Param>> params;
-  Buffer amax, found_inf, step_tensor;
+  MirroredTensor amax, found_inf, step_tensor;
   AdamHyper hyper;
 
-  explicit Call(size_t n) : amax(DType::kFloat32, static_cast<int64_t>(n) * kAdamAmaxColumns), found_inf(DType::kFloat32, 1),
-                            step_tensor(DType::kFloat32, 1) {
+  explicit Call(size_t n) : amax(DType::kFloat32, {static_cast<int64_t>(n) * kAdamAmaxColumns}),
+                            found_inf(DType::kFloat32, {1}), step_tensor(DType::kFloat32, {1}) {
     found_inf.set_float(0, 0.0f);
     step_tensor.set_float(0, 0.0f);
   }
@@ -202,8 +149,8 @@ class Call {
     for (auto& [b, name] : buffers()) EXPECT_TRUE(b->same_on_both(name));
   }
 
-  std::vector<std::pair<Buffer*, std::string>> buffers() {
-    std::vector<std::pair<Buffer*, std::string>> r{{&amax, "amax"}, {&found_inf, "found_inf"}, {&step_tensor, "step_tensor"}};
+  std::vector<std::pair<MirroredTensor*, std::string>> buffers() {
+    std::vector<std::pair<MirroredTensor*, std::string>> r{{&amax, "amax"}, {&found_inf, "found_inf"}, {&step_tensor, "step_tensor"}};
     for (size_t i = 0; i < params.size(); ++i) {
       for (auto& e : params[i]->all(static_cast<int>(i))) r.push_back(e);
     }

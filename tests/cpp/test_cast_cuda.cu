@@ -36,104 +36,33 @@ using numerics::float_bits;
     ASSERT_EQ(cudaSuccess, status_) << #expr << ": " << cudaGetErrorString(status_); \
   } while (0)
 
-constexpr int64_t kGuard = 16;            // elements on each side of a tensor, checked untouched
-constexpr uint8_t kGuardByte = 0xA5;
-
-// A tensor held twice, in host memory (for the CPU reference) and in device memory (for CUDA),
-// `offset` elements into its allocation so a test can make a misaligned start.
-class Tensor {
- public:
-  Tensor(DType dtype, std::vector<int64_t> shape, int64_t offset = 0)
-      : dtype_(dtype), shape_(std::move(shape)), offset_(kGuard + offset) {
-    numel_ = 1;
-    for (int64_t d : shape_) numel_ *= d;
-    host_.assign(static_cast<size_t>((offset_ + numel_ + kGuard) * elem()), kGuardByte);
-    cuda_ok(cudaMalloc(&device_, host_.size()), "cudaMalloc");
-  }
-  Tensor(const Tensor&) = delete;
-  Tensor& operator=(const Tensor&) = delete;
-  ~Tensor() { cudaFree(device_); }
-
-  DType dtype() const { return dtype_; }
-  int64_t numel() const { return numel_; }
-  size_t elem() const { return dtype_size(dtype_); }
-
-  // The view's elements in host memory, as raw bits of the element's width.
-  void set_bits(int64_t i, uint32_t bits) { std::memcpy(host_.data() + (offset_ + i) * elem(), &bits, elem()); }
-  void set_float(int64_t i, float v) { set_bits(i, float_bits(v)); }
-  void set_int(int64_t i, int32_t v) { set_bits(i, static_cast<uint32_t>(v)); }
-  uint32_t bits(int64_t i) const {
-    uint32_t b = 0;
-    std::memcpy(&b, host_.data() + (offset_ + i) * elem(), elem());
-    return b;
-  }
-
-  TensorView view(Device device) const {
-    uint8_t* base = device == Device::kCPU ? const_cast<uint8_t*>(host_.data()) : static_cast<uint8_t*>(device_);
-    TensorView v;
-    v.data = base + offset_ * elem();
-    v.dtype = dtype_;
-    v.shape = shape_;
-    v.device = device;
-    v.device_index = device == Device::kCPU ? -1 : 0;
-    return v;
-  }
-
-  void upload() { cuda_ok(cudaMemcpy(device_, host_.data(), host_.size(), cudaMemcpyHostToDevice), "upload"); }
-
-  // Device bytes against host bytes, guards included; names the first differing element.
-  ::testing::AssertionResult same_on_both() const {
-    std::vector<uint8_t> got(host_.size());
-    cuda_ok(cudaMemcpy(got.data(), device_, got.size(), cudaMemcpyDeviceToHost), "download");
-    if (got == host_) return ::testing::AssertionSuccess();
-    size_t byte = 0;
-    while (got[byte] == host_[byte]) ++byte;
-    const int64_t i = static_cast<int64_t>(byte / elem()) - offset_;
-    uint32_t cpu = 0, cuda = 0;
-    std::memcpy(&cpu, host_.data() + (byte / elem()) * elem(), elem());
-    std::memcpy(&cuda, got.data() + (byte / elem()) * elem(), elem());
-    std::ostringstream s;
-    s << dtype_name(dtype_) << " tensor of " << numel_ << " elements differs first at element " << i
-      << (i < 0 || i >= numel_ ? " (a guard)" : "") << ": cpu 0x" << std::hex << cpu << ", cuda 0x" << cuda;
-    return ::testing::AssertionFailure() << s.str();
-  }
-
- private:
-  DType dtype_;
-  std::vector<int64_t> shape_;
-  int64_t offset_;
-  int64_t numel_;
-  std::vector<uint8_t> host_;
-  void* device_ = nullptr;
-};
-
 // Uploads every tensor, runs op(Device::kCPU) then op(Device::kCUDA), and expects every tensor
 // byte-identical afterwards.
-void expect_cuda_matches_cpu(const std::vector<Tensor*>& tensors, const std::function<void(Device)>& op,
+void expect_cuda_matches_cpu(const std::vector<MirroredTensor*>& tensors, const std::function<void(Device)>& op,
                              const std::string& what) {
   SCOPED_TRACE(what);
-  for (Tensor* t : tensors) t->upload();
+  for (MirroredTensor* t : tensors) t->upload();
   op(Device::kCPU);
   op(Device::kCUDA);
   cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  for (Tensor* t : tensors) EXPECT_TRUE(t->same_on_both());
+  for (MirroredTensor* t : tensors) EXPECT_TRUE(t->same_on_both());
 }
 
-std::vector<Tensor*> operator+(std::vector<Tensor*> a, const std::vector<Tensor*>& b) {
+std::vector<MirroredTensor*> operator+(std::vector<MirroredTensor*> a, const std::vector<MirroredTensor*>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
 
-std::vector<Tensor*> pointers(const std::vector<std::unique_ptr<Tensor>>& ts) {
-  std::vector<Tensor*> r;
+std::vector<MirroredTensor*> pointers(const std::vector<std::unique_ptr<MirroredTensor>>& ts) {
+  std::vector<MirroredTensor*> r;
   for (const auto& t : ts) r.push_back(t.get());
   return r;
 }
 
 // The scaling buffers of n tensors, on both sides.
 struct ScalingTensors {
-  Tensor scale, amax, scale_inv;
-  std::unique_ptr<Tensor> counter;
+  MirroredTensor scale, amax, scale_inv;
+  std::unique_ptr<MirroredTensor> counter;
   int warmup_steps = 0;
   ScaleRecipe recipe;
   TensorView counter_view[2];
@@ -150,7 +79,8 @@ struct ScalingTensors {
   }
 
   void with_counter(std::vector<int32_t> values, int steps) {
-    counter = std::make_unique<Tensor>(DType::kInt32, std::vector<int64_t>{static_cast<int64_t>(values.size())});
+    counter =
+        std::make_unique<MirroredTensor>(DType::kInt32, std::vector<int64_t>{static_cast<int64_t>(values.size())});
     for (size_t i = 0; i < values.size(); ++i) counter->set_int(static_cast<int64_t>(i), values[i]);
     warmup_steps = steps;
   }
@@ -169,8 +99,8 @@ struct ScalingTensors {
     return s;
   }
 
-  std::vector<Tensor*> all() {
-    std::vector<Tensor*> r{&scale, &amax, &scale_inv};
+  std::vector<MirroredTensor*> all() {
+    std::vector<MirroredTensor*> r{&scale, &amax, &scale_inv};
     if (counter) r.push_back(counter.get());
     return r;
   }
@@ -224,7 +154,7 @@ std::vector<float> random_values(int64_t n, uint32_t seed) {
   return v;
 }
 
-void fill(Tensor& t, const std::vector<float>& values) {
+void fill(MirroredTensor& t, const std::vector<float>& values) {
   for (int64_t i = 0; i < t.numel(); ++i) t.set_bits(i, bits_in(t.dtype(), values[static_cast<size_t>(i)]));
 }
 
@@ -236,19 +166,19 @@ std::string label(DType in, DType out, const std::string& rest) {
 // quantize
 
 // Quantizes x (already filled) into a fresh out with one scale, compares everything.
-void check_quantize(Tensor& x, DType out_dtype, float scale, const std::string& what, int64_t out_offset = 0) {
-  Tensor out(out_dtype, {x.numel()}, out_offset);
+void check_quantize(MirroredTensor& x, DType out_dtype, float scale, const std::string& what, int64_t out_offset = 0) {
+  MirroredTensor out(out_dtype, {x.numel()}, out_offset);
   ScalingTensors s(1, 0);
   s.scale.set_float(0, scale);
   s.amax.set_float(0, 0.0f);
-  expect_cuda_matches_cpu(std::vector<Tensor*>{&x, &out} + s.all(), [&](Device d) { quantize(x.view(d), out.view(d), s.on(d), nullptr); },
+  expect_cuda_matches_cpu(std::vector<MirroredTensor*>{&x, &out} + s.all(), [&](Device d) { quantize(x.view(d), out.view(d), s.on(d), nullptr); },
                           label(x.dtype(), out_dtype, what));
 }
 
 TEST(CastCuda, QuantizeEvery16BitPattern) {
   REQUIRE_GPU();
   for (DType in : {DType::kBFloat16, DType::kFloat16}) {
-    Tensor x(in, {65536});
+    MirroredTensor x(in, {65536});
     for (int64_t i = 0; i < 65536; ++i) x.set_bits(i, static_cast<uint32_t>(i));
     for (DType out : kScaled) {
       for (float scale : {1.0f, 0x1p-7f, 0x1p+9f, 3.7f, 0.0123f}) {
@@ -263,7 +193,7 @@ TEST(CastCuda, QuantizeBoundaryAndRandomFloat32) {
   std::vector<float> values = boundary_values();
   const std::vector<float> random = random_values(100000, 1);
   values.insert(values.end(), random.begin(), random.end());
-  Tensor x(DType::kFloat32, {static_cast<int64_t>(values.size())});
+  MirroredTensor x(DType::kFloat32, {static_cast<int64_t>(values.size())});
   fill(x, values);
   for (DType out : kScaled) {
     for (float scale : {1.0f, 0x1p-7f, 0x1p+20f, 3.7f, 1e-30f}) {
@@ -279,7 +209,7 @@ TEST(CastCuda, QuantizeTailsAndMisalignedPointers) {
     for (DType in : kHighPrecision) {
       for (DType out : kScaled) {
         for (auto [in_offset, out_offset] : {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 1}, std::pair{3, 5}}) {
-          Tensor x(in, {n}, in_offset);
+          MirroredTensor x(in, {n}, in_offset);
           fill(x, values);
           check_quantize(x, out, 0x1p-3f,
                          "numel " + std::to_string(n) + ", offsets " + std::to_string(in_offset) + "/" +
@@ -294,7 +224,7 @@ TEST(CastCuda, QuantizeTailsAndMisalignedPointers) {
 TEST(CastCuda, QuantizeEmptyTensorStillWritesScaleInv) {
   REQUIRE_GPU();
   for (DType out : kScaled) {
-    Tensor x(DType::kBFloat16, {0});
+    MirroredTensor x(DType::kBFloat16, {0});
     check_quantize(x, out, 0.25f, "numel 0");
   }
 }
@@ -384,13 +314,13 @@ TEST(CastCuda, QuantizeWarmupBelowAndAboveSteps) {
   // The amax slot starts below, above, at zero, non-canonical (-0, negative, NaN payloads) or inf.
   const float start_amax[] = {0.0f, 1e-3f, 1e30f, -0.0f, -5.0f, bits_float(0x7FC00000u), INFINITY};
   for (DType in : kHighPrecision) {
-    Tensor x(in, {static_cast<int64_t>(values.size())});
+    MirroredTensor x(in, {static_cast<int64_t>(values.size())});
     fill(x, values);
     for (DType out : kScaled) {
       for (int counter : {0, 3, 4, 9}) {
         for (bool pow2 : {true, false}) {
           for (float a : start_amax) {
-            Tensor y(out, {x.numel()});
+            MirroredTensor y(out, {x.numel()});
             ScalingTensors s(1, 4);
             s.scale.set_float(0, 0.5f);
             s.amax.set_float(0, a);
@@ -398,7 +328,7 @@ TEST(CastCuda, QuantizeWarmupBelowAndAboveSteps) {
             s.with_counter({counter}, 4);
             s.recipe.pow2 = pow2;
             s.recipe.margin = pow2 ? 1 : 2;
-            expect_cuda_matches_cpu(std::vector<Tensor*>{&x, &y} + s.all(), [&](Device d) { quantize(x.view(d), y.view(d), s.on(d), nullptr); },
+            expect_cuda_matches_cpu(std::vector<MirroredTensor*>{&x, &y} + s.all(), [&](Device d) { quantize(x.view(d), y.view(d), s.on(d), nullptr); },
                                     label(in, out, "counter " + std::to_string(counter) + " of 4, pow2 " +
                                                        std::to_string(pow2) + ", amax " + std::to_string(a)));
           }
@@ -414,13 +344,13 @@ TEST(CastCuda, AmaxWithAndWithoutCounter) {
     std::vector<float> values = random_values(n, 11);
     for (DType in : kHighPrecision) {
       for (int offset : {0, 1}) {
-        Tensor x(in, {n}, offset);
+        MirroredTensor x(in, {n}, offset);
         fill(x, values);
         for (int counter : {-1, 2, 5}) {  // -1: no counter
           for (float start : {0.0f, -0.0f, 2.0f, -1e30f}) {
-            Tensor a(DType::kFloat32, {1});
+            MirroredTensor a(DType::kFloat32, {1});
             a.set_float(0, start);
-            Tensor c(DType::kInt32, {1});
+            MirroredTensor c(DType::kInt32, {1});
             c.set_int(0, counter);
             expect_cuda_matches_cpu(
                 {&x, &a, &c},
@@ -436,10 +366,10 @@ TEST(CastCuda, AmaxWithAndWithoutCounter) {
     }
   }
   // NaN anywhere wins, whatever the payload.
-  Tensor x(DType::kFloat32, {100000});
+  MirroredTensor x(DType::kFloat32, {100000});
   fill(x, random_values(100000, 3));
   x.set_float(77777, bits_float(0xFFC00001u));
-  Tensor a(DType::kFloat32, {1});
+  MirroredTensor a(DType::kFloat32, {1});
   a.set_float(0, 1.0f);
   expect_cuda_matches_cpu({&x, &a}, [&](Device d) { amax(x.view(d), a.view(d), nullptr, 0, nullptr); }, "NaN input");
   EXPECT_EQ(a.bits(0), numerics::kCanonicalNanBits);
@@ -452,12 +382,12 @@ TEST(CastCuda, DequantizeEveryCode) {
   REQUIRE_GPU();
   for (DType in : kScaled) {
     const int64_t codes = dtype_size(in) == 1 ? 256 : 65536;
-    Tensor x(in, {codes});
+    MirroredTensor x(in, {codes});
     for (int64_t i = 0; i < codes; ++i) x.set_bits(i, static_cast<uint32_t>(i));
     for (DType out : kHighPrecision) {
       for (float scale_inv : {1.0f, 0x1p-5f, 3.3e-3f, 1e30f, 0x1p-130f}) {
-        Tensor y(out, {codes});
-        Tensor si(DType::kFloat32, {1});
+        MirroredTensor y(out, {codes});
+        MirroredTensor si(DType::kFloat32, {1});
         si.set_float(0, scale_inv);
         expect_cuda_matches_cpu({&x, &y, &si}, [&](Device d) { dequantize(x.view(d), si.view(d), y.view(d), nullptr); },
                                 label(in, out, "scale_inv " + std::to_string(scale_inv)));
@@ -473,10 +403,10 @@ TEST(CastCuda, DequantizeTailsAndMisalignedPointers) {
     for (DType in : kScaled) {
       for (DType out : kHighPrecision) {
         for (auto [in_offset, out_offset] : {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 3}}) {
-          Tensor x(in, {n}, in_offset);
+          MirroredTensor x(in, {n}, in_offset);
           for (int64_t i = 0; i < n; ++i) x.set_bits(i, static_cast<uint32_t>(rng()));
-          Tensor y(out, {n}, out_offset);
-          Tensor si(DType::kFloat32, {1});
+          MirroredTensor y(out, {n}, out_offset);
+          MirroredTensor si(DType::kFloat32, {1});
           si.set_float(0, 0.75f);
           expect_cuda_matches_cpu({&x, &y, &si},
                                   [&](Device d) { dequantize(x.view(d), si.view(d), y.view(d), nullptr); },
@@ -491,16 +421,16 @@ TEST(CastCuda, DequantizeTailsAndMisalignedPointers) {
 // cast_transpose
 
 void check_cast_transpose(DType in, DType out, int64_t rows, int64_t cols, int64_t x_offset, int counter) {
-  Tensor x(in, {rows, cols}, x_offset);
+  MirroredTensor x(in, {rows, cols}, x_offset);
   fill(x, random_values(rows * cols, static_cast<uint32_t>(rows * 131 + cols)));
-  Tensor y(out, {rows, cols});
-  Tensor yt(out, {cols, rows});  // cast.h views x as [rows, cols], rows the product of the leading dims
+  MirroredTensor y(out, {rows, cols});
+  MirroredTensor yt(out, {cols, rows});  // cast.h views x as [rows, cols], rows the product of the leading dims
   ScalingTensors s(1, 0);
   s.scale.set_float(0, 0x1p-4f);
   s.amax.set_float(0, 1.0f);
   if (counter >= 0) s.with_counter({counter}, 2);
   expect_cuda_matches_cpu(
-      std::vector<Tensor*>{&x, &y, &yt} + s.all(), [&](Device d) { cast_transpose(x.view(d), y.view(d), yt.view(d), s.on(d), nullptr); },
+      std::vector<MirroredTensor*>{&x, &y, &yt} + s.all(), [&](Device d) { cast_transpose(x.view(d), y.view(d), yt.view(d), s.on(d), nullptr); },
       label(in, out,
             std::to_string(rows) + "x" + std::to_string(cols) + " offset " + std::to_string(x_offset) +
                 " counter " + std::to_string(counter)));
@@ -535,13 +465,13 @@ std::vector<int64_t> varied_sizes() {
 }
 
 template <class Make>
-std::vector<std::unique_ptr<Tensor>> make_tensors(const std::vector<int64_t>& sizes, Make&& make) {
-  std::vector<std::unique_ptr<Tensor>> r;
+std::vector<std::unique_ptr<MirroredTensor>> make_tensors(const std::vector<int64_t>& sizes, Make&& make) {
+  std::vector<std::unique_ptr<MirroredTensor>> r;
   for (size_t i = 0; i < sizes.size(); ++i) r.push_back(make(i, sizes[i]));
   return r;
 }
 
-std::vector<TensorView> views(const std::vector<std::unique_ptr<Tensor>>& ts, Device d) {
+std::vector<TensorView> views(const std::vector<std::unique_ptr<MirroredTensor>>& ts, Device d) {
   std::vector<TensorView> r;
   for (const auto& t : ts) r.push_back(t->view(d));
   return r;
@@ -553,13 +483,13 @@ TEST(CastCuda, MultiTensorOps) {
   const int64_t n = static_cast<int64_t>(sizes.size());
   for (DType in : kHighPrecision) {
     auto xs = make_tensors(sizes, [&](size_t i, int64_t size) {
-      auto t = std::make_unique<Tensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
+      auto t = std::make_unique<MirroredTensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
       fill(*t, random_values(size, static_cast<uint32_t>(i)));
       return t;
     });
     for (DType out : kScaled) {
       auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
-        return std::make_unique<Tensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
+        return std::make_unique<MirroredTensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
       });
       ScalingTensors s(n, 3);
       std::vector<int32_t> counters;
@@ -574,9 +504,9 @@ TEST(CastCuda, MultiTensorOps) {
                               label(in, out, "multi_quantize of 300 tensors"));
     }
     for (int64_t history : {int64_t{0}, int64_t{5}}) {
-      Tensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
+      MirroredTensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
       for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, i % 5 == 0 ? -0.0f : 0.25f * static_cast<float>(i % 9));
-      expect_cuda_matches_cpu(pointers(xs) + std::vector<Tensor*>{&a},
+      expect_cuda_matches_cpu(pointers(xs) + std::vector<MirroredTensor*>{&a},
                               [&](Device d) { multi_amax(views(xs, d), a.view(d), nullptr); },
                               std::string(dtype_name(in)) + " multi_amax, history " + std::to_string(history));
     }
@@ -584,17 +514,17 @@ TEST(CastCuda, MultiTensorOps) {
   std::mt19937 rng(13);
   for (DType in : kScaled) {
     auto xs = make_tensors(sizes, [&](size_t i, int64_t size) {
-      auto t = std::make_unique<Tensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
+      auto t = std::make_unique<MirroredTensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
       for (int64_t j = 0; j < size; ++j) t->set_bits(j, static_cast<uint32_t>(rng()));
       return t;
     });
-    Tensor si(DType::kFloat32, {n});
+    MirroredTensor si(DType::kFloat32, {n});
     for (int64_t i = 0; i < n; ++i) si.set_float(i, std::ldexp(1.3f, static_cast<int>(i % 13) - 6));
     for (DType out : kHighPrecision) {
       auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
-        return std::make_unique<Tensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
+        return std::make_unique<MirroredTensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
       });
-      expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + std::vector<Tensor*>{&si},
+      expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + std::vector<MirroredTensor*>{&si},
                               [&](Device d) { multi_dequantize(views(xs, d), si.view(d), views(ys, d), nullptr); },
                               label(in, out, "multi_dequantize of 300 tensors"));
     }
@@ -621,9 +551,9 @@ TEST(CastCuda, ComputeScale) {
     for (float fmax : {448.0f, 57344.0f, 65504.0f}) {
       for (bool pow2 : {true, false}) {
         for (int margin : {0, 3, 126}) {  // the accepted range is [0, 126]
-          Tensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
+          MirroredTensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
           for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, awkward_amax(rng));
-          Tensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n});
+          MirroredTensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n});
           for (int64_t i = 0; i < n; ++i) {
             scale.set_float(i, std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
             scale_inv.set_float(i, 1.0f / std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
@@ -645,9 +575,9 @@ TEST(CastCuda, UpdateDelayedScaling) {
   for (int64_t n : {int64_t{1}, int64_t{1000}}) {
     for (int64_t history : {int64_t{1}, int64_t{16}, int64_t{33}}) {
       for (bool pow2 : {true, false}) {
-        Tensor h(DType::kFloat32, {n, history});
+        MirroredTensor h(DType::kFloat32, {n, history});
         for (int64_t i = 0; i < h.numel(); ++i) h.set_float(i, awkward_amax(rng));
-        Tensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n}), counter(DType::kInt32, {n});
+        MirroredTensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n}), counter(DType::kInt32, {n});
         std::uniform_int_distribution<int32_t> count(-2, static_cast<int32_t>(history) + 2);
         for (int64_t i = 0; i < n; ++i) {
           scale.set_float(i, 2.0f);
