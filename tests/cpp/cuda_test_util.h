@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -107,6 +108,18 @@ class MirroredTensor {
   std::vector<uint8_t> host_;
   void* device_ = nullptr;
 };
+
+// Uploads every tensor, runs op(Device::kCPU) then op(Device::kCUDA), and expects every tensor
+// byte-identical afterwards.
+inline void expect_cuda_matches_cpu(const std::vector<MirroredTensor*>& tensors, const std::function<void(Device)>& op,
+                                    const std::string& what) {
+  SCOPED_TRACE(what);
+  for (MirroredTensor* t : tensors) t->upload();
+  op(Device::kCPU);
+  op(Device::kCUDA);
+  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (MirroredTensor* t : tensors) EXPECT_TRUE(t->same_on_both());
+}
 
 }  // namespace fp8amp
 

@@ -76,7 +76,6 @@ uint32_t random_value_bits(DType dtype, std::mt19937& rng) {
 // Fills the buffers of `c` and runs the op on CPU and CUDA; `tweak` may change the host data
 // before the upload. Every buffer must be byte-identical afterwards.
 void check(const Case& c, const std::function<void(MirroredTensor& dst, MirroredTensor& src)>& tweak = {}) {
-  SCOPED_TRACE(describe(c));
   std::mt19937 rng(c.seed);
   MirroredTensor dst(c.dst_dtype, {c.numel}, c.dst_offset), src(c.src_dtype, {c.numel}, c.src_offset);
   MirroredTensor dst_si(DType::kFloat32, {1}), src_si(DType::kFloat32, {1}), amax(DType::kFloat32, {1});
@@ -88,15 +87,14 @@ void check(const Case& c, const std::function<void(MirroredTensor& dst, Mirrored
   src_si.set_float(0, c.src_scale_inv);
   amax.set_float(0, -77.0f);  // overwritten, not folded
   if (tweak) tweak(dst, src);
-  std::vector<MirroredTensor*> all{&dst, &src, &dst_si, &src_si, &amax};
-  for (MirroredTensor* b : all) b->upload();
-  for (Device d : {Device::kCPU, Device::kCUDA}) {
-    const TensorView ssi = src_si.view(d);
-    scaled_accumulate(dst.view(d), dst_si.view(d), src.view(d), c.scaled_src ? &ssi : nullptr, c.alpha, amax.view(d),
-                      c.recipe, nullptr);
-  }
-  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  for (MirroredTensor* b : all) EXPECT_TRUE(b->same_on_both());
+  expect_cuda_matches_cpu(
+      {&dst, &src, &dst_si, &src_si, &amax},
+      [&](Device d) {
+        const TensorView ssi = src_si.view(d);
+        scaled_accumulate(dst.view(d), dst_si.view(d), src.view(d), c.scaled_src ? &ssi : nullptr, c.alpha,
+                          amax.view(d), c.recipe, nullptr);
+      },
+      describe(c));
 }
 
 const DType kScaled[] = {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kFloat16};
@@ -224,19 +222,18 @@ TEST(AccumulateCuda, SrcIsDst) {
   REQUIRE_GPU();
   for (DType dtype : kScaled) {
     for (int64_t n : {int64_t{1}, int64_t{4097}, (int64_t{1} << 20) + 7}) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + " numel " + std::to_string(n));
       std::mt19937 rng(static_cast<uint32_t>(n));
       MirroredTensor dst(dtype, {n}), si(DType::kFloat32, {1}), amax(DType::kFloat32, {1});
       for (int64_t i = 0; i < n; ++i) dst.set_bits(i, random_finite_code(dtype, rng));
       si.set_float(0, 0.125f);
       amax.set_float(0, 0.0f);
-      for (MirroredTensor* b : {&dst, &si, &amax}) b->upload();
-      for (Device d : {Device::kCPU, Device::kCUDA}) {
-        const TensorView s = si.view(d);
-        scaled_accumulate(dst.view(d), s, dst.view(d), &s, -0.75f, amax.view(d), ScaleRecipe{}, nullptr);
-      }
-      cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      for (MirroredTensor* b : {&dst, &si, &amax}) EXPECT_TRUE(b->same_on_both());
+      expect_cuda_matches_cpu(
+          {&dst, &si, &amax},
+          [&](Device d) {
+            const TensorView s = si.view(d);
+            scaled_accumulate(dst.view(d), s, dst.view(d), &s, -0.75f, amax.view(d), ScaleRecipe{}, nullptr);
+          },
+          std::string(dtype_name(dtype)) + " numel " + std::to_string(n));
     }
   }
 }

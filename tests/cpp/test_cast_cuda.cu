@@ -36,18 +36,6 @@ using numerics::float_bits;
     ASSERT_EQ(cudaSuccess, status_) << #expr << ": " << cudaGetErrorString(status_); \
   } while (0)
 
-// Uploads every tensor, runs op(Device::kCPU) then op(Device::kCUDA), and expects every tensor
-// byte-identical afterwards.
-void expect_cuda_matches_cpu(const std::vector<MirroredTensor*>& tensors, const std::function<void(Device)>& op,
-                             const std::string& what) {
-  SCOPED_TRACE(what);
-  for (MirroredTensor* t : tensors) t->upload();
-  op(Device::kCPU);
-  op(Device::kCUDA);
-  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  for (MirroredTensor* t : tensors) EXPECT_TRUE(t->same_on_both());
-}
-
 std::vector<MirroredTensor*> operator+(std::vector<MirroredTensor*> a, const std::vector<MirroredTensor*>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
