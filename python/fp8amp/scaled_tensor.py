@@ -39,11 +39,14 @@ Semantics of ops (``__torch_dispatch__``):
   (element by element, through the above);
   ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
   check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
+* Norms from the codes: ``linalg.vector_norm`` over all elements and ``_foreach_norm`` (what
+  ``clip_grad_norm_`` calls) compute ``||codes|| * |scale_inv|`` (any order but 0), widening one
+  tensor's codes at a time, so a list of gradients is never dequantized all at once.
 * Any other op that would write into a ScaledTensor (``sub_``, ``fill_``, ``lerp_``, ``out=`` ...)
   raises ``NotImplementedError`` naming the op: data is never silently dropped.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
-  plain tensors, returning plain tensors: printing, arithmetic, comparisons, ``norm`` /
-  ``vector_norm``, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
+  plain tensors, returning plain tensors: printing, arithmetic, comparisons, norms over some
+  dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
   than ``view``/``detach``/``alias`` (``t()``, ``transpose``, slicing) go through this path too, so
   they return a dequantized *copy*, not an alias: writing into that copy does not reach the
   ScaledTensor.
@@ -317,6 +320,34 @@ def _add_(func, args, kwargs):
     return dst
 
 
+def _norm_of(x: "ScaledTensor", ord, dtype) -> torch.Tensor:
+    """||codes * scale_inv||_ord = ||codes||_ord * |scale_inv| for any ord but 0 (a count): the codes
+    are widened one tensor at a time, so a list of gradients is never dequantized all at once."""
+    norm = torch.linalg.vector_norm(x._data.float(), ord) * x._scale_inv.abs().reshape(())
+    return norm.to(dtype or x.dtype)
+
+
+def _vector_norm(func, args, kwargs):
+    x = args[0]
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    if not isinstance(x, ScaledTensor) or ord == 0 or dim is not None or keepdim:
+        return NotImplemented
+    return _norm_of(x, ord, kwargs.get("dtype"))
+
+
+def _foreach_norm(func, args, kwargs):
+    tensors = args[0]
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    if ord == 0 or not any(isinstance(t, ScaledTensor) for t in tensors):
+        return NotImplemented
+    plain = [t for t in tensors if not isinstance(t, ScaledTensor)]
+    plain_norms = iter(func(plain, ord, dtype) if plain else [])
+    return [_norm_of(t, ord, dtype) if isinstance(t, ScaledTensor) else next(plain_norms) for t in tensors]
+
+
 def _zero_(func, args, kwargs):
     (x,) = args
     x._data.zero_()
@@ -371,6 +402,8 @@ _HANDLERS = {
     aten.div_.Scalar: _scale_op,
     aten.zero_.default: _zero_,
     aten.add_.Tensor: _add_,
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
     aten._foreach_mul_.Scalar: _foreach("mul_"),
     aten._foreach_mul_.Tensor: _foreach("mul_"),
     aten._foreach_mul_.ScalarList: _foreach("mul_"),

@@ -286,3 +286,29 @@ def test_grad_scaler_unscale():
     scaler2.scale(torch.ones(()))
     scaler2.unscale_(opt)
     assert scaler2._found_inf_per_device(opt)[torch.device("cpu")].item() == 1.0
+
+
+@pytest.mark.parametrize("ord", [2, 1, 3.0, float("inf"), -float("inf"), 0])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float16])
+def test_norms_from_the_codes(ord, fmt):
+    """vector_norm and _foreach_norm of ScaledTensors equal the norms of their real values: those are
+    the codes times a power of two, which commutes exactly with sums, squares, sqrt and max. Other
+    orders go through float32 pow (|x|^p per element, then the root), whose results for x and for
+    x * 2^k may differ by an ulp or two each: a relative difference of a few 2^-23 in a sum of
+    positive terms and its root, bounded here by 2^-16."""
+    torch.manual_seed(0)
+    xs = [ScaledTensor.from_tensor(torch.randn(33, 17) * 100, fmt), torch.randn(5),
+          ScaledTensor.from_tensor(torch.randn(64) * 1e-3, fmt)]
+    reals = [x.dequantize() if isinstance(x, ScaledTensor) else x for x in xs]
+    def same(got, want):
+        if ord in (0, 1, 2, float("inf"), -float("inf")):
+            return torch.equal(got, want)
+        return torch.allclose(got, want, rtol=2.0 ** -16, atol=0)
+
+    for x, r in zip(xs, reals):
+        assert same(torch.linalg.vector_norm(x, ord), torch.linalg.vector_norm(r, ord))
+    for got, want in zip(torch._foreach_norm(xs, ord), torch._foreach_norm(reals, ord)):
+        assert type(got) is torch.Tensor and same(got, want)
+    nan = ScaledTensor.from_tensor(torch.ones(4), fmt)
+    nan._scale_inv.fill_(float("nan"))
+    assert torch.isnan(torch.linalg.vector_norm(nan, ord)) or ord == 0
