@@ -1,0 +1,96 @@
+"""Where a GPT training step's GPU time goes, per mode: the kernels of a few profiled steps, summed.
+
+Not a benchmark (gpu_check.sh runs only bench_*.py): a diagnostic for the gaps that
+docs/benchmarks.md reports, e.g. why O2 steps are slower than FP8 compute with fp32 weights.
+It trains the ~1B GPT of bench_train.py (same data, optimizer settings, autocast) for warm-up steps,
+then records `--steps` steps with torch.profiler and prints, per mode, the step time and
+torch.profiler's table of the ops and kernels with the most self CUDA time.
+
+Usage: python benchmarks/profile_train.py [--modes fp8amp,o2] [--steps 3] [--top 25] [--preset 1b|small]
+With $OUT set, also writes the tables to $OUT/profile_train.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fp8amp
+from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+from _common import parse_subset, require_gpu
+
+PRESETS = {
+    "1b": (GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), 8),
+    "small": (GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), 16),
+}
+MODES = ["bf16", "fp8amp", "o1", "o2"]
+
+
+def build(mode: str, cfg: GPTConfig, tokens: int):
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    if mode == "fp8amp":
+        fp8amp.convert(model, optimizer=optimizer, tokens=tokens)
+    elif mode in ("o1", "o2"):
+        model, optimizer = fp8amp.initialize(model, optimizer, mode.upper(), tokens=tokens)
+    return model, optimizer
+
+
+def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int) -> str:
+    model, optimizer = build(mode, cfg, batch * cfg.seq_len)
+    loader = batches(data, batch, cfg.seq_len, "cuda", seed=0)
+
+    def step() -> None:
+        x, y = next(loader)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / steps
+    averages = prof.key_averages()
+    try:
+        table = averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=90)
+    except (AttributeError, KeyError):  # older names
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n{table}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", type=lambda t: parse_subset(t, MODES), default=["fp8amp", "o2"])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=18)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    require_gpu("profile_train")
+    cfg, batch = PRESETS[args.preset]
+    data = load_text_bytes(max_bytes=64 << 20)
+    text = "\n".join(profile_mode(m, cfg, batch, data, args.steps, args.warmup, args.top) for m in args.modes)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile_train.txt"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
