@@ -10,8 +10,9 @@ dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpos
 At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.ScaledTensor`
 (FP16 codes + scale, the master copy): the forward takes its E4M3 copy from a cache that the
 fp8amp optimizer rewrites in its step (re-cast here only when the master changed some other way:
-loading, ``copy_``), the backward transposes that copy, and the weight gradient is an E4M3
-``ScaledTensor`` with a current scale, accumulated across micro-batches by
+loading, ``copy_``), the backward casts its transpose from the master's codes (bit-identical),
+and the weight gradient is an E4M3 ``ScaledTensor`` with a current scale, accumulated across
+micro-batches by
 :func:`fp8amp.scaled_accumulate` (one fused dequantize-add-requantize).
 
 cuBLASLt's FP8 GEMMs take only K-major operands whose inner dimensions are multiples of 16:
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .accumulate import scaled_accumulate
+from . import cast
 from .gemm import bias_dtype, gemm
 from .formats import E4M3, E5M2
 from .scaled_tensor import ScaledTensor
@@ -79,17 +81,29 @@ class WeightCache:
 
 
 def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
-    """(w_fp8, w_fp8_t or None, scale_inv) for the forward GEMM."""
+    """(w_fp8, w_fp8_t, scale_inv, cache) for the forward GEMM; w_fp8_t is None when w_fp8 is the
+    optimizer-written copy ``cache`` (the backward makes the transpose, see _transposed_copy)."""
     if not isinstance(weight, ScaledTensor):
-        return weight_scaling.cast_transpose_current(weight)
+        return (*weight_scaling.cast_transpose_current(weight), None)
     if torch.compiler.is_compiling():  # no Python-side cache in a graph: cast in it
-        return weight_scaling.cast_transpose_current(weight.dequantize())
+        return (*weight_scaling.cast_transpose_current(weight.dequantize()), None)
     cache = getattr(weight, "_fp8amp_cache", None)
     if cache is not None and cache.valid_for(weight):
-        return cache.data, None, cache.scale_inv
+        return cache.data, None, cache.scale_inv, cache
     w_fp8, w_fp8_t, scale_inv = weight_scaling.cast_transpose_current(weight.dequantize())
     weight._fp8amp_cache = WeightCache(w_fp8, scale_inv, weight._version)
-    return w_fp8, w_fp8_t, scale_inv
+    return w_fp8, w_fp8_t, scale_inv, None
+
+
+def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_scale: torch.Tensor) -> torch.Tensor:
+    """The transpose of a master's E4M3 copy, cast again from the master's FP16 codes in one pass of
+    the fused cast+transpose (2 bytes read, 2 written per element; a transposing copy of the 1-byte
+    codes runs at a fraction of the bandwidth). Bit-identical to the copy: it holds
+    quantize((code * master_scale_inv) * copy_scale) and both scales are powers of two, so
+    quantize(code * (master_scale_inv * copy_scale)) rounds the same exact product."""
+    amax = torch.zeros(1, dtype=torch.float32, device=codes.device)  # required output, unused
+    _, transposed, _ = cast.cast_transpose(codes, master_scale_inv * copy_scale, amax, E4M3)
+    return transposed
 
 
 def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
@@ -119,12 +133,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         rows = x2d.shape[0]
         padded = rows % _ALIGN != 0
         x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d) if padded else x2d)
-        w_fp8, w_fp8_t, w_scale_inv = _fp8_weight(weight, weight_scaling)
+        w_fp8, w_fp8_t, w_scale_inv, cache = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
-        # A cached copy is transposed in backward (1 byte per element), not kept twice.
-        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8 if w_fp8_t is None else w_fp8_t, w_scale_inv)
-        ctx.w_transposed = w_fp8_t is not None
+        # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
+        ctx.w_transpose_from = None if cache is None else (weight._data, weight._scale_inv, cache.scale)
         ctx.fp8_weight_grad = isinstance(weight, ScaledTensor) and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows
@@ -138,8 +152,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
-        if not ctx.w_transposed:
-            w_fp8_t = w_fp8_t.t().contiguous()
+        if ctx.w_transpose_from is not None:
+            w_fp8_t = _transposed_copy(*ctx.w_transpose_from)
         two_d = grad_output.dim() == 2
         dy2d = grad_output if two_d else grad_output.reshape(-1, grad_output.shape[-1])
         padded = ctx.rows % _ALIGN != 0

@@ -321,9 +321,13 @@ def _add_(func, args, kwargs):
 
 
 def _norm_of(x: "ScaledTensor", ord, dtype) -> torch.Tensor:
-    """||codes * scale_inv||_ord = ||codes||_ord * |scale_inv| for any ord but 0 (a count): the codes
-    are widened one tensor at a time, so a list of gradients is never dequantized all at once."""
-    norm = torch.linalg.vector_norm(x._data.float(), ord) * x._scale_inv.abs().reshape(())
+    """||codes * scale_inv||_ord = ||codes||_ord * |scale_inv| for any ord but 0 (a count), reading
+    the codes as FP16 (2 bytes an element; the norm accumulates in float32), one tensor at a time,
+    so a list of gradients is never dequantized all at once."""
+    codes = x._data
+    if codes.dtype != torch.float16:  # FP8 codes are FP16 values exactly; our kernel widens them fast
+        codes = cast.dequantize(codes, torch.ones(1, dtype=torch.float32, device=codes.device), torch.float16)
+    norm = torch.linalg.vector_norm(codes, ord, dtype=torch.float32) * x._scale_inv.abs().reshape(())
     return norm.to(dtype or x.dtype)
 
 

@@ -311,6 +311,30 @@ def test_forward_reads_the_copy_the_optimizer_wrote():
     assert len(casts) == 2
 
 
+def test_gradients_through_the_copy_equal_a_fresh_cast():
+    """After a step the forward reads the optimizer's copy and the backward casts its transpose from
+    the master's codes; dropping the copy (a fresh cast of the master, both layouts from one pass)
+    must give bit-identical outputs and gradients."""
+    model, opt = setup("O2")
+    loss_of(model, 0).backward()
+    opt.step()
+    results = []
+    for drop in (False, True):
+        if drop:
+            del model.up.weight._fp8amp_cache
+        else:
+            assert model.up.weight._fp8amp_cache.valid_for(model.up.weight)  # the optimizer wrote it
+        opt.zero_grad()
+        tokens_in = tokens(1)
+        h = model.emb(tokens_in[:-1]).detach().requires_grad_()
+        out = model.up(h)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), h.grad, model.up.weight.grad.clone()))
+    (y0, dx0, dw0), (y1, dx1, dw1) = results
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert torch.equal(dw0._data.view(torch.uint8), dw1._data.view(torch.uint8))
+
+
 # ------------------------------------------------------------------------------------------ state dicts
 
 
