@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accumulate import scaled_accumulate
 from . import cast
 from .gemm import bias_dtype, gemm
 from .formats import E4M3, E5M2
@@ -107,12 +106,10 @@ def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_s
 
 
 def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
-    """The weight gradient as an E4M3 ScaledTensor with a current scale (DESIGN §5); a non-finite
-    gradient reads as NaN (an E4M3 code cannot hold inf), so GradScaler and the optimizer see it."""
-    codes = torch.zeros(grad.shape, dtype=E4M3, device=grad.device)
-    scale_inv = torch.ones(1, dtype=torch.float32, device=grad.device)
-    scaled_accumulate(codes, scale_inv, grad)
-    return ScaledTensor(codes, scale_inv, dtype)
+    """The weight gradient as an E4M3 ScaledTensor with a current scale (DESIGN §5): an amax pass
+    and a quantize pass; a non-finite gradient reads as NaN (an E4M3 code cannot hold inf), so
+    GradScaler and the optimizer see it."""
+    return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

@@ -83,8 +83,8 @@ aten = torch.ops.aten
 _STORAGE_FORMATS = tuple(SCALED_FORMATS)
 
 
-def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Current scaling with the pow2 rule: (codes, scale_inv [1]); all on x's device, no host sync."""
+def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host sync."""
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -93,7 +93,7 @@ def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int) -> tuple[t
     cast.amax(x, amax)
     cast.compute_scale(amax, scale, scale_inv, format_max(fmt), margin=margin, pow2_scale=True)
     data, scale_inv = cast.quantize(x, scale, amax, fmt)
-    return data, scale_inv
+    return data, scale_inv, amax
 
 
 def _is_scalar(s: object) -> bool:
@@ -167,13 +167,15 @@ class ScaledTensor(torch.Tensor):
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor, dtype: torch.dtype = torch.float16, *, margin: int = 0,
-                    orig_dtype: torch.dtype | None = None) -> "ScaledTensor":
+                    orig_dtype: torch.dtype | None = None, nan_if_nonfinite: bool = False) -> "ScaledTensor":
         """Quantizes ``x`` into ``dtype`` (FP16, E4M3 or E5M2) with current scaling.
 
         ``scale = 2^(floor(log2(fmax / amax(x))) - margin)`` (1 when amax is 0 or not finite), all
         on ``x``'s device without a host sync. The logical dtype is ``orig_dtype``, by default
         ``x.dtype`` when that is float32/bfloat16/float16, else float32. ``x`` is read, not tracked
-        by autograd.
+        by autograd. ``nan_if_nonfinite``: if ``x`` holds an inf or NaN, ``scale_inv`` becomes NaN,
+        so every real value reads NaN (for gradients: E4M3 has no inf, and the saturated codes
+        would hide an overflow from GradScaler and the optimizer).
         """
         where = "fp8amp.ScaledTensor.from_tensor"
         if not isinstance(x, torch.Tensor):
@@ -185,7 +187,9 @@ class ScaledTensor(torch.Tensor):
             orig_dtype = x.dtype if x.dtype in HIGH_PRECISION_DTYPES else torch.float32
         if x.dtype.is_complex:
             raise ValueError(f"{where}: x must be real, got {x.dtype}")
-        data, scale_inv = _quantize_current(x.detach(), dtype, margin)
+        data, scale_inv, amax = _quantize_current(x.detach(), dtype, margin)
+        if nan_if_nonfinite:
+            scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.nan)
         return cls(data, scale_inv, orig_dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -287,7 +291,7 @@ def _copy_(func, args, kwargs):
     src = src.to(device=dst.device).expand(dst.shape)
     if src.dtype not in HIGH_PRECISION_DTYPES:
         src = src.to(dst.dtype)
-    data, scale_inv = _quantize_current(src, dst._data.dtype, 0)
+    data, scale_inv, _ = _quantize_current(src, dst._data.dtype, 0)
     dst._data.copy_(data)
     dst._scale_inv.copy_(scale_inv)
     return dst
