@@ -253,7 +253,16 @@ class Adam(torch.optim.Optimizer):
                 continue
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
             for p in itertools.chain.from_iterable(lists):
-                by_dtype[p.grad.dtype].append(p.grad)
+                g = p.grad
+                if isinstance(g, ScaledTensor):
+                    # fp8amp's FP8 gradients carry a non-finite scale_inv when any element is
+                    # non-finite (ScaledTensor.from_tensor(nan_if_nonfinite=True),
+                    # scaled_accumulate, an unscale by inf): checking it costs no pass over the codes.
+                    # (NaN codes under a finite scale, from elsewhere, still skip the op call that
+                    # meets them.)
+                    by_dtype[torch.float32].append(g._scale_inv)
+                else:
+                    by_dtype[g.dtype].append(g)
             amaxes = []
             for grads in by_dtype.values():
                 amax = torch.zeros(len(grads), dtype=torch.float32, device=device)

@@ -415,6 +415,23 @@ def test_nonfinite_grad_without_scaler_leaves_everything():
         assert torch.equal(real(p), before[n]), n
 
 
+def test_a_poisoned_fp8_grad_in_a_later_group_skips_the_whole_step():
+    """The FP8 gradient of a master in the second param group reads NaN (its scale_inv, as
+    nan_if_nonfinite leaves it): the step's pre-check must skip the first group's call as well."""
+    model = net()
+    mats_last = list(reversed(groups(model)))
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(mats_last), "O2")
+    loss_of(model, 0).backward()
+    opt.step()
+    before = {n: real(p).clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    model.up.weight.grad._scale_inv.fill_(float("nan"))
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(real(p), before[n]), n  # norm and biases (the first call) included
+
+
 # ------------------------------------------------------------------------------------------ compile
 
 
