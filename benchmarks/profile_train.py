@@ -13,6 +13,7 @@ With $OUT set, also writes the tables to $OUT/profile_train.txt.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -69,8 +70,6 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
         table = averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=90)
     except (AttributeError, KeyError):  # older names
         table = averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
-    del model, optimizer
-    torch.cuda.empty_cache()
     return f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n{table}\n"
 
 
@@ -85,7 +84,12 @@ def main() -> None:
     require_gpu("profile_train")
     cfg, batch = PRESETS[args.preset]
     data = load_text_bytes(max_bytes=64 << 20)
-    text = "\n".join(profile_mode(m, cfg, batch, data, args.steps, args.warmup, args.top) for m in args.modes)
+    tables = []
+    for mode in args.modes:
+        tables.append(profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top))
+        gc.collect()  # the mode's model and optimizer are gone: give their memory back
+        torch.cuda.empty_cache()
+    text = "\n".join(tables)
     print(text)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "profile_train.txt"), "w") as f:

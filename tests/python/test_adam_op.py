@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-import fp8amp
+import fp8amp  # noqa: F401 (loads the extension: registers torch.ops.fp8amp)
 
 ops = torch.ops.fp8amp
 E4M3, FP16 = torch.float8_e4m3fn, torch.float16

@@ -10,7 +10,6 @@ data (FP8 gradient communication with amaxes reduced over the ranks is DESIGN §
 import os
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
