@@ -7,6 +7,7 @@ then records `--steps` steps with torch.profiler and prints, per mode, the step 
 torch.profiler's table of the ops and kernels with the most self CUDA time.
 
 Usage: python benchmarks/profile_train.py [--modes fp8amp,o2] [--steps 3] [--top 25] [--preset 1b|small]
+       [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
 With $OUT set, also writes the tables to $OUT/profile_train.txt.
 """
 
@@ -41,7 +42,48 @@ def build(mode: str, cfg: GPTConfig, tokens: int):
     return model, optimizer
 
 
-def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int) -> str:
+def live_at_peak(step, top: int) -> str:
+    """One `step()` under the CUDA allocator's history recording: the peak of allocated memory and,
+    at that moment, the largest groups of the blocks allocated during the step (grouped by their
+    innermost Python frames), so a step's transient memory can be attributed to code."""
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    current = peak = peak_index = 0
+    for i, event in enumerate(trace):  # pass 1: where the peak is
+        if event["action"] == "alloc":
+            current += event["size"]
+        elif event["action"] == "free_completed":
+            current -= event["size"]
+        if current > peak:
+            peak, peak_index = current, i
+    live: dict[int, dict] = {}
+    for event in trace[: peak_index + 1]:  # pass 2: what is alive there
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    groups: dict[str, int] = {}
+    for event in live.values():
+        frames = [f"{f['name']} ({os.path.basename(f['filename'])}:{f['line']})" for f in event.get("frames", [])[:3]]
+        key = " <- ".join(frames) or "?"
+        groups[key] = groups.get(key, 0) + event["size"]
+    rows = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    lines = [f"allocated before the step {baseline / 2**30:.2f} GiB; peak during it +{peak / 2**30:.2f} GiB "
+             f"(= {(baseline + peak) / 2**30:.2f} GiB); blocks allocated in the step and alive at the peak:"]
+    lines += [f"  {size / 2**30:7.3f} GiB  {key}" for key, size in rows]
+    return "\n".join(lines)
+
+
+def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int,
+                 memory: bool = False) -> str:
     model, optimizer = build(mode, cfg, batch * cfg.seq_len)
     loader = batches(data, batch, cfg.seq_len, "cuda", seed=0)
 
@@ -70,7 +112,10 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
         table = averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=90)
     except (AttributeError, KeyError):  # older names
         table = averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
-    return f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n{table}\n"
+    text = f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n{table}\n"
+    if memory:
+        text += "\n" + live_at_peak(step, top) + "\n"
+    return text
 
 
 def main() -> None:
@@ -80,13 +125,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=18)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--memory", action="store_true",
+                        help="also record one step's allocations and show what is alive at its peak")
     args = parser.parse_args()
     require_gpu("profile_train")
     cfg, batch = PRESETS[args.preset]
     data = load_text_bytes(max_bytes=64 << 20)
     tables = []
     for mode in args.modes:
-        tables.append(profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top))
+        tables.append(profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top, args.memory))
         gc.collect()  # the mode's model and optimizer are gone: give their memory back
         torch.cuda.empty_cache()
     text = "\n".join(tables)
