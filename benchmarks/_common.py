@@ -3,6 +3,7 @@
 - require_gpu: the clear exit on a machine without a (suitable) CUDA GPU.
 - rotation_sets: how many input sets to rotate through so that no call reads from L2.
 - median_seconds: event-timed batches of back-to-back calls, median per call.
+- interleaved_seconds: the same for several functions in alternation (ratios of like kernels).
 - warm_up_gpu: clocks up and cuBLAS loaded before the first timed shape.
 - markdown_table, report: the table printed last and written to $OUT/bench_<name>.md.
 - parse_mkn, parse_subset: argparse types for MxKxN shape lists and --modes subsets.
@@ -69,6 +70,39 @@ def median_seconds(fn: Callable[[int], object], samples: int, sample_seconds: fl
         ends[s].record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)) * 1e-3 / batch
+
+
+def interleaved_seconds(fns: Sequence[Callable[[int], object]], samples: int,
+                        sample_seconds: float = SAMPLE_SECONDS) -> list[list[float]]:
+    """Per-call times of several functions measured in alternation: sample s times a batch of
+    fns[0], then of fns[1], ... back to back, so that clock and thermal drift during the run hit
+    all of them alike. Returns, per function, the per-call time of each sample; compare two
+    functions by the median of their per-sample ratios (what a same-kernel comparison needs:
+    separately timed medians drift apart by several percent on a GPU whose clocks move)."""
+    for fn in fns:
+        for i in range(3):
+            fn(i)
+    torch.cuda.synchronize()
+    batches = []
+    for fn in fns:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(0)
+        end.record()
+        torch.cuda.synchronize()
+        batches.append(max(1, min(1000, round(sample_seconds / max(start.elapsed_time(end) * 1e-3, 1e-7)))))
+    batch = min(batches)  # the same batch for all, so each sample covers the same calls
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+              for _ in range(samples)]
+    for s in range(samples):
+        for fn, (start, end) in zip(fns, events[s]):
+            start.record()
+            for i in range(batch):
+                fn(s * batch + i)
+            end.record()
+    torch.cuda.synchronize()
+    return [[events[s][f][0].elapsed_time(events[s][f][1]) * 1e-3 / batch for s in range(samples)]
+            for f in range(len(fns))]
 
 
 def warm_up_gpu() -> None:
