@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 import fp8amp
-from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 from _common import (
     dynamo_reset_counters,
     dynamo_summary,
@@ -129,18 +129,11 @@ def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torcha
             for block in model.blocks:
                 block.compile(dynamic=False)
 
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        return loss.detach()
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule)
 
     for x, y in data[: args.warmup]:
-        train_step(x, y)
+        step(x, y)
     torch.cuda.synchronize()
     result.warmup_seconds = time.perf_counter() - t0
     if compiled:
@@ -153,7 +146,7 @@ def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torcha
     losses = []
     for (x, y), start, end in zip(timed, starts, ends):
         start.record()
-        losses.append(train_step(x, y))
+        losses.append(step(x, y))
         end.record()
     torch.cuda.synchronize()
     result.peak_bytes = torch.cuda.max_memory_allocated()

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8amp
-from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 from _common import parse_subset, require_gpu
 
 PRESETS = {
@@ -88,13 +88,7 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
     loader = batches(data, batch, cfg.seq_len, "cuda", seed=0)
 
     def step() -> None:
-        x, y = next(loader)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, *next(loader))
 
     for _ in range(warmup):
         step()

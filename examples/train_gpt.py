@@ -19,7 +19,7 @@ import time
 import torch
 
 import fp8amp
-from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
 PRESETS = {
     "tiny": dict(model=GPTConfig(seq_len=128, n_layer=2, n_head=4, d_model=128), batch=8, steps=60, lr=2e-3),
@@ -88,13 +88,7 @@ def main() -> None:
     start = time.perf_counter()
     for step in range(1, steps + 1):
         x, y = next(loader)
-        with autocast:
-            _, loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+        loss = train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule)
         tokens += x.numel()
         if step % args.log_every == 0 or step == steps:
             elapsed = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""Built-in data and a small GPT, shared by the examples, tests and benchmarks.
+"""Built-in data, a small GPT and its training step, shared by the examples, tests and benchmarks.
 
 The data is text every machine with Python has: the standard library's own ``.py`` sources,
 read at run time as bytes (vocabulary 256). Nothing is downloaded and nothing foreign is
@@ -7,6 +7,7 @@ copied into the repository. A user's own text file can be given instead.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sysconfig
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["load_text_bytes", "batches", "GPTConfig", "GPT"]
+__all__ = ["load_text_bytes", "batches", "GPTConfig", "GPT", "train_step"]
 
 
 def load_text_bytes(path: Optional[str] = None, max_bytes: int = 64 << 20) -> torch.Tensor:
@@ -139,3 +140,23 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               forward: Optional[nn.Module] = None, scheduler=None, max_norm: float = 1.0) -> torch.Tensor:
+    """One step of the training recipe the examples, benchmarks and tests share: the forward of
+    ``forward`` (default ``model``; e.g. its compiled form) under bfloat16 autocast on CUDA (in
+    float32 on the CPU, where FP8 is emulated), backward, gradient clipping of ``model``'s
+    parameters to ``max_norm``, the optimizer step, ``zero_grad(set_to_none=True)`` and the
+    scheduler's step. Returns the loss, detached (no host sync)."""
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if x.device.type == "cuda"
+                else contextlib.nullcontext())
+    with autocast:
+        _, loss = (forward or model)(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return loss.detach()

@@ -490,7 +490,7 @@ def test_module_to_device_keeps_masters():
 
 @functools.lru_cache(maxsize=None)
 def _gpt_loss(mode: str) -> float:
-    from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+    from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
     data = load_text_bytes(max_bytes=4 << 20)
     cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
@@ -506,14 +506,7 @@ def _gpt_loss(mode: str) -> float:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
     losses = []
     for step, (x, y) in zip(range(400), batches(data, 32, cfg.seq_len, "cuda")):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        schedule.step()
-        losses.append(loss.detach())
+        losses.append(train_step(model, opt, x, y, scheduler=schedule))
     return float(torch.stack(losses[-50:]).mean())
 
 
