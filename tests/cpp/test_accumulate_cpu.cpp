@@ -9,25 +9,12 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "host_view.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
 
 namespace fp8amp {
 namespace {
-
-template <class T>
-TensorView view(std::vector<T>& v, DType dtype, std::vector<int64_t> shape) {
-  TensorView t;
-  t.data = v.data();
-  t.dtype = dtype;
-  t.shape = std::move(shape);
-  return t;
-}
-
-template <class T>
-TensorView view(std::vector<T>& v, DType dtype) {
-  return view(v, dtype, {static_cast<int64_t>(v.size())});
-}
 
 uint32_t bits(float f) {
   uint32_t u;

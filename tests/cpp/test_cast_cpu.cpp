@@ -11,19 +11,11 @@
 
 #include "fp8amp/cast.h"
 #include "expect_error.h"
+#include "host_view.h"
 #include "fp8amp/error.h"
 
 namespace fp8amp {
 namespace {
-
-template <class T>
-TensorView view(std::vector<T>& v, DType dtype, std::vector<int64_t> shape) {
-  TensorView t;
-  t.data = v.data();
-  t.dtype = dtype;
-  t.shape = std::move(shape);
-  return t;
-}
 
 struct State {
   std::vector<float> scale{1.0f}, amax{0.0f}, scale_inv{0.0f};

@@ -13,21 +13,12 @@
 
 #include "common/numerics.h"
 #include "expect_error.h"
+#include "host_view.h"
 #include "fp8amp/error.h"
 #include "fp8amp/gemm.h"
 
 namespace fp8amp {
 namespace {
-
-template <class T>
-TensorView view(std::vector<T>& v, DType dtype, std::vector<int64_t> shape, std::vector<int64_t> strides = {}) {
-  TensorView t;
-  t.data = v.data();
-  t.dtype = dtype;
-  t.shape = std::move(shape);
-  t.strides = std::move(strides);
-  return t;
-}
 
 uint8_t e4m3(float x) { return numerics::quantize_to<numerics::fp8_e4m3>(x).bits; }
 uint8_t e5m2(float x) { return numerics::quantize_to<numerics::fp8_e5m2>(x).bits; }
