@@ -4,6 +4,7 @@
 - rotation_sets: how many input sets to rotate through so that no call reads from L2.
 - median_seconds: event-timed batches of back-to-back calls, median per call.
 - interleaved_seconds: the same for several functions in alternation (ratios of like kernels).
+- copy_bandwidth: the measured device-to-device copy bandwidth (the floor of memory-bound ops).
 - warm_up_gpu: clocks up and cuBLAS loaded before the first timed shape.
 - markdown_table, report: the table printed last and written to $OUT/bench_<name>.md.
 - parse_mkn, parse_subset: argparse types for MxKxN shape lists and --modes subsets.
@@ -52,24 +53,7 @@ def median_seconds(fn: Callable[[int], object], samples: int, sample_seconds: fl
     last about sample_seconds, so launch overhead hides behind the GPU where it can, as in
     training; where the host is slower than the GPU, the time is the host's.
     """
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(0)
-    end.record()
-    torch.cuda.synchronize()
-    batch = max(1, min(1000, round(sample_seconds / max(start.elapsed_time(end) * 1e-3, 1e-7))))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
-    for s in range(samples):
-        starts[s].record()
-        for i in range(batch):
-            fn(s * batch + i)
-        ends[s].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)) * 1e-3 / batch
+    return statistics.median(interleaved_seconds([fn], samples, sample_seconds)[0])
 
 
 def interleaved_seconds(fns: Sequence[Callable[[int], object]], samples: int,
@@ -103,6 +87,27 @@ def interleaved_seconds(fns: Sequence[Callable[[int], object]], samples: int,
     torch.cuda.synchronize()
     return [[events[s][f][0].elapsed_time(events[s][f][1]) * 1e-3 / batch for s in range(samples)]
             for f in range(len(fns))]
+
+
+def copy_bandwidth(iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (median of
+    `iters` copies of 1 GiB).
+
+    Timed with direct launches: a 1 GiB copy has no launch overhead to hide, and the same copy
+    replayed from a CUDA graph ran slower on the H200 (2.8 against 4.2 TB/s, 2026-11-30).
+    """
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        dst.copy_(src)
+        end.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return 2 * src.numel() / (ms * 1e-3)
 
 
 def warm_up_gpu() -> None:

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 import fp8amp
-from _common import markdown_table, report, require_gpu, rotation_sets
+from _common import copy_bandwidth, markdown_table, report, require_gpu, rotation_sets
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -63,26 +63,6 @@ def median_ms(fn: Callable, inputs: list, iters: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / len(inputs)
-
-
-def copy_bandwidth(iters: int) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written.
-
-    Timed with direct launches: a 1 GiB copy has no launch overhead to hide, and the same copy
-    replayed from a CUDA graph ran slower on the H200 (2.8 against 4.2 TB/s, 2026-11-30).
-    """
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        dst.copy_(src)
-        end.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 # ---- PyTorch baselines ---------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 
 import fp8amp
 from fp8amp.linear import WeightCache
-from _common import markdown_table, parse_subset, report, require_gpu, warm_up_gpu
+from _common import copy_bandwidth, markdown_table, parse_subset, report, require_gpu, warm_up_gpu
 
 MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-copy"]
 LABELS = {
@@ -104,20 +104,6 @@ def measure(mode: str, sizes, device: str, steps: int) -> tuple[float, float]:
     return seconds, state_bytes
 
 
-def copy_bandwidth(device: str) -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (start.elapsed_time(end) * 1e-3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=20)
@@ -129,7 +115,7 @@ def main() -> None:
     warm_up_gpu()
     sizes = shapes(args.layers, args.d_model)
     numel = sum(a * b for a, b in sizes)
-    bandwidth = copy_bandwidth("cuda")
+    bandwidth = copy_bandwidth()
     results = {mode: measure(mode, sizes, "cuda", args.steps) for mode in args.modes}
     base = results.get("torch-fused", (None, None))[0]
     rows = []
