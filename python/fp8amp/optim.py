@@ -276,10 +276,7 @@ class Adam(torch.optim.Optimizer):
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"{self._name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
-        scale_lists = []
-        for key in _SCALES:
-            entries = [s.get(key) for s in states]
-            scale_lists.append([] if all(e is None for e in entries) else entries)
+        scale_lists = [_or_empty([s.get(key) for s in states]) for key in _SCALES]
         masters = [p for p in params if isinstance(p, ScaledTensor)]
         # The op writes each master's new scale as well as its scale_inv; the scale is derived
         # here (exactly: powers of two) rather than stored, so it can never go stale.
@@ -294,16 +291,14 @@ class Adam(torch.optim.Optimizer):
             g = p.grad
             grads.append(g._data if isinstance(g, ScaledTensor) else g.contiguous())
             grad_scale_invs.append(g._scale_inv if isinstance(g, ScaledTensor) else None)
-        any_cache = any(c is not None for c in caches)
         steps = [s["step"] for s in states]
         beta1, beta2 = group["betas"]
         torch.ops.fp8amp.adam_step(
             data, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             _or_empty(param_scales), _or_empty(param_scale_invs), _or_empty(grad_scale_invs),
             *scale_lists,
-            [c and c.data for c in caches] if any_cache else [],
-            [c and c.scale for c in caches] if any_cache else [],
-            [c and c.scale_inv for c in caches] if any_cache else [],
+            _or_empty([c and c.data for c in caches]), _or_empty([c and c.scale for c in caches]),
+            _or_empty([c and c.scale_inv for c in caches]),
             lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
             maximize=bool(group["maximize"]), step_tensor=steps[0].view(1), found_inf=found_inf,
@@ -320,6 +315,7 @@ class Adam(torch.optim.Optimizer):
 
 
 def _or_empty(entries: list) -> list:
+    """The op's per-param optional lists: empty when no param of the call has the entry."""
     return [] if all(e is None for e in entries) else entries
 
 
