@@ -131,7 +131,8 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_level: str) -> fp8_optim.Adam:
-    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    defaults = optimizer.defaults
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay", False))
     groups = []
     for group in optimizer.param_groups:
         new_group = dict(group)
@@ -140,12 +141,7 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_leve
         if decoupled:
             new_group["decoupled_weight_decay"] = True
         groups.append(new_group)
-    defaults = dict(optimizer.defaults)
-    kwargs = {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay", "amsgrad") if key in defaults}
-    for key in ("maximize", "capturable", "differentiable"):
-        if key in defaults:
-            kwargs[key] = defaults[key]
-    cls = fp8_optim.AdamW if decoupled or defaults.get("decoupled_weight_decay", False) else fp8_optim.Adam
-    if cls is fp8_optim.Adam:
-        kwargs["decoupled_weight_decay"] = bool(defaults.get("decoupled_weight_decay", False))
+    kwargs = {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable",
+                                             "differentiable") if key in defaults}
+    cls = fp8_optim.AdamW if decoupled else fp8_optim.Adam
     return cls(groups, state_dtypes=opt_level, **kwargs)
