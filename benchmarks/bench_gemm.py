@@ -81,8 +81,6 @@ def bench_shape(m: int, k: int, n: int, samples: int) -> list[dict]:
         ratio = statistics.median(t / o for o, t in zip(ours_t, theirs_t))
         rows.append(dict(m=m, k=k, n=n, fast=fast, ours=statistics.median(ours_t), theirs=statistics.median(theirs_t),
                          ratio=ratio, bf16=bf16_s, flops=flops, diff=diff))
-    del xs, ws, x8, w8
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -112,6 +110,7 @@ def main() -> None:
     rows = []
     for m, k, n in args.shapes:
         rows += bench_shape(m, k, n, args.samples)
+        torch.cuda.empty_cache()  # the shape's operands died with bench_shape's frame
         print(f"  {m} x {k} -> {n}: done", file=sys.stderr, flush=True)
     text = (f"FP8 GEMM (E4M3 x E4M3 -> bfloat16) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"median of {args.samples} batches\n\n{table(rows)}\n")
