@@ -1,8 +1,8 @@
 // CUDA twin of adam_cpu.cpp: the same step, bit for bit, in kernels that never sync with the host.
 //
 // A step is (optim.h, "How, without a host sync"):
-//   memset(amax) -> pass 1 (adam_kernel<..., false>) for every tensor -> pass 2
-//   (adam_kernel<..., true>) for every tensor -> commit_kernel for every tensor.
+//   memset(amax) -> pass 1 (adam_amax_kernel) for every tensor -> pass 2 (adam_store_kernel) for
+//   every tensor -> commit_kernel for every tensor.
 // Passes are multi-tensor launches, like cast_cuda.cu's: a launch covers up to kMaxTensors
 // tensors of one dtype combination, whose pointers travel in the kernel parameters; tensor t owns
 // blocks [block_begin[t], block_begin[t + 1]), a block one chunk of kChunk elements. Every
@@ -20,13 +20,12 @@
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
+#include "optim/adam_bound.h"
 #include "optim/adam_kernels.h"
 
 namespace fp8amp {
 namespace cuda {
 namespace {
-
-using numerics::amax_key;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -164,13 +163,181 @@ __device__ void dequantize(const uint32_t (&b)[N], bool scaled, float scale_inv,
   }
 }
 
-// Pass 1 (kStore false): fold the amaxes of g, m', v', p' into amax[index] and flag non-finite
-// values in found_inf. Pass 2 (kStore true): unless found_inf is set, store m', v', p' and the
-// weight copy with the new scales. Both compute the same values in the same order.
-template <class G, class P, class M, class V, bool kStore>
+// The pointers, input scales and chunk of the tensor that owns this block, as both passes read them.
+template <class G, class P, class M, class V>
+struct Chunk {
+  static constexpr int N = kPackSize<G, P, M, V>;
+  const AdamTensorPtrs& tp;
+  float* amax_row;
+  const G* grad;
+  P* param;
+  M* exp_avg;
+  V* exp_avg_sq;
+  numerics::fp8_e4m3* weight;
+  float g_si, p_si, m_si, v_si;
+  bool vector_ok;  // every array aligned for one access per pack
+  int64_t begin, end;
+
+  __device__ Chunk(const AdamBatch& batch, const AdamArgs& args, int t)
+      : tp(batch.tensors[t]),
+        amax_row(args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns),
+        grad(static_cast<const G*>(tp.grad)),
+        param(static_cast<P*>(tp.param)),
+        exp_avg(static_cast<M*>(tp.exp_avg)),
+        exp_avg_sq(static_cast<V*>(tp.exp_avg_sq)),
+        weight(static_cast<numerics::fp8_e4m3*>(tp.weight_fp8)),
+        g_si(scale_inv_or_1(tp.grad_scale_inv)),
+        p_si(scale_inv_or_1(tp.param_scale_inv)),
+        m_si(scale_inv_or_1(tp.exp_avg_scale_inv)),
+        v_si(scale_inv_or_1(tp.exp_avg_sq_scale_inv)),
+        vector_ok(is_aligned(grad, N * sizeof(G)) && is_aligned(param, N * sizeof(P)) &&
+                  is_aligned(exp_avg, N * sizeof(M)) && is_aligned(exp_avg_sq, N * sizeof(V)) &&
+                  is_aligned(weight, N)),
+        begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk),
+        end(min(tp.numel, begin + kChunk)) {}
+
+  // The dequantized inputs of the `valid` elements from j, and 0.0f after them (whatever the
+  // scales), so that the amax pass can fold a whole pack into the g, m', v' maxima: zero inputs
+  // give g = m' = v' = 0.
+  __device__ void load(int64_t j, int valid, float (&g)[N], float (&p)[N], float (&m)[N], float (&v)[N]) const {
+    load_array(grad + j, valid, kIsFp8<G>, g_si, g);
+    load_array(param + j, valid, !std::is_same_v<P, float>, p_si, p);
+    load_array(exp_avg + j, valid, !std::is_same_v<M, float>, m_si, m);
+    load_array(exp_avg_sq + j, valid, !std::is_same_v<V, float>, v_si, v);
+  }
+
+  template <class T>
+  __device__ void load_array(const T* a, int valid, bool scaled, float scale_inv, float (&x)[N]) const {
+    uint32_t b[N];
+    load_bits<N>(a, valid, vector_ok, b);
+    dequantize<T>(b, scaled, scale_inv, x);
+    if (valid < N) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x[k] = k < valid ? x[k] : 0.0f;
+    }
+  }
+};
+
+// The approximate instructions param_bracket assumes (adam_bound.h): about 1 ulp, subnormal
+// inputs and results flushed to zero.
+struct HardwareApprox {
+  __device__ float sqrt(float x) const {
+    float r;
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+  }
+  __device__ float rcp(float x) const {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+  }
+};
+
+// |x| as bits. A max over these orders like the magnitudes; NaNs (any payload) are above
+// infinity and become the canonical NaN key once, at the end (canonical_key).
+__device__ uint32_t magnitude_bits(float x) { return numerics::float_bits(x) & 0x7FFFFFFFu; }
+__device__ uint32_t canonical_key(uint32_t bits) {
+  return bits > 0x7F800000u ? numerics::kCanonicalNanBits : bits;
+}
+
+// Pass 1: fold the amaxes of g, m', v', p' into amax[index] and flag non-finite values in
+// found_inf, bit for bit as the CPU reference's amax pass. m' and v' are exact and cheap; p' needs
+// the IEEE sqrt and two divisions, so it is bracketed with approximate instructions and evaluated
+// exactly only where the bracket cannot prove it below the maximum (adam_bound.h, "The skip rule").
+// The threshold T: nextup of the row's value when the block starts (the exact maxima of the
+// tensor's finished blocks), and, per pack, the warp's largest bracket lower bound and nextup of
+// each lane's exact maximum so far. A warp usually evaluates p' exactly for one element of its
+// first pack and then only when a pack holds a new maximum; blocks that start after others of
+// their tensor finished evaluate almost none.
+template <class G, class P, class M, class V>
 __global__ void __launch_bounds__(kThreads)
-    adam_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
-  constexpr int N = kPackSize<G, P, M, V>;
+    adam_amax_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
+  using C = Chunk<G, P, M, V>;
+  constexpr int N = C::N;
+  __shared__ AdamConstants shared_constants;
+  __shared__ AdamBoundConstants shared_bound;
+  __shared__ int32_t shared_known;
+
+  const C chunk(batch, args, owning_tensor(batch));
+  if (threadIdx.x == 0) {
+    const int64_t step = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
+    shared_constants = adam_constants(args.hyper, step);
+    shared_bound = adam_bound_constants(shared_constants);
+    // Any value the row held during this call will do; other blocks raise it concurrently.
+    const uint32_t row = *reinterpret_cast<volatile const uint32_t*>(chunk.amax_row + kAdamAmaxParam);
+    shared_known = static_cast<int32_t>(row + 1u);  // INT_MIN for the NaN key: no information
+  }
+  __syncthreads();
+  const AdamConstants c = shared_constants;
+  const AdamBoundConstants bound = shared_bound;
+  const int32_t known = shared_known;
+
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  uint32_t keys[kAdamAmaxColumns] = {};  // magnitude bits
+  float lower = 0.0f;                    // the largest lower_magnitude this lane has seen
+  for (int u = 0; u < kElementsPerThread / N; ++u) {
+    // The warp goes through its packs together: the warp-wide votes below need every lane.
+    const int64_t warp_j = chunk.begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x - lane) * N;
+    if (warp_j >= chunk.end) break;
+    const int64_t j = warp_j + lane * N;
+    const int valid = static_cast<int>(max(int64_t{0}, min(int64_t{N}, chunk.end - j)));
+    float g[N], p[N], m[N], v[N];
+    chunk.load(j, valid, g, p, m, v);
+
+    AdamMoments mo[N];
+    float upper = 0.0f;  // the largest upper_magnitude of the pack, NaN if any is NaN
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      mo[k] = adam_moments(p[k], g[k], m[k], v[k], c);
+      // Lanes past the end (zeros) add 0 to these three; their p' may be 0/0 when eps is 0, so
+      // they can make a pack look like it needs exact values, but are never evaluated below.
+      keys[kAdamAmaxGrad] = max(keys[kAdamAmaxGrad], magnitude_bits(g[k]));
+      keys[kAdamAmaxExpAvg] = max(keys[kAdamAmaxExpAvg], magnitude_bits(mo[k].exp_avg));
+      keys[kAdamAmaxExpAvgSq] = max(keys[kAdamAmaxExpAvgSq], magnitude_bits(mo[k].exp_avg_sq));
+      const ParamBracket br = param_bracket(mo[k], c, bound, HardwareApprox{});
+      lower = fmaxf(lower, lower_magnitude(br));
+      upper = max_nan(upper, upper_magnitude(br));
+    }
+    // T as bits: non-negative floats order like signed ints; a NaN's key + 1 is INT_MIN.
+    const int32_t mine = max(static_cast<int32_t>(numerics::float_bits(lower)),
+                             static_cast<int32_t>(keys[kAdamAmaxParam] + 1u));
+    const float threshold =
+        numerics::bits_float(static_cast<uint32_t>(max(known, __reduce_max_sync(0xFFFFFFFFu, mine))));
+    if (__any_sync(0xFFFFFFFFu, !(upper < threshold))) {  // rare: see adam_bound.h, "The skip rule"
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        if (k < valid && !(upper_magnitude(param_bracket(mo[k], c, bound, HardwareApprox{})) < threshold)) {
+          keys[kAdamAmaxParam] = max(keys[kAdamAmaxParam], magnitude_bits(adam_param(mo[k], c)));
+        }
+      }
+    }
+  }
+
+  // Block max of the four keys, then one atomic max per column (the row was zeroed by this call
+  // and holds only keys, which order like their values).
+  __shared__ uint32_t warp_keys[kAdamAmaxColumns][kWarps];
+#pragma unroll
+  for (int col = 0; col < kAdamAmaxColumns; ++col) {
+    const uint32_t key = __reduce_max_sync(0xFFFFFFFFu, canonical_key(keys[col]));
+    if (lane == 0) warp_keys[col][threadIdx.x / 32] = key;
+  }
+  __syncthreads();
+  if (threadIdx.x < kAdamAmaxColumns) {
+    const int col = static_cast<int>(threadIdx.x);
+    uint32_t key = 0;
+    for (int w = 0; w < kWarps; ++w) key = max(key, warp_keys[col][w]);
+    if (key != 0) atomicMax(reinterpret_cast<unsigned int*>(chunk.amax_row + col), key);
+    if (is_nonfinite_key(key)) *args.found_inf = 1.0f;  // every writer writes the same value
+  }
+}
+
+// Pass 2: unless found_inf is set, recompute m', v', p' as the reference does and store them and
+// the weight copy with the new scales.
+template <class G, class P, class M, class V>
+__global__ void __launch_bounds__(kThreads)
+    adam_store_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
+  using C = Chunk<G, P, M, V>;
+  constexpr int N = C::N;
   constexpr bool kScaledParam = !std::is_same_v<P, float>;
   constexpr bool kScaledExpAvg = !std::is_same_v<M, float>;
   constexpr bool kScaledExpAvgSq = !std::is_same_v<V, float>;
@@ -178,114 +345,53 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ AdamScales shared_scales;
   __shared__ bool shared_skip;
 
-  const int t = owning_tensor(batch);
-  const AdamTensorPtrs& tp = batch.tensors[t];
-  float* const amax_row = args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns;
+  const C chunk(batch, args, owning_tensor(batch));
   if (threadIdx.x == 0) {
     const int64_t step = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
     shared_constants = adam_constants(args.hyper, step);
-    shared_skip = kStore && *args.found_inf != 0.0f;
-    if (kStore && !shared_skip) shared_scales = adam_new_scales(tp, amax_row, args.hyper.margin);
+    shared_skip = *args.found_inf != 0.0f;
+    if (!shared_skip) shared_scales = adam_new_scales(chunk.tp, chunk.amax_row, args.hyper.margin);
   }
   __syncthreads();
   if (shared_skip) return;  // the same answer for the whole block
   const AdamConstants c = shared_constants;
-
-  const float g_si = scale_inv_or_1(tp.grad_scale_inv);
-  const float p_si = scale_inv_or_1(tp.param_scale_inv);
-  const float m_si = scale_inv_or_1(tp.exp_avg_scale_inv);
-  const float v_si = scale_inv_or_1(tp.exp_avg_sq_scale_inv);
-
-  const G* grad = static_cast<const G*>(tp.grad);
-  P* param = static_cast<P*>(tp.param);
-  M* exp_avg = static_cast<M*>(tp.exp_avg);
-  V* exp_avg_sq = static_cast<V*>(tp.exp_avg_sq);
-  auto* weight = static_cast<numerics::fp8_e4m3*>(tp.weight_fp8);
-  const bool vector_ok = is_aligned(grad, N * sizeof(G)) && is_aligned(param, N * sizeof(P)) &&
-                         is_aligned(exp_avg, N * sizeof(M)) && is_aligned(exp_avg_sq, N * sizeof(V)) &&
-                         is_aligned(weight, N);
-
-  const int64_t begin = static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk;
-  const int64_t end = min(tp.numel, begin + kChunk);
-  uint32_t keys[kAdamAmaxColumns] = {};
+  const AdamScales& s = shared_scales;
 
   for (int u = 0; u < kElementsPerThread / N; ++u) {
-    const int64_t j = begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * N;
-    if (j >= end) break;
-    const int valid = static_cast<int>(min(int64_t{N}, end - j));
-    uint32_t b[N];
+    const int64_t j = chunk.begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * N;
+    if (j >= chunk.end) break;
+    const int valid = static_cast<int>(min(int64_t{N}, chunk.end - j));
     float g[N], p[N], m[N], v[N];
-    load_bits<N>(grad + j, valid, vector_ok, b);
-    dequantize<G>(b, kIsFp8<G>, g_si, g);
-    load_bits<N>(param + j, valid, vector_ok, b);
-    dequantize<P>(b, kScaledParam, p_si, p);
-    load_bits<N>(exp_avg + j, valid, vector_ok, b);
-    dequantize<M>(b, kScaledExpAvg, m_si, m);
-    load_bits<N>(exp_avg_sq + j, valid, vector_ok, b);
-    dequantize<V>(b, kScaledExpAvgSq, v_si, v);
-
+    chunk.load(j, valid, g, p, m, v);
     AdamUpdate r[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) r[k] = adam_update(p[k], g[k], m[k], v[k], c);
 
-    if constexpr (!kStore) {
+    uint32_t b[N];
+    float x[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = kScaledExpAvg ? rn::mul(r[k].exp_avg, s.exp_avg.scale) : r[k].exp_avg;
+    encode<M>(x, b);
+    store_bits<N>(chunk.exp_avg + j, b, valid, chunk.vector_ok);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      x[k] = kScaledExpAvgSq ? rn::mul(r[k].exp_avg_sq, s.exp_avg_sq.scale) : r[k].exp_avg_sq;
+    }
+    encode<V>(x, b);
+    store_bits<N>(chunk.exp_avg_sq + j, b, valid, chunk.vector_ok);
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = kScaledParam ? rn::mul(r[k].param, s.param.scale) : r[k].param;
+    encode<P>(x, b);
+    store_bits<N>(chunk.param + j, b, valid, chunk.vector_ok);
+    if (chunk.weight != nullptr) {
+      // The copy of the master as stored: the code just written, dequantized with the new scale.
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        if (k < valid) {  // lanes past the end hold zeros, whose update may be 0/0 when eps is 0
-          keys[kAdamAmaxGrad] = max(keys[kAdamAmaxGrad], amax_key(g[k]));
-          keys[kAdamAmaxExpAvg] = max(keys[kAdamAmaxExpAvg], amax_key(r[k].exp_avg));
-          keys[kAdamAmaxExpAvgSq] = max(keys[kAdamAmaxExpAvgSq], amax_key(r[k].exp_avg_sq));
-          keys[kAdamAmaxParam] = max(keys[kAdamAmaxParam], amax_key(r[k].param));
-        }
+        const float stored = kScaledParam ? rn::mul(decode<P>(b[k]), s.param.scale_inv) : r[k].param;
+        x[k] = rn::mul(stored, s.weight.scale);
       }
-    } else {
-      const AdamScales& s = shared_scales;
-      float x[N];
-#pragma unroll
-      for (int k = 0; k < N; ++k) x[k] = kScaledExpAvg ? rn::mul(r[k].exp_avg, s.exp_avg.scale) : r[k].exp_avg;
-      encode<M>(x, b);
-      store_bits<N>(exp_avg + j, b, valid, vector_ok);
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        x[k] = kScaledExpAvgSq ? rn::mul(r[k].exp_avg_sq, s.exp_avg_sq.scale) : r[k].exp_avg_sq;
-      }
-      encode<V>(x, b);
-      store_bits<N>(exp_avg_sq + j, b, valid, vector_ok);
-#pragma unroll
-      for (int k = 0; k < N; ++k) x[k] = kScaledParam ? rn::mul(r[k].param, s.param.scale) : r[k].param;
-      encode<P>(x, b);
-      store_bits<N>(param + j, b, valid, vector_ok);
-      if (weight != nullptr) {
-        // The copy of the master as stored: the code just written, dequantized with the new scale.
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          const float stored = kScaledParam ? rn::mul(decode<P>(b[k]), s.param.scale_inv) : r[k].param;
-          x[k] = rn::mul(stored, s.weight.scale);
-        }
-        encode<numerics::fp8_e4m3>(x, b);
-        store_bits<N>(weight + j, b, valid, vector_ok);
-      }
-    }
-  }
-
-  if constexpr (!kStore) {
-    // Block max of the four keys, then one atomic max per column (the row was zeroed by this
-    // call and holds only keys, which order like their values).
-    __shared__ uint32_t warp_keys[kAdamAmaxColumns][kWarps];
-#pragma unroll
-    for (int col = 0; col < kAdamAmaxColumns; ++col) {
-      uint32_t key = keys[col];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, offset));
-      if (threadIdx.x % 32 == 0) warp_keys[col][threadIdx.x / 32] = key;
-    }
-    __syncthreads();
-    if (threadIdx.x < kAdamAmaxColumns) {
-      const int col = static_cast<int>(threadIdx.x);
-      uint32_t key = 0;
-      for (int w = 0; w < kWarps; ++w) key = max(key, warp_keys[col][w]);
-      if (key != 0) atomicMax(reinterpret_cast<unsigned int*>(amax_row + col), key);
-      if (is_nonfinite_key(key)) *args.found_inf = 1.0f;  // every writer writes the same value
+      encode<numerics::fp8_e4m3>(x, b);
+      store_bits<N>(chunk.weight + j, b, valid, chunk.vector_ok);
     }
   }
 }
@@ -312,9 +418,9 @@ void launch_pass(const std::vector<AdamTensorPtrs>& tensors, const std::vector<i
   const auto launch = [&] {
     batch.block_begin[batch.count] = static_cast<int32_t>(blocks);
     if (store) {
-      adam_kernel<G, P, M, V, true><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
+      adam_store_kernel<G, P, M, V><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
     } else {
-      adam_kernel<G, P, M, V, false><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
+      adam_amax_kernel<G, P, M, V><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
     }
     FP8AMP_CUDA_CHECK_LAUNCH();
     batch.count = 0;

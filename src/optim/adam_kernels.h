@@ -84,7 +84,16 @@ struct AdamUpdate {
   float param;       // p'
 };
 
-FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamConstants& c) {
+// The update up to the denominator, in two pieces so that the CUDA amax pass can bracket p'
+// without the IEEE sqrt and divisions (adam_bound.h) and evaluate adam_param only where needed.
+struct AdamMoments {
+  float param;       // p after AdamW's decay: the addend of p'
+  float exp_avg;     // m'
+  float exp_avg_sq;  // v'
+  float step;        // neg_step * m': the numerator of the update
+};
+
+FP8AMP_HD AdamMoments adam_moments(float p, float g, float m, float v, const AdamConstants& c) {
   if (c.maximize) g = -g;
   if (c.decays) {
     if (c.adamw) {
@@ -94,12 +103,23 @@ FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamC
     }
   }
   const float d1 = rn::sub(g, m);
-  AdamUpdate r;
+  AdamMoments r;
+  r.param = p;
   r.exp_avg = c.lerp_small ? rn::fma(c.w1, d1, m) : rn::fma(c.w1m1, d1, g);
   r.exp_avg_sq = rn::fma(rn::mul(c.w2, g), g, rn::mul(v, c.beta2));
-  const float den = rn::add(rn::div(rn::sqrt(r.exp_avg_sq), c.bc2_sqrt), c.eps);
-  r.param = rn::add(p, rn::div(rn::mul(c.neg_step, r.exp_avg), den));
+  r.step = rn::mul(c.neg_step, r.exp_avg);
   return r;
+}
+
+// p' = p + step / den, den = sqrt(v') / bc2_sqrt + eps.
+FP8AMP_HD float adam_param(const AdamMoments& mo, const AdamConstants& c) {
+  const float den = rn::add(rn::div(rn::sqrt(mo.exp_avg_sq), c.bc2_sqrt), c.eps);
+  return rn::add(mo.param, rn::div(mo.step, den));
+}
+
+FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamConstants& c) {
+  const AdamMoments mo = adam_moments(p, g, m, v, c);
+  return {mo.exp_avg, mo.exp_avg_sq, adam_param(mo, c)};
 }
 
 // ------------------------------------------------------------------------------------------------

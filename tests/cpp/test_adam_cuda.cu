@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -216,6 +218,111 @@ TEST(AdamCuda, NonFiniteGradSkipsLikeTheCpu) {
   call.params[1]->g->set_bits(12345, 0x00);
   call.found_inf.set_float(0, 1.0f);
   call.step_and_compare("found_inf set on entry");
+}
+
+// ------------------------------------------------------------------------------------------------
+// The CUDA amax pass evaluates p' exactly only where a cheap bracket cannot prove it below the
+// maximum (src/optim/adam_bound.h); a wrong skip would change the amax row, hence the new scales and
+// every stored byte. These cases put the maximum |p'| where a skip would be wrong: a large update
+// on a zero weight (in the first pack, a block's first element, mid-tensor and in the partial last
+// pack), ties of both signs, all-equal tensors, 1-ulp neighbours, and the non-finite corners
+// (eps = 0 with zero state: 0/0; a huge lr: overflow; a negative or subnormal second moment).
+// The tensors span many blocks, so that later blocks start from earlier blocks' maxima.
+
+struct Element {
+  float p, g, m, v;
+};
+
+// Sets every element of q to f(j), with fixed scales that hold the values used here: master
+// |p| <= 4 (FP16 scale 2^14), |g| <= 0.1 (E4M3 scale 2^12), |m| <= 1.75 (E4M3 scale 2^8),
+// v <= 64 (FP16 scale 2^10).
+void fill(Param& q, const std::function<Element(int64_t)>& f) {
+  const auto scales = [](MirroredTensor& s, MirroredTensor& si, float x) { s.set_float(0, x), si.set_float(0, 1.0f / x); };
+  scales(*q.p_s, *q.p_si, 0x1p14f);
+  scales(*q.m_s, *q.m_si, 0x1p8f);
+  scales(*q.v_s, *q.v_si, 0x1p10f);
+  q.g_si->set_float(0, 0x1p-12f);
+  const auto scale_of = [](DType d, float x) { return d == DType::kFloat32 || d == DType::kBFloat16 ? 1.0f : x; };
+  for (int64_t j = 0; j < q.n; ++j) {
+    const Element e = f(j);
+    q.p->set_bits(j, Param::encode(q.f.p, e.p, scale_of(q.f.p, 0x1p14f)));
+    q.g->set_bits(j, Param::encode(q.f.g, e.g, is_fp8(q.f.g) ? 0x1p12f : 1.0f));
+    q.m->set_bits(j, Param::encode(q.f.m, e.m, scale_of(q.f.m, 0x1p8f)));
+    q.v->set_bits(j, Param::encode(q.f.v, e.v, scale_of(q.f.v, 0x1p10f)));
+  }
+}
+
+TEST(AdamCuda, AmaxPassSkipsNothingThatMatters) {
+  REQUIRE_GPU();
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  const Formats o2{DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat16, true};
+  const Formats f32{DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat32, true};
+  const int64_t n = 300001;  // 37 blocks of 8192, the last pack partial
+  Call call(2);
+  call.params.push_back(std::make_unique<Param>(n, o2, 0, rng));
+  call.params.push_back(std::make_unique<Param>(n, f32, 0, rng));
+  const auto each = [&](const std::function<Element(int64_t)>& f) {
+    for (auto& q : call.params) fill(*q, f);
+  };
+  const auto start = [&](double lr, double eps) {
+    call.hyper = AdamHyper{};
+    call.hyper.lr = lr, call.hyper.eps = eps, call.hyper.weight_decay = 0.01;
+    call.found_inf.set_float(0, 0.0f);
+    call.step_tensor.set_float(0, 0.0f);
+  };
+
+  // Small weights with small updates (a large v), and at `at` a zero weight with a zero state: its
+  // update is lr, the largest |p'|, made of a small p and a large step.
+  for (const int64_t at : {int64_t{0}, int64_t{5}, int64_t{8192}, int64_t{8192 * 17 + 2049}, n - 1}) {
+    start(1e-3, 1e-8);
+    std::vector<float> ps(n), gs(n);
+    for (int64_t j = 0; j < n; ++j) ps[j] = 1e-4f * normal(rng), gs[j] = 0x1p-10f * normal(rng);
+    each([&](int64_t j) { return j == at ? Element{0.0f, 0.05f, 0.0f, 0.0f} : Element{ps[j], gs[j], 0.0f, 16.0f}; });
+    call.step_and_compare("large update on a zero weight at " + std::to_string(at));
+    call.step_and_compare("the step after");
+  }
+  start(1e-3, 1e-8);
+  each([](int64_t) { return Element{0.5f, 0x1p-8f, 0x1p-9f, 0x1p-16f}; });
+  call.step_and_compare("all equal");
+  start(1e-3, 1e-8);
+  each([](int64_t j) { return Element{j % 2 ? 0.5f : -0.5f, j % 3 ? 0x1p-8f : -0x1p-8f, 0.0f, 0.0f}; });
+  call.step_and_compare("ties of both signs");
+  start(1e-3, 1e-8);
+  each([](int64_t j) { return Element{std::nextafter(0.5f, j % 2 ? 1.0f : 0.0f), 0.0f, 0.0f, 0.0f}; });
+  call.step_and_compare("1-ulp neighbours, zero updates");
+  start(1e-3, 1e-8);
+  each([](int64_t) { return Element{0.0f, 0.0f, 0.0f, 0.0f}; });
+  call.step_and_compare("all zero");
+
+  start(1e-3, 0.0);
+  each([&](int64_t j) { return Element{0.1f * normal(rng), j % 7 ? 0x1p-10f * normal(rng) : 0.0f, 0.0f, 0x1p-20f}; });
+  call.step_and_compare("eps = 0 with a nonzero v");
+  start(1e-3, 0.0);
+  each([&](int64_t j) { return Element{0.1f * normal(rng), j == n / 3 ? 0.0f : 0x1p-10f, 0.0f, j == n / 3 ? 0.0f : 0x1p-20f}; });
+  call.step_and_compare("eps = 0, one element 0/0: skipped on both");
+  start(1e30, 1e-8);
+  each([&](int64_t) { return Element{0.1f * normal(rng), 0x1p-10f * normal(rng), 0.0f, 0.0f}; });
+  call.step_and_compare("lr 1e30: p' overflows, skipped on both");
+  start(10.0, 1e-8);
+  each([&](int64_t) { return Element{0.1f * normal(rng), 0x1p-10f * normal(rng), 0.0f, 0.0f}; });
+  call.step_and_compare("lr 10");
+
+  // Second moments the FP32 tensor can hold exactly: a negative subnormal (sqrt: NaN, which the
+  // approximate instruction would flush to -0) and a positive subnormal (flushed to 0) under a
+  // tiny eps, where it decides the update.
+  start(1e-3, 1e-8);
+  each([&](int64_t) { return Element{0.1f * normal(rng), 0.0f, 0.0f, 1.0f}; });
+  call.params[1]->v->set_float(777, -std::numeric_limits<float>::denorm_min());
+  call.step_and_compare("a negative subnormal v: NaN p', skipped on both");
+  for (const double eps : {1e-12, 1e-30}) {  // the bracket widens for it, or is switched off
+    start(1e-3, eps);
+    each([&](int64_t) { return Element{1e-3f * normal(rng), 0.0f, 0.0f, 1.0f}; });
+    call.params[1]->p->set_float(4242, 0.0f);
+    call.params[1]->m->set_float(4242, 1e-3f);
+    call.params[1]->v->set_float(4242, 1e-40f);
+    call.step_and_compare("a positive subnormal v under eps " + std::to_string(eps));
+  }
 }
 
 }  // namespace
