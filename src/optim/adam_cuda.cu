@@ -44,43 +44,42 @@ struct AdamBatch {
 static_assert(sizeof(AdamBatch) + sizeof(AdamArgs) <= 4096, "kernel parameters must stay under 4 KB");
 
 // ------------------------------------------------------------------------------------------------
-// Elements as raw bits: a pack of N elements of T is N * sizeof(T) bytes, 4, 8 or 16.
+// A pack of N elements of T travels as kWords<T, N> 32-bit words (4, 8 or 16 bytes), element k in
+// bytes [k * sizeof(T), (k + 1) * sizeof(T)) of the little-endian words: the conversions below
+// work on the words directly, two or four elements at a time.
 
-// The first `valid` elements at p as bits, zeros after them. One vector access when the pack is
-// whole and `vector_ok` (the caller checked alignment), else element by element.
+template <class T, int N>
+constexpr int kWords = static_cast<int>(N * sizeof(T) / 4);
+
+template <class T>
+__host__ __device__ constexpr int kShift(int k) { return static_cast<int>(8 * ((k * sizeof(T)) % 4)); }
+
+// The first `valid` elements at p, zeros after them. One vector access when the pack is whole and
+// `vector_ok` (the caller checked alignment), else element by element.
 template <int N, class T>
-__device__ void load_bits(const T* p, int valid, bool vector_ok, uint32_t (&b)[N]) {
-  constexpr int kSize = sizeof(T);
+__device__ void load_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
   if (vector_ok && valid == N) {
-    uint32_t w[N * kSize / 4];
     load_words(p, w);
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if constexpr (kSize == 4) {
-        b[k] = w[k];
-      } else {
-        b[k] = (w[k * kSize / 4] >> (8 * ((k * kSize) % 4))) & ((1u << (8 * kSize)) - 1u);
-      }
-    }
     return;
   }
 #pragma unroll
-  for (int k = 0; k < N; ++k) b[k] = k < valid ? bits_of(p[k]) : 0u;
+  for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (k < valid) w[k * sizeof(T) / 4] |= bits_of(p[k]) << kShift<T>(k);
+  }
 }
 
 template <int N, class T>
-__device__ void store_bits(T* p, const uint32_t (&b)[N], int valid, bool vector_ok) {
-  constexpr int kSize = sizeof(T);
+__device__ void store_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
   if (vector_ok && valid == N) {
-    uint32_t w[N * kSize / 4] = {};
-#pragma unroll
-    for (int k = 0; k < N; ++k) w[k * kSize / 4] |= b[k] << (8 * ((k * kSize) % 4));
     store_words(p, w);
     return;
   }
+  constexpr uint32_t kMask = sizeof(T) == 4 ? 0xFFFFFFFFu : (1u << (8 * sizeof(T))) - 1u;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    if (k < valid) p[k] = from_bits<T>(b[k]);
+    if (k < valid) p[k] = from_bits<T>((w[k * sizeof(T) / 4] >> kShift<T>(k)) & kMask);
   }
 }
 
@@ -89,58 +88,82 @@ __device__ void store_bits(T* p, const uint32_t (&b)[N], int valid, bool vector_
 // test_cast_cuda proves equal to numerics) replace the software codec, which would make these
 // kernels compute-bound.
 
-// numerics::to_float of the element with bits b. (A NaN may keep its payload here: a NaN is never
+// The two fp16 halves of a word as floats (exact).
+__device__ void fp16x2_to_float(uint32_t word, float& lo, float& hi) {
+  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(word));
+}
+
+// numerics::to_float of each element of a pack. (A NaN may keep its payload here: a NaN is never
 // stored, and amax keys are canonical.)
-template <class T>
-__device__ float decode(uint32_t b) {
+template <class T, int N>
+__device__ void decode_pack(const uint32_t (&w)[kWords<T, N>], float (&x)[N]) {
   if constexpr (std::is_same_v<T, float>) {
-    return numerics::bits_float(b);
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = numerics::bits_float(w[k]);
   } else if constexpr (std::is_same_v<T, numerics::bf16>) {
-    return numerics::bits_float(b << 16);
-  } else if constexpr (kHardwareConvert) {
-    uint16_t h = static_cast<uint16_t>(b);
-    if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
-      uint32_t h2;
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(h));
-      h = static_cast<uint16_t>(h2);
-    } else if constexpr (std::is_same_v<T, numerics::fp8_e5m2>) {
-      h = static_cast<uint16_t>(h << 8);  // E5M2 is the high byte of an fp16
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      x[2 * i] = numerics::bits_float(w[i] << 16);
+      x[2 * i + 1] = numerics::bits_float(w[i] & 0xFFFF0000u);
     }
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
+  } else if constexpr (kHardwareConvert && std::is_same_v<T, numerics::fp16>) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) fp16x2_to_float(w[i], x[2 * i], x[2 * i + 1]);
+  } else if constexpr (kHardwareConvert) {
+    // Two FP8 codes (a 16-bit half of the word) become an fp16 pair, the low byte the low half.
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      uint32_t h01, h23;
+      if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+            : "=r"(h01), "=r"(h23)
+            : "r"(w[i]));
+      } else {
+        static_assert(std::is_same_v<T, numerics::fp8_e5m2>, "inputs: float32, bf16, fp16, E4M3, E5M2");
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}"
+            : "=r"(h01), "=r"(h23)
+            : "r"(w[i]));
+      }
+      fp16x2_to_float(h01, x[4 * i], x[4 * i + 1]);
+      fp16x2_to_float(h23, x[4 * i + 2], x[4 * i + 3]);
+    }
   } else {
-    return numerics::to_float(from_bits<T>(b));
+    constexpr uint32_t kMask = (1u << (8 * sizeof(T))) - 1u;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      x[k] = numerics::to_float(from_bits<T>((w[k * sizeof(T) / 4] >> kShift<T>(k)) & kMask));
+    }
   }
 }
 
-// The stored bits of x (already multiplied by its scale): float32 as is, the scaled formats by
+// The stored codes of x (already multiplied by its scale): float32 as is, the scaled formats by
 // numerics::quantize_to (RNE, saturating to +-max, NaN -> the NaN code).
 template <class T, int N>
-__device__ void encode(const float (&x)[N], uint32_t (&b)[N]) {
+__device__ void encode_pack(const float (&x)[N], uint32_t (&w)[kWords<T, N>]) {
   if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) b[k] = numerics::float_bits(x[k]);
-  } else if constexpr (kHardwareConvert) {
-    static_assert(N % 2 == 0, "packs convert in pairs");
+    for (int k = 0; k < N; ++k) w[k] = numerics::float_bits(x[k]);
+  } else if constexpr (kHardwareConvert && std::is_same_v<T, numerics::fp16>) {
 #pragma unroll
-    for (int k = 0; k < N; k += 2) {
-      uint32_t pair;  // x[k] in the low half, x[k + 1] in the high half
-      if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
-        uint16_t h;
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x[k + 1]), "f"(x[k]));
-        b[k] = h & 0xFFu;
-        b[k + 1] = static_cast<uint32_t>(h) >> 8;
-      } else {
-        static_assert(std::is_same_v<T, numerics::fp16>, "stored formats: float32, E4M3, FP16");
-        asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(x[k + 1]), "f"(x[k]));
-        b[k] = pair & 0xFFFFu;
-        b[k + 1] = pair >> 16;
-      }
+    for (int i = 0; i < N / 2; ++i) {  // x[2i] in the low half
+      asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(x[2 * i + 1]), "f"(x[2 * i]));
+    }
+  } else if constexpr (kHardwareConvert) {
+    static_assert(std::is_same_v<T, numerics::fp8_e4m3>, "stored formats: float32, E4M3, FP16");
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {  // x[4i] in the low byte
+      asm("{.reg .b16 l, h;\n cvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
+          " mov.b32 %0, {l, h};\n}"
+          : "=r"(w[i])
+          : "f"(x[4 * i]), "f"(x[4 * i + 1]), "f"(x[4 * i + 2]), "f"(x[4 * i + 3]));
     }
   } else {
 #pragma unroll
-    for (int k = 0; k < N; ++k) b[k] = numerics::quantize_to<T>(x[k]).bits;
+    for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) w[k * sizeof(T) / 4] |= numerics::quantize_to<T>(x[k]).bits << kShift<T>(k);
   }
 }
 
@@ -153,15 +176,6 @@ constexpr int kPackSize =
 
 // The scale_inv of a scaled input, 1 (unused) otherwise.
 __device__ float scale_inv_or_1(const float* p) { return p != nullptr ? *p : 1.0f; }
-
-template <class T, int N>
-__device__ void dequantize(const uint32_t (&b)[N], bool scaled, float scale_inv, float (&x)[N]) {
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    const float f = decode<T>(b[k]);
-    x[k] = scaled ? rn::mul(f, scale_inv) : f;
-  }
-}
 
 // The pointers, input scales and chunk of the tensor that owns this block, as both passes read them.
 template <class G, class P, class M, class V>
@@ -208,9 +222,11 @@ struct Chunk {
 
   template <class T>
   __device__ void load_array(const T* a, int valid, bool scaled, float scale_inv, float (&x)[N]) const {
-    uint32_t b[N];
-    load_bits<N>(a, valid, vector_ok, b);
-    dequantize<T>(b, scaled, scale_inv, x);
+    uint32_t w[kWords<T, N>];
+    load_pack<N>(a, valid, vector_ok, w);
+    decode_pack<T>(w, x);
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = scaled ? rn::mul(x[k], scale_inv) : x[k];
     if (valid < N) {
 #pragma unroll
       for (int k = 0; k < N; ++k) x[k] = k < valid ? x[k] : 0.0f;
@@ -367,31 +383,35 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < N; ++k) r[k] = adam_update(p[k], g[k], m[k], v[k], c);
 
-    uint32_t b[N];
     float x[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k] = kScaledExpAvg ? rn::mul(r[k].exp_avg, s.exp_avg.scale) : r[k].exp_avg;
-    encode<M>(x, b);
-    store_bits<N>(chunk.exp_avg + j, b, valid, chunk.vector_ok);
+    uint32_t wm[kWords<M, N>];
+    encode_pack<M>(x, wm);
+    store_pack<N>(chunk.exp_avg + j, wm, valid, chunk.vector_ok);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       x[k] = kScaledExpAvgSq ? rn::mul(r[k].exp_avg_sq, s.exp_avg_sq.scale) : r[k].exp_avg_sq;
     }
-    encode<V>(x, b);
-    store_bits<N>(chunk.exp_avg_sq + j, b, valid, chunk.vector_ok);
+    uint32_t wv[kWords<V, N>];
+    encode_pack<V>(x, wv);
+    store_pack<N>(chunk.exp_avg_sq + j, wv, valid, chunk.vector_ok);
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k] = kScaledParam ? rn::mul(r[k].param, s.param.scale) : r[k].param;
-    encode<P>(x, b);
-    store_bits<N>(chunk.param + j, b, valid, chunk.vector_ok);
+    uint32_t wp[kWords<P, N>];
+    encode_pack<P>(x, wp);
+    store_pack<N>(chunk.param + j, wp, valid, chunk.vector_ok);
     if (chunk.weight != nullptr) {
-      // The copy of the master as stored: the code just written, dequantized with the new scale.
+      // The copy of the master as stored: the codes just written, dequantized with the new scale.
+      if constexpr (kScaledParam) decode_pack<P>(wp, x);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const float stored = kScaledParam ? rn::mul(decode<P>(b[k]), s.param.scale_inv) : r[k].param;
+        const float stored = kScaledParam ? rn::mul(x[k], s.param.scale_inv) : r[k].param;
         x[k] = rn::mul(stored, s.weight.scale);
       }
-      encode<numerics::fp8_e4m3>(x, b);
-      store_bits<N>(chunk.weight + j, b, valid, chunk.vector_ok);
+      uint32_t ww[kWords<numerics::fp8_e4m3, N>];
+      encode_pack<numerics::fp8_e4m3>(x, ww);
+      store_pack<N>(chunk.weight + j, ww, valid, chunk.vector_ok);
     }
   }
 }
