@@ -305,8 +305,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       mo[k] = adam_moments(p[k], g[k], m[k], v[k], c);
-      // Lanes past the end (zeros) add 0 to these three; their p' may be 0/0 when eps is 0, so
-      // they can make a pack look like it needs exact values, but are never evaluated below.
+      // Lanes past the end (zeros) add 0 to these three and a lower bound of 0 or NaN (ignored);
+      // their p' may be 0/0 when eps is 0, so they can make a pack look like it needs exact
+      // values, but are never evaluated below.
       keys[kAdamAmaxGrad] = max(keys[kAdamAmaxGrad], magnitude_bits(g[k]));
       keys[kAdamAmaxExpAvg] = max(keys[kAdamAmaxExpAvg], magnitude_bits(mo[k].exp_avg));
       keys[kAdamAmaxExpAvgSq] = max(keys[kAdamAmaxExpAvgSq], magnitude_bits(mo[k].exp_avg_sq));
