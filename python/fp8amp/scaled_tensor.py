@@ -70,6 +70,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from . import cast
@@ -206,8 +207,11 @@ class ScaledTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105 (host sync: printing only)
         real = self.dequantize()
-        return (f"ScaledTensor({real!r}, format={self._data.dtype}, "
-                f"scale_inv={self._scale_inv.item()!r})")
+        # Under torch.compile the inner tensors are fake: no value to read (Inductor prints graph
+        # inputs, and an .item() there fails the whole compilation).
+        scale_inv = self._scale_inv
+        shown = scale_inv if is_fake(scale_inv) or scale_inv.is_meta else scale_inv.item()
+        return f"ScaledTensor({real!r}, format={self._data.dtype}, scale_inv={shown!r})"
 
     # ------------------------------------------------------------------ torch.compile support
 

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fp8amp
 from cast_reference import assert_bits_equal
@@ -78,6 +79,15 @@ def test_printing():
     assert str(s) == r
     assert repr(s.dequantize()) in r
     assert "ScaledTensor(tensor(" in repr(ScaledTensor.from_tensor(torch.tensor(3.0), fp8amp.E4M3))
+
+
+def test_printing_fake_and_meta_reads_no_value():
+    # torch.compile (Inductor) prints graph inputs: a fake ScaledTensor must print, not fail on .item().
+    s = ScaledTensor.from_tensor(torch.randn(4, 8), fp8amp.E4M3)
+    with FakeTensorMode() as mode:
+        r = repr(mode.from_tensor(s))
+    assert r.startswith("ScaledTensor(FakeTensor(") and "scale_inv=FakeTensor(" in r
+    assert "scale_inv=tensor(..., device='meta'" in repr(s.to("meta"))
 
 
 def test_float_and_to():
