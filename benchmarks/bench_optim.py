@@ -33,7 +33,6 @@ import statistics
 import torch
 
 import fp8amp
-from fp8amp.linear import WeightCache
 from _common import copy_bandwidth, markdown_table, parse_subset, report, require_gpu, warm_up_gpu
 
 MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-copy"]
@@ -62,8 +61,7 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
             p = torch.nn.Parameter(fp8amp.ScaledTensor.from_tensor(w, fp8amp.FP16))
             p.grad = fp8amp.ScaledTensor.from_tensor(g, fp8amp.E4M3)
             if mode == "o2-copy":
-                copy = fp8amp.ScaledTensor.from_tensor(p.dequantize(), fp8amp.E4M3)
-                p._fp8amp_cache = WeightCache(copy._data, copy._scale_inv, p._version)
+                p.attach_fp8_copy()
         else:
             p = torch.nn.Parameter(w)
             p.grad = g

@@ -5,7 +5,8 @@ What it does, in place on ``model`` and with a new optimizer:
 1. :func:`fp8amp.convert` swaps the ``nn.Linear`` layers FP8 can take for :class:`Fp8Linear`
    (FP8 GEMMs, delayed scaling; same parameters and state-dict keys).
 2. Each converted layer's weight becomes an FP16 :class:`ScaledTensor` parameter (the master
-   copy: 2 bytes per element, no FP32 copy anywhere); its gradient will be an E4M3 ScaledTensor.
+   copy: 2 bytes per element, no FP32 copy anywhere) carrying the E4M3 copy the forward GEMM reads
+   (1 byte per element, rewritten by the optimizer's step); its gradient will be an E4M3 ScaledTensor.
    A weight that is also used outside converted Linears (say an embedding tied to the output
    head) stays as it is: other modules need a plain tensor.
 3. The optimizer is rebuilt as :class:`fp8amp.optim.Adam` / :class:`~fp8amp.optim.AdamW` with the
@@ -123,7 +124,8 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                 isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
             continue
         with torch.no_grad():
-            master = nn.Parameter(ScaledTensor.from_tensor(param.detach(), FP16), requires_grad=param.requires_grad)
+            master = ScaledTensor.from_tensor(param.detach(), FP16).attach_fp8_copy()
+            master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
             setattr(module, name, master)
         masters[param] = master

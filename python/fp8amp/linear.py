@@ -8,9 +8,10 @@ dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpos
 ``dX = dY·W`` and ``dW = dYᵀ·X`` run in FP8 with full FP32 accumulation.
 
 At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.ScaledTensor`
-(FP16 codes + scale, the master copy): the forward takes its E4M3 copy from a cache that the
-fp8amp optimizer rewrites in its step (re-cast here only when the master changed some other way:
-loading, ``copy_``), the backward casts its transpose from the master's codes (bit-identical),
+(FP16 codes + scale, the master copy) carrying an E4M3 copy of itself
+(:meth:`ScaledTensor.attach_fp8_copy`) that the fp8amp optimizer rewrites in its fused step and
+every other write re-casts: the forward GEMM reads it (no per-forward cast, in eager mode and in
+compiled graphs alike), the backward casts its transpose from the master's codes (bit-identical),
 and the weight gradient is an E4M3 ``ScaledTensor`` with a current scale, accumulated across
 micro-batches by
 :func:`fp8amp.scaled_accumulate` (one fused dequantize-add-requantize).
@@ -57,41 +58,15 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
-class WeightCache:
-    """The E4M3 copy of a ScaledTensor master weight that the forward GEMM reads.
-
-    Attached to the parameter (``weight._fp8amp_cache``), so the optimizer that updates the master
-    finds it and rewrites it in the same fused step. ``version`` is the master's version
-    counter when the copy was made: any other write to the master (``copy_``, ``load_state_dict``)
-    bumps the counter and the next forward re-casts.
-    """
-
-    __slots__ = ("data", "scale", "scale_inv", "version")
-
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, version: int) -> None:
-        self.data = data
-        self.scale_inv = scale_inv
-        self.scale = scale_inv.reciprocal()  # exact: power-of-two scales
-        self.version = version
-
-    def valid_for(self, weight: ScaledTensor) -> bool:
-        return (self.version == weight._version and self.data.device == weight.device
-                and self.data.shape == weight.shape)
-
-
 def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
-    """(w_fp8, w_fp8_t, scale_inv, cache) for the forward GEMM; w_fp8_t is None when w_fp8 is the
-    optimizer-written copy ``cache`` (the backward makes the transpose, see _transposed_copy)."""
-    if not isinstance(weight, ScaledTensor):
-        return (*weight_scaling.cast_transpose_current(weight), None)
-    if torch.compiler.is_compiling():  # no Python-side cache in a graph: cast in it
-        return (*weight_scaling.cast_transpose_current(weight.dequantize()), None)
-    cache = getattr(weight, "_fp8amp_cache", None)
-    if cache is not None and cache.valid_for(weight):
-        return cache.data, None, cache.scale_inv, cache
-    w_fp8, w_fp8_t, scale_inv = weight_scaling.cast_transpose_current(weight.dequantize())
-    weight._fp8amp_cache = WeightCache(w_fp8, scale_inv, weight._version)
-    return w_fp8, w_fp8_t, scale_inv, None
+    """(w_fp8, w_fp8_t, scale_inv, transpose_from) for the forward GEMM. A master with an E4M3
+    copy (O1/O2) gives the copy itself, w_fp8_t None and what the backward makes the transpose
+    from (see _transposed_copy); otherwise both layouts come from one current-scaling cast."""
+    if isinstance(weight, ScaledTensor):
+        if weight._fp8 is not None:
+            return weight._fp8, None, weight._fp8_scale_inv, (weight._data, weight._scale_inv, weight._fp8_scale)
+        weight = weight.dequantize()
+    return (*weight_scaling.cast_transpose_current(weight), None)
 
 
 def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_scale: torch.Tensor) -> torch.Tensor:
@@ -130,12 +105,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         rows = x2d.shape[0]
         padded = rows % _ALIGN != 0
         x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d) if padded else x2d)
-        w_fp8, w_fp8_t, w_scale_inv, cache = _fp8_weight(weight, weight_scaling)
+        w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
         # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
-        ctx.w_transpose_from = None if cache is None else (weight._data, weight._scale_inv, cache.scale)
+        ctx.w_transpose_from = transpose_from
         ctx.fp8_weight_grad = isinstance(weight, ScaledTensor) and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows

@@ -19,9 +19,9 @@ State per param: ``step`` (float32 0-dim tensor on the param's device, the numbe
 taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` and, at O2, the
 four float32 ``[1]`` scale tensors. Params are float32, or :class:`~fp8amp.ScaledTensor` masters
 with float16 codes (what :func:`fp8amp.initialize` makes of Linear weights at O1/O2): the op
-updates their codes and scale in place, and also rewrites the E4M3 copy that their
-:class:`~fp8amp.Fp8Linear` forward reads (when that copy is up to date), so the forward does not
-re-cast the weight. Grads may be plain (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the
+updates their codes and scale in place, and also rewrites their E4M3 copy
+(:meth:`ScaledTensor.attach_fp8_copy`, what the :class:`~fp8amp.Fp8Linear` forward reads) in the
+same pass, so the forward does not re-cast the weight. Grads may be plain (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the
 FP8 weight gradients of Fp8Linear at O1/O2). bf16/fp16 plain params are refused: the op keeps
 low-precision masters only as FP16 + scale.
 
@@ -281,7 +281,7 @@ class Adam(torch.optim.Optimizer):
         # The op writes each master's new scale as well as its scale_inv; the scale is derived
         # here (exactly: powers of two) rather than stored, so it can never go stale.
         master_scales = iter(torch._foreach_reciprocal([p._scale_inv for p in masters]) if masters else [])
-        caches = [_valid_cache(p) for p in params]
+        copies = [p.fp8_copy if isinstance(p, ScaledTensor) else None for p in params]
         data, param_scales, param_scale_invs, grads, grad_scale_invs = [], [], [], [], []
         for p in params:
             scaled = isinstance(p, ScaledTensor)
@@ -297,19 +297,13 @@ class Adam(torch.optim.Optimizer):
             data, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             _or_empty(param_scales), _or_empty(param_scale_invs), _or_empty(grad_scale_invs),
             *scale_lists,
-            _or_empty([c and c.data for c in caches]), _or_empty([c and c.scale for c in caches]),
-            _or_empty([c and c.scale_inv for c in caches]),
+            *(_or_empty([c and c[i] for c in copies]) for i in range(3)),  # codes, scale, scale_inv
             lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
             maximize=bool(group["maximize"]), step_tensor=steps[0].view(1), found_inf=found_inf,
         )
-        for p, cache in zip(params, caches):
-            if isinstance(p, ScaledTensor):
-                # The master changed under a custom op on its inner codes, which bumps no version
-                # counter: mark it changed, and the FP8 copy written with it as current.
-                torch.autograd.graph.increment_version(p)
-                if cache is not None:
-                    cache.version = p._version
+        for p in masters:  # changed in place under a custom op on their inner codes: say so
+            torch.autograd.graph.increment_version(p)
         if len(steps) > 1:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
 
@@ -317,12 +311,6 @@ class Adam(torch.optim.Optimizer):
 def _or_empty(entries: list) -> list:
     """The op's per-param optional lists: empty when no param of the call has the entry."""
     return [] if all(e is None for e in entries) else entries
-
-
-def _valid_cache(p: torch.Tensor):
-    """The Fp8Linear weight cache of a master, if it is up to date (else the forward re-casts)."""
-    cache = getattr(p, "_fp8amp_cache", None) if isinstance(p, ScaledTensor) else None
-    return cache if cache is not None and cache.valid_for(p) else None
 
 
 class AdamW(Adam):

@@ -75,7 +75,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import cast
 from .accumulate import scaled_accumulate
-from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype, format_max
+from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype, format_max
 
 __all__ = ["ScaledTensor"]
 
@@ -130,16 +130,21 @@ class ScaledTensor(torch.Tensor):
         scale_inv: float32 ``[1]`` on ``data``'s device.
         dtype: the logical (outer) dtype: float32 (default), bfloat16 or float16.
         requires_grad: of the wrapper (for parameters).
+        fp8_copy: optional ``(codes, scale, scale_inv)``: an E4M3 copy of the real values (codes of
+            ``data``'s shape, float32 ``[1]`` scales) that FP8 GEMMs read; see :meth:`attach_fp8_copy`.
 
     Build one from real values with :meth:`from_tensor`.
     """
 
     _data: torch.Tensor
     _scale_inv: torch.Tensor
+    _fp8: torch.Tensor | None
+    _fp8_scale: torch.Tensor | None
+    _fp8_scale_inv: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
-                requires_grad: bool = False):
+                requires_grad: bool = False, fp8_copy: tuple | None = None):
         where = "fp8amp.ScaledTensor"
         if not isinstance(data, torch.Tensor) or isinstance(data, ScaledTensor):
             raise TypeError(f"{where}: data must be a plain torch.Tensor, got {type(data).__name__}")
@@ -159,6 +164,10 @@ class ScaledTensor(torch.Tensor):
             layout=data.layout, requires_grad=requires_grad)
         self._data = data
         self._scale_inv = scale_inv
+        self._fp8, self._fp8_scale, self._fp8_scale_inv = fp8_copy if fp8_copy is not None else (None, None, None)
+        if self._fp8 is not None and (self._fp8.dtype != E4M3 or self._fp8.shape != data.shape
+                                      or self._fp8.device != data.device):
+            raise ValueError(f"{where}: fp8_copy codes must be float8_e4m3fn of data's shape and device")
         return self
 
     # Outputs of plain ops must stay plain: no automatic re-wrapping by __torch_function__.
@@ -200,6 +209,49 @@ class ScaledTensor(torch.Tensor):
 
     to_tensor = dequantize
 
+    # ------------------------------------------------------------------ the E4M3 copy (O1/O2 masters)
+
+    def attach_fp8_copy(self) -> "ScaledTensor":
+        """Gives this tensor (an FP16 master weight) an E4M3 copy of its real values, which
+        :class:`~fp8amp.Fp8Linear` reads instead of casting the weight in every forward; returns self.
+
+        The copy is kept current by every write: the fp8amp optimizer rewrites it in its fused step,
+        and ``copy_``, ``add_``, ``mul_``, ``div_`` and ``zero_`` on this tensor re-cast it. It holds
+        ``quantize(real * scale)`` with ``scale = 2^floor(log2(448 / amax(real)))`` (E4M3, margin 0;
+        an amax of 0 keeps scale 1), exactly what a fresh cast of the real values gives. It costs
+        1 byte per element, and moves, detaches, clones and serializes with the tensor.
+        """
+        if self._fp8 is None:
+            codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
+            self._fp8, self._fp8_scale_inv = codes, scale_inv
+            self._fp8_scale = scale_inv.reciprocal()  # exact: a power of two
+        else:
+            self._refresh_fp8_copy()
+        return self
+
+    def drop_fp8_copy(self) -> "ScaledTensor":
+        """Frees the E4M3 copy (Fp8Linear then casts the weight in each forward); returns self."""
+        self._fp8 = self._fp8_scale = self._fp8_scale_inv = None
+        return self
+
+    def _refresh_fp8_copy(self) -> None:
+        if self._fp8 is None:
+            return
+        codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
+        self._fp8.copy_(codes)
+        self._fp8_scale_inv.copy_(scale_inv)
+        torch.reciprocal(scale_inv, out=self._fp8_scale)
+
+    @property
+    def fp8_copy(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(codes, scale, scale_inv)`` of the E4M3 copy, or None."""
+        return None if self._fp8 is None else (self._fp8, self._fp8_scale, self._fp8_scale_inv)
+
+    def _fp8_copy_with(self, fn) -> tuple | None:
+        """The copy's three tensors mapped by fn (detach, clone, a device move...), or None."""
+        copy = self.fp8_copy
+        return None if copy is None else tuple(fn(t) for t in copy)
+
     @property
     def storage_format(self) -> torch.dtype:
         """The dtype of the codes: float16, float8_e4m3fn or float8_e5m2."""
@@ -216,11 +268,16 @@ class ScaledTensor(torch.Tensor):
     # ------------------------------------------------------------------ torch.compile support
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale_inv"], self.dtype
+        names = ["_data", "_scale_inv"]
+        if self._fp8 is not None:
+            names += ["_fp8", "_fp8_scale", "_fp8_scale_inv"]
+        return names, (self.dtype, self._fp8 is not None)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], ctx)
+        dtype, has_copy = ctx
+        copy = (inner_tensors["_fp8"], inner_tensors["_fp8_scale"], inner_tensors["_fp8_scale_inv"]) if has_copy else None
+        return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], dtype, fp8_copy=copy)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -247,7 +304,7 @@ class ScaledTensor(torch.Tensor):
 
 def _detach(func, args, kwargs):
     (x,) = args
-    return ScaledTensor(func(x._data), func(x._scale_inv), x.dtype)
+    return ScaledTensor(func(x._data), func(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(func))
 
 
 def _clone(func, args, kwargs):
@@ -255,12 +312,13 @@ def _clone(func, args, kwargs):
     fmt = kwargs.get("memory_format", None)
     if fmt not in (None, torch.preserve_format, torch.contiguous_format):
         return NotImplemented
-    return ScaledTensor(x._data.clone(), x._scale_inv.clone(), x.dtype)
+    return ScaledTensor(x._data.clone(), x._scale_inv.clone(), x.dtype, fp8_copy=x._fp8_copy_with(torch.clone))
 
 
 def _view(func, args, kwargs):
     x, size = args
-    return ScaledTensor(x._data.view(size), x._scale_inv, x.dtype)
+    copy = None if x._fp8 is None else (x._fp8.view(size), x._fp8_scale, x._fp8_scale_inv)
+    return ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
 
 
 def _to_copy(func, args, kwargs):
@@ -275,9 +333,10 @@ def _to_copy(func, args, kwargs):
     if (kw or dtype not in (None, x.dtype) or layout not in (None, torch.strided)
             or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
         return NotImplemented  # a dtype change: the dequantizing fallback gives a plain tensor
-    non_blocking = kwargs.get("non_blocking", False)
-    return ScaledTensor(x._data.to(device, non_blocking=non_blocking),
-                        x._scale_inv.to(device, non_blocking=non_blocking), x.dtype)
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=kwargs.get("non_blocking", False))
+
+    return ScaledTensor(move(x._data), move(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(move))
 
 
 def _copy_(func, args, kwargs):
@@ -287,6 +346,11 @@ def _copy_(func, args, kwargs):
     if isinstance(src, ScaledTensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
         dst._data.copy_(src._data)
         dst._scale_inv.copy_(src._scale_inv)
+        if dst._fp8 is not None and src._fp8 is not None:
+            for d, s_ in zip(dst.fp8_copy, src.fp8_copy):
+                d.copy_(s_)
+        else:
+            dst._refresh_fp8_copy()
         return dst
     if isinstance(src, ScaledTensor):
         src = src.dequantize()
@@ -298,6 +362,7 @@ def _copy_(func, args, kwargs):
     data, scale_inv, _ = _quantize_current(src, dst._data.dtype, 0)
     dst._data.copy_(data)
     dst._scale_inv.copy_(scale_inv)
+    dst._refresh_fp8_copy()
     return dst
 
 
@@ -311,6 +376,7 @@ def _scale_op(func, args, kwargs):
         x._scale_inv.mul_(s)
     else:
         x._scale_inv.div_(s)
+    x._refresh_fp8_copy()
     return x
 
 
@@ -325,6 +391,7 @@ def _add_(func, args, kwargs):
     else:
         codes, scale_inv = src.contiguous(), None
     scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
+    dst._refresh_fp8_copy()
     return dst
 
 
@@ -364,6 +431,7 @@ def _zero_(func, args, kwargs):
     (x,) = args
     x._data.zero_()
     x._scale_inv.fill_(1.0)
+    x._refresh_fp8_copy()
     return x
 
 

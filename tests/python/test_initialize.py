@@ -289,41 +289,51 @@ def _state(s, key):
     return t.float() * s[f"{key}_scale_inv"] if f"{key}_scale_inv" in s else t.clone()
 
 
-def test_forward_reads_the_copy_the_optimizer_wrote():
+def assert_copy_is_current(weight):
+    """The E4M3 copy equals a fresh current-scaling cast of the master's real values."""
+    fresh = ScaledTensor.from_tensor(weight.dequantize(), E4M3)
+    codes, scale, scale_inv = weight.fp8_copy
+    assert torch.equal(codes.view(torch.uint8), fresh._data.view(torch.uint8))
+    assert torch.equal(scale_inv, fresh._scale_inv) and torch.equal(scale, 1 / fresh._scale_inv)
+
+
+def test_forward_reads_the_copy_every_write_keeps_current():
     model, opt = setup("O2")
     layer = model.up
+    assert_copy_is_current(layer.weight)  # attached by initialize
     casts = []
     original = layer.weight_scaling.cast_transpose_current
     layer.weight_scaling.cast_transpose_current = lambda x: casts.append(1) or original(x)
     loss_of(model, 0).backward()
-    assert len(casts) == 1  # the first forward casts the master and keeps the copy
     opt.step()
-    cache = layer.weight._fp8amp_cache
-    recast, _, recast_scale_inv = original(layer.weight.dequantize())
-    assert torch.equal(cache.data.view(torch.uint8), recast.view(torch.uint8))  # the step wrote it
-    assert torch.equal(cache.scale_inv, recast_scale_inv)
+    assert_copy_is_current(layer.weight)  # the fused step wrote it
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.dequantize() * 3)
+    assert_copy_is_current(layer.weight)
+    with torch.no_grad():
+        layer.weight.mul_(0.3)
+    assert_copy_is_current(layer.weight)
+    model.load_state_dict(net(seed=5).state_dict(), strict=False)
+    assert_copy_is_current(layer.weight)
     opt.zero_grad()
     loss_of(model, 1).backward()
-    assert len(casts) == 1  # no re-cast after the step
-    with torch.no_grad():
-        layer.weight.copy_(layer.weight.dequantize() * 2)  # written some other way: re-cast
-    loss_of(model, 2).backward()
-    assert len(casts) == 2
+    assert not casts  # the forward never cast the weight
+    moved = copy.deepcopy(model)
+    assert moved.up.weight.fp8_copy is not None and moved.up.weight.fp8_copy[0] is not layer.weight.fp8_copy[0]
+    assert_copy_is_current(moved.up.weight)
 
 
 def test_gradients_through_the_copy_equal_a_fresh_cast():
-    """After a step the forward reads the optimizer's copy and the backward casts its transpose from
-    the master's codes; dropping the copy (a fresh cast of the master, both layouts from one pass)
-    must give bit-identical outputs and gradients."""
+    """The forward reads the copy and the backward casts its transpose from the master's codes;
+    without the copy (both layouts from one cast of the master) outputs and gradients must be
+    bit-identical."""
     model, opt = setup("O2")
     loss_of(model, 0).backward()
     opt.step()
     results = []
     for drop in (False, True):
         if drop:
-            del model.up.weight._fp8amp_cache
-        else:
-            assert model.up.weight._fp8amp_cache.valid_for(model.up.weight)  # the optimizer wrote it
+            model.up.weight.drop_fp8_copy()
         opt.zero_grad()
         tokens_in = tokens(1)
         h = model.emb(tokens_in[:-1]).detach().requires_grad_()
