@@ -322,3 +322,32 @@ def test_norms_from_the_codes(ord, fmt):
     nan = ScaledTensor.from_tensor(torch.ones(4), fmt)
     nan._scale_inv.fill_(float("nan"))
     assert torch.isnan(torch.linalg.vector_norm(nan, ord)) or ord == 0
+
+
+def test_fp8_copy_travels_and_stays_current():
+    """attach_fp8_copy: the E4M3 copy survives save/load, detach, clone and views, and every write
+    re-casts it (it always equals a fresh cast of the real values)."""
+    torch.manual_seed(0)
+    x = ScaledTensor.from_tensor(torch.randn(32, 16), torch.float16).attach_fp8_copy()
+
+    def current(t):
+        fresh = ScaledTensor.from_tensor(t.dequantize(), torch.float8_e4m3fn)
+        codes, scale, scale_inv = t.fp8_copy
+        return (torch.equal(codes.view(torch.uint8), fresh._data.view(torch.uint8))
+                and torch.equal(scale_inv, fresh._scale_inv) and torch.equal(scale * scale_inv, torch.ones(1)))
+
+    assert current(x)
+    buf = io.BytesIO()
+    torch.save(x, buf)
+    buf.seek(0)
+    y = torch.load(buf, weights_only=True)
+    assert current(y) and torch.equal(y.fp8_copy[0].view(torch.uint8), x.fp8_copy[0].view(torch.uint8))
+    assert x.detach().fp8_copy[0].data_ptr() == x.fp8_copy[0].data_ptr()
+    assert x.clone().fp8_copy[0].data_ptr() != x.fp8_copy[0].data_ptr() and current(x.clone())
+    assert x.view(16, 32).fp8_copy[0].shape == (16, 32)
+    for write in (lambda t: t.copy_(torch.randn(32, 16) * 7), lambda t: t.mul_(0.37), lambda t: t.div_(3),
+                  lambda t: t.add_(torch.randn(32, 16)), lambda t: t.zero_()):
+        with torch.no_grad():
+            write(x)
+        assert current(x)
+    assert x.drop_fp8_copy().fp8_copy is None
