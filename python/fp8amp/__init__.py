@@ -19,7 +19,7 @@ from .scaled_tensor import ScaledTensor
 from .linear import Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize
-from . import gemm, optim
+from . import distributed, gemm, optim
 
 __all__ = [
     "ops",
@@ -51,6 +51,7 @@ __all__ = [
     "update_scaling",
     "initialize",
     "OPT_LEVELS",
+    "distributed",
     "gemm",
     "optim",
 ]

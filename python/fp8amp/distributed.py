@@ -1,0 +1,457 @@
+"""FP8 gradient all-reduce on stock ``torch.distributed`` (DESIGN §7): a DDP comm hook and
+:func:`all_reduce_grads` for training loops without DDP.
+
+Usage::
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(fp8amp.distributed.FP8CommState(), fp8amp.distributed.fp8_allreduce_hook)
+
+    # or, without DDP, after backward and before optimizer.step():
+    fp8amp.distributed.all_reduce_grads(model)
+
+Both average the gradients over the ranks of the process group (as DDP does) and move FP8 codes
+on the wire: 1 byte per element each way instead of BF16's 2 or FP32's 4.
+
+Scaling (per tensor, every scale a power of two, computed on the device)
+-----------------------------------------------------------------------
+A DDP bucket is the flat concatenation of several gradients, whose magnitudes can differ by orders
+of magnitude, so each gradient ``i`` of the bucket gets its own scale:
+
+1. ``a_i`` = the local amax of gradient ``i`` (:func:`fp8amp.multi_amax`, one launch per bucket);
+   a non-finite local amax is replaced by ``+inf``.
+2. One ``all_reduce(MAX)`` of the vector ``a`` gives ``A_i = max_r a_i^(r)``, the same on every rank.
+3. ``s_i = 2^floor(log2(F / A_i))`` (:func:`fp8amp.compute_scale`; ``A_i = 0`` gives ``s_i = 1``),
+   with ``F`` chosen per method so that nothing saturates:
+
+   * ``"all_to_all"``: ``F = fmax``. Every rank's contribution satisfies ``|x| s_i <= A_i s_i <= fmax``,
+     and rounding is monotone and ``fmax`` is representable, so no code saturates. The FP8 codes are
+     never added in FP8 (the sum is FP32, below), so a sum over N ranks cannot saturate whatever the
+     scale: headroom would only raise the underflow threshold ``eta / s_i`` by ``2^h`` and protect
+     nothing. The reduced mean gets its own scale (step 6), so it needs none either.
+   * ``"native"``: the codes are summed in FP8 by the collective (partial sums travel in FP8 between
+     ranks, rounded at each hop), so the sum of the N codes of an element must stay within fmax:
+     ``F = fmax / (N (1 + u)^(N-2))`` for N >= 2, with ``u`` the unit roundoff of the format
+     (2^-4 for E4M3, 2^-3 for E5M2). Derivation: every code is at most ``c = A_i s_i <= F`` in
+     magnitude. In any summation tree (ring or tree) an internal node with L leaves below it has
+     been rounded at most L - 1 times, each rounding of a normal number multiplying its magnitude by
+     at most ``1 + u`` (a subnormal result is below the smallest normal, far from fmax), so a node
+     holds at most ``L c (1 + u)^(L-1)``. The root's exact input (two children, L_a + L_b = N
+     leaves, each child rounded at most N - 2 times) is at most ``N c (1 + u)^(N-2) <= fmax``, and
+     its rounding is monotone with fmax representable, so the result is at most fmax; every inner
+     node is smaller still. (For N = 2: ``F = fmax / 2``, one rounding of an exact sum.) Without the
+     ``(1 + u)`` factor a worst case already saturates at N = 8 in E4M3: ring partial sums of
+     eight codes of 56 round 56, 112, 160, 224, 288, 352, 416, 472 > 448.
+
+Non-finite gradients: an inf or NaN anywhere in a bucket on any rank makes that rank's amax
+``+inf`` before the MAX all-reduce (NaN is mapped to inf first: a MAX reduction need not propagate
+NaN; gloo's does not), so every rank sees a non-finite ``A`` and writes NaN into its whole bucket.
+GradScaler's ``unscale_`` then finds it, and fp8amp's optimizer skips the step, on every rank.
+
+Method ``"all_to_all"`` (default; any backend: NCCL, gloo)
+---------------------------------------------------------
+4. Quantize each gradient at ``s_i`` into a flat uint8 buffer padded with zeros to a multiple of N
+   (``L = ceil(n / N)`` elements per shard).
+5. ``all_to_all_single`` of the uint8 buffer = a reduce-scatter without the reduction: rank k
+   receives shard k of every rank.
+6. Rank k dequantizes the N received copies of its shard to FP32 (each piece of a gradient with its
+   ``1 / s_i``, exact), sums them in rank order 0, 1, ..., N-1 (``acc = q_0; acc += q_1; ...``) and
+   divides by N. It requantizes each piece of its mean shard (a piece = the part of one gradient in
+   this shard) with a current power-of-two scale from the piece's own amax, ``t = 2^floor(log2(fmax /
+   amax))``, and appends the pieces' float32 ``1 / t`` (4 bytes each) to the shard's codes.
+   Why a scale per piece, sent along, rather than a second all-reduce(MAX): it costs no extra
+   collective (one more latency on the critical path), and it fits the mean, whose amax can be far
+   below ``A_i`` when the ranks' gradients cancel. The replicas stay identical regardless: every
+   rank dequantizes the same gathered bytes.
+7. ``all_gather_into_tensor`` of the shards (codes + scales); every rank dequantizes all shards into
+   the bucket's dtype.
+
+Bytes sent per rank and element: ``(N-1)/N`` in the all-to-all and ``(N-1)/N`` in the all-gather
+(plus 4 bytes per piece and 4 per gradient for the amaxes): half of a BF16 ring all-reduce's
+``2 (N-1)/N x 2``.
+
+Accuracy (per element, against the exact mean ``m = (1/N) sum_r x_r`` of the ranks' gradients;
+``u`` and ``eta`` are the format's unit roundoff and half its smallest subnormal, E4M3: 2^-4 and
+2^-10, E5M2: 2^-3 and 2^-17; ``u32 = 2^-24``)::
+
+    |out - m| <= e1 + e2 + u (|m| + e1 + e2) + eta / t
+    e1 = u mean_r |x_r| + eta / s_i                      (one FP8 rounding of each contribution)
+    e2 = u32 (N - 1) mean_r |q_r| + u32 (|m| + e1)      (the FP32 sum in rank order, the division)
+
+with ``q_r`` the dequantized contributions; the last two terms are the rounding of the mean at its
+piece scale ``t`` (exact into float32 and bfloat16 buckets; a float16 bucket may round values below
+float16's normal range once more, ``2^-25`` absolute). So: two FP8 roundings, independent of N.
+
+Method ``"native"`` (NCCL; DESIGN §7 measured it on torch 2.11 / NCCL 2.28)
+---------------------------------------------------------------------------
+4'. Quantize at the headroom scale above, ``dist.all_reduce(SUM)`` on the ``float8_e4m3fn`` /
+``float8_e5m2`` tensor itself, dequantize, divide by N (FP32), cast to the bucket's dtype. Fewer
+passes and no local sum, but the FP8 partial sums round at every hop: up to N - 1 FP8 roundings
+(of partial sums, relative ``u`` each) plus the headroom's coarser underflow threshold, so its error
+grows with N; with N = 2 it is one rounding of each contribution plus one of the sum. A backend
+that cannot reduce float8 (gloo: "Invalid scalar type") raises a ValueError naming the methods.
+
+No host synchronization: amaxes, scales and the non-finite flag stay on the device; the shard
+layout of a bucket is computed on the host from the gradients' sizes. On CUDA the work runs on a
+side stream that waits for the current one, and the hook's Future carries that stream's event, so
+DDP's backward keeps overlapping the communication.
+"""
+
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import cast
+from ._library import ops
+from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, format_max
+from .scaled_tensor import ScaledTensor
+
+__all__ = ["FP8CommState", "fp8_allreduce_hook", "all_reduce_grads", "METHODS", "FORMATS", "wire_bytes"]
+
+#: The accepted ``method`` values.
+METHODS = ("all_to_all", "native")
+#: The accepted ``fmt`` values.
+FORMATS = (E4M3, E5M2)
+#: Backends known to reduce float8 tensors natively (``method="native"``).
+NATIVE_BACKENDS = ("nccl",)
+
+#: Unit roundoff (half an ulp, relative) and half the smallest subnormal of each format.
+UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
+HALF_MIN_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
+
+_multi_quantize = ops.multi_quantize.default
+
+
+@dataclass
+class FP8CommState:
+    """The state of :func:`fp8_allreduce_hook` and :func:`all_reduce_grads`.
+
+    Args:
+        process_group: the group to average over; ``None`` = the default group.
+        fmt: ``fp8amp.E4M3`` (default: 3 mantissa bits, max 448) or ``fp8amp.E5M2`` (2 bits, max
+            57344; wider range, coarser).
+        method: ``"all_to_all"`` (default: uint8 all-to-all + FP32 sum + uint8 all-gather, any
+            backend, error independent of the rank count) or ``"native"`` (``dist.all_reduce`` on
+            a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
+
+    The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
+    """
+
+    process_group: Optional[dist.ProcessGroup] = None
+    fmt: torch.dtype = E4M3
+    method: str = "all_to_all"
+    _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        where = "fp8amp.distributed.FP8CommState"
+        if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
+            raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None; "
+                            f"got {type(self.process_group).__name__}")
+        names = ", ".join(str(f) for f in FORMATS)
+        if not isinstance(self.fmt, torch.dtype) or self.fmt not in FORMATS:
+            raise ValueError(f"{where}: fmt must be one of {names} (fp8amp.E4M3, fp8amp.E5M2); got {self.fmt!r}")
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ValueError(f"{where}: method must be one of {', '.join(map(repr, METHODS))}; got {self.method!r}")
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each gradient of a flat bucket of n elements lies, and how N shards cut it.
+
+    ``segments[i] = (offset, numel)`` of gradient i; ``L`` elements per shard (the bucket padded
+    to ``N L``); ``pieces[k]`` = ``(start, end, i)`` of every non-empty intersection of shard k
+    with gradient i, ``start``/``end`` relative to the shard, in order; ``first[k]`` the index of
+    the first gradient in shard k (pieces of a shard are consecutive gradients);
+    ``max_pieces`` = the most pieces in a shard (the scale slots each shard carries).
+    """
+
+    n: int
+    world: int
+    segments: tuple
+    L: int
+    pieces: tuple
+    max_pieces: int
+
+
+def _make_layout(numels: tuple, world: int) -> _Layout:
+    segments, offset = [], 0
+    for numel in numels:
+        segments.append((offset, numel))
+        offset += numel
+    n = offset
+    L = -(-n // world)
+    pieces = []
+    for k in range(world):
+        lo, hi = k * L, min((k + 1) * L, n)
+        shard = []
+        for i, (o, c) in enumerate(segments):
+            a, b = max(o, lo), min(o + c, hi)
+            if a < b:
+                shard.append((a - lo, b - lo, i))
+        pieces.append(tuple(shard))
+    return _Layout(n, world, tuple(segments), L, tuple(pieces), max(1, max(len(p) for p in pieces)))
+
+
+def _layout(state: FP8CommState, numels: tuple, world: int) -> _Layout:
+    key = (numels, world)
+    layout = state._layouts.get(key)
+    if layout is None:
+        layout = state._layouts[key] = _make_layout(numels, world)
+    return layout
+
+
+# ---------------------------------------------------------------------------- the reduction
+
+
+def _native_fp8_all_reduce(codes: torch.Tensor, group) -> None:
+    """``dist.all_reduce(SUM)`` on a float8 tensor, in place (a seam for tests that emulate it)."""
+    dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group)
+
+
+def _check_native_backend(state: FP8CommState, group) -> None:
+    if state._backend_checked:
+        return
+    backend = str(dist.get_backend(group))
+    if backend not in NATIVE_BACKENDS:
+        raise ValueError(
+            f"fp8amp.distributed: method='native' reduces float8 tensors with dist.all_reduce, which the "
+            f"{backend!r} backend does not support (accepted backends: {', '.join(NATIVE_BACKENDS)}); use "
+            f"method='all_to_all' (any backend). Accepted methods: {', '.join(map(repr, METHODS))}")
+    state._backend_checked = True
+
+
+def _side_stream(state: FP8CommState, device: torch.device):
+    """On CUDA: a context running on a side stream that first waits for the current stream."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = state._streams.get(device)
+    if stream is None:
+        stream = state._streams[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
+def _shared_scales(state, segs, fmax_eff, group):
+    """Steps 1-3: per-gradient amax, MAX all-reduce, power-of-two scales; and the non-finite flag."""
+    device = segs[0].device
+    amax = torch.zeros(len(segs), dtype=torch.float32, device=device)
+    cast.multi_amax(segs, amax)
+    amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    bad = torch.isinf(amax).any()
+    scale = torch.ones_like(amax)
+    scale_inv = torch.ones_like(amax)
+    cast.compute_scale(amax, scale, scale_inv, fmax_eff)
+    return amax, scale, scale_inv, bad
+
+
+def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch.Tensor:
+    """The mean over the group of the flat gradients ``buf`` (segments of ``numels``), FP8 on the
+    wire; returns a new flat tensor of ``buf``'s dtype and shape. Every rank must call it with the
+    same ``numels``."""
+    where = "fp8amp.distributed"
+    if buf.dtype not in HIGH_PRECISION_DTYPES:
+        raise ValueError(f"{where}: gradient buckets must be one of "
+                         f"{', '.join(str(d) for d in HIGH_PRECISION_DTYPES)}; got {buf.dtype}")
+    group = state.process_group
+    world = dist.get_world_size(group)
+    if state.method == "native":
+        _check_native_backend(state, group)
+    numels = tuple(c for c in numels if c > 0)
+    if buf.numel() == 0 or not numels:
+        return buf.clone()
+    if sum(numels) != buf.numel():
+        numels = (buf.numel(),)  # an unexpected bucket layout: one scale for the whole bucket
+    layout = _layout(state, numels, world)
+    fmt, fmax = state.fmt, format_max(state.fmt)
+    segs = [buf[o:o + c] for o, c in layout.segments]
+
+    if state.method == "native":
+        u = UNIT_ROUNDOFF[fmt]
+        fmax_eff = fmax / (world * (1.0 + u) ** max(world - 2, 0))
+        amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax_eff, group)
+        codes = torch.empty(layout.n, dtype=fmt, device=buf.device)
+        outs = [codes[o:o + c] for o, c in layout.segments]
+        _multi_quantize(segs, outs, scale, amax, None, 0, 0, True)
+        try:
+            _native_fp8_all_reduce(codes, group)
+        except RuntimeError as e:
+            raise ValueError(f"{where}: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); use "
+                             f"method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
+        scale_inv = torch.where(bad, torch.nan, scale_inv)
+        mean = torch.cat(cast.multi_dequantize(outs, scale_inv, torch.float32))
+        mean.div_(world)
+        return mean.to(buf.dtype)
+
+    # method "all_to_all"
+    amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax, group)
+    L, P = layout.L, layout.max_pieces
+    rank = dist.get_rank(group)
+    send = torch.zeros(world * L, dtype=torch.uint8, device=buf.device)
+    send8 = send.view(fmt)
+    _multi_quantize(segs, [send8[o:o + c] for o, c in layout.segments], scale, amax, None, 0, 0, True)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+
+    # Rank `rank` owns shard `rank`: dequantize the N copies, sum in rank order, divide by N.
+    recv8 = recv.view(fmt)
+    mine = layout.pieces[rank]
+    shard_len = mine[-1][1] if mine else 0
+    payload = torch.zeros(L + 4 * P, dtype=torch.uint8, device=buf.device)
+    if mine:
+        first = mine[0][2]
+        piece_scale_inv = scale_inv[first:first + len(mine)]
+        xs = [recv8[j * L + a:j * L + b] for j in range(world) for a, b, _ in mine]
+        parts = torch.cat(cast.multi_dequantize(xs, piece_scale_inv.repeat(world), torch.float32))
+        parts = parts.view(world, shard_len)
+        acc = parts[0].clone()
+        for j in range(1, world):
+            acc.add_(parts[j])
+        acc.div_(world)
+        # Requantize each piece with its own current scale; the scales travel after the codes.
+        acc_pieces = [acc[a:b] for a, b, _ in mine]
+        amax2 = torch.zeros(len(mine), dtype=torch.float32, device=buf.device)
+        cast.multi_amax(acc_pieces, amax2)
+        scale2 = torch.ones_like(amax2)
+        scale_inv2 = torch.ones_like(amax2)
+        cast.compute_scale(amax2, scale2, scale_inv2, fmax)
+        payload8 = payload[:L].view(fmt)
+        scale_inv2 = _multi_quantize(acc_pieces, [payload8[a:b] for a, b, _ in mine], scale2, amax2,
+                                     None, 0, 0, True)
+        payload[L:L + 4 * len(mine)].copy_(scale_inv2.view(torch.uint8))
+    gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=buf.device)
+    dist.all_gather_into_tensor(gathered, payload, group=group)
+
+    rows = gathered.view(world, L + 4 * P)
+    scales = rows[:, L:].contiguous().view(torch.float32)  # [world, P]
+    xs, sinv = [], []
+    for k in range(world):
+        if layout.pieces[k]:
+            codes_k = rows[k, :L].view(fmt)
+            xs.extend(codes_k[a:b] for a, b, _ in layout.pieces[k])
+            sinv.append(scales[k, :len(layout.pieces[k])])
+    sinv = torch.where(bad, torch.nan, torch.cat(sinv))
+    return torch.cat(cast.multi_dequantize(xs, sinv, buf.dtype))
+
+
+# ---------------------------------------------------------------------------- public API
+
+
+def fp8_allreduce_hook(state: Optional[FP8CommState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: averages ``bucket`` over the group with FP8 on the wire.
+
+    Register it with ``ddp.register_comm_hook(FP8CommState(...), fp8_allreduce_hook)`` (``state``
+    ``None`` = ``FP8CommState()``). Returns a Future holding the mean, a tensor of the bucket
+    buffer's shape and dtype (float32, bfloat16 or float16). See the module docstring for the
+    algorithm, the scales and the error bound.
+    """
+    if state is None:
+        state = FP8CommState()
+    elif not isinstance(state, FP8CommState):
+        raise TypeError(f"fp8amp.distributed.fp8_allreduce_hook: state must be an FP8CommState or None; "
+                        f"got {type(state).__name__}")
+    buf = bucket.buffer()
+    numels = tuple(g.numel() for g in bucket.gradients())
+    if buf.device.type == "cuda":
+        fut = torch.futures.Future(devices=[buf.device])
+        with _side_stream(state, buf.device):
+            fut.set_result(_reduce_flat(buf, numels, state))  # records the side stream's event
+        return fut
+    fut = torch.futures.Future()
+    fut.set_result(_reduce_flat(buf, numels, state))
+    return fut
+
+
+def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, bucket_cap_mb: float = 25.0) -> None:
+    """Averages the gradients of ``model``'s parameters over the group, FP8 on the wire (for
+    training loops without DDP; call it after backward, before ``optimizer.step()``).
+
+    Parameters with a gradient are bucketed by device and dtype (at most ``bucket_cap_mb`` MiB
+    of gradients per bucket, in ``model.parameters()`` order), each bucket is reduced as
+    :func:`fp8_allreduce_hook` does, and the mean is written back into each ``.grad``. An FP8
+    :class:`~fp8amp.ScaledTensor` gradient (O1/O2) is dequantized into its logical dtype's bucket
+    and the mean written back through its ``copy_`` (re-quantized with a fresh scale: one more
+    E4M3 rounding). Every rank must hold gradients for the same parameters, of the same shapes.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``state`` not an FP8CommState.
+        ValueError: ``model`` is a DistributedDataParallel (its gradients are already reduced:
+            register :func:`fp8_allreduce_hook` instead), ``bucket_cap_mb`` is not positive, or a
+            gradient's dtype is not float32, bfloat16 or float16.
+    """
+    where = "fp8amp.distributed.all_reduce_grads"
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(f"{where}: model is a DistributedDataParallel, whose gradients DDP already reduces; "
+                         f"register fp8amp.distributed.fp8_allreduce_hook on it instead")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module; got {type(model).__name__}")
+    if state is None:
+        state = FP8CommState()
+    elif not isinstance(state, FP8CommState):
+        raise TypeError(f"{where}: state must be an FP8CommState or None; got {type(state).__name__}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"{where}: bucket_cap_mb must be a positive number; got {bucket_cap_mb!r}")
+    cap = bucket_cap_mb * 2**20
+    buckets: dict = {}
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if g.dtype not in HIGH_PRECISION_DTYPES:
+            raise ValueError(f"{where}: gradients must be one of {', '.join(str(d) for d in HIGH_PRECISION_DTYPES)} "
+                             f"(or ScaledTensor); got {g.dtype}")
+        lists = buckets.setdefault((g.device, g.dtype), [[]])
+        if lists[-1] and sum(x.numel() for x in lists[-1]) * g.element_size() + g.numel() * g.element_size() > cap:
+            lists.append([])
+        lists[-1].append(g)
+    for (device, _), lists in buckets.items():
+        for grads in lists:
+            flat = torch.cat([(g.dequantize() if isinstance(g, ScaledTensor) else g).reshape(-1) for g in grads])
+            with _side_stream(state, device):
+                mean = _reduce_flat(flat, tuple(g.numel() for g in grads), state)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).wait_stream(state._streams[device])
+                mean.record_stream(torch.cuda.current_stream(device))
+            offset = 0
+            with torch.no_grad():
+                for g in grads:
+                    g.copy_(mean[offset:offset + g.numel()].view(g.shape))
+                    offset += g.numel()
+
+
+def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one rank sends to reduce one bucket holding gradients of ``numels`` elements over
+    ``world`` ranks.
+
+    ``method``: ``"all_to_all"`` or ``"native"`` (FP8, as this module does them) or
+    ``"all_reduce"`` (a ring all-reduce of ``dtype``: ``2 (N-1)/N`` of the bytes). The FP8 methods
+    include the amax all-reduce (a ring of one float32 per gradient) and, for all_to_all, the
+    padding to ``N L`` elements and the float32 scale slots of each shard.
+    """
+    numels = tuple(int(c) for c in numels if c > 0)
+    if method not in METHODS + ("all_reduce",):
+        raise ValueError(f"fp8amp.distributed.wire_bytes: method must be one of 'all_to_all', 'native', "
+                         f"'all_reduce'; got {method!r}")
+    if world <= 1 or not numels:
+        return 0
+    n = sum(numels)
+
+    def ring(nbytes: int) -> int:
+        return 2 * (world - 1) * nbytes // world
+
+    if method == "all_reduce":
+        return ring(n * torch.empty((), dtype=dtype).element_size())
+    amax = ring(4 * len(numels))
+    if method == "native":
+        return amax + ring(n)
+    layout = _make_layout(numels, world)
+    return amax + (world - 1) * layout.L + (world - 1) * (layout.L + 4 * layout.max_pieces)
