@@ -1,0 +1,443 @@
+"""FP8 gradient all-reduce (fp8amp.distributed, DESIGN §7) on CPU: 2 and 3 processes with gloo.
+
+Each world size spawns its processes once (a module fixture); the workers run every scenario and
+hand back their inputs and outputs; the tests below check them against the exact float64 mean.
+
+The bound (method "all_to_all", per element, derived in fp8amp/distributed.py's docstring): with
+``u`` the format's unit roundoff (E4M3 2^-4, E5M2 2^-3), ``eta`` half its smallest subnormal
+(2^-10, 2^-17), ``u32 = 2^-24``, ``s`` the shared scale of the element's gradient
+``2^floor(log2(fmax / A))`` (A = the max over ranks of that gradient's amax) and ``t`` the scale of
+the mean's piece (bounded below from the largest ``|mean| + e1 + e2`` of the piece or, when the
+test does not know the shard cut, of the whole gradient):
+
+    e1 = u mean_r|x_r| + eta / s                  one FP8 rounding of each rank's contribution
+    e2 = u32 (N - 1) mean_r|q_r| + u32 (|m| + e1)  the FP32 sum in rank order and the division by N
+    e3 = u (|m| + e1 + e2) + eta / t              one FP8 rounding of the mean
+    |out - m| <= e1 + e2 + e3      (mean_r|q_r| <= (1 + u) mean_r|x_r| + eta / s)
+
+An O2 gradient (ScaledTensor) is re-quantized once more when DDP copies the mean back: + one E4M3
+rounding at the tensor's fresh scale.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fp8amp
+from fp8amp import distributed as fd
+
+E4M3, E5M2 = fp8amp.E4M3, fp8amp.E5M2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
+ETA = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
+U32 = 2.0 ** -24
+SIZES = (37, 1, 200, 5, 64)  # 307 elements: not a multiple of 2 or 3
+DDP_STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def synth(rank: int, sizes, dtype, seed: int = 0) -> torch.Tensor:
+    """Flat gradients of ``sizes`` whose magnitudes differ by 10^2 per gradient and spread over 2^24
+    within one (down into the FP8 subnormals), with exact zeros; deterministic in (rank, seed)."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    parts = []
+    for i, n in enumerate(sizes):
+        mag = 10.0 ** (2 * (i % 3) - 2)
+        x = torch.randn(n, generator=g, dtype=torch.float64) * mag * 2.0 ** (-24 * torch.rand(n, generator=g, dtype=torch.float64))
+        x[torch.rand(n, generator=g) < 0.05] = 0
+        parts.append(x)
+    return torch.cat(parts).to(dtype)
+
+
+class FakeBucket:
+    """What fp8_allreduce_hook reads of a dist.GradBucket."""
+
+    def __init__(self, flat: torch.Tensor, sizes) -> None:
+        self._flat = flat
+        self._grads = list(torch.split(flat, list(sizes)))
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def gradients(self) -> list:
+        return self._grads
+
+
+def pow2_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """2^floor(log2(fmax / amax)) within 2^+-126, 1 where amax is 0 (compute_scale's rule)."""
+    e = torch.floor(torch.log2(fmax / amax.double())).clamp(-126, 126)
+    return torch.where(amax > 0, 2.0 ** e, torch.ones_like(e))
+
+
+def bound_all_to_all(xs: list, sizes, fmt, pieces) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact mean, bound) per element. ``xs``: every rank's flat input (float64). ``pieces``: the
+    (start, end) ranges that share a requantization scale (pieces of shards, or whole gradients)."""
+    n_ranks = len(xs)
+    x = torch.stack(xs).double()
+    m = x.mean(0)
+    mean_abs = x.abs().mean(0)
+    u, eta = U[fmt], ETA[fmt]
+    s = torch.empty_like(m)
+    o = 0
+    for c in sizes:
+        s[o:o + c] = pow2_scale(x[:, o:o + c].abs().max(), FMAX[fmt])
+        o += c
+    e1 = u * mean_abs + eta / s
+    q_abs = (1 + u) * mean_abs + eta / s
+    e2 = U32 * (n_ranks - 1) * q_abs + U32 * (m.abs() + e1)
+    big = m.abs() + e1 + e2
+    t = torch.empty_like(m)
+    for a, b in pieces:
+        t[a:b] = pow2_scale(big[a:b].max(), FMAX[fmt])
+    return m, e1 + e2 + u * big + eta / t
+
+
+def shard_pieces(sizes, world: int) -> list:
+    layout = fd._make_layout(tuple(sizes), world)
+    return [(k * layout.L + a, k * layout.L + b) for k in range(world) for a, b, _ in layout.pieces[k]]
+
+
+def emulated_native_all_reduce(codes: torch.Tensor, group) -> None:
+    """What NCCL's float8 SUM does, emulated with gloo: partial sums in FP8, rounded at every hop in
+    rank order (a ring), an overflow made visible as NaN."""
+    fmt = codes.dtype
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(codes.view(torch.uint8)) for _ in range(world)]
+    dist.all_gather(gathered, codes.view(torch.uint8).clone(), group=group)
+    partial = gathered[0].view(fmt).double()
+    for j in range(1, world):
+        v = partial + gathered[j].view(fmt).double()
+        partial = torch.where(v.abs() > FMAX[fmt], torch.nan, v.to(fmt).double())
+    codes.copy_(partial.to(fmt))
+
+
+def mlp(dtype=torch.float32, o2=False) -> nn.Module:
+    """Odd sizes (not multiples of 2 or 3); for O2, two Linears FP8 can take (multiples of 16) and
+    one it cannot (5 outputs), so the model has FP8 and float32 gradients."""
+    torch.manual_seed(0)
+    if o2:
+        return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16), nn.GELU(), nn.Linear(16, 5)).to(dtype)
+    return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 5)).to(dtype)
+
+
+def batch(step: int, rank: int, dtype=torch.float32, o2=False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16 if o2 else 6, 32 if o2 else 7, generator=g).to(dtype)
+
+
+# ----------------------------------------------------------------------------- the workers
+
+
+def run_hook(flat, sizes, state):
+    fut = fd.fp8_allreduce_hook(state, FakeBucket(flat.clone(), sizes))
+    return fut.wait()
+
+
+def ddp_run(rank, world, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_rank=None, o2=False):
+    """One DDP backward checked against local gradients, then DDP_STEPS steps; returns data."""
+    model = mlp(dtype, o2)
+    if o2:
+        model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", policy="all")
+        local = fp8amp.initialize(mlp(dtype, o2), None, "O2", policy="all")[0]
+        local.load_state_dict(model.state_dict())
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        local = mlp(dtype)
+    x0 = batch(0, rank, dtype, o2)
+    if inf_rank == rank:
+        x0[0, 0] = float("inf")
+    local(x0).float().pow(2).mean().backward()
+    local_grads = [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
+                   for p in local.parameters()]
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    ddp.register_comm_hook(state, fd.fp8_allreduce_hook)
+    out = {"local": local_grads, "grads": [], "types": []}
+    for step in range(DDP_STEPS):
+        x = x0 if step == 0 else batch(step, rank, dtype, o2)
+        ddp(x).float().pow(2).mean().backward()
+        if step == 0:
+            for p in model.parameters():
+                out["types"].append(type(p.grad).__name__)
+                out["grads"].append(p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone())
+            if inf_rank is not None:
+                return out
+        opt.step()
+        opt.zero_grad()
+    out["params"] = [p.dequantize() if isinstance(p, fp8amp.ScaledTensor) else p.detach().clone()
+                     for p in model.parameters()]
+    return out
+
+
+def worker(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    try:
+        for fmt in (E4M3, E5M2):
+            for dtype in (torch.float32, torch.bfloat16):
+                state = fd.FP8CommState(fmt=fmt)
+                res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state)
+        state = fd.FP8CommState()
+        res["one_gradient"] = run_hook(synth(rank, (301,), torch.float32), (301,), state)
+        res["tiny"] = run_hook(synth(rank, (1,), torch.float32, seed=1), (1,), state)  # fewer elements than ranks
+        res["zeros"] = run_hook(torch.zeros(11), (4, 7), state)
+        bad = synth(rank, SIZES, torch.float32)
+        if rank == world - 1:
+            bad[40] = float("inf")
+        res["inf"] = run_hook(bad, SIZES, state)
+        bad = synth(rank, SIZES, torch.float32)
+        if rank == 0:
+            bad[250] = float("nan")
+        res["nan"] = run_hook(bad, SIZES, state)
+        # Native FP8 all-reduce: gloo cannot, so it must raise; then emulated to check the scales.
+        try:
+            run_hook(synth(rank, SIZES, torch.float32), SIZES, fd.FP8CommState(method="native"))
+        except ValueError as e:
+            res["native_error"] = str(e)
+        original = fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce
+        fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = ("gloo",), emulated_native_all_reduce
+        try:
+            for fmt in (E4M3, E5M2):
+                state = fd.FP8CommState(fmt=fmt, method="native")
+                res["native", fmt] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state)
+                worst = torch.full((9,), FMAX[fmt] / 3 * (1 + rank * 1e-3))  # every rank at the amax, one sign
+                res["native_worst", fmt] = run_hook(worst, (9,), state)
+        finally:
+            fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
+        # DDP
+        res["ddp"] = ddp_run(rank, world, fd.FP8CommState())
+        res["ddp_buckets"] = ddp_run(rank, world, None, bucket_cap_mb=1e-4)  # one bucket per parameter
+        res["ddp_bf16"] = ddp_run(rank, world, fd.FP8CommState(), dtype=torch.bfloat16)
+        res["ddp_inf"] = ddp_run(rank, world, fd.FP8CommState(), inf_rank=world - 1)
+        res["ddp_o2"] = ddp_run(rank, world, fd.FP8CommState(), o2=True)
+        # Without DDP: plain and O2 models.
+        for name, o2 in (("manual", False), ("manual_o2", True)):
+            model = mlp(o2=o2)
+            if o2:
+                model = fp8amp.initialize(model, None, "O2", policy="all")[0]
+            model(batch(0, rank, o2=o2)).pow(2).mean().backward()
+            local = [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
+                     for p in model.parameters()]
+            fd.all_reduce_grads(model, bucket_cap_mb=25.0 if not o2 else 1e-4)
+            res[name] = {"local": local, "types": [type(p.grad).__name__ for p in model.parameters()],
+                         "grads": [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
+                                   for p in model.parameters()]}
+        errors = {}
+        for name, call in {
+            "ddp_model": lambda: fd.all_reduce_grads(nn.parallel.DistributedDataParallel(mlp())),
+            "float64": lambda: run_hook(torch.zeros(4, dtype=torch.float64), (4,), fd.FP8CommState()),
+            "cap": lambda: fd.all_reduce_grads(mlp(), bucket_cap_mb=0),
+            "state": lambda: fd.all_reduce_grads(mlp(), state="fp8"),
+            "hook_state": lambda: run_hook(torch.zeros(4), (4,), {"fmt": E4M3}),
+        }.items():
+            try:
+                call()
+            except (TypeError, ValueError) as e:
+                errors[name] = (type(e).__name__, str(e))
+        res["errors"] = errors
+        results[rank] = res
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def run(request):
+    world = request.param
+    port = free_port()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(world, port, results), nprocs=world, join=True)
+        return world, [dict(results[r]) for r in range(world)]
+
+
+def same_on_all_ranks(res, key):
+    for r in res[1:]:
+        a, b = res[0][key], r[key]
+        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), key
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hook_within_derived_bound(run, fmt, dtype):
+    world, res = run
+    key = ("hook", fmt, dtype)
+    xs = [synth(r, SIZES, dtype).double() for r in range(world)]
+    m, bound = bound_all_to_all(xs, SIZES, fmt, shard_pieces(SIZES, world))
+    for r in res:
+        out = r[key]
+        assert out.dtype == dtype and out.shape == (sum(SIZES),)
+        err = (out.double() - m).abs()
+        assert (err <= bound).all(), (err - bound).max()
+    same_on_all_ranks(res, key)
+    # It is FP8 on the wire, not a float32 all-reduce: most elements are rounded.
+    assert ((res[0][key].double() - m).abs() > 1e-4 * m.abs()).float().mean() > 0.5
+
+
+def test_hook_single_gradient_and_fewer_elements_than_ranks(run):
+    world, res = run
+    for key, sizes, seed in (("one_gradient", (301,), 0), ("tiny", (1,), 1)):
+        xs = [synth(r, sizes, torch.float32, seed=seed).double() for r in range(world)]
+        m, bound = bound_all_to_all(xs, sizes, E4M3, shard_pieces(sizes, world))
+        for r in res:
+            assert ((r[key].double() - m).abs() <= bound).all(), key
+        same_on_all_ranks(res, key)
+
+
+def test_zero_gradients_stay_zero(run):
+    _, res = run
+    for r in res:
+        assert torch.equal(r["zeros"], torch.zeros(11))
+
+
+@pytest.mark.parametrize("key", ["inf", "nan"])
+def test_one_rank_non_finite_makes_every_rank_nan(run, key):
+    _, res = run
+    for r in res:
+        assert r[key].isnan().all(), key  # the whole bucket, on every rank
+
+
+def test_native_on_gloo_raises_naming_methods(run):
+    _, res = run
+    for r in res:
+        msg = r["native_error"]
+        assert "'gloo'" in msg and "'all_to_all'" in msg and "'native'" in msg and "nccl" in msg
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_native_headroom_prevents_overflow_of_fp8_partial_sums(run, fmt):
+    """Emulated NCCL float8 SUM (FP8 partial sums, overflow -> NaN): every rank at the amax with the
+    same sign must not overflow, and the result is within the native bound: one FP8 rounding of each
+    contribution at the headroom scale s, N - 1 roundings of partial sums, the FP32 division."""
+    world, res = run
+    u, eta, fmax = U[fmt], ETA[fmt], FMAX[fmt]
+    worst = torch.stack([torch.full((9,), fmax / 3 * (1 + r * 1e-3)).double() for r in range(world)])
+    for key, x, sizes in ((("native_worst", fmt), worst, (9,)),
+                          (("native", fmt), torch.stack([synth(r, SIZES, torch.float32).double() for r in range(world)]),
+                           SIZES)):
+        m = x.mean(0)
+        s = torch.empty_like(m)
+        o = 0
+        for c in sizes:
+            s[o:o + c] = pow2_scale(x[:, o:o + c].abs().max(), fmax / (world * (1 + u) ** max(world - 2, 0)))
+            o += c
+        q = (x.abs() * s * (1 + u) + eta).sum(0)  # sum over ranks of the codes' magnitudes
+        err_codes = (u * x.abs() * s + eta).sum(0) + (world - 1) * (u * q * (1 + u) ** (world - 2) + eta)
+        bound = err_codes / (s * world) + U32 * (m.abs() + err_codes / (s * world))
+        for r in res:
+            out = r[key].double()
+            assert not out.isnan().any(), key
+            assert ((out - m).abs() <= bound).all(), key
+        same_on_all_ranks(res, key)
+
+
+def exact_mean_and_bound(res, key, o2=False):
+    """Per parameter: (mean, bound) from every rank's local gradients (the piece scale t bounded
+    from the whole gradient, since DDP's bucket order decides the shard cut). A bfloat16 bucket needs
+    no extra term: FP8 values are bfloat16 values."""
+    out = []
+    n_params = len(res[0][key]["local"])
+    for i in range(n_params):
+        xs = [r[key]["local"][i].double().reshape(-1) for r in res]
+        m, bound = bound_all_to_all(xs, (xs[0].numel(),), E4M3, [(0, xs[0].numel())])
+        if o2 and res[0][key]["types"][i] == "ScaledTensor":  # the copy back re-quantizes (E4M3, fresh scale)
+            big = m.abs() + bound
+            bound = bound + U[E4M3] * big + ETA[E4M3] / pow2_scale(big.max(), FMAX[E4M3])
+        out.append((m, bound))
+    return out
+
+
+@pytest.mark.parametrize("key", ["ddp", "ddp_buckets", "ddp_bf16", "ddp_o2", "manual", "manual_o2"])
+def test_gradients_are_the_mean_within_bound(run, key):
+    world, res = run
+    o2 = key.endswith("o2")
+    if o2:
+        types = res[0][key]["types"]
+        assert types.count("ScaledTensor") == 2, types  # the two Linear weights have FP8 gradients
+    for i, (m, bound) in enumerate(exact_mean_and_bound(res, key, o2=o2)):
+        for r in res:
+            g = r[key]["grads"][i].double().reshape(-1)
+            assert ((g - m).abs() <= bound).all(), (key, i, ((g - m).abs() - bound).max())
+        for r in res[1:]:
+            assert torch.equal(r[key]["grads"][i], res[0][key]["grads"][i]), (key, i)
+
+
+@pytest.mark.parametrize("key", ["ddp", "ddp_buckets", "ddp_bf16", "ddp_o2"])
+def test_ddp_replicas_identical_after_steps(run, key):
+    world, res = run
+    initial = [p.detach() for p in mlp(res[0][key]["params"][0].dtype, key.endswith("o2")).parameters()]
+    for i, p in enumerate(res[0][key]["params"]):
+        for r in res[1:]:
+            assert torch.equal(r[key]["params"][i], p), (key, i)
+    assert not torch.equal(res[0][key]["params"][0].float(), initial[0].float())  # it trained
+
+
+def test_ddp_rank_with_inf_makes_all_gradients_nan(run):
+    _, res = run
+    for r in res:
+        for g in r["ddp_inf"]["grads"]:
+            assert g.isnan().all()
+
+
+def test_errors_in_workers(run):
+    _, res = run
+    errors = res[0]["errors"]
+    assert errors["ddp_model"][0] == "ValueError" and "fp8_allreduce_hook" in errors["ddp_model"][1]
+    assert errors["float64"][0] == "ValueError" and "torch.float64" in errors["float64"][1]
+    assert "torch.float32" in errors["float64"][1] and "torch.bfloat16" in errors["float64"][1]
+    assert errors["cap"][0] == "ValueError" and "bucket_cap_mb" in errors["cap"][1]
+    assert errors["state"][0] == "TypeError" and "FP8CommState" in errors["state"][1]
+    assert errors["hook_state"][0] == "TypeError" and "FP8CommState" in errors["hook_state"][1]
+
+
+def test_state_argument_errors():
+    with pytest.raises(ValueError, match=r"fmt must be one of torch.float8_e4m3fn, torch.float8_e5m2"):
+        fd.FP8CommState(fmt=torch.float16)
+    with pytest.raises(ValueError, match=r"method must be one of 'all_to_all', 'native'; got 'ring'"):
+        fd.FP8CommState(method="ring")
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        fd.FP8CommState(process_group="world")
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        fd.all_reduce_grads("model")
+    with pytest.raises(ValueError, match="method must be one of 'all_to_all', 'native', 'all_reduce'"):
+        fd.wire_bytes((100,), 2, "ring")
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_layout_covers_every_element_once(world):
+    sizes = (37, 1, 200, 5, 64)
+    layout = fd._make_layout(sizes, world)
+    assert layout.L == math.ceil(sum(sizes) / world)
+    covered = []
+    for k in range(world):
+        for a, b, i in layout.pieces[k]:
+            o, c = layout.segments[i]
+            assert o <= k * layout.L + a < k * layout.L + b <= o + c
+            covered.extend(range(k * layout.L + a, k * layout.L + b))
+    assert covered == list(range(sum(sizes)))
+
+
+def test_wire_bytes_half_of_bf16():
+    n, world = 2**29, 2
+    fp8 = fd.wire_bytes((n,), world, "all_to_all")
+    bf16 = fd.wire_bytes((n,), world, "all_reduce", torch.bfloat16)
+    assert bf16 == n * 2 and fd.wire_bytes((n,), world, "all_reduce", torch.float32) == n * 4
+    assert n <= fp8 <= n + 64 and fd.wire_bytes((n,), world, "native") == n + 4
