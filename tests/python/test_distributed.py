@@ -1,7 +1,10 @@
-"""FP8 gradient all-reduce (fp8amp.distributed, DESIGN §7) on CPU: 2 and 3 processes with gloo.
+"""FP8 gradient all-reduce (fp8amp.distributed, DESIGN §7): 2 and 3 processes on CPU with gloo, and
+2 processes on 2 GPUs with NCCL (rank r on cuda:r; marked gpu, skipped with fewer than 2 GPUs).
 
-Each world size spawns its processes once (a module fixture); the workers run every scenario and
-hand back their inputs and outputs; the tests below check them against the exact float64 mean.
+Each setup spawns its processes once (a module fixture); the workers run every scenario and hand
+back their inputs and outputs (on the CPU); the tests below check them against the exact float64
+mean. The scenarios are the same on both backends, except for method "native": gloo cannot reduce
+float8, so there it must raise and NCCL's float8 SUM is emulated; NCCL runs its own.
 
 The bound (method "all_to_all", per element, derived in fp8amp/distributed.py's docstring): with
 ``u`` the format's unit roundoff (E4M3 2^-4, E5M2 2^-3), ``eta`` half its smallest subnormal
@@ -21,9 +24,11 @@ rounding at the tensor's fresh scale.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import socket
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -41,6 +46,8 @@ ETA = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 U32 = 2.0 ** -24
 SIZES = (37, 1, 200, 5, 64)  # 307 elements: not a multiple of 2 or 3
 DDP_STEPS = 3
+# A rank that fails leaves the others waiting in a collective: give up after this, not NCCL's 10 min.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
 
 
 def free_port() -> int:
@@ -144,22 +151,22 @@ def batch(step: int, rank: int, dtype=torch.float32, o2=False) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the workers
 
 
-def run_hook(flat, sizes, state):
-    fut = fd.fp8_allreduce_hook(state, FakeBucket(flat.clone(), sizes))
+def run_hook(flat, sizes, state, device):
+    fut = fd.fp8_allreduce_hook(state, FakeBucket(flat.to(device, copy=True), sizes))
     return fut.wait()
 
 
-def ddp_run(rank, world, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_rank=None, o2=False):
+def ddp_run(rank, device, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_rank=None, o2=False):
     """One DDP backward checked against local gradients, then DDP_STEPS steps; returns data."""
-    model = mlp(dtype, o2)
+    model = mlp(dtype, o2).to(device)
     if o2:
         model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", policy="all")
-        local = fp8amp.initialize(mlp(dtype, o2), None, "O2", policy="all")[0]
+        local = fp8amp.initialize(mlp(dtype, o2).to(device), None, "O2", policy="all")[0]
         local.load_state_dict(model.state_dict())
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        local = mlp(dtype)
-    x0 = batch(0, rank, dtype, o2)
+        local = mlp(dtype).to(device)
+    x0 = batch(0, rank, dtype, o2).to(device)
     if inf_rank == rank:
         x0[0, 0] = float("inf")
     local(x0).float().pow(2).mean().backward()
@@ -169,7 +176,7 @@ def ddp_run(rank, world, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_ran
     ddp.register_comm_hook(state, fd.fp8_allreduce_hook)
     out = {"local": local_grads, "grads": [], "types": []}
     for step in range(DDP_STEPS):
-        x = x0 if step == 0 else batch(step, rank, dtype, o2)
+        x = x0 if step == 0 else batch(step, rank, dtype, o2).to(device)
         ddp(x).float().pow(2).mean().backward()
         if step == 0:
             for p in model.parameters():
@@ -184,54 +191,82 @@ def ddp_run(rank, world, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_ran
     return out
 
 
-def worker(rank: int, world: int, port: int, results) -> None:
+def native_runs(rank, device) -> dict:
+    """Method "native" in both formats: the gradients of SIZES, and every rank at the amax with one
+    sign."""
+    out = {}
+    for fmt in (E4M3, E5M2):
+        state = fd.FP8CommState(fmt=fmt, method="native")
+        out["native", fmt] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, device)
+        worst = torch.full((9,), FMAX[fmt] / 3 * (1 + rank * 1e-3))
+        out["native_worst", fmt] = run_hook(worst, (9,), state, device)
+    return out
+
+
+def to_cpu(obj):
+    """``obj`` with every tensor moved to the CPU (what the Manager can hand to the test process)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def worker(rank: int, world: int, backend: str, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     res = {}
     try:
         for fmt in (E4M3, E5M2):
             for dtype in (torch.float32, torch.bfloat16):
                 state = fd.FP8CommState(fmt=fmt)
-                res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state)
+                res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
         state = fd.FP8CommState()
-        res["one_gradient"] = run_hook(synth(rank, (301,), torch.float32), (301,), state)
-        res["tiny"] = run_hook(synth(rank, (1,), torch.float32, seed=1), (1,), state)  # fewer elements than ranks
-        res["zeros"] = run_hook(torch.zeros(11), (4, 7), state)
+        res["one_gradient"] = run_hook(synth(rank, (301,), torch.float32), (301,), state, device)
+        res["tiny"] = run_hook(synth(rank, (1,), torch.float32, seed=1), (1,), state, device)  # fewer elements than ranks
+        res["zeros"] = run_hook(torch.zeros(11), (4, 7), state, device)
         bad = synth(rank, SIZES, torch.float32)
         if rank == world - 1:
             bad[40] = float("inf")
-        res["inf"] = run_hook(bad, SIZES, state)
+        res["inf"] = run_hook(bad, SIZES, state, device)
         bad = synth(rank, SIZES, torch.float32)
         if rank == 0:
             bad[250] = float("nan")
-        res["nan"] = run_hook(bad, SIZES, state)
-        # Native FP8 all-reduce: gloo cannot, so it must raise; then emulated to check the scales.
-        try:
-            run_hook(synth(rank, SIZES, torch.float32), SIZES, fd.FP8CommState(method="native"))
-        except ValueError as e:
-            res["native_error"] = str(e)
-        original = fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce
-        fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = ("gloo",), emulated_native_all_reduce
-        try:
-            for fmt in (E4M3, E5M2):
-                state = fd.FP8CommState(fmt=fmt, method="native")
-                res["native", fmt] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state)
-                worst = torch.full((9,), FMAX[fmt] / 3 * (1 + rank * 1e-3))  # every rank at the amax, one sign
-                res["native_worst", fmt] = run_hook(worst, (9,), state)
-        finally:
-            fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
+        res["nan"] = run_hook(bad, SIZES, state, device)
+        if backend == "gloo":
+            # gloo cannot reduce float8, so "native" must raise; then emulated, to check the scales.
+            try:
+                run_hook(synth(rank, SIZES, torch.float32), SIZES, fd.FP8CommState(method="native"), device)
+            except ValueError as e:
+                res["native_error"] = str(e)
+            original = fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce
+            fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = ("gloo",), emulated_native_all_reduce
+            try:
+                res.update(native_runs(rank, device))
+            finally:
+                fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
+        else:
+            try:
+                res.update(native_runs(rank, device))  # NCCL's own float8 SUM
+            except ValueError as e:  # a torch or NCCL build without float8 reductions
+                res["native_error"] = str(e)
         # DDP
-        res["ddp"] = ddp_run(rank, world, fd.FP8CommState())
-        res["ddp_buckets"] = ddp_run(rank, world, None, bucket_cap_mb=1e-4)  # one bucket per parameter
-        res["ddp_bf16"] = ddp_run(rank, world, fd.FP8CommState(), dtype=torch.bfloat16)
-        res["ddp_inf"] = ddp_run(rank, world, fd.FP8CommState(), inf_rank=world - 1)
-        res["ddp_o2"] = ddp_run(rank, world, fd.FP8CommState(), o2=True)
+        res["ddp"] = ddp_run(rank, device, fd.FP8CommState())
+        res["ddp_buckets"] = ddp_run(rank, device, None, bucket_cap_mb=1e-4)  # one bucket per parameter
+        res["ddp_bf16"] = ddp_run(rank, device, fd.FP8CommState(), dtype=torch.bfloat16)
+        res["ddp_inf"] = ddp_run(rank, device, fd.FP8CommState(), inf_rank=world - 1)
+        res["ddp_o2"] = ddp_run(rank, device, fd.FP8CommState(), o2=True)
         # Without DDP: plain and O2 models.
         for name, o2 in (("manual", False), ("manual_o2", True)):
-            model = mlp(o2=o2)
+            model = mlp(o2=o2).to(device)
             if o2:
                 model = fp8amp.initialize(model, None, "O2", policy="all")[0]
-            model(batch(0, rank, o2=o2)).pow(2).mean().backward()
+            model(batch(0, rank, o2=o2).to(device)).pow(2).mean().backward()
             local = [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
                      for p in model.parameters()]
             fd.all_reduce_grads(model, bucket_cap_mb=25.0 if not o2 else 1e-4)
@@ -240,30 +275,45 @@ def worker(rank: int, world: int, port: int, results) -> None:
                                    for p in model.parameters()]}
         errors = {}
         for name, call in {
-            "ddp_model": lambda: fd.all_reduce_grads(nn.parallel.DistributedDataParallel(mlp())),
-            "float64": lambda: run_hook(torch.zeros(4, dtype=torch.float64), (4,), fd.FP8CommState()),
+            "ddp_model": lambda: fd.all_reduce_grads(nn.parallel.DistributedDataParallel(mlp().to(device))),
+            "float64": lambda: run_hook(torch.zeros(4, dtype=torch.float64), (4,), fd.FP8CommState(), device),
             "cap": lambda: fd.all_reduce_grads(mlp(), bucket_cap_mb=0),
             "state": lambda: fd.all_reduce_grads(mlp(), state="fp8"),
-            "hook_state": lambda: run_hook(torch.zeros(4), (4,), {"fmt": E4M3}),
+            "hook_state": lambda: run_hook(torch.zeros(4), (4,), {"fmt": E4M3}, device),
         }.items():
             try:
                 call()
             except (TypeError, ValueError) as e:
                 errors[name] = (type(e).__name__, str(e))
         res["errors"] = errors
-        results[rank] = res
+        results[rank] = to_cpu(res)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+class Run(NamedTuple):
+    world: int
+    backend: str
+    results: list  # per rank: the worker's dict of results
+
+
+GPUS = torch.cuda.device_count()
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param((2, "gloo"), id="world2"),
+    pytest.param((3, "gloo"), id="world3"),
+    pytest.param((2, "nccl"), id="nccl2", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs for NCCL; {GPUS} visible")]),
+])
 def run(request):
-    world = request.param
+    world, backend = request.param
     port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(world, port, results), nprocs=world, join=True)
-        return world, [dict(results[r]) for r in range(world)]
+        mp.spawn(worker, args=(world, backend, port, results), nprocs=world, join=True)
+        return Run(world, backend, [dict(results[r]) for r in range(world)])
 
 
 def same_on_all_ranks(res, key):
@@ -278,7 +328,7 @@ def same_on_all_ranks(res, key):
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hook_within_derived_bound(run, fmt, dtype):
-    world, res = run
+    world, _, res = run
     key = ("hook", fmt, dtype)
     xs = [synth(r, SIZES, dtype).double() for r in range(world)]
     m, bound = bound_all_to_all(xs, SIZES, fmt, shard_pieces(SIZES, world))
@@ -293,7 +343,7 @@ def test_hook_within_derived_bound(run, fmt, dtype):
 
 
 def test_hook_single_gradient_and_fewer_elements_than_ranks(run):
-    world, res = run
+    world, _, res = run
     for key, sizes, seed in (("one_gradient", (301,), 0), ("tiny", (1,), 1)):
         xs = [synth(r, sizes, torch.float32, seed=seed).double() for r in range(world)]
         m, bound = bound_all_to_all(xs, sizes, E4M3, shard_pieces(sizes, world))
@@ -303,31 +353,41 @@ def test_hook_single_gradient_and_fewer_elements_than_ranks(run):
 
 
 def test_zero_gradients_stay_zero(run):
-    _, res = run
+    _, _, res = run
     for r in res:
         assert torch.equal(r["zeros"], torch.zeros(11))
 
 
 @pytest.mark.parametrize("key", ["inf", "nan"])
 def test_one_rank_non_finite_makes_every_rank_nan(run, key):
-    _, res = run
+    _, _, res = run
     for r in res:
         assert r[key].isnan().all(), key  # the whole bucket, on every rank
 
 
-def test_native_on_gloo_raises_naming_methods(run):
-    _, res = run
+def test_native_without_float8_reduction_raises_naming_methods(run):
+    """gloo cannot reduce float8, so method "native" must raise, naming the methods; so must a torch
+    or NCCL build that refuses float8 all_reduce."""
+    _, backend, res = run
+    if backend == "nccl" and "native_error" not in res[0]:
+        pytest.skip("this torch and NCCL reduce float8: test_native_headroom_prevents_overflow_of_fp8_partial_sums "
+                    "checks the result")
     for r in res:
         msg = r["native_error"]
-        assert "'gloo'" in msg and "'all_to_all'" in msg and "'native'" in msg and "nccl" in msg
+        assert "'all_to_all'" in msg and "'native'" in msg
+        if backend == "gloo":
+            assert "'gloo'" in msg and "nccl" in msg
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_native_headroom_prevents_overflow_of_fp8_partial_sums(run, fmt):
-    """Emulated NCCL float8 SUM (FP8 partial sums, overflow -> NaN): every rank at the amax with the
-    same sign must not overflow, and the result is within the native bound: one FP8 rounding of each
-    contribution at the headroom scale s, N - 1 roundings of partial sums, the FP32 division."""
-    world, res = run
+    """NCCL's float8 SUM (gloo: emulated, FP8 partial sums, overflow -> NaN): every rank at the amax
+    with the same sign must not overflow, and the result is within the native bound: one FP8
+    rounding of each contribution at the headroom scale s, N - 1 roundings of partial sums, the FP32
+    division."""
+    world, backend, res = run
+    if backend == "nccl" and "native_error" in res[0]:
+        pytest.skip(f"this torch or NCCL refuses float8 all_reduce: {res[0]['native_error']}")
     u, eta, fmax = U[fmt], ETA[fmt], FMAX[fmt]
     worst = torch.stack([torch.full((9,), fmax / 3 * (1 + r * 1e-3)).double() for r in range(world)])
     for key, x, sizes in ((("native_worst", fmt), worst, (9,)),
@@ -367,7 +427,7 @@ def exact_mean_and_bound(res, key, o2=False):
 
 @pytest.mark.parametrize("key", ["ddp", "ddp_buckets", "ddp_bf16", "ddp_o2", "manual", "manual_o2"])
 def test_gradients_are_the_mean_within_bound(run, key):
-    world, res = run
+    world, _, res = run
     o2 = key.endswith("o2")
     if o2:
         types = res[0][key]["types"]
@@ -382,7 +442,7 @@ def test_gradients_are_the_mean_within_bound(run, key):
 
 @pytest.mark.parametrize("key", ["ddp", "ddp_buckets", "ddp_bf16", "ddp_o2"])
 def test_ddp_replicas_identical_after_steps(run, key):
-    world, res = run
+    world, _, res = run
     initial = [p.detach() for p in mlp(res[0][key]["params"][0].dtype, key.endswith("o2")).parameters()]
     for i, p in enumerate(res[0][key]["params"]):
         for r in res[1:]:
@@ -391,14 +451,14 @@ def test_ddp_replicas_identical_after_steps(run, key):
 
 
 def test_ddp_rank_with_inf_makes_all_gradients_nan(run):
-    _, res = run
+    _, _, res = run
     for r in res:
         for g in r["ddp_inf"]["grads"]:
             assert g.isnan().all()
 
 
 def test_errors_in_workers(run):
-    _, res = run
+    _, _, res = run
     errors = res[0]["errors"]
     assert errors["ddp_model"][0] == "ValueError" and "fp8_allreduce_hook" in errors["ddp_model"][1]
     assert errors["float64"][0] == "ValueError" and "torch.float64" in errors["float64"][1]
