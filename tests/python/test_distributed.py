@@ -115,6 +115,19 @@ def bound_all_to_all(xs: list, sizes, fmt, pieces) -> tuple[torch.Tensor, torch.
     return m, e1 + e2 + u * big + eta / t
 
 
+def native_fmax(fmt, world: int) -> float:
+    """F of method "native": the largest code magnitude whose sum over ``world`` ranks, rounded at
+    every partial sum, stays within fmax."""
+    return FMAX[fmt] / (world * (1 + U[fmt]) ** max(world - 2, 0))
+
+
+def headroom_worst(rank: int, world: int, fmt) -> torch.Tensor:
+    """Every rank just below the headroom's limit F, with one sign: the shared scale is 1 and the
+    codes round up to F or near it, so the FP8 partial sums come as close to fmax as the headroom
+    allows (exactly fmax for 2 ranks)."""
+    return torch.full((9,), native_fmax(fmt, world) * (1 - 2.0 ** -10) * (1 - rank * 1e-3))
+
+
 def shard_pieces(sizes, world: int) -> list:
     layout = fd._make_layout(tuple(sizes), world)
     return [(k * layout.L + a, k * layout.L + b) for k in range(world) for a, b, _ in layout.pieces[k]]
@@ -191,15 +204,13 @@ def ddp_run(rank, device, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_ra
     return out
 
 
-def native_runs(rank, device) -> dict:
-    """Method "native" in both formats: the gradients of SIZES, and every rank at the amax with one
-    sign."""
+def native_runs(rank, world, device) -> dict:
+    """Method "native" in both formats: the gradients of SIZES, and the headroom's worst case."""
     out = {}
     for fmt in (E4M3, E5M2):
         state = fd.FP8CommState(fmt=fmt, method="native")
         out["native", fmt] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, device)
-        worst = torch.full((9,), FMAX[fmt] / 3 * (1 + rank * 1e-3))
-        out["native_worst", fmt] = run_hook(worst, (9,), state, device)
+        out["native_worst", fmt] = run_hook(headroom_worst(rank, world, fmt), (9,), state, device)
     return out
 
 
@@ -247,12 +258,12 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
             original = fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce
             fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = ("gloo",), emulated_native_all_reduce
             try:
-                res.update(native_runs(rank, device))
+                res.update(native_runs(rank, world, device))
             finally:
                 fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
         else:
             try:
-                res.update(native_runs(rank, device))  # NCCL's own float8 SUM
+                res.update(native_runs(rank, world, device))  # NCCL's own float8 SUM
             except ValueError as e:  # a torch or NCCL build without float8 reductions
                 res["native_error"] = str(e)
         # DDP
@@ -381,15 +392,15 @@ def test_native_without_float8_reduction_raises_naming_methods(run):
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_native_headroom_prevents_overflow_of_fp8_partial_sums(run, fmt):
-    """NCCL's float8 SUM (gloo: emulated, FP8 partial sums, overflow -> NaN): every rank at the amax
-    with the same sign must not overflow, and the result is within the native bound: one FP8
-    rounding of each contribution at the headroom scale s, N - 1 roundings of partial sums, the FP32
-    division."""
+    """NCCL's float8 SUM (gloo: emulated, FP8 partial sums, overflow -> NaN): every rank at the
+    headroom's limit with the same sign must not overflow (a saturated sum would break the bound),
+    and the result is within the native bound: one FP8 rounding of each contribution at the
+    headroom scale s, N - 1 roundings of partial sums, the FP32 division."""
     world, backend, res = run
     if backend == "nccl" and "native_error" in res[0]:
         pytest.skip(f"this torch or NCCL refuses float8 all_reduce: {res[0]['native_error']}")
-    u, eta, fmax = U[fmt], ETA[fmt], FMAX[fmt]
-    worst = torch.stack([torch.full((9,), fmax / 3 * (1 + r * 1e-3)).double() for r in range(world)])
+    u, eta = U[fmt], ETA[fmt]
+    worst = torch.stack([headroom_worst(r, world, fmt).double() for r in range(world)])
     for key, x, sizes in ((("native_worst", fmt), worst, (9,)),
                           (("native", fmt), torch.stack([synth(r, SIZES, torch.float32).double() for r in range(world)]),
                            SIZES)):
@@ -397,7 +408,7 @@ def test_native_headroom_prevents_overflow_of_fp8_partial_sums(run, fmt):
         s = torch.empty_like(m)
         o = 0
         for c in sizes:
-            s[o:o + c] = pow2_scale(x[:, o:o + c].abs().max(), fmax / (world * (1 + u) ** max(world - 2, 0)))
+            s[o:o + c] = pow2_scale(x[:, o:o + c].abs().max(), native_fmax(fmt, world))
             o += c
         q = (x.abs() * s * (1 + u) + eta).sum(0)  # sum over ranks of the codes' magnitudes
         err_codes = (u * x.abs() * s + eta).sum(0) + (world - 1) * (u * q * (1 + u) ** (world - 2) + eta)
