@@ -4,7 +4,8 @@
 Each setup spawns its processes once (a module fixture); the workers run every scenario and hand
 back their inputs and outputs (on the CPU); the tests below check them against the exact float64
 mean. The scenarios are the same on both backends, except for method "native": gloo cannot reduce
-float8, so there it must raise and NCCL's float8 SUM is emulated; NCCL runs its own.
+float8, so there it must raise and NCCL's float8 SUM is emulated; NCCL runs its own. On CUDA one
+more scenario checks the ordering of the side stream against the compute stream.
 
 The bound (method "all_to_all", per element, derived in fp8amp/distributed.py's docstring): with
 ``u`` the format's unit roundoff (E4M3 2^-4, E5M2 2^-3), ``eta`` half its smallest subnormal
@@ -46,6 +47,9 @@ ETA = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 U32 = 2.0 ** -24
 SIZES = (37, 1, 200, 5, 64)  # 307 elements: not a multiple of 2 or 3
 DDP_STEPS = 3
+# A kernel spinning this many GPU clock cycles (about half a second on an H200) keeps the compute
+# stream busy far longer than the host needs to queue a whole reduction.
+SLEEP_CYCLES = 10**9
 # A rank that fails leaves the others waiting in a collective: give up after this, not NCCL's 10 min.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
 
@@ -214,6 +218,47 @@ def native_runs(rank, world, device) -> dict:
     return out
 
 
+def stream_order_run(rank, device) -> dict:
+    """CUDA only: the hook and all_reduce_grads called while the compute stream is still busy (a
+    spinning kernel, then the write of their input), their results used on the compute stream at
+    once; then again on an idle GPU, as the reference. A side stream that did not wait for the
+    compute stream would read the input before it is written, and a result used without waiting
+    for the side stream would be read before it is written: either differs from the reference. The
+    busy call goes first and its data (seeds 2, 3) appears nowhere else, so a result read too early
+    cannot find the right bytes in a reused memory block. Also records whether each busy call
+    returned to the host while the GPU was still busy (no host synchronization)."""
+    compute = torch.cuda.current_stream(device)
+    state = fd.FP8CommState()
+    x = synth(rank, SIZES, torch.float32, seed=2).to(device)
+    bucket = torch.zeros_like(x)
+    model = mlp().to(device)
+    params = list(model.parameters())
+    numels = [p.numel() for p in params]
+    grads = synth(rank, numels, torch.float32, seed=3).to(device).split(numels)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+
+    def hook():
+        bucket.copy_(x)
+        return fd.fp8_allreduce_hook(state, FakeBucket(bucket, SIZES)).wait().clone()
+
+    def all_reduce_grads():
+        for p, g in zip(params, grads):
+            p.grad.copy_(g.view_as(p))
+        fd.all_reduce_grads(model, state)
+        return [p.grad.clone() for p in params]
+
+    out = {}
+    for name, call in (("hook", hook), ("grads", all_reduce_grads)):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        out[name + "_busy"] = call()
+        out[name + "_returned_early"] = not compute.query()
+        torch.cuda.synchronize(device)
+        out[name + "_idle"] = call()
+    return out
+
+
 def to_cpu(obj):
     """``obj`` with every tensor moved to the CPU (what the Manager can hand to the test process)."""
     if isinstance(obj, torch.Tensor):
@@ -266,6 +311,8 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
                 res.update(native_runs(rank, world, device))  # NCCL's own float8 SUM
             except ValueError as e:  # a torch or NCCL build without float8 reductions
                 res["native_error"] = str(e)
+        if device.type == "cuda":
+            res["streams"] = stream_order_run(rank, device)
         # DDP
         res["ddp"] = ddp_run(rank, device, fd.FP8CommState())
         res["ddp_buckets"] = ddp_run(rank, device, None, bucket_cap_mb=1e-4)  # one bucket per parameter
@@ -418,6 +465,23 @@ def test_native_headroom_prevents_overflow_of_fp8_partial_sums(run, fmt):
             assert not out.isnan().any(), key
             assert ((out - m).abs() <= bound).all(), key
         same_on_all_ranks(res, key)
+
+
+def test_cuda_side_stream_ordered_with_compute_stream(run):
+    """The reduction waits for the compute stream's pending work, the compute stream for the
+    reduction's result, and the host for neither (stream_order_run)."""
+    world, backend, res = run
+    if backend != "nccl":
+        pytest.skip("CUDA streams: the nccl2 setup")
+    xs = [synth(r, SIZES, torch.float32, seed=2).double() for r in range(world)]
+    m, bound = bound_all_to_all(xs, SIZES, E4M3, shard_pieces(SIZES, world))
+    for r in res:
+        streams = r["streams"]
+        assert streams["hook_returned_early"] and streams["grads_returned_early"]
+        assert ((streams["hook_idle"].double() - m).abs() <= bound).all()
+        assert torch.equal(streams["hook_busy"], streams["hook_idle"])
+        for busy, idle in zip(streams["grads_busy"], streams["grads_idle"]):
+            assert torch.equal(busy, idle)
 
 
 def exact_mean_and_bound(res, key, o2=False):
