@@ -217,15 +217,27 @@ def _native_fp8_all_reduce(codes: torch.Tensor, group) -> None:
     dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group)
 
 
-def _check_native_backend(state: FP8CommState, group) -> None:
+def _device_backend(group, device: torch.device) -> str:
+    """The name of the backend that runs ``group``'s collectives on ``device``'s tensors. Not
+    ``dist.get_backend(group)``: a group made without naming a backend (``init_process_group()``, as
+    under torchrun) has one backend per device type, and get_backend says "undefined"."""
+    for entry in dist.get_backend_config(group).split(","):  # e.g. "cpu:gloo,cuda:nccl"
+        device_type, _, backend = entry.rpartition(":")
+        if device_type in ("", device.type):  # no device type: one backend for all
+            return backend
+    return "none"
+
+
+def _check_native_backend(state: FP8CommState, group, device: torch.device) -> None:
     if state._backend_checked:
         return
-    backend = str(dist.get_backend(group))
+    backend = _device_backend(group, device)
     if backend not in NATIVE_BACKENDS:
         raise ValueError(
             f"fp8amp.distributed: method='native' reduces float8 tensors with dist.all_reduce, which the "
-            f"{backend!r} backend does not support (accepted backends: {', '.join(NATIVE_BACKENDS)}); use "
-            f"method='all_to_all' (any backend). Accepted methods: {', '.join(map(repr, METHODS))}")
+            f"group's backend for {device.type} tensors, {backend!r}, does not support (accepted backends: "
+            f"{', '.join(NATIVE_BACKENDS)}); use method='all_to_all' (any backend). Accepted methods: "
+            f"{', '.join(map(repr, METHODS))}")
     state._backend_checked = True
 
 
@@ -265,7 +277,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     group = state.process_group
     world = dist.get_world_size(group)
     if state.method == "native":
-        _check_native_backend(state, group)
+        _check_native_backend(state, group, buf.device)
     numels = tuple(c for c in numels if c > 0)
     if buf.numel() == 0 or not numels:
         return buf.clone()

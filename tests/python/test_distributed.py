@@ -309,6 +309,11 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
         else:
             try:
                 res.update(native_runs(rank, world, device))  # NCCL's own float8 SUM
+                # A group made without naming a backend (init_process_group() under torchrun) has one
+                # backend per device type; "native" must find NCCL for CUDA tensors.
+                per_device = dist.new_group(backend="cpu:gloo,cuda:nccl")
+                res["native_per_device_group"] = run_hook(synth(rank, SIZES, torch.float32), SIZES,
+                                                          fd.FP8CommState(per_device, method="native"), device)
             except ValueError as e:  # a torch or NCCL build without float8 reductions
                 res["native_error"] = str(e)
         if device.type == "cuda":
@@ -465,6 +470,14 @@ def test_native_headroom_prevents_overflow_of_fp8_partial_sums(run, fmt):
             assert not out.isnan().any(), key
             assert ((out - m).abs() <= bound).all(), key
         same_on_all_ranks(res, key)
+
+
+def test_native_finds_nccl_in_a_group_with_a_backend_per_device(run):
+    _, backend, res = run
+    if backend != "nccl" or "native_error" in res[0]:
+        pytest.skip("NCCL's float8 SUM: the nccl2 setup, on a torch and NCCL that reduce float8")
+    for r in res:
+        assert torch.equal(r["native_per_device_group"], r["native", E4M3])  # same data, same NCCL sum
 
 
 def test_cuda_side_stream_ordered_with_compute_stream(run):
