@@ -130,6 +130,19 @@ def accuracy(out: torch.Tensor, exact: torch.Tensor) -> tuple:
     return rms, worst
 
 
+def native_unavailable(backend: str, device: torch.device) -> str:
+    """Why method "native" cannot run here, or "" when it can: the backend must be one that reduces
+    float8, and this torch and NCCL build must accept a float8 all_reduce (probed once, so that a
+    refusal leaves the table's rows marked, not the run stopped)."""
+    if backend not in fd.NATIVE_BACKENDS:
+        return f"backend {backend}"
+    try:
+        dist.all_reduce(torch.zeros(1, dtype=fp8amp.E4M3, device=device))
+    except RuntimeError as e:  # raised alike on every rank, before any communication
+        return f"float8 all_reduce refused: {str(e).splitlines()[0]}"
+    return ""
+
+
 def run(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
@@ -137,7 +150,8 @@ def run(args) -> None:
         torch.cuda.set_device(device)
     dtype = DTYPES[args.dtype]
     timer = Timer(device, args.iters)
-    native_ok = args.backend in fd.NATIVE_BACKENDS
+    why_no_native = native_unavailable(args.backend, device)
+    native_ok = not why_no_native
     rows = []
     for n in args.sizes:
         per = max(1, n // args.tensors)
@@ -184,7 +198,7 @@ def run(args) -> None:
         bf16_time = None
         for name, fn, full, nbytes in methods:
             if fn is None:
-                rows.append([f"{n:,}", name, f"{nbytes / 1e6:.4g}", f"n/a (backend {args.backend})", "", "", ""])
+                rows.append([f"{n:,}", name, f"{nbytes / 1e6:.4g}", f"n/a ({why_no_native})", "", "", ""])
                 continue
             t = slowest(timer(fn), device)
             if name == "bf16 all_reduce":
