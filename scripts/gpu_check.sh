@@ -5,7 +5,8 @@
 #   --no-bench  skip the benchmarks
 #   --gpu-only  run only the GPU-labelled/marked tests (CI runs the CPU ones)
 #   --no-tests  build, then only the benchmarks (to split a long check over two device calls)
-#   --benches=cast,gemm  only these benchmarks/bench_<name>.py (default: all)
+#   --benches=cast,gemm  only these benchmarks/bench_<name>.py (default: all); bench_comm runs on 2
+#               GPUs under torchrun, and is skipped (with the reason) on a machine with fewer
 # The GPU machine has no GoogleTest package: carry its sources as .deps/googletest
 # (cp -r /usr/src/googletest .deps/) and name .deps in the device call's carry list.
 # Python packages the image lacks (torchao, the float8 baseline of bench_linear/bench_train) travel
@@ -15,7 +16,7 @@
 # installed into /tmp/site and put on PYTHONPATH for the benchmarks only; tests use the image's packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
+export OUT=${OUT:-$PWD/gpu_out}  # the benchmarks write their tables to $OUT/bench_<name>.md
 mkdir -p "$OUT"
 SANITIZE=0 BENCH=1 TESTS=1 BENCHES="" CTEST_ARGS=() PYTEST_ARGS=()
 for arg in "$@"; do
@@ -83,9 +84,20 @@ if [ "$BENCH" = 1 ]; then
   else
     selected=(benchmarks/bench_*.py)
   fi
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())") || gpus=0
   for bench in "${selected[@]}"; do
     echo "== $bench"
-    python3 "$bench" >> "$OUT/bench.log" 2>&1 || { status=1; echo "$bench FAILED"; }
+    launch=(python3)
+    if [ "$bench" = benchmarks/bench_comm.py ]; then
+      # NCCL between 2 ranks, one per GPU: under torchrun, never as one process.
+      if [ "$gpus" -lt 2 ]; then
+        echo "skipped: bench_comm needs 2 GPUs (NCCL between 2 ranks); $gpus visible" | tee -a "$OUT/bench.log"
+        continue
+      fi
+      # torchrun's own entry point, run by the python3 that has fp8amp installed
+      launch=(python3 -m torch.distributed.run --standalone --nproc-per-node=2)
+    fi
+    "${launch[@]}" "$bench" >> "$OUT/bench.log" 2>&1 || { status=1; echo "$bench FAILED"; }
   done
   cat "$OUT"/bench_*.md 2>/dev/null
 fi
