@@ -21,6 +21,7 @@
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
+#include "common/word_pack.cuh"
 
 namespace fp8amp {
 namespace cuda {
@@ -33,208 +34,31 @@ constexpr int kThreads = 256;  // the block size of the cast kernels
 constexpr int kWarps = kThreads / 32;
 
 // ----------------------------------------------------------------------------------------------
-// Element access: packs of N consecutive elements moved as one load or store of up to 16 bytes.
+// Packs (common/word_pack.cuh) of a matrix whose every pack the caller knows to be aligned and
+// wholly inside or wholly outside it (kWhole): then valid is 0 or N, and no element-wise code is
+// compiled.
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-// A pack as the 32-bit words it occupies in memory (element k at bit 8 * sizeof(T) * k of the
-// little-endian whole), and back.
-template <int N, class T>
-__device__ void pack_words(const Pack<T, N>& x, uint32_t (&w)[N * sizeof(T) / 4]) {
-  constexpr int kPerWord = 4 / sizeof(T);
-#pragma unroll
-  for (int i = 0; i < N / kPerWord; ++i) w[i] = 0;
-#pragma unroll
-  for (int k = 0; k < N; ++k) w[k / kPerWord] |= bits_of(x.v[k]) << (8 * sizeof(T) * (k % kPerWord));
-}
-
-template <int N, class T>
-__device__ Pack<T, N> words_pack(const uint32_t (&w)[N * sizeof(T) / 4]) {
-  constexpr int kPerWord = 4 / sizeof(T);
-  Pack<T, N> x;
-#pragma unroll
-  for (int k = 0; k < N; ++k) x.v[k] = from_bits<T>(w[k / kPerWord] >> (8 * sizeof(T) * (k % kPerWord)));
-  return x;
-}
-
-template <int N, class T>
-__device__ Pack<T, N> load_vector(const T* p) {
-  uint32_t words[N * sizeof(T) / 4];
-  load_words(p, words);
-  return words_pack<N, T>(words);
-}
-
-template <int N, class T>
-__device__ void store_vector(T* p, const Pack<T, N>& x) {
-  uint32_t words[N * sizeof(T) / 4];
-  pack_words(x, words);
-  store_words(p, words);
-}
-
-// How many of the N elements starting at index j lie before `end`.
-template <int N>
-__device__ int valid_count(int64_t j, int64_t end) {
-  return static_cast<int>(max(int64_t{0}, min(int64_t{N}, end - j)));
-}
-
-// Reads the first `valid` (0..N) elements at p and zeros the rest (a zero changes no amax).
-// One vector access when the whole pack is valid and the caller has checked the alignment,
-// else one element at a time: the tails and misaligned tensors.
-template <int N, class T>
-__device__ Pack<T, N> load_pack(const T* p, int valid, bool vector_ok) {
-  if (vector_ok && valid == N) return load_vector<N>(p);
-  Pack<T, N> r;
-#pragma unroll
-  for (int k = 0; k < N; ++k) r.v[k] = k < valid ? p[k] : T{};
-  return r;
-}
-
-template <int N, class T>
-__device__ void store_pack(T* p, const Pack<T, N>& x, int valid, bool vector_ok) {
-  if (vector_ok && valid == N) {
-    store_vector(p, x);
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    if (k < valid) p[k] = x.v[k];
-  }
-}
-
-// The same for packs of a matrix whose every pack the caller knows to be aligned and wholly inside
-// or wholly outside it (kWhole): then valid is 0 or N, and no element-wise code is compiled.
 template <bool kWhole, int N, class T>
-__device__ Pack<T, N> load_matrix_pack(const T* p, int valid, bool vector_ok) {
+__device__ void load_matrix_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
   if constexpr (kWhole) {
-    return valid == N ? load_vector<N>(p) : Pack<T, N>{};
+    if (valid == N) {
+      load_words(p, w);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
+    }
   } else {
-    return load_pack<N>(p, valid, vector_ok);
+    load_pack<N>(p, valid, vector_ok, w);
   }
 }
 
 template <bool kWhole, int N, class T>
-__device__ void store_matrix_pack(T* p, const Pack<T, N>& x, int valid, bool vector_ok) {
+__device__ void store_matrix_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
   if constexpr (kWhole) {
-    if (valid == N) store_vector(p, x);
+    if (valid == N) store_words(p, w);
   } else {
-    store_pack(p, x, valid, vector_ok);
+    store_pack<N>(p, w, valid, vector_ok);
   }
-}
-
-// ----------------------------------------------------------------------------------------------
-// Numerics on packs. numerics.h defines every result; where sm_89+ has an instruction that gives
-// the same bits, it is used instead of the software codec (which costs ~20 integer operations an
-// element and would make these kernels compute-bound). test_cast_cuda proves each one: the
-// saturating encoders over every fp32 input, the decoders over every code.
-
-// numerics::to_float of every element.
-template <int N, class T>
-__device__ void decode_pack(const Pack<T, N>& x, float (&v)[N]) {
-  if constexpr (kHardwareConvert && (kIsFp8<T> || std::is_same_v<T, numerics::fp16>)) {
-    // FP8 and FP16 values are all exact in fp16, then in fp32; only a NaN's payload differs from
-    // numerics, which returns the canonical NaN. E5M2 is the high byte of an fp16; E4M3 converts
-    // two codes at a time (the low byte's into the low half).
-    uint16_t h[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
-        static_assert(N % 2 == 0, "E4M3 codes convert in pairs");
-        if (k % 2 == 1) continue;
-        uint32_t h2;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(x.v[k].bits | x.v[k + 1].bits << 8)));
-        h[k] = static_cast<uint16_t>(h2);
-        h[k + 1] = static_cast<uint16_t>(h2 >> 16);
-      } else if constexpr (std::is_same_v<T, numerics::fp8_e5m2>) {
-        h[k] = static_cast<uint16_t>(x.v[k].bits << 8);
-      } else {
-        h[k] = x.v[k].bits;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float f;
-      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h[k]));
-      v[k] = numerics::is_nan(f) ? numerics::bits_float(numerics::kCanonicalNanBits) : f;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = to_float(x.v[k]);
-  }
-}
-
-// numerics::quantize_to<Out> of every (already scaled) value: round to nearest even, saturate to
-// +-max (infinities too), NaN -> the format's NaN code, as cvt.rn.satfinite does two at a time.
-template <class Out, int N>
-__device__ Pack<Out, N> quantize_pack(const float (&v)[N]) {
-  Pack<Out, N> q;
-  if constexpr (kHardwareConvert) {
-    static_assert(N % 2 == 0, "packs convert in pairs");
-#pragma unroll
-    for (int k = 0; k < N; k += 2) {
-      uint32_t pair;  // v[k] in the low half, v[k + 1] in the high half
-      if constexpr (std::is_same_v<Out, numerics::fp8_e4m3>) {
-        uint16_t h;
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(v[k + 1]), "f"(v[k]));
-        pair = h;
-      } else if constexpr (std::is_same_v<Out, numerics::fp8_e5m2>) {
-        uint16_t h;
-        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(v[k + 1]), "f"(v[k]));
-        pair = h;
-      } else {
-        asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(v[k + 1]), "f"(v[k]));
-      }
-      q.v[k] = from_bits<Out>(pair & (0xFFFFFFFFu >> (32 - 8 * sizeof(Out))));
-      q.v[k + 1] = from_bits<Out>(pair >> (8 * sizeof(Out)));
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) q.v[k] = numerics::quantize_to<Out>(v[k]);
-  }
-  return q;
-}
-
-// numerics::round_to<Out> of every value: IEEE round to nearest even, overflow to infinity, NaN ->
-// canonical (0x7FFF), as cvt.rn.{bf16x2,f16x2}.f32 does two at a time.
-template <class Out, int N>
-__device__ Pack<Out, N> round_pack(const float (&v)[N]) {
-  Pack<Out, N> r;
-  if constexpr (kHardwareConvert && !std::is_same_v<Out, float>) {
-#pragma unroll
-    for (int k = 0; k < N; k += 2) {
-      uint32_t pair;
-      if constexpr (std::is_same_v<Out, numerics::bf16>) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(v[k + 1]), "f"(v[k]));
-      } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(v[k + 1]), "f"(v[k]));
-      }
-      r.v[k] = from_bits<Out>(pair & 0xFFFFu);
-      r.v[k + 1] = from_bits<Out>(pair >> 16);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) r.v[k] = numerics::round_to<Out>(v[k]);
-  }
-  return r;
-}
-
-// Amax without converting: |x| as the bits of x's own type (sign cleared) orders like |x|, with
-// every NaN above infinity, so a running unsigned max of those bits finds the largest element;
-// amax_key_from turns it into numerics::amax_key of its value once. 16-bit types go two at a
-// time through the packed max.
-template <int N, class T>
-__device__ uint32_t abs_max_bits(const Pack<T, N>& x, uint32_t acc) {
-  if constexpr (sizeof(T) == 2) {
-#pragma unroll
-    for (int k = 0; k < N; k += 2) acc = __vmaxu2(acc, (bits_of(x.v[k]) | bits_of(x.v[k + 1]) << 16) & 0x7FFF7FFFu);
-  } else {
-    static_assert(sizeof(T) == 4, "amax reads fp32, bf16 or fp16");
-#pragma unroll
-    for (int k = 0; k < N; ++k) acc = max(acc, bits_of(x.v[k]) & 0x7FFFFFFFu);
-  }
-  return acc;
 }
 
 template <class T>
@@ -324,8 +148,8 @@ struct QuantizeOp {
     return true;
   }
   template <int N>
-  __device__ Pack<Out, N> convert(const float (&v)[N]) const {
-    return quantize_pack<Out>(v);
+  __device__ void convert(const float (&v)[N], uint32_t (&w)[kWords<Out, N>]) const {
+    encode_pack<Out>(v, w);
   }
   __device__ float* amax_slot(int64_t i) const { return s.amax + i * s.amax_stride; }
 };
@@ -343,8 +167,8 @@ struct DequantizeOp {
     return true;
   }
   template <int N>
-  __device__ Pack<Out, N> convert(const float (&v)[N]) const {
-    return round_pack<Out>(v);
+  __device__ void convert(const float (&v)[N], uint32_t (&w)[kWords<Out, N>]) const {
+    round_pack<Out>(v, w);
   }
 };
 
@@ -401,8 +225,8 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
   if (!op.start(i, block_in_tensor == 0, &factor)) return;  // the same answer for the whole block
 
   const In* in = static_cast<const In*>(batch.in[t]);
-  bool vector_ok = is_aligned(in, sizeof(Pack<In, N>));
-  if constexpr (kWrites) vector_ok = vector_ok && is_aligned(batch.out[t], sizeof(Pack<Out, N>));
+  bool vector_ok = is_aligned(in, N * sizeof(In));
+  if constexpr (kWrites) vector_ok = vector_ok && is_aligned(batch.out[t], N * sizeof(Out));
 
   // The block takes chunks block_in_tensor, + tensor_blocks, ...: quantize and dequantize launch one
   // block per chunk, amax passes at most about one wave of blocks (launch_multi_tensor), so that the
@@ -426,22 +250,24 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
       if (begin + (u0 * kThreads + static_cast<int>(threadIdx.x)) * N >= end) break;
       int64_t j[G];
       int valid[G];
-      Pack<In, N> x[G];
+      uint32_t x[G][kWords<In, N>];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         j[g] = begin + ((u0 + g) * kThreads + static_cast<int>(threadIdx.x)) * N;
         valid[g] = valid_count<N>(j[g], end);
-        x[g] = load_pack<N>(in + j[g], valid[g], vector_ok);
+        load_pack<N>(in + j[g], valid[g], vector_ok, x[g]);
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        if constexpr (Op::kFoldsAmax) abs_max = abs_max_bits(x[g], abs_max);
+        if constexpr (Op::kFoldsAmax) abs_max = abs_max_pack<In, N>(x[g], abs_max);
         if constexpr (kWrites) {
           float v[N];
-          decode_pack(x[g], v);
+          decode_pack<In>(x[g], v);
 #pragma unroll
           for (int k = 0; k < N; ++k) v[k] *= factor;
-          store_pack(static_cast<Out*>(batch.out[t]) + j[g], op.template convert<N>(v), valid[g], vector_ok);
+          uint32_t w[kWords<Out, N>];
+          op.template convert<N>(v, w);
+          store_pack<N>(static_cast<Out*>(batch.out[t]) + j[g], w, valid[g], vector_ok);
         }
       }
     }
@@ -597,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
 #pragma unroll
     for (int i = 0; i < kThreadRows; ++i) {
       const int valid = r + i < rows ? row_valid : 0;
-      pack_words(load_matrix_pack<kWholePacks, NI>(x + (r + i) * cols + c, valid, x_vector_ok), xs[i]);
+      load_matrix_pack<kWholePacks, NI>(x + (r + i) * cols + c, valid, x_vector_ok, xs[i]);
     }
   };
   load(0);  // first, so that these loads are in flight while the scale is read
@@ -611,16 +437,14 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
     uint32_t row_words[kThreadRows][NI / kPerWord];  // the codes of each row
 #pragma unroll
     for (int i = 0; i < kThreadRows; ++i) {
-      const Pack<In, NI> xi = words_pack<NI, In>(xs[i]);
-      abs_max = abs_max_bits(xi, abs_max);
+      abs_max = abs_max_pack<In, NI>(xs[i], abs_max);
       float v[NI];
-      decode_pack(xi, v);
+      decode_pack<In>(xs[i], v);
 #pragma unroll
       for (int e = 0; e < NI; ++e) v[e] *= scale;
-      const Pack<Out, NI> q = quantize_pack<Out>(v);
+      encode_pack<Out>(v, row_words[i]);
       const int64_t r = r0 + tr + i;
-      store_matrix_pack<kWholePacks>(out + r * cols + c, q, r < rows ? row_valid : 0, out_vector_ok);
-      pack_words(q, row_words[i]);
+      store_matrix_pack<kWholePacks, NI>(out + r * cols + c, row_words[i], r < rows ? row_valid : 0, out_vector_ok);
     }
 
     uint32_t col_words[NI][kPieceWords];  // the codes of each column, rows tr + [0, kThreadRows)
@@ -655,8 +479,8 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
       const uint4 w4 = *reinterpret_cast<const uint4*>(codes.at(k % 2, col, chunk * 4));
       const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
       const int64_t r = r0 + chunk * NT, cc = c0 + col;
-      store_matrix_pack<kWholePacks>(out_t + cc * rows + r, words_pack<NT, Out>(w),
-                                     cc < cols ? valid_count<NT>(r, rows) : 0, out_t_vector_ok);
+      store_matrix_pack<kWholePacks, NT>(out_t + cc * rows + r, w, cc < cols ? valid_count<NT>(r, rows) : 0,
+                                         out_t_vector_ok);
     }
   }
   fold_block_amax(s.amax, amax_key_from<In>(abs_max));

@@ -20,6 +20,7 @@
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
+#include "common/word_pack.cuh"
 #include "optim/adam_bound.h"
 #include "optim/adam_kernels.h"
 
@@ -42,130 +43,6 @@ struct AdamBatch {
   int32_t count;
 };
 static_assert(sizeof(AdamBatch) + sizeof(AdamArgs) <= 4096, "kernel parameters must stay under 4 KB");
-
-// ------------------------------------------------------------------------------------------------
-// A pack of N elements of T travels as kWords<T, N> 32-bit words (4, 8 or 16 bytes), element k in
-// bytes [k * sizeof(T), (k + 1) * sizeof(T)) of the little-endian words: the conversions below
-// work on the words directly, two or four elements at a time.
-
-template <class T, int N>
-constexpr int kWords = static_cast<int>(N * sizeof(T) / 4);
-
-template <class T>
-__host__ __device__ constexpr int kShift(int k) { return static_cast<int>(8 * ((k * sizeof(T)) % 4)); }
-
-// The first `valid` elements at p, zeros after them. One vector access when the pack is whole and
-// `vector_ok` (the caller checked alignment), else element by element.
-template <int N, class T>
-__device__ void load_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
-  if (vector_ok && valid == N) {
-    load_words(p, w);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    if (k < valid) w[k * sizeof(T) / 4] |= bits_of(p[k]) << kShift<T>(k);
-  }
-}
-
-template <int N, class T>
-__device__ void store_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
-  if (vector_ok && valid == N) {
-    store_words(p, w);
-    return;
-  }
-  constexpr uint32_t kMask = sizeof(T) == 4 ? 0xFFFFFFFFu : (1u << (8 * sizeof(T))) - 1u;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    if (k < valid) p[k] = from_bits<T>((w[k * sizeof(T) / 4] >> kShift<T>(k)) & kMask);
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Conversions. numerics.h defines every result; on sm_89+ the instructions cast_cuda.cu uses (and
-// test_cast_cuda proves equal to numerics) replace the software codec, which would make these
-// kernels compute-bound.
-
-// The two fp16 halves of a word as floats (exact).
-__device__ void fp16x2_to_float(uint32_t word, float& lo, float& hi) {
-  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
-      : "=f"(lo), "=f"(hi)
-      : "r"(word));
-}
-
-// numerics::to_float of each element of a pack. (A NaN may keep its payload here: a NaN is never
-// stored, and amax keys are canonical.)
-template <class T, int N>
-__device__ void decode_pack(const uint32_t (&w)[kWords<T, N>], float (&x)[N]) {
-  if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) x[k] = numerics::bits_float(w[k]);
-  } else if constexpr (std::is_same_v<T, numerics::bf16>) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      x[2 * i] = numerics::bits_float(w[i] << 16);
-      x[2 * i + 1] = numerics::bits_float(w[i] & 0xFFFF0000u);
-    }
-  } else if constexpr (kHardwareConvert && std::is_same_v<T, numerics::fp16>) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) fp16x2_to_float(w[i], x[2 * i], x[2 * i + 1]);
-  } else if constexpr (kHardwareConvert) {
-    // Two FP8 codes (a 16-bit half of the word) become an fp16 pair, the low byte the low half.
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      uint32_t h01, h23;
-      if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
-            : "=r"(h01), "=r"(h23)
-            : "r"(w[i]));
-      } else {
-        static_assert(std::is_same_v<T, numerics::fp8_e5m2>, "inputs: float32, bf16, fp16, E4M3, E5M2");
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}"
-            : "=r"(h01), "=r"(h23)
-            : "r"(w[i]));
-      }
-      fp16x2_to_float(h01, x[4 * i], x[4 * i + 1]);
-      fp16x2_to_float(h23, x[4 * i + 2], x[4 * i + 3]);
-    }
-  } else {
-    constexpr uint32_t kMask = (1u << (8 * sizeof(T))) - 1u;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      x[k] = numerics::to_float(from_bits<T>((w[k * sizeof(T) / 4] >> kShift<T>(k)) & kMask));
-    }
-  }
-}
-
-// The stored codes of x (already multiplied by its scale): float32 as is, the scaled formats by
-// numerics::quantize_to (RNE, saturating to +-max, NaN -> the NaN code).
-template <class T, int N>
-__device__ void encode_pack(const float (&x)[N], uint32_t (&w)[kWords<T, N>]) {
-  if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) w[k] = numerics::float_bits(x[k]);
-  } else if constexpr (kHardwareConvert && std::is_same_v<T, numerics::fp16>) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {  // x[2i] in the low half
-      asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(x[2 * i + 1]), "f"(x[2 * i]));
-    }
-  } else if constexpr (kHardwareConvert) {
-    static_assert(std::is_same_v<T, numerics::fp8_e4m3>, "stored formats: float32, E4M3, FP16");
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {  // x[4i] in the low byte
-      asm("{.reg .b16 l, h;\n cvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
-          " mov.b32 %0, {l, h};\n}"
-          : "=r"(w[i])
-          : "f"(x[4 * i]), "f"(x[4 * i + 1]), "f"(x[4 * i + 2]), "f"(x[4 * i + 3]));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
-#pragma unroll
-    for (int k = 0; k < N; ++k) w[k * sizeof(T) / 4] |= numerics::quantize_to<T>(x[k]).bits << kShift<T>(k);
-  }
-}
 
 // ------------------------------------------------------------------------------------------------
 // The passes.
