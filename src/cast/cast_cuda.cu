@@ -120,7 +120,6 @@ __device__ float quantize_scale(const ScalingPtrs& s, int64_t i, bool first_bloc
 // at least one even when empty, so every tensor gets its scale_inv and amax fold.
 
 constexpr int kMaxTensorsPerLaunch = 128;
-constexpr int kPacksPerThread = 8;  // a block's chunk of a tensor is kThreads * kPacksPerThread packs
 
 struct TensorBatch {
   const void* in[kMaxTensorsPerLaunch];
@@ -200,8 +199,6 @@ template <class Op>
 constexpr int kPackSize = static_cast<int>(
     16 / std::max(kElementBytes<typename Op::In>, kElementBytes<typename Op::Out>));
 
-template <class Op>
-constexpr int64_t kChunkSize = int64_t{kThreads} * kPacksPerThread * kPackSize<Op>;  // elements per block
 
 // Packs a thread loads before it converts any: 16 bytes of input. One for quantize and amax; 2 or 4
 // for dequantize, whose input is narrower than its output. (One pack at a time, dequantize had 8
@@ -209,6 +206,15 @@ constexpr int64_t kChunkSize = int64_t{kThreads} * kPacksPerThread * kPackSize<O
 // kernel; loading one 16-byte pack of codes instead would make each warp store half-sectors.)
 template <class Op>
 constexpr int kPacksInFlight = static_cast<int>(16 / (kPackSize<Op> * sizeof(typename Op::In)));
+
+// Packs a thread converts (a block's chunk of a tensor is kThreads * kPacksPerThread packs): 8 for
+// quantize and amax; dequantize takes just the packs it holds at once, so each thread makes one
+// round trip and the tensor is spread over 4x more, shorter blocks (as Inductor's kernel does).
+template <class Op>
+constexpr int kPacksPerThread = Op::kFoldsAmax ? 8 : kPacksInFlight<Op>;
+
+template <class Op>
+constexpr int64_t kChunkSize = int64_t{kThreads} * kPacksPerThread<Op> * kPackSize<Op>;  // elements per block
 
 template <class Op>
 __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_constant__ TensorBatch batch,
@@ -246,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
     // one (16 bytes) measured fastest on H200: holding 2 or 4 (to have more loads in flight) cost
     // more in occupancy than it gained.
     constexpr int G = kPacksInFlight<Op>;
-    for (int u0 = 0; u0 < kPacksPerThread; u0 += G) {
+    for (int u0 = 0; u0 < kPacksPerThread<Op>; u0 += G) {
       if (begin + (u0 * kThreads + static_cast<int>(threadIdx.x)) * N >= end) break;
       int64_t j[G];
       int valid[G];
