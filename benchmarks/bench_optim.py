@@ -14,7 +14,8 @@ by AdamW (lr 1e-4, weight decay 0.1). Modes:
                         re-casting the weight)
 
 Step time: median over timed steps (CUDA events around each step(); the first steps, which create
-the states, are untimed). Floor: the bytes a step must move at the measured copy bandwidth
+the states, are untimed). Pass 1 / pass 2: fp8amp's two kernels (amax, then store) per step, GPU
+time from torch.profiler over 3 more steps, each against the floor of the bytes it moves. Floor: the bytes a step must move at the measured copy bandwidth
 (torch: read p, g, m, v and write p, m, v = 28 B per parameter; fp8amp's two passes: see
 include/fp8amp/optim.h). Model-state bytes per parameter: torch.cuda.memory_allocated() after the
 first step (params + grads + optimizer states + the weight copy where there is one) over the
@@ -31,6 +32,7 @@ import gc
 import statistics
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import fp8amp
 from _common import copy_bandwidth, markdown_table, parse_subset, report, require_gpu, warm_up_gpu
@@ -40,10 +42,14 @@ LABELS = {
     "torch-fused": "torch AdamW fused", "torch-foreach": "torch AdamW foreach", "fp8amp-fp32": "fp8amp fp32",
     "o1": "fp8amp O1", "o2": "fp8amp O2", "o2-copy": "fp8amp O2 + weight copy",
 }
-# Bytes per parameter a step must move (read + write); fp8amp reads p, g, m, v in both passes.
-FLOOR_BYTES = {
-    "torch-fused": 28, "torch-foreach": 28, "fp8amp-fp32": 16 + 28, "o1": 11 + 21, "o2": 6 + 11, "o2-copy": 6 + 12,
+# Bytes per parameter a step must move (read + write), per pass: torch's one pass; fp8amp's pass 1
+# (amax: reads p, g, m, v) and pass 2 (store: reads them again, writes p, m, v and the weight copy).
+PASS_BYTES = {
+    "torch-fused": (28,), "torch-foreach": (28,), "fp8amp-fp32": (16, 28), "o1": (11, 21), "o2": (6, 11),
+    "o2-copy": (6, 12),
 }
+# The kernels of fp8amp's passes (src/optim/adam_cuda.cu), as the profiler names them.
+PASS_KERNELS = ("adam_amax_kernel", "adam_store_kernel")
 
 
 def shapes(layers: int, d: int) -> list[tuple[int, int]]:
@@ -77,8 +83,8 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
     return params, opt
 
 
-def measure(mode: str, sizes, device: str, steps: int) -> tuple[float, float]:
-    """(median step seconds, model-state bytes per parameter)."""
+def measure(mode: str, sizes, device: str, steps: int) -> tuple[float, float, list[float]]:
+    """(median step seconds, model-state bytes per parameter, [seconds per step of each fp8amp pass])."""
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -98,8 +104,23 @@ def measure(mode: str, sizes, device: str, steps: int) -> tuple[float, float]:
         times.append((start, end))
     torch.cuda.synchronize()
     seconds = statistics.median(s.elapsed_time(e) * 1e-3 for s, e in times)
+    pass_seconds = pass_times(opt, 3) if isinstance(opt, fp8amp.optim.Adam) else []
     del params, opt
-    return seconds, state_bytes
+    return seconds, state_bytes, pass_seconds
+
+
+def pass_times(opt, steps: int) -> list[float]:
+    """GPU seconds per step of each of fp8amp's passes, summed over their launches (profiler)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    totals = [0.0] * len(PASS_KERNELS)
+    for event in prof.key_averages():
+        for k, name in enumerate(PASS_KERNELS):
+            if name in event.key:
+                totals[k] += event.device_time_total * 1e-6  # µs, summed over the launches
+    return [t / steps for t in totals]
 
 
 def main() -> None:
@@ -117,16 +138,18 @@ def main() -> None:
     results = {mode: measure(mode, sizes, "cuda", args.steps) for mode in args.modes}
     base = results.get("torch-fused", (None, None))[0]
     rows = []
-    for mode, (seconds, state_bytes) in results.items():
-        floor = FLOOR_BYTES[mode] * numel / bandwidth
+    for mode, (seconds, state_bytes, pass_seconds) in results.items():
+        floor = sum(PASS_BYTES[mode]) * numel / bandwidth
+        passes = [f"{t * 1e3:.2f} ({b * numel / bandwidth / t:.0%})" for t, b in zip(pass_seconds, PASS_BYTES[mode])]
         rows.append([
             LABELS[mode], f"{seconds * 1e3:.2f}", f"{base / seconds:.2f}x" if base else "-",
-            f"{floor * 1e3:.2f}", f"{floor / seconds:.0%}", f"{state_bytes:.2f}",
+            f"{floor * 1e3:.2f}", f"{floor / seconds:.0%}", *(passes or ["-", "-"]), f"{state_bytes:.2f}",
         ])
     title = (f"AdamW step on {torch.cuda.get_device_name()}, torch {torch.__version__}: {numel / 1e9:.3f}B parameters "
              f"in {len(sizes)} tensors ({args.layers} layers x d_model {args.d_model}); copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s; median of {args.steps} steps\n\n")
-    header = ["mode", "step ms", "speedup vs torch fused", "floor ms", "of floor", "model-state bytes / param"]
+    header = ["mode", "step ms", "speedup vs torch fused", "floor ms", "of floor", "pass 1 ms (of its floor)",
+              "pass 2 ms (of its floor)", "model-state bytes / param"]
     report("optim", title + markdown_table(header, rows))
 
 
