@@ -78,7 +78,7 @@ void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScale
 
 void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<AdamFormats>& formats,
                const AdamArgs& args) {
-  const int64_t t = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
+  const int64_t t = call_step(args);
   const AdamConstants c = adam_constants(args.hyper, t);
   const size_t n = tensors.size();
 

@@ -153,8 +153,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const C chunk(batch, args, owning_tensor(batch));
   if (threadIdx.x == 0) {
-    const int64_t step = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
-    shared_constants = adam_constants(args.hyper, step);
+    shared_constants = adam_constants(args.hyper, call_step(args));
     shared_bound = adam_bound_constants(shared_constants);
     // Any value the row held during this call will do; other blocks raise it concurrently.
     const uint32_t row = *reinterpret_cast<volatile const uint32_t*>(chunk.amax_row + kAdamAmaxParam);
@@ -241,8 +240,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const C chunk(batch, args, owning_tensor(batch));
   if (threadIdx.x == 0) {
-    const int64_t step = args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
-    shared_constants = adam_constants(args.hyper, step);
+    shared_constants = adam_constants(args.hyper, call_step(args));
     shared_skip = *args.found_inf != 0.0f;
     if (!shared_skip) shared_scales = adam_new_scales(chunk.tp, chunk.amax_row, args.hyper.margin);
   }

@@ -160,6 +160,11 @@ struct AdamArgs {
   float* amax;         // [n, kAdamAmaxColumns]
 };
 
+// The step number t of this call: from the device counter when the call has one.
+FP8AMP_HD int64_t call_step(const AdamArgs& args) {
+  return args.step_tensor != nullptr ? step_number(*args.step_tensor) : args.step;
+}
+
 // The type sets the kernels are instantiated for (dispatch.h's visitor picks one).
 using AdamGradTypes =
     TypeSet<float, numerics::bf16, numerics::fp16, numerics::fp8_e4m3, numerics::fp8_e5m2>;
