@@ -1,0 +1,186 @@
+"""``save_activations_in_fp8``: the activations autograd saves for backward, stored in FP8 (DESIGN §9).
+
+Fp8Linear already saves its input in FP8, but the non-Linear ops of a transformer save theirs in
+the model's dtypes: SDPA keeps q, k, v and its output (BF16 under autocast), GELU its input, the
+LayerNorms the fp32 residual stream. On the 1B GPT of ``benchmarks/bench_train.py`` those are most
+of the step's peak memory (docs/o1_o2.md, "Memory of a training step"). Inside this context
+manager, a pair of ``torch.autograd.graph.saved_tensors_hooks`` stores each such saved tensor as
+FP8 codes with a per-tensor current power-of-two scale (:meth:`ScaledTensor.from_tensor`: an
+amax pass and a quantize pass, no host sync) and the backward reads it back dequantized to its
+original dtype and shape (:func:`fp8amp.dequantize`).
+
+Which saved tensors are stored in FP8 (the rest is saved as autograd would save it):
+
+* plain tensors of float32, bfloat16 or float16 with at least ``min_numel`` elements on the CPU
+  or a CUDA device: FP8 and integer tensors (Fp8Linear's own saves, indices), float64,
+  ScaledTensors and other subclasses are kept;
+* that require grad and are not leaves nor views or dtype casts of leaves: parameters, the model
+  inputs and autocast's weight copies are kept (a leaf stays alive anyway, so a copy would add
+  memory, and weights reach the backward exact), and so are tensors that do not require grad,
+  which is what separates activations from the statistics some ops save beside them (LayerNorm's
+  mean and rstd, attention's logsumexp: the backward exponentiates or divides by those, so a
+  relative rounding of 2^-4 would be amplified);
+* that are not outputs of log_softmax, tanh or sigmoid, for the same reason: their backward
+  computes exp(log p), 1 - y² or y (1 - y), which a relative rounding ruins near saturation;
+* that are not broadcast (a stride of 0): a copy would materialize the broadcast.
+
+Non-contiguous tensors (SDPA's q, k, v are strided views of one GEMM output) are quantized from
+a contiguous copy and come back contiguous, as ``torch.autograd.graph.save_on_cpu`` does: same
+values, shape and dtype, row-major strides. A saved tensor holding an inf or NaN comes back all
+NaN (E4M3 has no inf, and a saturated code would hand the backward a silent finite value), so
+the gradients and the loss scaler see it; an additive -inf attention mask that an op saves is
+such a tensor: use ``is_causal`` or a boolean mask where the op keeps it boolean.
+
+Limits: double backward (``create_graph=True``) through stored tensors raises; in-place changes
+to a saved tensor after its save are not detected (with any saved-tensor hooks), and the backward
+uses the values at save time. Under ``torch.compile``, enter the context outside the compiled
+code (inside, Dynamo breaks the graph at it). The hooks then run on what each compiled graph
+saves, but its intermediates reach them as tensors that do not require grad, which this context
+cannot tell from statistics: it keeps them, stores only graph inputs that are activations, and
+warns once.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, check_dtype
+from .scaled_tensor import ScaledTensor
+
+__all__ = ["save_activations_in_fp8", "ACTIVATION_FORMATS"]
+
+#: The accepted ``fmt`` values.
+ACTIVATION_FORMATS = (E4M3, E5M2)
+
+_WHERE = "fp8amp.save_activations_in_fp8"
+_DEVICES = ("cpu", "cuda")
+# Saved outputs whose backward amplifies a relative rounding (exp(log p), 1 - y², y (1 - y)).
+_KEEP_OUTPUTS_OF = frozenset({"LogSoftmaxBackward0", "TanhBackward0", "SigmoidBackward0"})
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_TO_COPY = "ToCopyBackward0"
+
+
+class _StoredInFp8:
+    """What autograd keeps of one activation stored in FP8: its codes and scale, as a ScaledTensor
+    (a class of its own, so that a ScaledTensor the model saves itself is never taken for one)."""
+
+    __slots__ = ("scaled",)
+
+    def __init__(self, scaled: ScaledTensor) -> None:
+        self.scaled = scaled
+
+
+def _is_leaf_derived(x: torch.Tensor) -> bool:
+    """Whether x (which has a grad_fn) is a view of a leaf that requires grad (a parameter, an input
+    the caller holds) or a dtype cast of one (autocast's BF16 copy of a weight: ToCopyBackward0
+    right after the weight's AccumulateGrad). A view whose base has neither grad_fn nor
+    requires_grad is the output of an autograd.Function that returned a view of a tensor it made
+    (Fp8Linear's reshaped GEMM output): an activation."""
+    root = x if x._base is None else x._base
+    fn = root.grad_fn
+    if fn is None:
+        return root.requires_grad
+    if fn.name() != _TO_COPY:
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and source.name() == _ACCUMULATE_GRAD
+
+
+def _is_broadcast(x: torch.Tensor) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride()))
+
+
+def _saved_by_compiled_graph() -> bool:
+    """Whether the code saving the tensor (the first frame outside this module) is AOTAutograd's
+    runtime (torch._functorch), which saves a compiled graph's tensors. A diagnostic for the warning
+    only: if a later torch moves that code, the warning stops, nothing else changes."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("torch._functorch")
+
+
+class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: the activations saved for backward inside it are stored in FP8.
+
+    ``with fp8amp.save_activations_in_fp8(): loss = model(x)``, then ``loss.backward()`` (inside
+    or outside). Which saved tensors are stored and the limits: the module's docstring and
+    docs/o1_o2.md. Named like ``torch.autograd.graph.save_on_cpu``, which it mirrors.
+
+    Args:
+        fmt: ``fp8amp.E4M3`` (default: 3 mantissa bits, a relative rounding of at most 2^-4;
+            normal values from 2^-6 to 448 times the scale) or ``fp8amp.E5M2`` (2 bits, 2^-3, but
+            normal from 2^-14 to 57344: for tensors whose small values matter far below their amax).
+        min_numel: saved tensors with fewer elements are kept as they are (the amax and quantize
+            launches cost more than the bytes they save).
+
+    After a ``with`` block, ``stored_tensors`` counts the tensors it stored in FP8,
+    ``stored_bytes`` what they held in their own dtypes and ``fp8_bytes`` what they hold now
+    (codes and scales); entering again resets them. ``stored_bytes - fp8_bytes`` is what the
+    saved tensors stopped holding, not necessarily memory freed (another reference may keep one).
+
+    Raises:
+        TypeError: ``fmt`` is not a torch.dtype, ``min_numel`` not an int.
+        ValueError: ``fmt`` is not E4M3 or E5M2, ``min_numel`` is below 1.
+    """
+
+    def __init__(self, fmt: torch.dtype = E4M3, *, min_numel: int = 1 << 16) -> None:
+        self.fmt = check_dtype(fmt, ACTIVATION_FORMATS, "fmt", _WHERE)
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int):
+            raise TypeError(f"{_WHERE}: min_numel must be an int, got {type(min_numel).__name__}")
+        if min_numel < 1:
+            raise ValueError(f"{_WHERE}: min_numel must be a positive int (1 or more), got {min_numel}")
+        self.min_numel = min_numel
+        self._reset_counts()
+        super().__init__(self._pack, self._unpack)
+
+    def _reset_counts(self) -> None:
+        self.stored_tensors = 0
+        self.stored_bytes = 0
+        self.fp8_bytes = 0
+        self._warned_compiled = False
+
+    def __enter__(self) -> "save_activations_in_fp8":
+        self._reset_counts()
+        super().__enter__()
+        return self
+
+    def _is_activation(self, x: torch.Tensor) -> bool:
+        if (type(x) is not torch.Tensor or x.dtype not in HIGH_PRECISION_DTYPES or x.numel() < self.min_numel
+                or x.layout is not torch.strided or x.device.type not in _DEVICES):
+            return False  # parameters (nn.Parameter is a subclass), ScaledTensors, FP8, integers, small
+        if x.grad_fn is None:  # a leaf, or no grad: statistics, inputs, a compiled graph's intermediates
+            if not self._warned_compiled and _saved_by_compiled_graph():
+                self._warn_compiled()
+            return False
+        return x.grad_fn.name() not in _KEEP_OUTPUTS_OF and not _is_leaf_derived(x) and not _is_broadcast(x)
+
+    def _warn_compiled(self) -> None:
+        self._warned_compiled = True
+        warnings.warn(
+            f"{_WHERE}: a torch.compile'd graph saved tensors for backward; its intermediates reach the "
+            "saved-tensor hooks as tensors that do not require grad, which this context cannot tell from "
+            "statistics, so it keeps them in their dtype and stores only the graph's inputs that are "
+            "activations in FP8. Run the region eagerly for the full saving (docs/o1_o2.md).")
+
+    def _pack(self, x: torch.Tensor) -> object:
+        if not self._is_activation(x):
+            return x.detach()  # not x: a saved output would hold its own grad_fn in a cycle
+        scaled = ScaledTensor.from_tensor(x.contiguous(), self.fmt, nan_if_nonfinite=True)
+        self.stored_tensors += 1
+        self.stored_bytes += x.numel() * x.element_size()
+        self.fp8_bytes += scaled._data.numel() * scaled._data.element_size() + scaled._scale_inv.element_size()
+        return _StoredInFp8(scaled)
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        if not isinstance(packed, _StoredInFp8):
+            return packed
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{_WHERE}: double backward (create_graph=True) through activations stored in FP8 is not "
+                "supported; run that forward outside the context")
+        return packed.scaled.dequantize()
