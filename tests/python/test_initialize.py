@@ -2,7 +2,7 @@
 accumulation, the optimizer rebuild (param groups, hyperparameters), the FP8 weight cache the
 optimizer rewrites, state dicts (real values, bit-identical resume), GradScaler and non-finite
 gradients, clip_grad_norm_, torch.compile, errors; a small GPT on the GPU within 1 % of BF16 (also
-with its saved activations in FP8, fp8amp.save_activations_in_fp8).
+with its saved activations in FP8, fp8amp.save_activations_in_fp8, eager and with compiled blocks).
 
 Bounds, derived from the formats:
 
@@ -501,11 +501,13 @@ def test_module_to_device_keeps_masters():
 
 @functools.lru_cache(maxsize=None)
 def _gpt_loss(mode: str) -> float:
-    """``mode``: bf16, fp8, O1 or O2; a "-fp8act" suffix adds fp8amp.save_activations_in_fp8."""
+    """``mode``: bf16, fp8, O1 or O2; a "-fp8act" suffix adds fp8amp.save_activations_in_fp8, and
+    then "-compile" compiles each block (Inductor), where the context stores inside the graphs."""
     from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
-    level = mode.removesuffix("-fp8act")
-    saved_tensors_hooks = fp8amp.save_activations_in_fp8() if mode.endswith("-fp8act") else None
+    compiled = mode.endswith("-compile")
+    level = mode.removesuffix("-compile").removesuffix("-fp8act")
+    saved_tensors_hooks = fp8amp.save_activations_in_fp8() if "-fp8act" in mode else None
     data = load_text_bytes(max_bytes=4 << 20)
     cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
     torch.manual_seed(0)
@@ -516,6 +518,10 @@ def _gpt_loss(mode: str) -> float:
     elif level == "fp8":  # FP8 compute only: fp32 weights, torch's AdamW
         fp8amp.convert(model, optimizer=opt, policy="all")
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == (0 if level == "bf16" else 4 * cfg.n_layer)
+    if compiled:
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile()
     # the usual stable recipe: linear warm-up and clipping, created after initialize
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
     losses = []
@@ -527,7 +533,7 @@ def _gpt_loss(mode: str) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", ["fp8", "O1", "O2", "O2-fp8act"])
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2", "O2-fp8act", "O2-fp8act-compile"])
 def test_small_gpt_loss_matches_bf16(level):
     bf16, fp8 = _gpt_loss("bf16"), _gpt_loss(level)
     assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)

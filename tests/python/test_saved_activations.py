@@ -557,3 +557,32 @@ def test_cuda_memory_held_for_backward_matches_the_prediction():
     assert abs(with_fp8 / without - predicted) < 0.03, (with_fp8, without, predicted)
     freed = ctx.stored_bytes - ctx.fp8_bytes
     assert abs((without - with_fp8) - freed) < 0.05 * freed, (without - with_fp8, freed)
+
+
+@pytest.mark.gpu
+def test_cuda_memory_held_for_backward_under_compile_matches_the_prediction():
+    """O2 with each block compiled by Inductor, the context entered outside: a compiled block keeps
+    29 d bytes a token without the context (eager's 31 d, but the proj GEMM's BF16 output 2 d, from
+    which the backward recomputes the second LayerNorm's input, instead of that fp32 input 4 d) and
+    17 d with it (its input d, q, k, v 3 d, SDPA's output d, the proj and fc1 outputs d + 4 d, the
+    Fp8Linears' 7 d); the head and the loss run eagerly, as above (2 stored by the Python hooks)."""
+    cfg = GPTConfig(seq_len=512, n_layer=4, n_head=8, d_model=512)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    model, _ = fp8amp.initialize(model, None, "O2", policy="all")
+    for block in model.blocks:
+        block.compile()
+    idx = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len + 1), device="cuda")
+    x, y = idx[:, :-1], idx[:, 1:]
+    d, vocab = cfg.d_model, cfg.vocab_size
+    predicted = ((cfg.n_layer * 17 * d + 2 * d + 4 * vocab)
+                 / (cfg.n_layer * 29 * d + 6 * d + 4 * vocab))  # 0.581
+    _held_for_backward(model, x, y)  # warm-up and compilation, without and with the context
+    _held_for_backward(model, x, y, fp8amp.save_activations_in_fp8())
+    without = _held_for_backward(model, x, y)
+    ctx = fp8amp.save_activations_in_fp8()
+    assert ctx.in_compiled_graphs, f"torch {torch.__version__} cannot inline the hooks"
+    with_fp8 = _held_for_backward(model, x, y, ctx)
+    assert ctx.stored_tensors == 2  # ln_f's input and the head's, outside the compiled blocks
+    assert abs(with_fp8 / without - predicted) < 0.03, (with_fp8, without, predicted)
+
