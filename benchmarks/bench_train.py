@@ -17,8 +17,9 @@ gradient clipping and torch.optim.AdamW(fused=True), in these modes:
     fp8amp O2 + FP8 activations (+ compile)
                                O2 with the forward inside fp8amp.save_activations_in_fp8(): what
                                attention, GELU and the LayerNorms save for backward is stored in E4M3
-                               (docs/o1_o2.md). Compiled, only each compiled block's input is stored
-                               (the graph's intermediates reach the hooks without grad; it warns)
+                               (docs/o1_o2.md). Compiled, AOTAutograd inlines the quantize and
+                               dequantize into each block's graphs (torch >= 2.10; on an older torch
+                               only each block's input is stored, with a warning)
 
 "compile" compiles each transformer block (regional compilation: one compiled graph reused by
 all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model).
