@@ -14,6 +14,12 @@ gradient clipping and torch.optim.AdamW(fused=True), in these modes:
     fp8amp O1 / O2 (+ compile) fp8amp.initialize(model, optimizer, "O1" | "O2"): the same Fp8Linear
                                layers with FP16 ScaledTensor master weights, FP8 weight gradients and
                                fp8amp's fused AdamW (O1: FP32 m, v; O2: E4M3 m, FP16 v), DESIGN §1
+    fp8amp O2 + FP8 activations (+ compile)
+                               O2 with the forward inside fp8amp.save_activations_in_fp8(): what
+                               attention, GELU and the LayerNorms save for backward is stored in E4M3
+                               (docs/o1_o2.md). Compiled, AOTAutograd inlines the quantize and
+                               dequantize into each block's graphs (torch >= 2.10; on an older torch
+                               only each block's input is stored, with a warning)
 
 "compile" compiles each transformer block (regional compilation: one compiled graph reused by
 all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model).
@@ -32,7 +38,8 @@ test_small_gpt_loss_matches_bf16 checks that).
 only); the O1/O2 modes add the memory formats that DESIGN §9's ≤ 0.5x memory target needs.
 
 Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
-       [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile] [--compile-scope block|model]
+       [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,
+        o2-fp8act,o2-fp8act-compile] [--compile-scope block|model]
 Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
 """
 
@@ -46,7 +53,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -70,20 +77,28 @@ PRESETS = {
     "small": dict(model=GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), batch=32, lr=1e-3, steps=20),
 }
 
-# key: (label, kind, compiled)
+class Mode(NamedTuple):
+    label: str
+    kind: str  # bf16, torchao, fp8amp, O1 or O2
+    compiled: bool
+    fp8_activations: bool = False  # the forward inside fp8amp.save_activations_in_fp8()
+
+
 MODES = {
-    "bf16": ("bf16 eager", "bf16", False),
-    "bf16-compile": ("bf16 + compile", "bf16", True),
-    "torchao": ("torchao float8 eager", "torchao", False),
-    "torchao-compile": ("torchao float8 + compile", "torchao", True),
-    "fp8amp": ("fp8amp eager", "fp8amp", False),
-    "fp8amp-compile": ("fp8amp + compile", "fp8amp", True),
-    "o1": ("fp8amp O1", "O1", False),
-    "o1-compile": ("fp8amp O1 + compile", "O1", True),
-    "o2": ("fp8amp O2", "O2", False),
-    "o2-compile": ("fp8amp O2 + compile", "O2", True),
+    "bf16": Mode("bf16 eager", "bf16", False),
+    "bf16-compile": Mode("bf16 + compile", "bf16", True),
+    "torchao": Mode("torchao float8 eager", "torchao", False),
+    "torchao-compile": Mode("torchao float8 + compile", "torchao", True),
+    "fp8amp": Mode("fp8amp eager", "fp8amp", False),
+    "fp8amp-compile": Mode("fp8amp + compile", "fp8amp", True),
+    "o1": Mode("fp8amp O1", "O1", False),
+    "o1-compile": Mode("fp8amp O1 + compile", "O1", True),
+    "o2": Mode("fp8amp O2", "O2", False),
+    "o2-compile": Mode("fp8amp O2 + compile", "O2", True),
+    "o2-fp8act": Mode("fp8amp O2 + FP8 activations", "O2", False, True),
+    "o2-fp8act-compile": Mode("fp8amp O2 + FP8 activations + compile", "O2", True, True),
 }
-DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp-compile", "o1", "o2", "o2-compile"]
+DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp-compile", "o1", "o2", "o2-compile", "o2-fp8act"]
 
 
 @dataclass
@@ -102,7 +117,8 @@ def flops_per_token(model: GPT) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torchao_convert) -> Result:
+def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> Result:
+    kind, compiled = mode.kind, mode.compiled
     result = Result()
     t0 = time.perf_counter()
     dynamo_reset_counters()
@@ -129,8 +145,11 @@ def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torcha
             for block in model.blocks:
                 block.compile(dynamic=False)
 
+    saved_tensors_hooks = fp8amp.save_activations_in_fp8() if mode.fp8_activations else None
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule)
+        return train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule,
+                          saved_tensors_hooks=saved_tensors_hooks)
 
     for x, y in data[: args.warmup]:
         step(x, y)
@@ -156,6 +175,10 @@ def run_mode(kind: str, compiled: bool, cfg: GPTConfig, data: list, args, torcha
     if not all(torch.isfinite(torch.stack(losses)).tolist()):
         result.notes.append("non-finite loss")
     result.notes.append(f"steps {min(times) * 1e3:.0f}-{max(times) * 1e3:.0f} ms")
+    if saved_tensors_hooks is not None:
+        hooks = saved_tensors_hooks
+        result.notes.append(f"{hooks.stored_tensors} saved tensors in FP8 a step: {hooks.stored_bytes / 2**30:.2f} "
+                            f"-> {hooks.fp8_bytes / 2**30:.2f} GiB")
     return result
 
 
@@ -173,7 +196,7 @@ def table(results: dict[str, Result], tokens_per_step: int, flops_token: float) 
     mem_base = results.get("bf16", Result()).peak_bytes
     rows = []
     for key, r in results.items():
-        label = MODES[key][0]
+        label = MODES[key].label
         if r.step_seconds is None:
             rows.append([label, r.failure or "not run"] + ["–"] * (len(header) - 2))
             continue
@@ -234,12 +257,12 @@ def main() -> None:
     start = time.perf_counter()
     results: dict[str, Result] = {}
     for key in args.modes:
-        label, kind, compiled = MODES[key]
-        if kind == "torchao" and torchao_convert is None:
+        mode = MODES[key]
+        if mode.kind == "torchao" and torchao_convert is None:
             results[key] = Result(failure=torchao_note)
             continue
         try:
-            results[key] = run_mode(kind, compiled, cfg, data, args, torchao_convert)
+            results[key] = run_mode(mode, cfg, data, args, torchao_convert)
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             oom = isinstance(e, torch.OutOfMemoryError)
@@ -248,7 +271,7 @@ def main() -> None:
         r = results[key]
         text = (f"{tokens_per_step / r.step_seconds:,.0f} tokens/s, loss {r.final_loss:.4f}"
                 if r.step_seconds else r.failure)
-        print(f"  {label}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
+        print(f"  {mode.label}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
               file=sys.stderr, flush=True)
 
     text = (f"GPT training on {torch.cuda.get_device_name()}, torch {torch.__version__}, {torchao_note}: "

@@ -6,7 +6,10 @@ It trains the ~1B GPT of bench_train.py (same data, optimizer settings, autocast
 then records `--steps` steps with torch.profiler and prints, per mode, the step time and
 torch.profiler's table of the ops and kernels with the most self CUDA time.
 
-Usage: python benchmarks/profile_train.py [--modes fp8amp,o2] [--steps 3] [--top 25] [--preset 1b|small]
+Modes: bf16, fp8amp (convert), o1, o2 (initialize) and o2-fp8act (O2 with the forward inside
+fp8amp.save_activations_in_fp8(): the activations non-Linear ops save, stored in FP8).
+
+Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act] [--steps 3] [--top 25] [--preset 1b|small]
        [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
 With $OUT set, also writes the tables to $OUT/profile_train.txt.
 """
@@ -28,18 +31,22 @@ PRESETS = {
     "1b": (GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), 8),
     "small": (GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), 16),
 }
-MODES = ["bf16", "fp8amp", "o1", "o2"]
+MODES = ["bf16", "fp8amp", "o1", "o2", "o2-fp8act"]
+FP8_ACTIVATIONS = "-fp8act"
 
 
 def build(mode: str, cfg: GPTConfig, tokens: int):
+    """(model, optimizer, the saved-tensor hooks to train under or None) of a mode."""
+    level = mode.removesuffix(FP8_ACTIVATIONS)
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    if mode == "fp8amp":
+    if level == "fp8amp":
         fp8amp.convert(model, optimizer=optimizer, tokens=tokens)
-    elif mode in ("o1", "o2"):
-        model, optimizer = fp8amp.initialize(model, optimizer, mode.upper(), tokens=tokens)
-    return model, optimizer
+    elif level in ("o1", "o2"):
+        model, optimizer = fp8amp.initialize(model, optimizer, level.upper(), tokens=tokens)
+    hooks = fp8amp.save_activations_in_fp8() if mode.endswith(FP8_ACTIVATIONS) else None
+    return model, optimizer, hooks
 
 
 def live_at_peak(step, top: int) -> str:
@@ -84,11 +91,11 @@ def live_at_peak(step, top: int) -> str:
 
 def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int,
                  memory: bool = False) -> str:
-    model, optimizer = build(mode, cfg, batch * cfg.seq_len)
+    model, optimizer, hooks = build(mode, cfg, batch * cfg.seq_len)
     loader = batches(data, batch, cfg.seq_len, "cuda", seed=0)
 
     def step() -> None:
-        train_step(model, optimizer, *next(loader))
+        train_step(model, optimizer, *next(loader), saved_tensors_hooks=hooks)
 
     for _ in range(warmup):
         step()

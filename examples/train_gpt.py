@@ -4,6 +4,7 @@
     python examples/train_gpt.py --precision bf16    # the baseline
     python examples/train_gpt.py --precision O1      # O1; "fp8": FP8 GEMMs only (fp8amp.convert)
     python examples/train_gpt.py --preset small --steps 500 --compile
+    python examples/train_gpt.py --fp8-activations   # also store saved activations in FP8 (eager)
 
 On a GPU the default preset is a ~20M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
 so that the FP8 emulation (the CPU reference kernels) finishes in a minute or two.
@@ -42,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--fp8-activations", action="store_true",
+                   help="run the forward inside fp8amp.save_activations_in_fp8(): what attention, GELU and the "
+                        "LayerNorms save for backward is stored in FP8 (less memory; in eager mode only)")
     p.add_argument("--data", default=None, help="a text file or a directory of .py files (default: stdlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
@@ -83,12 +87,14 @@ def main() -> None:
         f"batch {batch} x {cfg.seq_len}, {steps} steps"
     )
 
+    saved_activations = fp8amp.save_activations_in_fp8() if args.fp8_activations else None
     loader = batches(train, batch, cfg.seq_len, device, seed=args.seed)
     tokens = 0
     start = time.perf_counter()
     for step in range(1, steps + 1):
         x, y = next(loader)
-        loss = train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule)
+        loss = train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule,
+                          saved_tensors_hooks=saved_activations)
         tokens += x.numel()
         if step % args.log_every == 0 or step == steps:
             elapsed = time.perf_counter() - start

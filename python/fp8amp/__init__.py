@@ -19,6 +19,7 @@ from .scaled_tensor import ScaledTensor
 from .linear import Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize
+from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from . import distributed, gemm, optim
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "update_scaling",
     "initialize",
     "OPT_LEVELS",
+    "save_activations_in_fp8",
+    "ACTIVATION_FORMATS",
     "distributed",
     "gemm",
     "optim",

@@ -143,15 +143,17 @@ class GPT(nn.Module):
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-               forward: Optional[nn.Module] = None, scheduler=None, max_norm: float = 1.0) -> torch.Tensor:
+               forward: Optional[nn.Module] = None, scheduler=None, max_norm: float = 1.0,
+               saved_tensors_hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None) -> torch.Tensor:
     """One step of the training recipe the examples, benchmarks and tests share: the forward of
     ``forward`` (default ``model``; e.g. its compiled form) under bfloat16 autocast on CUDA (in
-    float32 on the CPU, where FP8 is emulated), backward, gradient clipping of ``model``'s
-    parameters to ``max_norm``, the optimizer step, ``zero_grad(set_to_none=True)`` and the
-    scheduler's step. Returns the loss, detached (no host sync)."""
+    float32 on the CPU, where FP8 is emulated) and inside ``saved_tensors_hooks`` if given (e.g.
+    ``fp8amp.save_activations_in_fp8()``, entered anew each step), backward, gradient clipping of
+    ``model``'s parameters to ``max_norm``, the optimizer step, ``zero_grad(set_to_none=True)`` and
+    the scheduler's step. Returns the loss, detached (no host sync)."""
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if x.device.type == "cuda"
                 else contextlib.nullcontext())
-    with autocast:
+    with autocast, saved_tensors_hooks or contextlib.nullcontext():
         _, loss = (forward or model)(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

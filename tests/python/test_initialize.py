@@ -1,7 +1,8 @@
 """fp8amp.initialize (O1/O2): module swap, FP16 ScaledTensor masters, FP8 weight gradients and their
 accumulation, the optimizer rebuild (param groups, hyperparameters), the FP8 weight cache the
 optimizer rewrites, state dicts (real values, bit-identical resume), GradScaler and non-finite
-gradients, clip_grad_norm_, torch.compile, errors; a small GPT on the GPU within 1 % of BF16.
+gradients, clip_grad_norm_, torch.compile, errors; a small GPT on the GPU within 1 % of BF16 (also
+with its saved activations in FP8, fp8amp.save_activations_in_fp8, eager and with compiled blocks).
 
 Bounds, derived from the formats:
 
@@ -500,28 +501,39 @@ def test_module_to_device_keeps_masters():
 
 @functools.lru_cache(maxsize=None)
 def _gpt_loss(mode: str) -> float:
+    """``mode``: bf16, fp8, O1 or O2; a "-fp8act" suffix adds fp8amp.save_activations_in_fp8, and
+    then "-compile" compiles each block (Inductor), where the context stores inside the graphs."""
     from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
+    compiled = mode.endswith("-compile")
+    level = mode.removesuffix("-compile").removesuffix("-fp8act")
+    saved_tensors_hooks = fp8amp.save_activations_in_fp8() if "-fp8act" in mode else None
     data = load_text_bytes(max_bytes=4 << 20)
     cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    if mode in ("O1", "O2"):
-        model, opt = fp8amp.initialize(model, opt, mode, policy="all")  # small layers: convert anyway
-    elif mode == "fp8":  # FP8 compute only: fp32 weights, torch's AdamW
+    if level in ("O1", "O2"):
+        model, opt = fp8amp.initialize(model, opt, level, policy="all")  # small layers: convert anyway
+    elif level == "fp8":  # FP8 compute only: fp32 weights, torch's AdamW
         fp8amp.convert(model, optimizer=opt, policy="all")
-    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == (0 if mode == "bf16" else 4 * cfg.n_layer)
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == (0 if level == "bf16" else 4 * cfg.n_layer)
+    if compiled:
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile()
     # the usual stable recipe: linear warm-up and clipping, created after initialize
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
     losses = []
     for step, (x, y) in zip(range(400), batches(data, 32, cfg.seq_len, "cuda")):
-        losses.append(train_step(model, opt, x, y, scheduler=schedule))
+        losses.append(train_step(model, opt, x, y, scheduler=schedule, saved_tensors_hooks=saved_tensors_hooks))
+    if saved_tensors_hooks is not None:
+        assert saved_tensors_hooks.stored_tensors > 0
     return float(torch.stack(losses[-50:]).mean())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2", "O2-fp8act", "O2-fp8act-compile"])
 def test_small_gpt_loss_matches_bf16(level):
     bf16, fp8 = _gpt_loss("bf16"), _gpt_loss(level)
     assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)
