@@ -3,7 +3,8 @@
 
 Each setup spawns its processes once (a module fixture); the workers run every scenario and hand
 back their inputs and outputs (on the CPU); the tests below check them against the exact float64
-mean. The scenarios are the same on both backends, except for method "native": gloo cannot reduce
+mean (the derived bounds) and, bit for bit, against reference_mean (the algorithm written out
+plainly, in one process). The scenarios are the same on both backends, except for method "native": gloo cannot reduce
 float8, so there it must raise and NCCL's float8 SUM is emulated; NCCL runs its own. On CUDA one
 more scenario checks the ordering of the side stream against the compute stream.
 
