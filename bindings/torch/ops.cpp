@@ -118,15 +118,15 @@ at::Tensor multi_quantize(at::TensorList xs, at::TensorList outs, const at::Tens
   return scale_inv;
 }
 
-std::vector<at::Tensor> multi_dequantize(at::TensorList xs, const at::Tensor& scale_inv, at::ScalarType dtype) {
+// The outputs are the caller's, as multi_quantize's: written in place, they may be views into one
+// larger buffer, which saves concatenating separate outputs (fp8amp.distributed dequantizes
+// straight into its result).
+void multi_dequantize(at::TensorList xs, const at::Tensor& scale_inv, at::TensorList outs) {
   const char* op = "multi_dequantize";
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& x : xs) outs.push_back(empty_as(x, dtype));
   call(first_or(xs, scale_inv), [&](Stream stream) {
-    fp8amp::multi_dequantize(views(xs, op, "xs"), view(scale_inv, op, "scale_inv"), views(outs, op, "dtype"),
+    fp8amp::multi_dequantize(views(xs, op, "xs"), view(scale_inv, op, "scale_inv"), views(outs, op, "outs"),
                              stream);
   });
-  return outs;
 }
 
 void compute_scale(const at::Tensor& amax_in, const at::Tensor& scale, const at::Tensor& scale_inv, double fmax,
@@ -174,11 +174,7 @@ at::Tensor multi_quantize_meta(at::TensorList, at::TensorList, const at::Tensor&
   return scale_inv_like(scale);
 }
 
-std::vector<at::Tensor> multi_dequantize_meta(at::TensorList xs, const at::Tensor&, at::ScalarType dtype) {
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& x : xs) outs.push_back(empty_as(x, dtype));
-  return outs;
-}
+void multi_dequantize_meta(at::TensorList, const at::Tensor&, at::TensorList) {}
 
 void compute_scale_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool) {}
 void update_delayed_scaling_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
@@ -200,7 +196,7 @@ TORCH_LIBRARY(fp8amp, m) {
   m.def("multi_amax(Tensor[] xs, Tensor(a!) amax) -> ()");
   m.def("multi_quantize(Tensor[] xs, Tensor(b!)[] outs, Tensor scale, Tensor(a!) amax, " FP8AMP_SCALING_ARGS
         ") -> Tensor");
-  m.def("multi_dequantize(Tensor[] xs, Tensor scale_inv, ScalarType dtype) -> Tensor[]");
+  m.def("multi_dequantize(Tensor[] xs, Tensor scale_inv, Tensor(a!)[] outs) -> ()");
   m.def(
       "compute_scale(Tensor amax, Tensor(a!) scale, Tensor(b!) scale_inv, float fmax, int margin=0, "
       "bool pow2_scale=True) -> ()");

@@ -51,7 +51,8 @@ void amax(const TensorView& x, const TensorView& amax, const TensorView* warmup_
           int warmup_steps, Stream stream);
 
 // The multi-tensor versions: tensor i uses row i of the scaling tensors. One launch (or a few,
-// for very many tensors) covers them all.
+// for very many tensors) covers them all. outs[i] (the caller's, one dtype, contiguous, xs[i]'s
+// shape and device) may be a view into a larger buffer; errors name the tensor by its index.
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax, Stream stream);
 void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
                     const Scaling& scaling, Stream stream);

@@ -44,6 +44,17 @@ def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
     return [_input(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
 
 
+def _outputs(values: object, dtype: torch.dtype, arg: str, op: str) -> list[torch.Tensor]:
+    """Tensors of ``dtype`` the op writes in place, as a list: passed as they are (a contiguous copy
+    would not receive the write); the core checks their count, shapes, devices and layout."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if _tensor(v, f"{arg}[{i}]", op).dtype != dtype:
+            raise ValueError(f"fp8amp.{op}: {arg}[{i}] must be {dtype} (the dtype argument), got {v.dtype}")
+    return list(values)
+
+
 def _int(value: object, arg: str, op: str) -> int:
     if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
         return value

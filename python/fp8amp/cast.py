@@ -7,8 +7,8 @@ max-accumulates its amax into ``amax[i, 0]``, NaN included.
 
 The wrappers check Python types (TypeError) and dtype arguments (ValueError), make read-only
 inputs contiguous, and leave every other check to the core, which raises ValueError naming the
-argument. Buffers an op writes (``amax``, ``scale``, ``scale_inv``, ``counter``) are passed as
-they are: a contiguous copy would not receive the write. No wrapper reads device values on the
+argument. Buffers an op writes (``amax``, ``scale``, ``scale_inv``, ``counter``, the ``outs`` of
+:func:`multi_dequantize`) are passed as they are: a contiguous copy would not receive the write. No wrapper reads device values on the
 host, so all of them trace under ``torch.compile(fullgraph=True)`` and never sync.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _tensor
+from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _tensor
 from ._library import ops
 from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 
@@ -186,15 +186,26 @@ def multi_quantize(
     return outs, scale_inv
 
 
-def multi_dequantize(xs: Sequence[torch.Tensor], scale_inv: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+def multi_dequantize(
+    xs: Sequence[torch.Tensor],
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    outs: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """:func:`dequantize` of many tensors of one dtype in one launch; ``xs[i]`` uses
-    ``scale_inv[i]`` (float32 ``[n]``)."""
+    ``scale_inv[i]`` (float32 ``[n]``). Returns the outputs, one per tensor.
+
+    ``outs`` (optional): tensors to write into in place instead of new ones, as many as ``xs``,
+    ``outs[i]`` contiguous, of ``dtype`` and of ``xs[i]``'s shape and device; they may be views
+    into one larger buffer (no concatenation afterwards). Returned as a list.
+    """
     op = "multi_dequantize"
-    return _multi_dequantize(
-        _inputs(xs, "xs", op),
-        _input(scale_inv, "scale_inv", op),
-        _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op),
-    )
+    inputs = _inputs(xs, "xs", op)
+    dtype = _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op)
+    outs = [torch.empty_like(x, dtype=dtype) for x in inputs] if outs is None else _outputs(outs, dtype, "outs", op)
+    _multi_dequantize(inputs, _input(scale_inv, "scale_inv", op), outs)
+    return outs
 
 
 def compute_scale(

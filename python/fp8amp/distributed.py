@@ -124,6 +124,7 @@ UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 HALF_MIN_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 
 _multi_quantize = ops.multi_quantize.default
+_multi_dequantize = ops.multi_dequantize.default
 
 
 @dataclass
@@ -287,28 +288,40 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     fmt, fmax = state.fmt, format_max(state.fmt)
     segs = [buf[o:o + c] for o, c in layout.segments]
 
+    # Each dequantized result is preallocated and written whole by one multi_dequantize into views
+    # of it: no torch.cat of separate outputs, no zero-fill (docs/distributed.md counts the bytes
+    # moved per element, before and after).
     if state.method == "native":
         u = UNIT_ROUNDOFF[fmt]
         fmax_eff = fmax / (world * (1.0 + u) ** max(world - 2, 0))
         amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax_eff, group)
         codes = torch.empty(layout.n, dtype=fmt, device=buf.device)
-        outs = [codes[o:o + c] for o, c in layout.segments]
-        _multi_quantize(segs, outs, scale, amax, None, 0, 0, True)
+        code_segs = [codes[o:o + c] for o, c in layout.segments]
+        _multi_quantize(segs, code_segs, scale, amax, None, 0, 0, True)
         try:
             _native_fp8_all_reduce(codes, group)
         except RuntimeError as e:
             raise ValueError(f"{where}: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); use "
                              f"method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
         scale_inv = torch.where(bad, torch.nan, scale_inv)
-        mean = torch.cat(cast.multi_dequantize(outs, scale_inv, torch.float32))
-        mean.div_(world)
-        return mean.to(buf.dtype)
+        total = torch.empty(layout.n, dtype=torch.float32, device=buf.device)
+        _multi_dequantize(code_segs, scale_inv, [total[o:o + c] for o, c in layout.segments])
+        if buf.dtype == torch.float32:
+            return total.div_(world)
+        # The float32 quotient rounded into the bucket's dtype as the division writes it (on CUDA, in
+        # the same kernel): the bits of div_ then .to(), one pass fewer.
+        return torch.div(total, world, out=torch.empty(layout.n, dtype=buf.dtype, device=buf.device))
 
     # method "all_to_all"
     amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax, group)
     L, P = layout.L, layout.max_pieces
     rank = dist.get_rank(group)
-    send = torch.zeros(world * L, dtype=torch.uint8, device=buf.device)
+    # Padding (here the bucket's tail up to N L, below a payload's tail after its last piece and its
+    # unused scale slots) is sent but never dequantized; it is zeroed all the same, a few bytes, so
+    # that the wire carries defined bytes: no stale memory of this process goes to the other ranks,
+    # the bytes sent are deterministic, and compute-sanitizer's initcheck has nothing to report.
+    send = torch.empty(world * L, dtype=torch.uint8, device=buf.device)
+    send[layout.n:].zero_()
     send8 = send.view(fmt)
     _multi_quantize(segs, [send8[o:o + c] for o, c in layout.segments], scale, amax, None, 0, 0, True)
     recv = torch.empty_like(send)
@@ -318,26 +331,29 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     recv8 = recv.view(fmt)
     mine = layout.pieces[rank]
     shard_len = mine[-1][1] if mine else 0
-    payload = torch.zeros(L + 4 * P, dtype=torch.uint8, device=buf.device)
+    payload = torch.empty(L + 4 * P, dtype=torch.uint8, device=buf.device)
+    payload[shard_len:].zero_()
     if mine:
         first = mine[0][2]
         piece_scale_inv = scale_inv[first:first + len(mine)]
-        xs = [recv8[j * L + a:j * L + b] for j in range(world) for a, b, _ in mine]
-        parts = torch.cat(cast.multi_dequantize(xs, piece_scale_inv.repeat(world), torch.float32))
-        parts = parts.view(world, shard_len)
-        acc = parts[0].clone()
+        # Copy j of the shard into row j. Rows of L elements, as the copies lie in recv: a piece's
+        # codes and its row are then aligned alike, for the kernel's vector loads and stores.
+        copies = torch.empty(world, L, dtype=torch.float32, device=buf.device)
+        _multi_dequantize([recv8[j * L + a:j * L + b] for j in range(world) for a, b, _ in mine],
+                          piece_scale_inv.repeat(world), [copies[j, a:b] for j in range(world) for a, b, _ in mine])
+        shard_mean = copies[0, :shard_len]  # rank 0's copy, + rank 1's, ...: the sum in rank order
         for j in range(1, world):
-            acc.add_(parts[j])
-        acc.div_(world)
+            shard_mean.add_(copies[j, :shard_len])
+        shard_mean.div_(world)
         # Requantize each piece with its own current scale; the scales travel after the codes.
-        acc_pieces = [acc[a:b] for a, b, _ in mine]
+        mean_pieces = [shard_mean[a:b] for a, b, _ in mine]
         amax2 = torch.zeros(len(mine), dtype=torch.float32, device=buf.device)
-        cast.multi_amax(acc_pieces, amax2)
+        cast.multi_amax(mean_pieces, amax2)
         scale2 = torch.ones_like(amax2)
         scale_inv2 = torch.ones_like(amax2)
         cast.compute_scale(amax2, scale2, scale_inv2, fmax)
         payload8 = payload[:L].view(fmt)
-        scale_inv2 = _multi_quantize(acc_pieces, [payload8[a:b] for a, b, _ in mine], scale2, amax2,
+        scale_inv2 = _multi_quantize(mean_pieces, [payload8[a:b] for a, b, _ in mine], scale2, amax2,
                                      None, 0, 0, True)
         payload[L:L + 4 * len(mine)].copy_(scale_inv2.view(torch.uint8))
     gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=buf.device)
@@ -345,14 +361,17 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
 
     rows = gathered.view(world, L + 4 * P)
     scales = rows[:, L:].contiguous().view(torch.float32)  # [world, P]
-    xs, sinv = [], []
+    xs, sinv, outs = [], [], []
+    mean = torch.empty(layout.n, dtype=buf.dtype, device=buf.device)
     for k in range(world):
         if layout.pieces[k]:
             codes_k = rows[k, :L].view(fmt)
             xs.extend(codes_k[a:b] for a, b, _ in layout.pieces[k])
+            outs.extend(mean[k * L + a:k * L + b] for a, b, _ in layout.pieces[k])
             sinv.append(scales[k, :len(layout.pieces[k])])
     sinv = torch.where(bad, torch.nan, torch.cat(sinv))
-    return torch.cat(cast.multi_dequantize(xs, sinv, buf.dtype))
+    _multi_dequantize(xs, sinv, outs)
+    return mean
 
 
 # ---------------------------------------------------------------------------- public API

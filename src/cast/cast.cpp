@@ -2,6 +2,7 @@
 // CUDA kernels (cast_kernels.h).
 #include "fp8amp/cast.h"
 
+#include <cstring>
 #include <string>
 
 #include "cast/cast_kernels.h"
@@ -66,13 +67,20 @@ ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const
                      s.scale_inv.ptr<float>(), counter, s.warmup_steps, s.recipe.margin, s.recipe.pow2};
 }
 
-// Checks a list of inputs and outputs pairwise and returns them as slices. A single-tensor op
-// names its arguments x and out, a multi-tensor op xs[i] and outs[i].
+// The multi-tensor ops take lists and name their elements xs[i] and outs[i]; the single-tensor
+// ops name theirs x and out, and the dtype argument their output is allocated from.
+bool is_multi_tensor_op(const char* op) { return std::strncmp(op, "multi_", 6) == 0; }
+
+// "x" for a single-tensor op, "xs[3]" for a multi-tensor one (short enough for std::string's
+// small-buffer storage: no allocation per tensor).
+std::string element_name(bool multi, const char* single_name, const char* list_name, size_t i) {
+  return multi ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
+}
+
+// Checks a list of inputs and outputs pairwise and returns them as slices.
 std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
                                 const char* op) {
-  const bool single = xs.size() == 1 && std::string(op).rfind("multi_", 0) != 0;
-  const char* x_name = single ? "x" : "xs[i]";
-  const char* out_name = single ? "out" : "outs[i]";
+  const bool multi = is_multi_tensor_op(op);
   FP8AMP_CHECK_VALUE(!xs.empty(), op, "xs must hold at least one tensor");
   FP8AMP_CHECK_VALUE(outs.empty() || outs.size() == xs.size(), op, "outs must hold as many tensors as xs (",
                      xs.size(), "), got ", outs.size());
@@ -80,16 +88,19 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
   result.reserve(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
     const TensorView& x = xs[i];
-    FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(),
-                       ", xs[", i, "] is ", x.describe());
-    check::same_device(x, xs[0], op, x_name, "xs[0]");
-    check::contiguous(x, op, x_name);
+    const std::string x_name = element_name(multi, "x", "xs", i);
+    FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(), ", ",
+                       x_name, " is ", x.describe());
+    check::same_device(x, xs[0], op, x_name.c_str(), "xs[0]");
+    check::contiguous(x, op, x_name.c_str());
     void* out = nullptr;
     if (!outs.empty()) {
-      FP8AMP_CHECK_VALUE(outs[i].dtype == outs[0].dtype, op, "outs must share one dtype");
-      check::same_shape(x, outs[i], op, x_name, out_name);
-      check::same_device(x, outs[i], op, x_name, out_name);
-      check::contiguous(outs[i], op, out_name);
+      const std::string out_name = element_name(multi, "out", "outs", i);
+      FP8AMP_CHECK_VALUE(outs[i].dtype == outs[0].dtype, op, "outs must share one dtype: outs[0] is ",
+                         outs[0].describe(), ", ", out_name, " is ", outs[i].describe());
+      check::same_shape(x, outs[i], op, x_name.c_str(), out_name.c_str());
+      check::same_device(x, outs[i], op, x_name.c_str(), out_name.c_str());
+      check::contiguous(outs[i], op, out_name.c_str());
       out = outs[i].data;
     }
     result.push_back(TensorSlice{x.data, out, x.numel()});
@@ -101,8 +112,9 @@ void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorVi
                    Stream stream, const char* op) {
   const std::vector<TensorSlice> t = slices(xs, outs, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
-  check::high_precision(xs[0], op, "x");
-  check::scaled_format(outs[0].dtype, op, "dtype");
+  const bool multi = is_multi_tensor_op(op);
+  check::high_precision(xs[0], op, multi ? "xs" : "x");
+  check::scaled_format(outs[0].dtype, op, multi ? "outs" : "dtype");
   const ScalingPtrs s = scaling_ptrs(scaling, static_cast<int64_t>(xs.size()), xs[0], op);
   run_on(
       xs[0], op, [&] { cpu::quantize(xs[0].dtype, outs[0].dtype, t, s); },
@@ -113,8 +125,9 @@ void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_
                      const std::vector<TensorView>& outs, Stream stream, const char* op) {
   const std::vector<TensorSlice> t = slices(xs, outs, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
-  check::scaled_format(xs[0].dtype, op, "x");
-  check::high_precision(outs[0], op, "dtype");
+  const bool multi = is_multi_tensor_op(op);
+  check::scaled_format(xs[0].dtype, op, multi ? "xs" : "x");
+  check::high_precision(outs[0], op, multi ? "outs" : "dtype");
   check_float32(scale_inv, xs[0], op, "scale_inv");
   check::numel_is(scale_inv, static_cast<int64_t>(xs.size()), op, "scale_inv");
   const float* si = scale_inv.ptr<const float>();

@@ -127,6 +127,22 @@ TEST(MultiTensor, EachTensorUsesItsRow) {
   EXPECT_EQ(y2[0], 0xFE);  // -480 saturates to -448
 }
 
+// outs[i] may be views into one buffer (fp8amp.distributed dequantizes a shard's pieces into the
+// rows of one matrix): each is written exactly where it lies, nothing around it.
+TEST(MultiTensor, DequantizeIntoViewsOfOneBuffer) {
+  std::vector<uint8_t> x0{0x38, 0xC0}, x1{}, x2{0x7E, 0x01, 0x40};  // E4M3: 1, -2 | | 448, 2^-9, 2
+  std::vector<float> scale_inv{0.5f, 8.0f, 4.0f};
+  std::vector<float> buf(7, -99.0f);
+  auto at = [&](int64_t offset, int64_t n) {
+    TensorView t = view(buf, DType::kFloat32, {n});
+    t.data = buf.data() + offset;
+    return t;
+  };
+  multi_dequantize({view(x0, DType::kFloat8E4M3), view(x1, DType::kFloat8E4M3), view(x2, DType::kFloat8E4M3)},
+                   view(scale_inv, DType::kFloat32), {at(0, 2), at(2, 0), at(3, 3)}, nullptr);
+  EXPECT_EQ(buf, (std::vector<float>{0.5f, -1.0f, -99.0f, 1792.0f, std::ldexp(1.0f, -7), 8.0f, -99.0f}));
+}
+
 TEST(DelayedScaling, HistoryRollCounterAndNonFinite) {
   const int64_t h = 3;
   std::vector<float> hist{10.0f, 0.0f, 0.0f};
@@ -187,6 +203,33 @@ TEST(Errors, NameTheArgument) {
   on_gpu.device_index = 0;
   expect_value_error([&] { quantize(view(x, DType::kFloat32, {2}), on_gpu, st.scaling(), nullptr); },
                      "must be on the same device");
+}
+
+// The caller's outputs of multi_dequantize: count, dtype, shape, device and layout, each error
+// naming the output by its index.
+TEST(Errors, MultiDequantizeNamesTheOutput) {
+  std::vector<uint8_t> x0(2), x1(3);
+  std::vector<float> scale_inv{1.0f, 1.0f}, y0(2), y1(3);
+  std::vector<uint16_t> half(3);
+  const std::vector<TensorView> xs{view(x0, DType::kFloat8E4M3), view(x1, DType::kFloat8E4M3)};
+  auto run = [&](std::vector<TensorView> outs) {
+    multi_dequantize(xs, view(scale_inv, DType::kFloat32), outs, nullptr);
+  };
+  expect_value_error([&] { run({view(y0, DType::kFloat32)}); }, "outs must hold as many tensors as xs (2), got 1");
+  expect_value_error([&] { run({}); }, "outs must hold as many tensors as xs");
+  expect_value_error([&] { run({view(y0, DType::kFloat32), view(half, DType::kBFloat16)}); },
+                     "outs must share one dtype: outs[0] is float32[2] on cpu, outs[1] is bfloat16[3] on cpu");
+  expect_value_error([&] { run({view(x0, DType::kFloat8E4M3), view(x1, DType::kFloat8E4M3)}); },
+                     "outs must be float32, bfloat16 or float16, got float8_e4m3fn[2] on cpu");
+  expect_value_error([&] { run({view(y0, DType::kFloat32), view(y1, DType::kFloat32, {1, 3})}); },
+                     "xs[1] and outs[1] must have the same shape, got float8_e4m3fn[3] on cpu and float32[1, 3] on cpu");
+  TensorView on_gpu = view(y1, DType::kFloat32);
+  on_gpu.device = Device::kCUDA;
+  on_gpu.device_index = 0;
+  expect_value_error([&] { run({view(y0, DType::kFloat32), on_gpu}); }, "xs[1] and outs[1] must be on the same device");
+  std::vector<float> wide(6);
+  expect_value_error([&] { run({view(y0, DType::kFloat32), view(wide, DType::kFloat32, {3}, {2})}); },
+                     "outs[1] must be contiguous");
 }
 
 }  // namespace

@@ -281,6 +281,27 @@ def test_multi_dequantize_equals_single(dtype, out_dtype):
         assert_bits_equal(outs[i], fp8amp.dequantize(x, scale_inv[i : i + 1], out_dtype))
 
 
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("out_dtype", HIGH_PRECISION)
+def test_multi_dequantize_into_views_of_one_buffer(dtype, out_dtype):
+    """``outs`` given: the same bits as new outputs, written in place into views of one buffer
+    (with gaps between them, left untouched), and returned."""
+    xs = [x.to(dtype) for x in multi_inputs(torch.float32)]
+    scale_inv = torch.tensor([1.0, 0.5, 3.0, 2.0**-20, 2.0**20, 0.1, 7.0])
+    buf = torch.full((sum(x.numel() + 1 for x in xs),), 5.0, dtype=out_dtype)
+    views, offset = [], 0
+    for x in xs:
+        views.append(buf[offset:offset + x.numel()].view(x.shape))
+        offset += x.numel() + 1
+    outs = fp8amp.multi_dequantize(xs, scale_inv, out_dtype, outs=tuple(views))
+    assert outs == views
+    for out, expected in zip(outs, fp8amp.multi_dequantize(xs, scale_inv, out_dtype)):
+        assert out.data_ptr() in {v.data_ptr() for v in views}
+        assert_bits_equal(out, expected)
+    gaps = torch.tensor([sum(x.numel() + 1 for x in xs[:i + 1]) - 1 for i in range(len(xs))])
+    assert_bits_equal(buf[gaps], torch.full((len(xs),), 5.0, dtype=out_dtype))
+
+
 @pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
 def test_multi_amax_equals_single(in_dtype):
     xs = multi_inputs(in_dtype)

@@ -29,7 +29,8 @@ def opcheck_cases():
         "multi_quantize": (ops.multi_quantize.default,
                            ([x, x[:3]], [torch.empty_like(x, dtype=fp8amp.FP16), torch.empty_like(x[:3], dtype=fp8amp.FP16)],
                             torch.ones(2), torch.zeros(2, 3)), {}),
-        "multi_dequantize": (ops.multi_dequantize.default, ([x.half(), x[:3].half()], torch.ones(2), torch.float32),
+        "multi_dequantize": (ops.multi_dequantize.default,
+                             ([x.half(), x[:3].half()], torch.ones(2), [torch.empty_like(x), torch.empty_like(x[:3])]),
                              {}),
         "compute_scale": (ops.compute_scale.default, (torch.rand(2, 3), torch.ones(2), torch.ones(2), 448.0), {}),
         "update_delayed_scaling": (ops.update_delayed_scaling.default,
@@ -94,3 +95,18 @@ def test_compiled_multi_quantize():
     amax = torch.zeros(2)
     outs, _ = compiled(xs, torch.ones(2), amax)
     assert_bits_equal(outs[1], fp8amp.quantize(xs[1], torch.ones(1), torch.zeros(1), fp8amp.E4M3)[0])
+
+
+def test_compiled_multi_dequantize_into_views_of_one_buffer():
+    """fp8amp.distributed's use: dequantize into the rows of a matrix made in the graph, then reduce
+    it; and without outs, new outputs."""
+    def dequantize_rows(codes, scale_inv):
+        rows = torch.empty(len(codes), codes[0].numel())
+        fp8amp.multi_dequantize(codes, scale_inv, torch.float32, outs=rows.unbind())
+        return rows.sum(0), *fp8amp.multi_dequantize(codes, scale_inv, torch.bfloat16)
+
+    codes = [torch.randn(6).half() for _ in range(3)]
+    scale_inv = torch.tensor([0.5, 2.0, 3.0])
+    compiled = torch.compile(dequantize_rows, backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(codes, scale_inv), dequantize_rows(codes, scale_inv), strict=True):
+        assert_bits_equal(a, b)

@@ -178,6 +178,17 @@ def many_tensors(n, in_dtype, seed):
     return xs
 
 
+def dequantize_into_one_buffer(codes, scale_inv, buf):
+    """multi_dequantize into consecutive views of ``buf`` from element 1 on: odd offsets, which the
+    kernel's word packs must handle; the elements around them must stay untouched."""
+    outs, offset = [], 1
+    for c in codes:
+        outs.append(buf[offset:offset + c.numel()])
+        offset += c.numel()
+    fp8amp.multi_dequantize(codes, scale_inv, buf.dtype, outs=outs)
+    return buf
+
+
 @pytest.mark.parametrize("n", [50, 130])  # 130: more than one launch (64 tensors each)
 @pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
 def test_multi_tensor_ops(n, in_dtype):
@@ -193,6 +204,8 @@ def test_multi_tensor_ops(n, in_dtype):
         codes = [x.float().to(dtype) for x in xs]
         for out_dtype in HIGH_PRECISION:
             check_cuda_equals_cpu(fp8amp.multi_dequantize, codes, scale, out_dtype)
+            buf = torch.full((sum(c.numel() for c in codes) + 2,), 5.0, dtype=out_dtype)
+            check_cuda_equals_cpu(dequantize_into_one_buffer, codes, scale, buf)
     check_cuda_equals_cpu(fp8amp.multi_amax, xs, torch.rand(n, 2, generator=g))
     check_cuda_equals_cpu(fp8amp.multi_amax, xs, torch.zeros(n))
 

@@ -3,7 +3,8 @@
 
 Each setup spawns its processes once (a module fixture); the workers run every scenario and hand
 back their inputs and outputs (on the CPU); the tests below check them against the exact float64
-mean. The scenarios are the same on both backends, except for method "native": gloo cannot reduce
+mean (the derived bounds) and, bit for bit, against reference_mean (the algorithm written out
+plainly, in one process). The scenarios are the same on both backends, except for method "native": gloo cannot reduce
 float8, so there it must raise and NCCL's float8 SUM is emulated; NCCL runs its own. On CUDA one
 more scenario checks the ordering of the side stream against the compute stream.
 
@@ -25,7 +26,9 @@ rounding at the tensor's fresh scale.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
 import math
 import os
 import socket
@@ -38,6 +41,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fp8amp
+from cast_reference import assert_bits_equal
 from fp8amp import distributed as fd
 
 E4M3, E5M2 = fp8amp.E4M3, fp8amp.E5M2
@@ -137,18 +141,79 @@ def shard_pieces(sizes, world: int) -> list:
     return [(k * layout.L + a, k * layout.L + b) for k in range(world) for a, b, _ in layout.pieces[k]]
 
 
+def fp8_ring_sum(codes: list) -> torch.Tensor:
+    """The sum of every rank's FP8 codes as NCCL's float8 SUM does it, emulated: partial sums in
+    FP8, rounded at every hop in rank order (a ring), an overflow made visible as NaN."""
+    fmt = codes[0].dtype
+    partial = codes[0].double()
+    for c in codes[1:]:
+        v = partial + c.double()
+        partial = torch.where(v.abs() > FMAX[fmt], torch.nan, v.to(fmt).double())
+    return partial.to(fmt)
+
+
 def emulated_native_all_reduce(codes: torch.Tensor, group) -> None:
-    """What NCCL's float8 SUM does, emulated with gloo: partial sums in FP8, rounded at every hop in
-    rank order (a ring), an overflow made visible as NaN."""
-    fmt = codes.dtype
+    """fd._native_fp8_all_reduce with NCCL's float8 SUM emulated (fp8_ring_sum) over an all_gather
+    of the codes, so that any backend can run method "native" and its sum is known."""
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(codes.view(torch.uint8)) for _ in range(world)]
     dist.all_gather(gathered, codes.view(torch.uint8).clone(), group=group)
-    partial = gathered[0].view(fmt).double()
-    for j in range(1, world):
-        v = partial + gathered[j].view(fmt).double()
-        partial = torch.where(v.abs() > FMAX[fmt], torch.nan, v.to(fmt).double())
-    codes.copy_(partial.to(fmt))
+    codes.copy_(fp8_ring_sum([g.view(codes.dtype) for g in gathered]))
+
+
+@contextlib.contextmanager
+def emulated_native(backend: str):
+    """Method "native" accepted on ``backend`` and run with emulated_native_all_reduce."""
+    original = fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce
+    fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = (backend,), emulated_native_all_reduce
+    try:
+        yield
+    finally:
+        fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
+
+
+def reference_mean(xs: list, sizes, fmt, method: str) -> torch.Tensor:
+    """What every rank's hook must return, bit for bit: the algorithm of fp8amp/distributed.py's
+    docstring written out plainly in one process, with the single-tensor cast ops, one gradient (or
+    piece of a shard) and one rank at a time, every intermediate a tensor of its own. ``xs``: every
+    rank's flat bucket, finite. Method "native" sums the codes with fp8_ring_sum (its emulated
+    NCCL SUM); the division by N is a float32 division, as on the CPU (on CUDA torch multiplies
+    by 1 / N, which is the same only for N a power of two)."""
+    world, dtype, n = len(xs), xs[0].dtype, xs[0].numel()
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    segments = list(zip(offsets[:-1], offsets[1:]))
+    shared_fmax = FMAX[fmt] if method == "all_to_all" else native_fmax(fmt, world)
+    scale_invs, codes = [], [[] for _ in xs]
+    for a, b in segments:  # steps 1-4: the gradient's amax over all ranks, its scale, every rank's codes
+        amax, scale, scale_inv = torch.zeros(1), torch.ones(1), torch.ones(1)
+        for x in xs:
+            fp8amp.amax(x[a:b], amax)
+        fp8amp.compute_scale(amax, scale, scale_inv, shared_fmax)
+        scale_invs.append(scale_inv)
+        for rank_codes, x in zip(codes, xs):
+            rank_codes.append(fp8amp.quantize(x[a:b], scale, torch.zeros(1), fmt)[0])
+    if method == "native":
+        total = fp8_ring_sum([torch.cat(c) for c in codes])
+        mean = torch.cat([fp8amp.dequantize(total[a:b], si, torch.float32) for (a, b), si in zip(segments, scale_invs)])
+        return (mean / world).to(dtype)
+    codes = [torch.cat(c) for c in codes]
+    shard_len = -(-n // world)
+    out = torch.empty(n, dtype=dtype)
+    for k in range(world):  # steps 5-7, shard k: its pieces summed in rank order, requantized, dequantized
+        for (a, b), si in zip(segments, scale_invs):
+            a, b = max(a, k * shard_len), min(b, (k + 1) * shard_len)
+            if a >= b:
+                continue
+            acc = fp8amp.dequantize(codes[0][a:b], si, torch.float32)
+            for rank_codes in codes[1:]:
+                acc = acc + fp8amp.dequantize(rank_codes[a:b], si, torch.float32)
+            acc = acc / world
+            amax, scale, scale_inv = torch.zeros(1), torch.ones(1), torch.ones(1)
+            fp8amp.amax(acc, amax)
+            fp8amp.compute_scale(amax, scale, scale_inv, FMAX[fmt])
+            piece, piece_scale_inv = fp8amp.quantize(acc, scale, torch.zeros(1), fmt)
+            out[a:b] = fp8amp.dequantize(piece, piece_scale_inv, dtype)
+    return out
 
 
 def mlp(dtype=torch.float32, o2=False) -> nn.Module:
@@ -215,6 +280,19 @@ def native_runs(rank, world, device) -> dict:
         state = fd.FP8CommState(fmt=fmt, method="native")
         out["native", fmt] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, device)
         out["native_worst", fmt] = run_hook(headroom_worst(rank, world, fmt), (9,), state, device)
+    return out
+
+
+def emulated_native_runs(rank, backend, device) -> dict:
+    """Method "native" with the emulated FP8 SUM, whose result reference_mean knows bit for bit, in
+    both formats for float32 and bfloat16 buckets (on NCCL too: its own SUM need not round as the
+    emulation does)."""
+    out = {}
+    with emulated_native(backend):
+        for fmt in (E4M3, E5M2):
+            for dtype in (torch.float32, torch.bfloat16):
+                state = fd.FP8CommState(fmt=fmt, method="native")
+                out["native_emulated", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
     return out
 
 
@@ -300,12 +378,8 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
                 run_hook(synth(rank, SIZES, torch.float32), SIZES, fd.FP8CommState(method="native"), device)
             except ValueError as e:
                 res["native_error"] = str(e)
-            original = fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce
-            fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = ("gloo",), emulated_native_all_reduce
-            try:
+            with emulated_native(backend):
                 res.update(native_runs(rank, world, device))
-            finally:
-                fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
         else:
             try:
                 res.update(native_runs(rank, world, device))  # NCCL's own float8 SUM
@@ -316,6 +390,7 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
                                                           fd.FP8CommState(per_device, method="native"), device)
             except ValueError as e:  # a torch or NCCL build without float8 reductions
                 res["native_error"] = str(e)
+        res.update(emulated_native_runs(rank, backend, device))
         if device.type == "cuda":
             res["streams"] = stream_order_run(rank, device)
         # DDP
@@ -408,11 +483,28 @@ def test_hook_within_derived_bound(run, fmt, dtype):
 def test_hook_single_gradient_and_fewer_elements_than_ranks(run):
     world, _, res = run
     for key, sizes, seed in (("one_gradient", (301,), 0), ("tiny", (1,), 1)):
-        xs = [synth(r, sizes, torch.float32, seed=seed).double() for r in range(world)]
-        m, bound = bound_all_to_all(xs, sizes, E4M3, shard_pieces(sizes, world))
+        xs = [synth(r, sizes, torch.float32, seed=seed) for r in range(world)]
+        m, bound = bound_all_to_all([x.double() for x in xs], sizes, E4M3, shard_pieces(sizes, world))
+        expected = reference_mean(xs, sizes, E4M3, "all_to_all")
         for r in res:
             assert ((r[key].double() - m).abs() <= bound).all(), key
+            assert_bits_equal(r[key], expected)
         same_on_all_ranks(res, key)
+
+
+@pytest.mark.parametrize("method", fd.METHODS)
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hook_equals_plain_reference_bit_for_bit(run, method, fmt, dtype):
+    """The hook's fused local work (multi-tensor ops into preallocated views, the rank-order sum in
+    place) gives the very bits of reference_mean, the algorithm written out plainly; "native" with
+    the emulated FP8 SUM, whose rounding the reference knows. (On CUDA the division by N is a
+    product with 1 / N, the same bits as the reference's division for the nccl2 setup's N = 2.)"""
+    world, _, res = run
+    key = ("hook", fmt, dtype) if method == "all_to_all" else ("native_emulated", fmt, dtype)
+    expected = reference_mean([synth(r, SIZES, dtype) for r in range(world)], SIZES, fmt, method)
+    for r in res:
+        assert_bits_equal(r[key], expected)
 
 
 def test_zero_gradients_stay_zero(run):

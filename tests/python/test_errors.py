@@ -17,6 +17,10 @@ def one():
     return torch.ones(1)
 
 
+def codes():
+    return x().to(E4M3)
+
+
 def counter(value=0, n=1):
     return torch.full((n,), value, dtype=torch.int32)
 
@@ -90,6 +94,25 @@ CASES = {
         ["scale_inv"]),
     "multi_dequantize xs a tuple of non-tensors": (lambda: fp8amp.multi_dequantize((1, 2), one(), torch.float32),
                                                    TypeError, ["xs[0]"]),
+    # multi_dequantize's outs: the Python types and the dtype in the wrapper, the rest in the core
+    "multi_dequantize outs a tensor": (lambda: fp8amp.multi_dequantize([codes()], one(), torch.float32, outs=x()),
+                                       TypeError, ["outs", "list or tuple"]),
+    "multi_dequantize outs[1] None": (
+        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), None]),
+        TypeError, ["outs[1]", "Tensor"]),
+    "multi_dequantize outs[1] bfloat16": (
+        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), x().bfloat16()]),
+        ValueError, ["outs[1] must be torch.float32", "dtype", "torch.bfloat16"]),
+    "multi_dequantize outs 1 for 2": (
+        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x()]),
+        ValueError, ["outs must hold as many tensors as xs (2), got 1"]),
+    "multi_dequantize outs[1] shape": (
+        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), x().T]),
+        ValueError, ["xs[1] and outs[1] must have the same shape"]),
+    "multi_dequantize outs[1] not contiguous": (
+        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
+                                        outs=[x(), torch.zeros(4, 16)[:, ::2]]),
+        ValueError, ["outs[1] must be contiguous"]),
     # scale updates
     "compute_scale fmax a string": (lambda: fp8amp.compute_scale(one(), one(), one(), "448"), TypeError, ["fmax"]),
     "compute_scale fmax negative": (lambda: fp8amp.compute_scale(one(), one(), one(), -448.0), ValueError, ["fmax"]),
@@ -157,6 +180,8 @@ def test_cpu_cuda_mix_names_the_argument():
         fp8amp.dequantize(xc.to(E4M3), one(), torch.float32)
     with pytest.raises(ValueError, match="xs"):
         fp8amp.multi_amax([xc, x()], torch.zeros(2, device="cuda"))
+    with pytest.raises(ValueError, match=r"xs\[0\] and outs\[0\] must be on the same device"):
+        fp8amp.multi_dequantize([codes()], one(), torch.float32, outs=[torch.empty(4, 8, device="cuda")])
     with pytest.raises(ValueError, match="counter"):
         fp8amp.update_delayed_scaling(torch.zeros(1, 4, device="cuda"), torch.ones(1, device="cuda"),
                                       torch.ones(1, device="cuda"), counter(), 448.0)
