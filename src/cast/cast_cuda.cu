@@ -140,6 +140,7 @@ struct QuantizeOp {
   using In = InT;
   using Out = OutT;
   static constexpr bool kFoldsAmax = true;
+  static constexpr Access kAccess = Access::kDefault;
   ScalingPtrs s;
 
   __device__ bool start(int64_t i, bool first_block, float* factor) const {
@@ -159,6 +160,7 @@ struct DequantizeOp {
   using In = InT;
   using Out = OutT;
   static constexpr bool kFoldsAmax = false;
+  static constexpr Access kAccess = Access::kStreaming;  // each code read once, each value written once
   const float* scale_inv;
 
   __device__ bool start(int64_t i, bool, float* factor) const {
@@ -178,6 +180,7 @@ struct AmaxOp {
   using In = InT;
   using Out = void;
   static constexpr bool kFoldsAmax = true;
+  static constexpr Access kAccess = Access::kDefault;
   float* amax;
   int64_t stride;
   const int32_t* warmup_counter;
@@ -261,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
       for (int g = 0; g < G; ++g) {
         j[g] = begin + ((u0 + g) * kThreads + static_cast<int>(threadIdx.x)) * N;
         valid[g] = valid_count<N>(j[g], end);
-        load_pack<N>(in + j[g], valid[g], vector_ok, x[g]);
+        load_pack<N, Op::kAccess>(in + j[g], valid[g], vector_ok, x[g]);
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -273,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
           for (int k = 0; k < N; ++k) v[k] *= factor;
           uint32_t w[kWords<Out, N>];
           op.template convert<N>(v, w);
-          store_pack<N>(static_cast<Out*>(batch.out[t]) + j[g], w, valid[g], vector_ok);
+          store_pack<N, Op::kAccess>(static_cast<Out*>(batch.out[t]) + j[g], w, valid[g], vector_ok);
         }
       }
     }

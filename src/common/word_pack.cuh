@@ -38,11 +38,11 @@ __device__ __forceinline__ int valid_count(int64_t j, int64_t end) {
 
 // The first `valid` elements at p, zeros after them (a zero changes no amax). One vector access when
 // the pack is whole and `vector_ok` (the caller checked alignment), else element by element: the
-// tails and misaligned tensors.
-template <int N, class T>
+// tails and misaligned tensors. A: the whole-pack access's cache policy (cuda_utils.cuh).
+template <int N, Access A = Access::kDefault, class T>
 __device__ void load_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
   if (vector_ok && valid == N) {
-    load_words(p, w);
+    load_words<A>(p, w);
     return;
   }
 #pragma unroll
@@ -53,10 +53,10 @@ __device__ void load_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[k
   }
 }
 
-template <int N, class T>
+template <int N, Access A = Access::kDefault, class T>
 __device__ void store_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
   if (vector_ok && valid == N) {
-    store_words(p, w);
+    store_words<A>(p, w);
     return;
   }
   constexpr uint32_t kMask = sizeof(T) == 4 ? 0xFFFFFFFFu : (1u << (8 * sizeof(T))) - 1u;
