@@ -10,8 +10,11 @@
 // Element math. Everything is IEEE float32 with round-to-nearest-even, each operation rounded
 // once; fma(a, b, c) is a * b + c rounded once. It is the operation order of
 // torch.optim.Adam/AdamW (foreach=False, CPU), whose vectorized kernels use the same fmas, so the
-// all-FP32 path (O1) agrees with torch to the last bit except where torch's own vectorized sqrt
-// is not correctly rounded (measured: 1 ulp of sqrt in ~0.6% of elements on AVX-512).
+// all-FP32 path (O1) gives m' and v' bit-identical to torch's, with one exception: the denominator
+// multiplies sqrt(v') by 1/sqrt(bc2) in one fma where torch divides by sqrt(bc2) and then adds eps
+// (an IEEE division an element less, measurably faster on the GPU; den differs by at most ~2 ulp,
+// the update by ~2^-22 relative, inside what torch's own vectorized sqrt, not correctly rounded,
+// already differs by).
 //
 // Per step, once, in float64 (each operation rounded once), then rounded to float32 (f32(.)):
 //   t          = the step number, >= 1 (see adam_step's `step` / `step_tensor`)
@@ -22,7 +25,7 @@
 //   decay      = f32(1 - lr * weight_decay)      (AdamW)     wd = f32(weight_decay)   (Adam)
 //   w1         = f32(1 - beta1)                  w1m1 = w1 - 1 (float32)   small = |w1| < 0.5
 //   b2         = f32(beta2)                      w2 = f32(1 - beta2)
-//   neg_step   = f32(-(lr / bc1))                bc2_sqrt = f32(sqrt(bc2))    eps32 = f32(eps)
+//   neg_step   = f32(-(lr / bc1))                inv_bc2_sqrt = f32(1 / sqrt(bc2))   eps32 = f32(eps)
 //
 // Per element (g, p, m, v: the stored values dequantized, x = code * scale_inv, see below):
 //   if maximize:               g = -g
@@ -32,10 +35,10 @@
 //   m' = small ? fma(w1, d1, m) : fma(w1m1, d1, g)                        torch: exp_avg.lerp_(grad, 1-beta1)
 //   v' = fma(w2 * g, g, v * b2)                                           torch: exp_avg_sq.mul_(beta2)
 //                                                                                .addcmul_(grad, grad, 1-beta2)
-//   den = sqrt(v') / bc2_sqrt + eps32                                     torch: (v.sqrt() / bc2_sqrt).add_(eps)
+//   den = fma(sqrt(v'), inv_bc2_sqrt, eps32)                              torch: (v.sqrt() / bc2_sqrt).add_(eps)
 //   p' = p + (neg_step * m') / den                                        torch: param.addcdiv_(m, den, -step_size)
 // (= DESIGN §6's m' = β1·m + (1−β1)·g, v' = β2·v + (1−β2)·g², p' = p·(1 − lr·wd) − lr/bc1 · m' /
-// (sqrt(v')/sqrt(bc2) + eps), in the order torch rounds it.) sqrt is the correctly rounded IEEE
+// (sqrt(v')/sqrt(bc2) + eps), in the order torch rounds it but for den.) sqrt is the correctly rounded IEEE
 // square root; the division is IEEE. The update uses the full-precision m' and v', not their
 // stored (rounded) forms, as MS-AMP does.
 //

@@ -7,9 +7,10 @@
 
 ``state_dtypes``
     ``"O1"``: ``exp_avg`` and ``exp_avg_sq`` in float32. The element math is torch's
-    (``foreach=False``, CPU) operation for operation: m and v are bit-identical to torch's, the
-    params agree to the last bit except where torch's vectorized sqrt is not correctly rounded
-    (see ``include/fp8amp/optim.h``).
+    (``foreach=False``, CPU) operation for operation but for the denominator, one fma
+    ``sqrt(v) * (1/sqrt(bc2)) + eps`` instead of a division and an add: m and v are
+    bit-identical to torch's, the updates agree to ~2^-21 relative (see
+    ``include/fp8amp/optim.h``).
     ``"O2"``: ``exp_avg`` float8_e4m3fn with ``exp_avg_scale`` / ``exp_avg_scale_inv``,
     ``exp_avg_sq`` float16 with ``exp_avg_sq_scale`` / ``exp_avg_sq_scale_inv`` (DESIGN §1): new
     power-of-two scales are computed on the device from the new amaxes at every step.

@@ -11,12 +11,12 @@
 // ------------------------------------------------------------------------------------------------
 // The bracket. Notation: rn(.) one IEEE float32 rounding to nearest even, u = 2^-24, and
 // (adam_kernels.h) p_d = mo.param, a = mo.step = rn(neg_step * m'), v' = mo.exp_avg_sq,
-// c = bc2_sqrt in [2^-26.5, 1] (bc2 = 1 - beta2^t in [2^-53, 1], beta2 < 1 being a double),
-// eps = f32(eps) >= 0; exactly, den = rn(rn(sqrt_rn(v') / c) + eps), q = rn(a / den),
-// p' = rn(p_d + q). Computed here:
+// c^ = inv_bc2_sqrt = f32(1 / sqrt(bc2)) in [1, 2^26.5] (bc2 = 1 - beta2^t in [2^-53, 1], beta2 < 1
+// being a double), eps = f32(eps) >= 0; exactly, den = rn(fma(sqrt_rn(v'), c^, eps)),
+// q = rn(a / den), p' = rn(p_d + q). Computed here:
 //   z  = v' < 0 ? NaN : v'          (the reference's sqrt of a negative v' is NaN; the ftz
 //                                    instruction would flush a negative subnormal to -0)
-//   d~ = fma(approx_sqrt(z), c^, eps)  with c^ = rn(1 / c)
+//   d~ = fma(approx_sqrt(z), c^, eps)  (the reference's den with the approximate square root)
 //   t  = rn(a * approx_rcp(d~))
 //   w  = fma(|t|, E, min(|a|, 2^-126))
 //   lo = rn(p_d + rn(t - w)),  hi = rn(p_d + rn(t + w)).
@@ -37,12 +37,12 @@
 //  (2) d~ = +inf: approx_sqrt(v') is +inf (finite s~ c^ + eps < 2^64.01 * 2^27 + 2^100 < 2^126),
 //      so v' = +inf, den = +inf, q = +-0; t = a * 0 = +-0, so rn(t - w) <= 0 <= rn(t + w).
 //  (3) d~ normal (so d~ < 2^126 by the same sum: approx_rcp is in its accurate range). With
-//      D = sqrt(v')/c + eps, both sums of non-negative terms, |d~/den - 1| <= rho where
+//      D = sqrt(v') c^ + eps, both sums of non-negative terms, |d~/den - 1| <= rho where
 //        v' = 0:            d~ = den = eps, rho = 0;
-//        v' >= 2^-126:      den in D[(1-u)^3, (1+u)^3], d~ in D(1 +- 2^-16)(1 +- u)^2 (c^ has
-//                           error u, the fma one rounding), rho = 2^-16 + 6u;
+//        v' >= 2^-126:      den in D[(1-u)^2, (1+u)^2] (the rounded sqrt, the fma's one
+//                           rounding), d~ in D(1 +- 2^-16)(1 +- u), rho = 2^-16 + 4u;
 //        0 < v' < 2^-126:   approx_sqrt flushes: d~ = eps (> 0, d~ being normal), while
-//                           eps <= den <= (eps + 2^-63 c^ (1 + 5u))(1 + u): rho = kappa + u.
+//                           eps <= den <= (eps + 2^-63 c^ (1 + u))(1 + u): rho = kappa + u.
 //      With r~ = approx_rcp(d~) = (1 + r)/d~: a/den = a r~ F, F = (d~/den)/(1 + r) in 1 +- phi,
 //      phi <= (rho + 2^-16)(1 + 2^-15). If t is normal, |a/den - t| <= |t| phi' with
 //      phi' = (phi + u)(1 + 2^-23) <= (rho + 2^-16 + u)(1 + 2^-14) <= E / 4. If t is subnormal or
@@ -83,15 +83,13 @@
 namespace fp8amp {
 
 struct AdamBoundConstants {
-  float inv_bc2_sqrt;  // c^ = rn(1 / bc2_sqrt)
   float rel;           // E: the relative radius of the bracket, +inf to disable skipping
 };
 
 FP8AMP_HD AdamBoundConstants adam_bound_constants(const AdamConstants& c) {
   AdamBoundConstants b;
-  b.inv_bc2_sqrt = rn::div(1.0f, c.bc2_sqrt);
   // kappa: the relative error of d~ where approx_sqrt flushes a subnormal v' (rho above).
-  const double kappa = c.eps > 0.0f ? 0x1p-62 * b.inv_bc2_sqrt / c.eps : 0.0;
+  const double kappa = c.eps > 0.0f ? 0x1p-62 * c.inv_bc2_sqrt / c.eps : 0.0;
   const double rel = 0x1p-12 + 8.0 * kappa;
   const bool usable = c.eps <= 0x1p100f && rel <= 0x1p-4;
   b.rel = usable ? static_cast<float>(rel) : numerics::bits_float(0x7F800000u);
@@ -112,7 +110,7 @@ template <class Approx>
 FP8AMP_HD ParamBracket param_bracket(const AdamMoments& mo, const AdamConstants& c, const AdamBoundConstants& b,
                                      const Approx& approx) {
   const float z = mo.exp_avg_sq < 0.0f ? numerics::bits_float(numerics::kCanonicalNanBits) : mo.exp_avg_sq;
-  const float den = rn::fma(approx.sqrt(z), b.inv_bc2_sqrt, c.eps);
+  const float den = rn::fma(approx.sqrt(z), c.inv_bc2_sqrt, c.eps);
   const float t = rn::mul(mo.step, approx.rcp(den));
   const float radius = rn::fma(fabsf(t), b.rel, fminf(fabsf(mo.step), 0x1p-126f));
   return {rn::add(mo.param, rn::sub(t, radius)), rn::add(mo.param, rn::add(t, radius))};

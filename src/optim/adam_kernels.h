@@ -29,7 +29,7 @@ struct AdamConstants {
   float beta2;         // f32(beta2)
   float w2;            // f32(1 - beta2)
   float neg_step;      // f32(-(lr / bc1))
-  float bc2_sqrt;      // f32(sqrt(bc2))
+  float inv_bc2_sqrt;  // f32(1 / sqrt(bc2))
   float eps;           // f32(eps)
   bool adamw;
   bool maximize;
@@ -67,7 +67,7 @@ FP8AMP_HD AdamConstants adam_constants(const AdamHyper& h, int64_t t) {
   const double bc1 = rn::sub(1.0, pow_int(h.beta1, t));
   const double bc2 = rn::sub(1.0, pow_int(h.beta2, t));
   c.neg_step = rn::to_float(-rn::div(h.lr, bc1));
-  c.bc2_sqrt = rn::to_float(rn::sqrt(bc2));
+  c.inv_bc2_sqrt = rn::to_float(rn::div(1.0, rn::sqrt(bc2)));
   c.eps = rn::to_float(h.eps);
   c.adamw = h.adamw;
   c.maximize = h.maximize;
@@ -111,9 +111,9 @@ FP8AMP_HD AdamMoments adam_moments(float p, float g, float m, float v, const Ada
   return r;
 }
 
-// p' = p + step / den, den = sqrt(v') / bc2_sqrt + eps.
+// p' = p + step / den, den = fma(sqrt(v'), inv_bc2_sqrt, eps).
 FP8AMP_HD float adam_param(const AdamMoments& mo, const AdamConstants& c) {
-  const float den = rn::add(rn::div(rn::sqrt(mo.exp_avg_sq), c.bc2_sqrt), c.eps);
+  const float den = rn::fma(rn::sqrt(mo.exp_avg_sq), c.inv_bc2_sqrt, c.eps);
   return rn::add(mo.param, rn::div(mo.step, den));
 }
 

@@ -6,10 +6,12 @@ Bounds, derived rather than tuned:
 
 * FP32 path vs torch (foreach=False, CPU), one step from the same state. The op performs torch's
   operations in torch's order with the same fmas (optim.h), so m' and v', which involve no square
-  root, are bit-identical. torch's vectorized CPU sqrt is not correctly rounded (at most 1 ulp off
-  on AVX-512: relative 2^-23); through the two roundings of ``sqrt(v)/bc2_sqrt + eps`` and the two of
-  ``(-step * m) / den`` the updates then differ by at most ~2^-21.4 |u|, so the new params by at most
-  2^-21 |u| + one ulp of p' (the two sums may round to neighbours). The test uses 2^-20 |u| + 2 ulp.
+  root, are bit-identical. The denominators differ: torch's vectorized CPU sqrt is not correctly
+  rounded (at most 1 ulp off on AVX-512: relative 2^-23) and rounds ``sqrt(v)/bc2_sqrt + eps``
+  twice, ours rounds ``fma(sqrt(v), 1/sqrt(bc2), eps)`` once after a correctly rounded sqrt and a
+  rounded 1/sqrt(bc2) (together < 2^-21.5 relative); with the two roundings of ``(-step * m) / den``
+  the updates differ by at most ~2^-21 |u|, so the new params by at most 2^-21 |u| + one ulp of p'
+  (the two sums may round to neighbours). The test uses 2^-20 |u| + 2 ulp.
 * Low-precision paths vs a float64 model, one step from the op's own stored state: a stored value
   is the float32 result rounded to its format, so it is within half an ulp of the format (at the
   scaled magnitude; half the smallest subnormal below the normal range) of the float32 result,
