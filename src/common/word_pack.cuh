@@ -1,6 +1,6 @@
 // Packs of elements as the 32-bit words they occupy in memory, and the numerics of numerics.h on
-// them: the element-wise kernels (cast_cuda.cu, adam_cuda.cu) load, convert and store packs through
-// these alone.
+// them: the element-wise kernels (cast_cuda.cu, accumulate_cuda.cu, adam_cuda.cu) load, convert and
+// store packs through these alone.
 //
 // A pack of N elements of T travels as kWords<T, N> 32-bit words (4, 8 or 16 bytes), element k in
 // bytes [k * sizeof(T), (k + 1) * sizeof(T)) of the little-endian words. The conversions work on the

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fp8amp
+from fp8amp.accumulate import scaled_accumulate
 
 E4M3 = fp8amp.E4M3
 
@@ -23,6 +24,10 @@ def codes():
 
 def counter(value=0, n=1):
     return torch.full((n,), value, dtype=torch.int32)
+
+
+def e4m3(n=4):
+    return torch.zeros(n, dtype=E4M3)
 
 
 CASES = {
@@ -113,6 +118,83 @@ CASES = {
         lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
                                         outs=[x(), torch.zeros(4, 16)[:, ::2]]),
         ValueError, ["outs[1] must be contiguous"]),
+    # scaled_accumulate: TypeError from the wrapper; ValueError from the core, naming the op and the argument
+    "scaled_accumulate dst a list": (lambda: scaled_accumulate([0.0], torch.ones(1), torch.ones(1)), TypeError,
+                                     ["dst", "Tensor"]),
+    "scaled_accumulate dst_scale_inv a float": (lambda: scaled_accumulate(e4m3(), 1.0, torch.ones(4)), TypeError,
+                                                ["dst_scale_inv"]),
+    "scaled_accumulate src None": (lambda: scaled_accumulate(e4m3(), torch.ones(1), None), TypeError, ["src"]),
+    "scaled_accumulate src_scale_inv a float": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), e4m3(), 1.0),
+        TypeError, ["src_scale_inv"]),
+    "scaled_accumulate alpha a string": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), alpha="1"),
+        TypeError, ["alpha"]),
+    "scaled_accumulate margin a float": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), margin=1.0),
+        TypeError, ["margin"]),
+    "scaled_accumulate pow2_scale an int": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), pow2_scale=1),
+        TypeError, ["pow2_scale"]),
+    "scaled_accumulate alpha positional": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 2.0),
+        TypeError, []),
+    "scaled_accumulate dst float32": (
+        lambda: scaled_accumulate(torch.zeros(4), torch.ones(1), torch.ones(4)),
+        ValueError, ["scaled_accumulate", "dst", "float8_e4m3fn", "float8_e5m2", "float16"]),
+    "scaled_accumulate dst bfloat16": (
+        lambda: scaled_accumulate(torch.zeros(4, dtype=torch.bfloat16), torch.ones(1), torch.ones(4)),
+        ValueError, ["scaled_accumulate", "dst", "float8_e4m3fn"]),
+    "scaled_accumulate dst float64": (
+        lambda: scaled_accumulate(torch.zeros(4, dtype=torch.float64), torch.ones(1), torch.ones(4)),
+        ValueError, ["scaled_accumulate", "dst", "unsupported dtype", "float8_e4m3fn"]),
+    "scaled_accumulate dst not contiguous": (
+        lambda: scaled_accumulate(torch.zeros(4, 2, dtype=E4M3)[:, 0], torch.ones(1), torch.ones(4)),
+        ValueError, ["scaled_accumulate", "dst", "contiguous"]),
+    "scaled_accumulate src float64": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4, dtype=torch.float64)),
+        ValueError, ["scaled_accumulate", "src", "float32"]),
+    "scaled_accumulate src int32": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4, dtype=torch.int32)),
+        ValueError, ["scaled_accumulate", "src", "float32", "bfloat16", "float16"]),
+    "scaled_accumulate src fp8 without scale_inv": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), e4m3()),
+        ValueError, ["scaled_accumulate", "src", "src_scale_inv"]),
+    "scaled_accumulate src float32 with scale_inv": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), torch.ones(1)),
+        ValueError, ["scaled_accumulate", "src", "float8_e4m3fn", "float8_e5m2", "float16"]),
+    "scaled_accumulate src numel": (lambda: scaled_accumulate(e4m3(4), torch.ones(1), torch.ones(5)), ValueError,
+                                    ["scaled_accumulate", "src", "as many elements as dst (4)"]),
+    "scaled_accumulate src shape [2, 3] for 4": (
+        lambda: scaled_accumulate(e4m3(4), torch.ones(1), torch.ones(2, 3)),
+        ValueError, ["scaled_accumulate", "src"]),
+    "scaled_accumulate dst_scale_inv [2]": (lambda: scaled_accumulate(e4m3(), torch.ones(2), torch.ones(4)), ValueError,
+                                            ["scaled_accumulate", "dst_scale_inv", "1 element"]),
+    "scaled_accumulate dst_scale_inv empty": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(0), torch.ones(4)),
+        ValueError, ["scaled_accumulate", "dst_scale_inv"]),
+    "scaled_accumulate dst_scale_inv float16": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1, dtype=torch.float16), torch.ones(4)),
+        ValueError, ["scaled_accumulate", "dst_scale_inv", "float32"]),
+    "scaled_accumulate src_scale_inv [1, 2]": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), e4m3(), torch.ones(1, 2)),
+        ValueError, ["scaled_accumulate", "src_scale_inv", "1 element"]),
+    "scaled_accumulate src_scale_inv int32": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), e4m3(), torch.ones(1, dtype=torch.int32)),
+        ValueError, ["scaled_accumulate", "src_scale_inv", "float32"]),
+    "scaled_accumulate margin negative": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), margin=-1),
+        ValueError, ["scaled_accumulate", "margin"]),
+    "scaled_accumulate margin 127": (
+        lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), margin=127),
+        ValueError, ["scaled_accumulate", "margin"]),
+    "scaled_accumulate op amax [2]": (
+        lambda: fp8amp.ops.scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 1.0, torch.zeros(2)),
+        ValueError, ["scaled_accumulate", "amax", "1 element"]),
+    "scaled_accumulate op amax float16": (
+        lambda: fp8amp.ops.scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 1.0,
+                                             torch.zeros(1, dtype=torch.float16)),
+        ValueError, ["scaled_accumulate", "amax"]),
     # scale updates
     "compute_scale fmax a string": (lambda: fp8amp.compute_scale(one(), one(), one(), "448"), TypeError, ["fmax"]),
     "compute_scale fmax negative": (lambda: fp8amp.compute_scale(one(), one(), one(), -448.0), ValueError, ["fmax"]),
