@@ -1,6 +1,8 @@
 // Cast op family: quantize, dequantize, cast+transpose, amax, scale updates (DESIGN §3).
 // Every op runs on the device of its tensors (CPU reference or CUDA kernel) and never syncs
-// with the host. Scales, amaxes and counters are device tensors, never host scalars.
+// with the host. Scales, amaxes and counters are device tensors, never host scalars. An output
+// never shares memory with an input or another output (ValueError naming both): there is no
+// in-place form of a cast, and on the GPU the overlap would be a race.
 #pragma once
 
 #include <vector>

@@ -44,6 +44,13 @@ void same_shape(const TensorView& a, const TensorView& b, const char* op, const 
 void numel_is(const TensorView& t, int64_t expected, const char* op, const char* arg);
 void numel_at_least(const TensorView& t, int64_t expected, const char* op, const char* arg);
 void dim_is(const TensorView& t, int64_t expected, const char* op, const char* arg);
+// Contiguous a and b occupy no common byte (an element written through one would race with, or
+// change, an element read through the other).
+void no_overlap(const TensorView& a, const TensorView& b, const char* op, const char* arg_a, const char* arg_b);
+// The same for every pair of outs, and every out with every x (xs may share memory: they are only
+// read). names(list, i) names element i of "outs" or "xs" in the message.
+void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<TensorView>& xs, const char* op,
+                      std::string (*names)(const char* list, size_t i));
 }  // namespace check
 
 }  // namespace fp8amp

@@ -77,6 +77,10 @@ std::string element_name(bool multi, const char* single_name, const char* list_n
   return multi ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
 }
 
+// check::disjoint_outputs's names: "xs[3]" / "outs[3]", or "x" / "out".
+std::string multi_names(const char* list, size_t i) { return element_name(true, "", list, i); }
+std::string single_names(const char* list, size_t) { return std::strcmp(list, "outs") == 0 ? "out" : "x"; }
+
 // Checks a list of inputs and outputs pairwise and returns them as slices.
 std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
                                 const char* op) {
@@ -108,6 +112,12 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
   return result;
 }
 
+// An out sharing memory with another out or an x would be a race on the GPU (and codes are
+// narrower or wider than the values: no in-place form exists). After the format checks.
+void check_outs_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const char* op) {
+  check::disjoint_outputs(outs, xs, op, is_multi_tensor_op(op) ? multi_names : single_names);
+}
+
 void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
                    Stream stream, const char* op) {
   const std::vector<TensorSlice> t = slices(xs, outs, op);
@@ -115,6 +125,7 @@ void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorVi
   const bool multi = is_multi_tensor_op(op);
   check::high_precision(xs[0], op, multi ? "xs" : "x");
   check::scaled_format(outs[0].dtype, op, multi ? "outs" : "dtype");
+  check_outs_disjoint(xs, outs, op);
   const ScalingPtrs s = scaling_ptrs(scaling, static_cast<int64_t>(xs.size()), xs[0], op);
   run_on(
       xs[0], op, [&] { cpu::quantize(xs[0].dtype, outs[0].dtype, t, s); },
@@ -130,6 +141,7 @@ void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_
   check::high_precision(outs[0], op, multi ? "outs" : "dtype");
   check_float32(scale_inv, xs[0], op, "scale_inv");
   check::numel_is(scale_inv, static_cast<int64_t>(xs.size()), op, "scale_inv");
+  check_outs_disjoint(xs, outs, op);
   const float* si = scale_inv.ptr<const float>();
   run_on(
       xs[0], op, [&] { cpu::dequantize(xs[0].dtype, outs[0].dtype, t, si); },
@@ -180,6 +192,9 @@ void cast_transpose(const TensorView& x, const TensorView& out, const TensorView
                      out_t.describe());
   check::contiguous(out_t, op, "out_t");
   check::same_device(x, out_t, op, "x", "out_t");
+  check::no_overlap(x, out, op, "x", "out");
+  check::no_overlap(x, out_t, op, "x", "out_t");
+  check::no_overlap(out, out_t, op, "out", "out_t");
   const ScalingPtrs s = scaling_ptrs(scaling, 1, x, op);
   run_on(
       x, op, [&] { cpu::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s); },
@@ -310,6 +325,17 @@ void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, c
                      "), got ", src.describe());
   check_scalar_buffer(amax_out, dst, op, "amax");
   check_recipe(recipe, op);
+  // dst is rewritten in place, element by element: src may be dst itself (same memory, same
+  // format), never part of it; the scalars must be their own memory (amax is zeroed first and
+  // dst_scale_inv rewritten last; src_scale_inv may be dst_scale_inv, read before that).
+  if (!(src.data == dst.data && src.dtype == dst.dtype)) check::no_overlap(dst, src, op, "dst", "src");
+  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&dst, "dst"}, {&src, "src"}}) {
+    check::no_overlap(*t, dst_scale_inv, op, name, "dst_scale_inv");
+    check::no_overlap(*t, amax_out, op, name, "amax");
+    if (src_scale_inv != nullptr) check::no_overlap(*t, *src_scale_inv, op, name, "src_scale_inv");
+  }
+  check::no_overlap(amax_out, dst_scale_inv, op, "amax", "dst_scale_inv");
+  if (src_scale_inv != nullptr) check::no_overlap(amax_out, *src_scale_inv, op, "amax", "src_scale_inv");
   const AccumulatePtrs p{dst.data,     dst_scale_inv.ptr<float>(),
                          src.data,     src_scale_inv != nullptr ? src_scale_inv->ptr<const float>() : nullptr,
                          alpha,        amax_out.ptr<float>(),

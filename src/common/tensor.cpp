@@ -1,5 +1,7 @@
 #include "fp8amp/tensor.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 
 #include "fp8amp/error.h"
@@ -73,6 +75,54 @@ void numel_at_least(const TensorView& t, int64_t expected, const char* op, const
 
 void dim_is(const TensorView& t, int64_t expected, const char* op, const char* arg) {
   FP8AMP_CHECK_VALUE(t.dim() == expected, op, arg, " must be ", expected, "-D, got ", t.describe());
+}
+
+namespace {
+
+// The bytes a contiguous view occupies, [begin, end).
+struct ByteRange {
+  uintptr_t begin, end;
+};
+
+ByteRange bytes_of(const TensorView& t) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
+  return {begin, begin + static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype)};
+}
+
+// A common byte (an empty view has none, wherever it points).
+bool overlap(ByteRange a, ByteRange b) { return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end; }
+
+}  // namespace
+
+void no_overlap(const TensorView& a, const TensorView& b, const char* op, const char* arg_a, const char* arg_b) {
+  FP8AMP_CHECK_VALUE(!overlap(bytes_of(a), bytes_of(b)), op, arg_a, " and ", arg_b,
+                     " must not share memory, got overlapping ", a.describe(), " and ", b.describe());
+}
+
+void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<TensorView>& xs, const char* op,
+                      std::string (*names)(const char* list, size_t i)) {
+  // The non-empty outs by address: if two overlap, so do two neighbours (an out that begins
+  // between them begins inside the first). Once they are disjoint their ends are sorted too, so
+  // a view overlaps some out iff it overlaps the last one that begins before its end.
+  // O((n + m) log m), not n * m, for the hundreds of tensors a multi-tensor call takes.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].numel() > 0) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t i, size_t j) { return bytes_of(outs[i]).begin < bytes_of(outs[j]).begin; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    no_overlap(outs[order[k - 1]], outs[order[k]], op, names("outs", order[k - 1]).c_str(),
+               names("outs", order[k]).c_str());
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const ByteRange x = bytes_of(xs[i]);
+    const auto after = std::partition_point(order.begin(), order.end(),
+                                            [&](size_t j) { return bytes_of(outs[j]).begin < x.end; });
+    if (after != order.begin()) {
+      no_overlap(xs[i], outs[*(after - 1)], op, names("xs", i).c_str(), names("outs", *(after - 1)).c_str());
+    }
+  }
 }
 
 }  // namespace check

@@ -30,6 +30,13 @@ def e4m3(n=4):
     return torch.zeros(n, dtype=E4M3)
 
 
+def dequantize_over_codes():
+    """multi_dequantize into float16 values that occupy the codes' own bytes."""
+    buf = torch.zeros(64, dtype=torch.uint8)
+    return fp8amp.multi_dequantize([buf[:32].view(E4M3).view(4, 8)], one(), torch.float16,
+                                   outs=[buf.view(torch.float16).view(4, 8)])
+
+
 CASES = {
     # quantize / cast_transpose: Python types and dtype arguments
     "quantize x not a tensor": (lambda: fp8amp.quantize([1.0], one(), one(), E4M3), TypeError, ["x", "Tensor"]),
@@ -118,6 +125,14 @@ CASES = {
         lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
                                         outs=[x(), torch.zeros(4, 16)[:, ::2]]),
         ValueError, ["outs[1] must be contiguous"]),
+    "multi_dequantize outs overlapping": (
+        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
+                                        outs=list(torch.zeros(48).unfold(0, 32, 16).view(2, 4, 8))),
+        ValueError, ["outs[0] and outs[1] must not share memory"]),
+    "multi_dequantize out over the codes": (lambda: dequantize_over_codes(), ValueError,
+                                            ["xs[0] and outs[0] must not share memory"]),
+    "scaled_accumulate src inside dst": (lambda: (lambda b: scaled_accumulate(b[:8], one(), b[1:9], one()))(e4m3(9)),
+                                         ValueError, ["dst and src must not share memory"]),
     # scaled_accumulate: TypeError from the wrapper; ValueError from the core, naming the op and the argument
     "scaled_accumulate dst a list": (lambda: scaled_accumulate([0.0], torch.ones(1), torch.ones(1)), TypeError,
                                      ["dst", "Tensor"]),
