@@ -7,6 +7,8 @@
 #   --no-tests  build, then only the benchmarks (to split a long check over two device calls)
 #   --benches=cast,gemm  only these benchmarks/bench_<name>.py (default: all); bench_comm runs on 2
 #               GPUs under torchrun, and is skipped (with the reason) on a machine with fewer
+#   --ncu-optim also profile the O2 Adam passes with Nsight Compute (speed of light, occupancy,
+#               warp stalls, memory) into $OUT/ncu_adam.txt (about a minute)
 # The GPU machine has no GoogleTest package: carry its sources as .deps/googletest
 # (cp -r /usr/src/googletest .deps/) and name .deps in the device call's carry list.
 # Python packages the image lacks (torchao, the float8 baseline of bench_linear/bench_train) travel
@@ -18,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu_out}  # the benchmarks write their tables to $OUT/bench_<name>.md
 mkdir -p "$OUT"
-SANITIZE=0 BENCH=1 TESTS=1 BENCHES="" CTEST_ARGS=() PYTEST_ARGS=()
+SANITIZE=0 BENCH=1 TESTS=1 NCU=0 BENCHES="" CTEST_ARGS=() PYTEST_ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --sanitize) SANITIZE=1 ;;
@@ -26,7 +28,8 @@ for arg in "$@"; do
     --gpu-only) CTEST_ARGS=(-L gpu) PYTEST_ARGS=(-m gpu) ;;
     --no-tests) TESTS=0 ;;
     --benches=*) BENCHES=${arg#--benches=} ;;
-    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b)"; exit 2 ;;
+    --ncu-optim) NCU=1 ;;
+    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b, --ncu-optim)"; exit 2 ;;
   esac
 done
 # Keep NVLink multicast off on shared multi-GPU hosts.
@@ -100,6 +103,14 @@ if [ "$BENCH" = 1 ]; then
     "${launch[@]}" "$bench" >> "$OUT/bench.log" 2>&1 || { status=1; echo "$bench FAILED"; }
   done
   cat "$OUT"/bench_*.md 2>/dev/null
+fi
+if [ "$NCU" = 1 ]; then
+  # Two launches of each O2 pass after the warm-up steps (a 4-layer model: the same kernels).
+  (cd benchmarks && ncu -k regex:"adam_(amax|store)_kernel" --launch-skip 6 --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section LaunchStats python3 bench_optim.py --modes o2 --steps 3 --layers 4) > "$OUT/ncu_adam.txt" 2>&1 \
+    || { status=1; echo "ncu FAILED (see ncu_adam.txt)"; }
+  grep -E "adam_|Duration|Throughput|Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu_adam.txt"
 fi
 echo "gpu_check status: $status"
 exit $status
