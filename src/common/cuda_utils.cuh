@@ -93,18 +93,25 @@ __device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[Words]) 
   }
 }
 
+// One store of a vector type with A's policy.
+template <Access A, class V>
+__device__ __forceinline__ void store_with(V* p, V v) {
+  if constexpr (A == Access::kStreaming) {
+    __stcs(p, v);
+  } else {
+    __stwb(p, v);
+  }
+}
+
 template <Access A = Access::kDefault, int Words>
 __device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[Words]) {
   static_assert(Words == 1 || Words == 2 || Words == 4, "packs are 4, 8 or 16 bytes");
   if constexpr (Words == 4) {
-    const uint4 v = make_uint4(w[0], w[1], w[2], w[3]);
-    A == Access::kStreaming ? __stcs(static_cast<uint4*>(p), v) : __stwb(static_cast<uint4*>(p), v);
+    store_with<A>(static_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
   } else if constexpr (Words == 2) {
-    const uint2 v = make_uint2(w[0], w[1]);
-    A == Access::kStreaming ? __stcs(static_cast<uint2*>(p), v) : __stwb(static_cast<uint2*>(p), v);
+    store_with<A>(static_cast<uint2*>(p), make_uint2(w[0], w[1]));
   } else {
-    A == Access::kStreaming ? __stcs(static_cast<unsigned int*>(p), w[0])
-                            : __stwb(static_cast<unsigned int*>(p), w[0]);
+    store_with<A>(static_cast<unsigned int*>(p), w[0]);
   }
 }
 
