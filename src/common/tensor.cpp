@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
+#include <utility>
 
 #include "fp8amp/error.h"
 
@@ -104,24 +105,28 @@ void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<Ten
   // The non-empty outs by address: if two overlap, so do two neighbours (an out that begins
   // between them begins inside the first). Once they are disjoint their ends are sorted too, so
   // a view overlaps some out iff it overlaps the last one that begins before its end.
-  // O((n + m) log m), not n * m, for the hundreds of tensors a multi-tensor call takes.
-  std::vector<size_t> order;
+  // O((n + m) log m), not n * m, for the hundreds of tensors a multi-tensor call takes; the
+  // names are made only for the message.
+  std::vector<std::pair<ByteRange, size_t>> sorted;
   for (size_t i = 0; i < outs.size(); ++i) {
-    if (outs[i].numel() > 0) order.push_back(i);
+    const ByteRange r = bytes_of(outs[i]);
+    if (r.begin < r.end) sorted.push_back({r, i});
   }
-  std::sort(order.begin(), order.end(),
-            [&](size_t i, size_t j) { return bytes_of(outs[i]).begin < bytes_of(outs[j]).begin; });
-  for (size_t k = 1; k < order.size(); ++k) {
-    no_overlap(outs[order[k - 1]], outs[order[k]], op, names("outs", order[k - 1]).c_str(),
-               names("outs", order[k]).c_str());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
+  const auto refuse_if_overlapping = [&](const TensorView& a, ByteRange ra, const char* list_a, size_t i,
+                                         const std::pair<ByteRange, size_t>& out) {
+    if (!overlap(ra, out.first)) return;
+    no_overlap(a, outs[out.second], op, names(list_a, i).c_str(), names("outs", out.second).c_str());
+  };
+  for (size_t k = 1; k < sorted.size(); ++k) {
+    const auto& [range, i] = sorted[k - 1];
+    refuse_if_overlapping(outs[i], range, "outs", i, sorted[k]);
   }
   for (size_t i = 0; i < xs.size(); ++i) {
     const ByteRange x = bytes_of(xs[i]);
-    const auto after = std::partition_point(order.begin(), order.end(),
-                                            [&](size_t j) { return bytes_of(outs[j]).begin < x.end; });
-    if (after != order.begin()) {
-      no_overlap(xs[i], outs[*(after - 1)], op, names("xs", i).c_str(), names("outs", *(after - 1)).c_str());
-    }
+    const auto after = std::partition_point(sorted.begin(), sorted.end(),
+                                            [&](const auto& out) { return out.first.begin < x.end; });
+    if (after != sorted.begin()) refuse_if_overlapping(xs[i], x, "xs", i, *(after - 1));
   }
 }
 
