@@ -8,8 +8,9 @@ max-accumulates its amax into ``amax[i, 0]``, NaN included.
 The wrappers check Python types (TypeError) and dtype arguments (ValueError), make read-only
 inputs contiguous, and leave every other check to the core, which raises ValueError naming the
 argument. Buffers an op writes (``amax``, ``scale``, ``scale_inv``, ``counter``, the ``outs`` of
-:func:`multi_dequantize`) are passed as they are: a contiguous copy would not receive the write. No wrapper reads device values on the
-host, so all of them trace under ``torch.compile(fullgraph=True)`` and never sync.
+:func:`multi_dequantize`) are passed as they are: a contiguous copy would not receive the write.
+No wrapper reads device values on the host, so all of them trace under
+``torch.compile(fullgraph=True)`` and never sync.
 """
 
 from __future__ import annotations

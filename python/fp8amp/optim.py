@@ -22,8 +22,9 @@ four float32 ``[1]`` scale tensors. Params are float32, or :class:`~fp8amp.Scale
 with float16 codes (what :func:`fp8amp.initialize` makes of Linear weights at O1/O2): the op
 updates their codes and scale in place, and also rewrites their E4M3 copy
 (:meth:`ScaledTensor.attach_fp8_copy`, what the :class:`~fp8amp.Fp8Linear` forward reads) in the
-same pass, so the forward does not re-cast the weight. Grads may be plain (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the
-FP8 weight gradients of Fp8Linear at O1/O2). bf16/fp16 plain params are refused: the op keeps
+same pass, so the forward does not re-cast the weight. Grads may be plain
+(float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the FP8 weight gradients of Fp8Linear at
+O1/O2). bf16/fp16 plain params are refused: the op keeps
 low-precision masters only as FP16 + scale.
 
 ``step()`` never syncs with the host. A step whose grads (or new m, v, params) hold an inf/NaN

@@ -119,8 +119,9 @@ def _is_broadcast(x: torch.Tensor) -> bool:
 
 def _saved_by_compiled_graph() -> bool:
     """Whether the code saving the tensor (the first frame outside the hook's callers) is
-    AOTAutograd's runtime (torch._functorch), which saves a compiled graph's tensors. A diagnostic for the warning only: if a later torch moves that code, the warning
-    stops, nothing else changes."""
+    AOTAutograd's runtime (torch._functorch), which saves a compiled graph's tensors. A diagnostic
+    for the warning only: if a later torch moves that code, the warning stops, nothing else
+    changes."""
     frame = sys._getframe(1)
     while frame is not None and _is_hook_caller(frame.f_globals.get("__name__") or ""):
         frame = frame.f_back

@@ -91,7 +91,9 @@ ByteRange bytes_of(const TensorView& t) {
 }
 
 // A common byte (an empty view has none, wherever it points).
-bool overlap(ByteRange a, ByteRange b) { return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end; }
+bool overlap(ByteRange a, ByteRange b) {
+  return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end;
+}
 
 }  // namespace
 
