@@ -140,7 +140,9 @@ def main() -> None:
     rows = []
     for mode, (seconds, state_bytes, pass_seconds) in results.items():
         floor = sum(PASS_BYTES[mode]) * numel / bandwidth
-        passes = [f"{t * 1e3:.2f} ({b * numel / bandwidth / t:.0%})" for t, b in zip(pass_seconds, PASS_BYTES[mode])]
+        # A pass time of 0: the profiler recorded no kernels (under Nsight Compute, which holds CUPTI).
+        passes = [f"{t * 1e3:.2f} ({b * numel / bandwidth / t:.0%})" if t > 0 else "-"
+                  for t, b in zip(pass_seconds, PASS_BYTES[mode])]
         rows.append([
             LABELS[mode], f"{seconds * 1e3:.2f}", f"{base / seconds:.2f}x" if base else "-",
             f"{floor * 1e3:.2f}", f"{floor / seconds:.0%}", *(passes or ["-", "-"]), f"{state_bytes:.2f}",

@@ -58,38 +58,71 @@ constexpr int kPackSize =
 // The scale_inv of a scaled input, 1 (unused) otherwise.
 __device__ float scale_inv_or_1(const float* p) { return p != nullptr ? *p : 1.0f; }
 
+// What the chunk multiplies decoded grads by: the scale_inv of an FP8 grad (1 for others), negated
+// for maximize, which the kernels' constants then leave out (x * -s = -(x * s) exactly).
+template <class G>
+__device__ float signed_grad_scale_inv(const float* scale_inv, bool maximize) {
+  const float s = kIsFp8<G> ? scale_inv_or_1(scale_inv) : 1.0f;
+  return maximize ? -s : s;
+}
+
+// The step's constants for element math on the chunk's decoded (already negated) grads; applied to
+// the copy in registers, so that the compiler knows maximize is off.
+__device__ AdamConstants without_maximize(AdamConstants c) {
+  c.maximize = false;
+  return c;
+}
+
+// Calls f(known), a copy of c whose lerp_small the compiler knows (so that m' is one fma, not two
+// predicated ones): one call in each branch of a uniform branch.
+template <class F>
+__device__ void with_known_lerp(const AdamConstants& c, F&& f) {
+  AdamConstants known = c;
+  if (c.lerp_small) {
+    known.lerp_small = true;
+    f(known);
+  } else {
+    known.lerp_small = false;
+    f(known);
+  }
+}
+
 // The pointers, input scales and chunk of the tensor that owns this block, as both passes read them.
+// The kernels index the chunk's elements with 32-bit offsets.
 template <class G, class P, class M, class V>
 struct Chunk {
   static constexpr int N = kPackSize<G, P, M, V>;
   const AdamTensorPtrs& tp;
   float* amax_row;
-  const G* grad;
-  P* param;
-  M* exp_avg;
-  V* exp_avg_sq;
-  numerics::fp8_e4m3* weight;
-  float g_si, p_si, m_si, v_si;
+  int64_t begin;  // the chunk's first element in the tensor
+  int length;     // its elements: kChunk, fewer in the tensor's last chunk
+  float g_si, p_si, m_si, v_si;  // g_si negative for maximize: decode returns -g (exactly)
   bool vector_ok;  // every array aligned for one access per pack
-  int64_t begin, end;
 
   __device__ Chunk(const AdamBatch& batch, const AdamArgs& args, int t)
       : tp(batch.tensors[t]),
         amax_row(args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns),
-        grad(static_cast<const G*>(tp.grad)),
-        param(static_cast<P*>(tp.param)),
-        exp_avg(static_cast<M*>(tp.exp_avg)),
-        exp_avg_sq(static_cast<V*>(tp.exp_avg_sq)),
-        weight(static_cast<numerics::fp8_e4m3*>(tp.weight_fp8)),
-        g_si(scale_inv_or_1(tp.grad_scale_inv)),
+        begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk),
+        length(static_cast<int>(min(tp.numel - begin, kChunk))),
+        g_si(signed_grad_scale_inv<G>(tp.grad_scale_inv, args.hyper.maximize)),
         p_si(scale_inv_or_1(tp.param_scale_inv)),
         m_si(scale_inv_or_1(tp.exp_avg_scale_inv)),
         v_si(scale_inv_or_1(tp.exp_avg_sq_scale_inv)),
-        vector_ok(is_aligned(grad, N * sizeof(G)) && is_aligned(param, N * sizeof(P)) &&
-                  is_aligned(exp_avg, N * sizeof(M)) && is_aligned(exp_avg_sq, N * sizeof(V)) &&
-                  is_aligned(weight, N)),
-        begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk),
-        end(min(tp.numel, begin + kChunk)) {}
+        // kChunk is a multiple of N: the chunk's packs are aligned iff the tensor's start is.
+        vector_ok(is_aligned(tp.grad, N * sizeof(G)) && is_aligned(tp.param, N * sizeof(P)) &&
+                  is_aligned(tp.exp_avg, N * sizeof(M)) && is_aligned(tp.exp_avg_sq, N * sizeof(V)) &&
+                  is_aligned(tp.weight_fp8, N)) {}
+
+  // Element i of the chunk in each array, from the kernel parameters at each use: five 64-bit
+  // pointers held in registers would cost the passes registers, which limit their occupancy.
+  __device__ const G* grad(int i) const { return static_cast<const G*>(tp.grad) + (begin + i); }
+  __device__ P* param(int i) const { return static_cast<P*>(tp.param) + (begin + i); }
+  __device__ M* exp_avg(int i) const { return static_cast<M*>(tp.exp_avg) + (begin + i); }
+  __device__ V* exp_avg_sq(int i) const { return static_cast<V*>(tp.exp_avg_sq) + (begin + i); }
+  __device__ bool has_weight() const { return tp.weight_fp8 != nullptr; }
+  __device__ numerics::fp8_e4m3* weight(int i) const {
+    return static_cast<numerics::fp8_e4m3*>(tp.weight_fp8) + (begin + i);
+  }
 
   // One pack of every input as loaded. The passes fetch the next pack before they compute on this
   // one: Nsight Compute found them at half occupancy (register-bound) with ~40 % of warp cycles
@@ -99,38 +132,47 @@ struct Chunk {
     int valid;  // elements of the pack before the chunk's end
   };
 
-  __device__ void fetch(int64_t j, Pack& w) const {
-    w.valid = valid_count<N>(j, end);
-    load_pack<N>(grad + j, w.valid, vector_ok, w.g);
-    load_pack<N>(param + j, w.valid, vector_ok, w.p);
-    load_pack<N>(exp_avg + j, w.valid, vector_ok, w.m);
-    load_pack<N>(exp_avg_sq + j, w.valid, vector_ok, w.v);
+  // The pack at element i of the chunk.
+  __device__ void fetch(int i, Pack& w) const {
+    w.valid = max(0, min(N, length - i));
+    if (vector_ok && w.valid == N) {  // one branch for the usual whole pack, not one per array
+      load_words(grad(i), w.g);
+      load_words(param(i), w.p);
+      load_words(exp_avg(i), w.m);
+      load_words(exp_avg_sq(i), w.v);
+      return;
+    }
+    load_pack<N>(grad(i), w.valid, vector_ok, w.g);
+    load_pack<N>(param(i), w.valid, vector_ok, w.p);
+    load_pack<N>(exp_avg(i), w.valid, vector_ok, w.m);
+    load_pack<N>(exp_avg_sq(i), w.valid, vector_ok, w.v);
   }
 
-  // The dequantized inputs of the pack's valid elements, and 0.0f after them (whatever the
-  // scales), so that the amax pass can fold a whole pack into the g, m', v' maxima: zero inputs
-  // give g = m' = v' = 0.
+  // The dequantized inputs of the pack's valid elements (g negated for maximize), and 0.0f after
+  // them (whatever the scales), so that the amax pass can fold a whole pack into the g, m', v'
+  // maxima: zero inputs give g = m' = v' = 0.
   __device__ void decode(const Pack& w, float (&g)[N], float (&p)[N], float (&m)[N], float (&v)[N]) const {
-    decode_array<G>(w.g, w.valid, kIsFp8<G>, g_si, g);
-    decode_array<P>(w.p, w.valid, !std::is_same_v<P, float>, p_si, p);
-    decode_array<M>(w.m, w.valid, !std::is_same_v<M, float>, m_si, m);
-    decode_array<V>(w.v, w.valid, !std::is_same_v<V, float>, v_si, v);
+    decode_array<G>(w.g, kIsFp8<G> || g_si < 0.0f, g_si, g);
+    decode_array<P>(w.p, !std::is_same_v<P, float>, p_si, p);
+    decode_array<M>(w.m, !std::is_same_v<M, float>, m_si, m);
+    decode_array<V>(w.v, !std::is_same_v<V, float>, v_si, v);
+    if (w.valid < N) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        if (k >= w.valid) g[k] = p[k] = m[k] = v[k] = 0.0f;
+      }
+    }
   }
 
   template <class T>
-  __device__ void decode_array(const uint32_t (&w)[kWords<T, N>], int valid, bool scaled, float scale_inv,
-                               float (&x)[N]) const {
+  __device__ void decode_array(const uint32_t (&w)[kWords<T, N>], bool scaled, float scale_inv, float (&x)[N]) const {
     decode_pack<T>(w, x);
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k] = scaled ? rn::mul(x[k], scale_inv) : x[k];
-    if (valid < N) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) x[k] = k < valid ? x[k] : 0.0f;
-    }
   }
 };
 
-// The approximate instructions param_bracket assumes (adam_bound.h): about 1 ulp, subnormal
+// The approximate instructions param_bounds assumes (adam_bound.h): about 1 ulp, subnormal
 // inputs and results flushed to zero.
 struct HardwareApprox {
   __device__ float sqrt(float x) const {
@@ -145,19 +187,21 @@ struct HardwareApprox {
   }
 };
 
-// |x| as bits. A max over these orders like the magnitudes; NaNs (any payload) are above
-// infinity and become the canonical NaN key once, at the end (canonical_key).
-__device__ uint32_t magnitude_bits(float x) { return numerics::float_bits(x) & 0x7FFFFFFFu; }
-__device__ uint32_t canonical_key(uint32_t bits) {
+// max(acc, |x|), NaN if either is NaN: one FMNMX.NAN with an |x| operand. A running maximum of
+// these is the amax of the values folded, with its key (float_bits: non-negative floats order like
+// their bits) the reference's amax_key; NaN payloads are made canonical at the end (canonical_key).
+__device__ float fold_magnitude(float acc, float x) { return max_nan(acc, fabsf(x)); }
+__device__ uint32_t canonical_key(float amax) {
+  const uint32_t bits = numerics::float_bits(amax);
   return bits > 0x7F800000u ? numerics::kCanonicalNanBits : bits;
 }
 
 // Pass 1: fold the amaxes of g, m', v', p' into amax[index] and flag non-finite values in
 // found_inf, bit for bit as the CPU reference's amax pass. m' and v' are exact and cheap; p' needs
-// the IEEE sqrt and two divisions, so it is bracketed with approximate instructions and evaluated
-// exactly only where the bracket cannot prove it below the maximum (adam_bound.h, "The skip rule").
-// The threshold T: nextup of the row's value when the block starts (the exact maxima of the
-// tensor's finished blocks), and, per pack, the warp's largest bracket lower bound and nextup of
+// the IEEE sqrt and two divisions, so |p'| is bounded with approximate instructions and p' evaluated
+// exactly only where the upper bound cannot prove it below the maximum (adam_bound.h, "The skip
+// rule"). The threshold T: nextup of the row's value when the block starts (the exact maxima of the
+// tensor's finished blocks), and, per pack, the warp's largest lower bound of |p'| and nextup of
 // each lane's exact maximum so far. A warp usually evaluates p' exactly for one element of its
 // first pack and then only when a pack holds a new maximum; blocks that start after others of
 // their tensor finished evaluate almost none.
@@ -179,53 +223,54 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     shared_known = static_cast<int32_t>(row + 1u);  // INT_MIN for the NaN key: no information
   }
   __syncthreads();
-  const AdamConstants c = shared_constants;
+  const AdamConstants c = without_maximize(shared_constants);
   const AdamBoundConstants bound = shared_bound;
   const int32_t known = shared_known;
 
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  uint32_t keys[kAdamAmaxColumns] = {};  // magnitude bits
-  float lower = 0.0f;                    // the largest lower_magnitude this lane has seen
+  float amax[kAdamAmaxColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'|
+  float lower = 0.0f;                 // the largest lower bound of |p'| this lane has seen
   constexpr int kPacks = kElementsPerThread / N;
   typename C::Pack pack{}, next{};
-  if (chunk.begin + (static_cast<int64_t>(threadIdx.x) - lane) * N < chunk.end) {
-    chunk.fetch(chunk.begin + static_cast<int64_t>(threadIdx.x) * N, pack);
-  }
+  const int warp_first = (static_cast<int>(threadIdx.x) - lane) * N;  // the warp's first element
+  if (warp_first < chunk.length) chunk.fetch(warp_first + lane * N, pack);
   for (int u = 0; u < kPacks; ++u, pack = next) {
     // The warp goes through its packs together: the warp-wide votes below need every lane.
-    const int64_t warp_j = chunk.begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x - lane) * N;
-    if (warp_j >= chunk.end) break;
-    const int64_t j = warp_j + lane * N;
-    if (u + 1 < kPacks && warp_j + kThreads * N < chunk.end) chunk.fetch(j + kThreads * N, next);
+    const int warp_i = u * kThreads * N + warp_first;
+    if (warp_i >= chunk.length) break;
+    if (u + 1 < kPacks && warp_i + kThreads * N < chunk.length) chunk.fetch(warp_i + (kThreads + lane) * N, next);
     const int valid = pack.valid;
     float g[N], p[N], m[N], v[N];
     chunk.decode(pack, g, p, m, v);
 
     AdamMoments mo[N];
-    float upper = 0.0f;  // the largest upper_magnitude of the pack, NaN if any is NaN
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      mo[k] = adam_moments(p[k], g[k], m[k], v[k], c);
-      // Lanes past the end (zeros) add 0 to these three and a lower bound of 0 or NaN (ignored);
-      // their p' may be 0/0 when eps is 0, so they can make a pack look like it needs exact
-      // values, but are never evaluated below.
-      keys[kAdamAmaxGrad] = max(keys[kAdamAmaxGrad], magnitude_bits(g[k]));
-      keys[kAdamAmaxExpAvg] = max(keys[kAdamAmaxExpAvg], magnitude_bits(mo[k].exp_avg));
-      keys[kAdamAmaxExpAvgSq] = max(keys[kAdamAmaxExpAvgSq], magnitude_bits(mo[k].exp_avg_sq));
-      const ParamBracket br = param_bracket(mo[k], c, bound, HardwareApprox{});
-      lower = fmaxf(lower, lower_magnitude(br));
-      upper = max_nan(upper, upper_magnitude(br));
-    }
-    // T as bits: non-negative floats order like signed ints; a NaN's key + 1 is INT_MIN.
-    const int32_t mine = max(static_cast<int32_t>(numerics::float_bits(lower)),
-                             static_cast<int32_t>(keys[kAdamAmaxParam] + 1u));
-    const float threshold =
-        numerics::bits_float(static_cast<uint32_t>(max(known, __reduce_max_sync(0xFFFFFFFFu, mine))));
-    if (__any_sync(0xFFFFFFFFu, !(upper < threshold))) {  // rare: see adam_bound.h, "The skip rule"
+    float p_max = 0.0f, w_max = 0.0f;  // the pack's largest |p_d| and w, NaN if any is NaN
+    with_known_lerp(c, [&](const AdamConstants& ck) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        if (k < valid && !(upper_magnitude(param_bracket(mo[k], c, bound, HardwareApprox{})) < threshold)) {
-          keys[kAdamAmaxParam] = max(keys[kAdamAmaxParam], magnitude_bits(adam_param(mo[k], c)));
+        mo[k] = adam_moments(p[k], g[k], m[k], v[k], ck);
+        // Elements past the end (zeros) add 0 to these four and a w of 2^-149, or NaN when eps is
+        // 0 (0/0), which sends the pack to the exact path below; they are never evaluated there.
+        amax[kAdamAmaxGrad] = fold_magnitude(amax[kAdamAmaxGrad], g[k]);
+        amax[kAdamAmaxExpAvg] = fold_magnitude(amax[kAdamAmaxExpAvg], mo[k].exp_avg);
+        amax[kAdamAmaxExpAvgSq] = fold_magnitude(amax[kAdamAmaxExpAvgSq], mo[k].exp_avg_sq);
+        p_max = fold_magnitude(p_max, mo[k].param);
+        w_max = max_nan(w_max, update_bound(mo[k], c, bound, HardwareApprox{}));
+      }
+    });
+    const ParamBounds pack_bounds = param_bounds(p_max, w_max);
+    lower = fmaxf(lower, pack_bounds.lower);
+    // T as bits: non-negative floats order like signed ints; the NaN key + 1 is INT_MIN.
+    const int32_t mine = max(static_cast<int32_t>(numerics::float_bits(lower)),
+                             static_cast<int32_t>(canonical_key(amax[kAdamAmaxParam]) + 1u));
+    const float threshold =
+        numerics::bits_float(static_cast<uint32_t>(max(known, __reduce_max_sync(0xFFFFFFFFu, mine))));
+    if (__any_sync(0xFFFFFFFFu, !(pack_bounds.upper < threshold))) {  // rare: adam_bound.h, "The skip rule"
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const float w = update_bound(mo[k], c, bound, HardwareApprox{});
+        if (k < valid && !(param_bounds(fabsf(mo[k].param), w).upper < threshold)) {
+          amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], adam_param(mo[k], c));
         }
       }
     }
@@ -236,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ uint32_t warp_keys[kAdamAmaxColumns][kWarps];
 #pragma unroll
   for (int col = 0; col < kAdamAmaxColumns; ++col) {
-    const uint32_t key = __reduce_max_sync(0xFFFFFFFFu, canonical_key(keys[col]));
+    const uint32_t key = __reduce_max_sync(0xFFFFFFFFu, canonical_key(amax[col]));
     if (lane == 0) warp_keys[col][threadIdx.x / 32] = key;
   }
   __syncthreads();
@@ -271,18 +316,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
   __syncthreads();
   if (shared_skip) return;  // the same answer for the whole block
-  const AdamConstants c = shared_constants;
+  const AdamConstants c = without_maximize(shared_constants);
   const AdamScales& s = shared_scales;
 
   constexpr int kPacks = kElementsPerThread / N;
   typename C::Pack pack{}, next{};
-  if (chunk.begin + static_cast<int64_t>(threadIdx.x) * N < chunk.end) {
-    chunk.fetch(chunk.begin + static_cast<int64_t>(threadIdx.x) * N, pack);
-  }
+  if (static_cast<int>(threadIdx.x) * N < chunk.length) chunk.fetch(static_cast<int>(threadIdx.x) * N, pack);
   for (int u = 0; u < kPacks; ++u, pack = next) {
-    const int64_t j = chunk.begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * N;
-    if (j >= chunk.end) break;
-    if (u + 1 < kPacks && j + kThreads * N < chunk.end) chunk.fetch(j + kThreads * N, next);
+    const int i = (u * kThreads + static_cast<int>(threadIdx.x)) * N;
+    if (i >= chunk.length) break;
+    if (u + 1 < kPacks && i + kThreads * N < chunk.length) chunk.fetch(i + kThreads * N, next);
     const int valid = pack.valid;
     float g[N], p[N], m[N], v[N];
     chunk.decode(pack, g, p, m, v);
@@ -295,20 +338,20 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (int k = 0; k < N; ++k) x[k] = kScaledExpAvg ? rn::mul(r[k].exp_avg, s.exp_avg.scale) : r[k].exp_avg;
     uint32_t wm[kWords<M, N>];
     encode_pack<M>(x, wm);
-    store_pack<N>(chunk.exp_avg + j, wm, valid, chunk.vector_ok);
+    store_pack<N>(chunk.exp_avg(i), wm, valid, chunk.vector_ok);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       x[k] = kScaledExpAvgSq ? rn::mul(r[k].exp_avg_sq, s.exp_avg_sq.scale) : r[k].exp_avg_sq;
     }
     uint32_t wv[kWords<V, N>];
     encode_pack<V>(x, wv);
-    store_pack<N>(chunk.exp_avg_sq + j, wv, valid, chunk.vector_ok);
+    store_pack<N>(chunk.exp_avg_sq(i), wv, valid, chunk.vector_ok);
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k] = kScaledParam ? rn::mul(r[k].param, s.param.scale) : r[k].param;
     uint32_t wp[kWords<P, N>];
     encode_pack<P>(x, wp);
-    store_pack<N>(chunk.param + j, wp, valid, chunk.vector_ok);
-    if (chunk.weight != nullptr) {
+    store_pack<N>(chunk.param(i), wp, valid, chunk.vector_ok);
+    if (chunk.has_weight()) {
       // The copy of the master as stored: the codes just written, dequantized with the new scale.
       if constexpr (kScaledParam) decode_pack<P>(wp, x);
 #pragma unroll
@@ -318,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       }
       uint32_t ww[kWords<numerics::fp8_e4m3, N>];
       encode_pack<numerics::fp8_e4m3>(x, ww);
-      store_pack<N>(chunk.weight + j, ww, valid, chunk.vector_ok);
+      store_pack<N>(chunk.weight(i), ww, valid, chunk.vector_ok);
     }
   }
 }

@@ -1,10 +1,10 @@
-// The bracket of p' that the CUDA amax pass uses to skip the exact update (src/optim/adam_bound.h),
+// The bounds of |p'| that the CUDA amax pass uses to skip the exact update (src/optim/adam_bound.h),
 // on the CPU: the same code as the kernel's, with the approximate sqrt and reciprocal emulated
 // adversarially (errors up to the 2^-16 the proof assumes, ftz flushing), against the reference's
 // own p' (adam_param, the CPU step's operations), over millions of random and extreme elements and
-// hyperparameters. Then the skip rule itself, simulated over whole tensors (ties, all-equal
-// values, a large update on a small weight, NaN/inf, eps = 0): the maximum it finds must be the
-// reference's, key for key.
+// hyperparameters. Then the skip rule itself, simulated over whole tensors as the kernel applies it
+// (ties, all-equal values, a large update on a small weight, NaN/inf, eps = 0): the maximum it
+// finds must be the reference's, key for key.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -97,34 +97,34 @@ int64_t any_step(std::mt19937& rng) {
   return steps[rng() % 6];
 }
 
-// Lemma 1 and 2 of adam_bound.h for one element.
+// The bounds of one element, as the kernel computes them.
+ParamBounds element_bounds(const AdamMoments& mo, const AdamConstants& c, const AdamBoundConstants& b,
+                           const EmulatedApprox& approx) {
+  return param_bounds(std::fabs(mo.param), update_bound(mo, c, b, approx));
+}
+
+// Lemmas 1 and 2 of adam_bound.h for one element.
 void check_element(float p, float g, float m, float v, const AdamConstants& c, const AdamBoundConstants& b,
-                   const EmulatedApprox& approx, int64_t* finite_brackets) {
+                   const EmulatedApprox& approx, int64_t* finite_bounds) {
   const AdamMoments mo = adam_moments(p, g, m, v, c);
   const float exact = adam_param(mo, c);  // the reference's p'
-  const ParamBracket br = param_bracket(mo, c, b, approx);
+  const ParamBounds bounds = element_bounds(mo, c, b, approx);
   const auto where = [&] {
     return ::testing::Message() << std::hexfloat << "p " << p << " g " << g << " m " << m << " v " << v
-                                << " -> p' " << exact << " in [" << br.lo << ", " << br.hi << "]";
+                                << " -> |p'| " << std::fabs(exact) << " in [" << bounds.lower << ", "
+                                << bounds.upper << "]";
   };
-  if (std::isfinite(br.lo) && std::isfinite(br.hi)) {
-    ++*finite_brackets;
+  if (bounds.upper < kInf) {  // what the skip rule trusts (Lemma 1)
+    ++*finite_bounds;
     ASSERT_TRUE(std::isfinite(exact)) << where();
-    ASSERT_LE(br.lo, exact) << where();
-    ASSERT_LE(exact, br.hi) << where();
+    ASSERT_LE(std::fabs(exact), bounds.upper) << where();
   }
-  const float upper = upper_magnitude(br);
-  if (upper < kInf) {  // what the skip rule trusts
-    ASSERT_TRUE(std::isfinite(exact)) << where();
-    ASSERT_LE(std::fabs(exact), upper) << where();
-  }
-  if (std::isfinite(exact)) {
-    const float lower = lower_magnitude(br);
-    ASSERT_TRUE(std::isnan(lower) || lower <= std::fabs(exact)) << where();
+  if (std::isfinite(exact)) {  // Lemma 2
+    ASSERT_TRUE(std::isnan(bounds.lower) || bounds.lower <= std::fabs(exact)) << where();
   }
 }
 
-TEST(AdamBound, BracketHoldsForAnyElementAndHyperparameters) {
+TEST(AdamBound, BoundsHoldForAnyElementAndHyperparameters) {
   std::mt19937 rng(11);
   int64_t finite = 0;
   for (int h = 0; h < 4000; ++h) {
@@ -142,11 +142,11 @@ TEST(AdamBound, BracketHoldsForAnyElementAndHyperparameters) {
       }
     }
   }
-  EXPECT_GT(finite, 1000000);  // the bracket is usable for most of these
+  EXPECT_GT(finite, 1000000);  // the bounds are usable for most of these
 }
 
-// Typical training values: the bracket is finite and tight enough for the skip to pay off.
-TEST(AdamBound, BracketIsTightForTypicalValues) {
+// Typical training values: the bounds are finite and tight enough for the skip to pay off.
+TEST(AdamBound, BoundsAreTightForTypicalValues) {
   std::mt19937 rng(12);
   std::normal_distribution<float> normal;
   AdamHyper hyper;
@@ -167,10 +167,11 @@ TEST(AdamBound, BracketIsTightForTypicalValues) {
         check_element(p, g, m, v, c, b, approx, &finite);
         if (HasFatalFailure()) return;
         const AdamMoments mo = adam_moments(p, g, m, v, c);
-        const ParamBracket br = param_bracket(mo, c, b, approx);
-        // Width: 2^-10 of the update, plus a few ulps of p'.
+        const ParamBounds bounds = element_bounds(mo, c, b, approx);
+        // Width: twice the update (|p_d| +- w) and 2^-10 of it, plus a few ulps of p'.
         const float update = std::fabs(adam_param(mo, c) - mo.param);
-        ASSERT_LE(br.hi - br.lo, 0x1p-10f * update + 0x1p-20f * std::fabs(p)) << p << " " << g << " " << m << " " << v;
+        ASSERT_LE(bounds.upper - bounds.lower, (2.0f + 0x1p-10f) * update + 0x1p-20f * std::fabs(p))
+            << p << " " << g << " " << m << " " << v;
       }
     }
   }
@@ -212,33 +213,44 @@ TEST(AdamBound, CornersOfTheProof) {
 
 // ------------------------------------------------------------------------------------------------
 // The skip rule over whole tensors, as the kernel applies it: packs of 8 elements for each of 32
-// lanes; per pack the threshold is the largest of the warp's lower_magnitude so far, nextup of
+// lanes, elements past the end being zeros; a pack's bounds are param_bounds of its largest |p_d|
+// and w; per pack the threshold is the largest of the warp's pack lower bounds so far, nextup of
 // each lane's exact maximum so far and nextup of a "known" value (an exact |p'| of an element
-// evaluated elsewhere, as the amax row holds); elements whose upper_magnitude is below it are
-// skipped. The maximum key found must equal the reference's.
+// evaluated elsewhere, as the amax row holds). When some lane's pack upper bound is not below it,
+// the elements whose own upper bound is not below it are evaluated. The maximum key found must
+// equal the reference's.
 
 uint32_t skip_rule_max(const std::vector<AdamMoments>& mo, const AdamConstants& c, const AdamBoundConstants& b,
                        const EmulatedApprox& approx, uint32_t known, int64_t* evaluated) {
   constexpr int kLanes = 32, kPack = 8;
   const auto nextup = [](uint32_t key) { return static_cast<int32_t>(key + 1u); };
+  const AdamMoments zero = adam_moments(0.0f, 0.0f, 0.0f, 0.0f, c);  // a lane past the end
   uint32_t found = known;  // the row already holds known (from another block's exact values)
   for (size_t w = 0; w < mo.size(); w += kLanes * kPack * 4) {  // a warp's 4 packs
     std::vector<uint32_t> lane_max(kLanes, 0);
     std::vector<float> lane_lower(kLanes, 0.0f);
     for (size_t pack = w; pack < std::min(mo.size(), w + kLanes * kPack * 4); pack += kLanes * kPack) {
       int32_t t = nextup(known);
+      std::vector<float> lane_upper(kLanes);
       for (int lane = 0; lane < kLanes; ++lane) {
+        float p_max = 0.0f, w_max = 0.0f;
         for (int k = 0; k < kPack; ++k) {
           const size_t j = pack + lane * kPack + k;
-          if (j < mo.size()) lane_lower[lane] = fmaxf(lane_lower[lane], lower_magnitude(param_bracket(mo[j], c, b, approx)));
+          const AdamMoments& x = j < mo.size() ? mo[j] : zero;
+          p_max = max_nan(p_max, std::fabs(x.param));
+          w_max = max_nan(w_max, update_bound(x, c, b, approx));
         }
+        const ParamBounds bounds = param_bounds(p_max, w_max);
+        lane_lower[lane] = fmaxf(lane_lower[lane], bounds.lower);
+        lane_upper[lane] = bounds.upper;
         t = std::max({t, static_cast<int32_t>(float_bits(lane_lower[lane])), nextup(lane_max[lane])});
       }
       const float threshold = bits_float(static_cast<uint32_t>(t));
+      if (std::all_of(lane_upper.begin(), lane_upper.end(), [&](float u) { return u < threshold; })) continue;
       for (int lane = 0; lane < kLanes; ++lane) {
         for (int k = 0; k < kPack; ++k) {
           const size_t j = pack + lane * kPack + k;
-          if (j >= mo.size() || upper_magnitude(param_bracket(mo[j], c, b, approx)) < threshold) continue;
+          if (j >= mo.size() || element_bounds(mo[j], c, b, approx).upper < threshold) continue;
           ++*evaluated;
           lane_max[lane] = std::max(lane_max[lane], amax_key(adam_param(mo[j], c)));
         }
