@@ -129,12 +129,15 @@ struct Chunk {
   // waiting for their loads, so a thread keeps a second round trip in flight.
   struct Pack {
     uint32_t g[kWords<G, N>], p[kWords<P, N>], m[kWords<M, N>], v[kWords<V, N>];
-    int valid;  // elements of the pack before the chunk's end
+    int valid;  // elements of the pack before the chunk's end (<= 0 past it)
   };
 
   // The pack at element i of the chunk.
   __device__ void fetch(int i, Pack& w) const {
-    w.valid = max(0, min(N, length - i));
+    // Negative past the chunk's end, which every use treats as 0. Not clamped: max(0, .) here made
+    // nvcc 13.0 emit a VIMNMX.RELU whose predicate chose the whole-pack loads, and the H200 failed
+    // the bit-exact AdamCuda tests with it (found by bisection; the unclamped form passes).
+    w.valid = min(N, length - i);
     if (vector_ok && w.valid == N) {  // one branch for the usual whole pack, not one per array
       load_words(grad(i), w.g);
       load_words(param(i), w.p);
