@@ -82,15 +82,8 @@ __global__ void __launch_bounds__(kThreads) accumulate_pass(const AccumulatePtrs
   }
 
   if constexpr (kPass == Pass::kAmax) {
-    __shared__ uint32_t warp_keys[kThreads / 32];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, offset));
-    if (threadIdx.x % 32 == 0) warp_keys[threadIdx.x / 32] = key;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int k = 1; k < kThreads / 32; ++k) key = max(key, warp_keys[k]);
-      if (key != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax), key);
-    }
+    key = block_max_key<kThreads>(key);
+    if (threadIdx.x == 0 && key != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax), key);
   }
 }
 

@@ -31,7 +31,6 @@ using numerics::amax_key;
 using numerics::to_float;
 
 constexpr int kThreads = 256;  // the block size of the cast kernels
-constexpr int kWarps = kThreads / 32;
 
 // ----------------------------------------------------------------------------------------------
 // Packs (common/word_pack.cuh) of a matrix whose every pack the caller knows to be aligned and
@@ -88,15 +87,8 @@ __device__ void fold_amax(float* slot, uint32_t key) {
 
 // Every thread brings its key; one fold per block. Called by all threads of the block.
 __device__ void fold_block_amax(float* slot, uint32_t key) {
-  __shared__ uint32_t warp_keys[kWarps];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, offset));
-  if (threadIdx.x % 32 == 0) warp_keys[threadIdx.x / 32] = key;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) key = max(key, warp_keys[w]);
-    fold_amax(slot, key);
-  }
+  key = block_max_key<kThreads>(key);
+  if (threadIdx.x == 0) fold_amax(slot, key);
 }
 
 // The scale tensor i is quantized with. While it warms up, its amax slot already holds this
@@ -619,7 +611,8 @@ void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* 
 void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
                             int32_t* counter, float fmax, int margin, bool pow2, Stream stream) {
   if (n == 0) return;
-  update_delayed_scaling_kernel<<<grid_size(ceil_div(n, kScaleThreads), "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
+  const int64_t blocks = ceil_div(n, kScaleThreads);
+  update_delayed_scaling_kernel<<<grid_size(blocks, "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
       amax_history, n, history_len, scale, scale_inv, counter, fmax, margin, pow2);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }

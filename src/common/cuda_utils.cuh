@@ -132,5 +132,19 @@ __device__ __forceinline__ int owning_tensor(const Batch& batch) {
   return lo;
 }
 
+// The largest of the keys (amax_key bits, which order like their values) that the threads of a
+// block of kThreads bring: in thread 0 (the others get their warp's). Called by every thread.
+template <int kThreads>
+__device__ __forceinline__ uint32_t block_max_key(uint32_t key) {
+  __shared__ uint32_t warp_keys[kThreads / 32];
+  key = __reduce_max_sync(0xFFFFFFFFu, key);
+  if (threadIdx.x % 32 == 0) warp_keys[threadIdx.x / 32] = key;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) key = max(key, warp_keys[w]);
+  }
+  return key;
+}
+
 }  // namespace cuda
 }  // namespace fp8amp
