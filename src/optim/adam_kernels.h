@@ -84,7 +84,7 @@ struct AdamUpdate {
   float param;       // p'
 };
 
-// The update up to the denominator, in two pieces so that the CUDA amax pass can bracket p'
+// The update up to the denominator, in two pieces so that the CUDA amax pass can bound |p'|
 // without the IEEE sqrt and divisions (adam_bound.h) and evaluate adam_param only where needed.
 struct AdamMoments {
   float param;       // p after AdamW's decay: the addend of p'
