@@ -134,9 +134,9 @@ struct Chunk {
 
   // The pack at element i of the chunk.
   __device__ void fetch(int i, Pack& w) const {
-    // Negative past the chunk's end, which every use treats as 0. Not clamped: max(0, .) here made
-    // nvcc 13.0 emit a VIMNMX.RELU whose predicate chose the whole-pack loads, and the H200 failed
-    // the bit-exact AdamCuda tests with it (found by bisection; the unclamped form passes).
+    // Negative past the chunk's end, which every use treats as 0. Not clamped: with max(0, .) here
+    // nvcc 13.0 emitted a VIMNMX.RELU whose predicate feeds the whole-pack branch, and the H200
+    // failed the bit-exact AdamCuda tests (found by bisection; the unclamped form passes).
     w.valid = min(N, length - i);
     if (vector_ok && w.valid == N) {  // one branch for the usual whole pack, not one per array
       load_words(grad(i), w.g);
