@@ -7,9 +7,12 @@ then records `--steps` steps with torch.profiler and prints, per mode, the step 
 torch.profiler's table of the ops and kernels with the most self CUDA time.
 
 Modes: bf16, fp8amp (convert), o1, o2 (initialize) and o2-fp8act (O2 with the forward inside
-fp8amp.save_activations_in_fp8(): the activations non-Linear ops save, stored in FP8).
+fp8amp.save_activations_in_fp8(): the activations non-Linear ops save, stored in FP8); each also
+with "-compile": every transformer block compiled, as bench_train.py's compiled modes do (where
+FP8 activations become Inductor code fused into the blocks' kernels).
 
-Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act] [--steps 3] [--top 25] [--preset 1b|small]
+Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile] [--steps 3] [--top 25]
+       [--preset 1b|small]
        [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
 With $OUT set, also writes the tables to $OUT/profile_train.txt.
 """
@@ -25,19 +28,21 @@ from torch.profiler import ProfilerActivity, profile
 
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
-from _common import parse_subset, require_gpu
+from _common import parse_subset, require_gpu, set_recompile_limit
 
 PRESETS = {
     "1b": (GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), 8),
     "small": (GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), 16),
 }
-MODES = ["bf16", "fp8amp", "o1", "o2", "o2-fp8act"]
 FP8_ACTIVATIONS = "-fp8act"
+COMPILE = "-compile"
+MODES = [m + c for c in ("", COMPILE) for m in ("bf16", "fp8amp", "o1", "o2", "o2" + FP8_ACTIVATIONS)]
 
 
 def build(mode: str, cfg: GPTConfig, tokens: int):
     """(model, optimizer, the saved-tensor hooks to train under or None) of a mode."""
-    level = mode.removesuffix(FP8_ACTIVATIONS)
+    eager_mode = mode.removesuffix(COMPILE)
+    level = eager_mode.removesuffix(FP8_ACTIVATIONS)
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -45,7 +50,10 @@ def build(mode: str, cfg: GPTConfig, tokens: int):
         fp8amp.convert(model, optimizer=optimizer, tokens=tokens)
     elif level in ("o1", "o2"):
         model, optimizer = fp8amp.initialize(model, optimizer, level.upper(), tokens=tokens)
-    hooks = fp8amp.save_activations_in_fp8() if mode.endswith(FP8_ACTIVATIONS) else None
+    if mode.endswith(COMPILE):
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    hooks = fp8amp.save_activations_in_fp8() if eager_mode.endswith(FP8_ACTIVATIONS) else None
     return model, optimizer, hooks
 
 
@@ -130,6 +138,7 @@ def main() -> None:
                         help="also record one step's allocations and show what is alive at its peak")
     args = parser.parse_args()
     require_gpu("profile_train")
+    set_recompile_limit(64)  # as bench_train.py: 20 compiled block instances never fall back to eager
     cfg, batch = PRESETS[args.preset]
     data = load_text_bytes(max_bytes=64 << 20)
     tables = []
