@@ -6,6 +6,7 @@ dequantize, and the plain-PyTorch way of doing the same, eager and under torch.c
     quantize:       amax = x.abs().max(); scale = 2^floor(log2(448 / amax));
                     (x * scale).clamp(-448, 448).to(float8_e4m3fn)
     cast+transpose: the same, plus .t().contiguous() of the result
+    ... + dbias:    the same, plus x.sum(0, dtype=float32) (a Linear's bias gradient)
     dequantize:     (x8.float() * scale_inv).to(bfloat16)
 
 fp8amp's rows come in two flavours: delayed scaling (the scale is given; the amax is folded in
@@ -79,6 +80,10 @@ def torch_cast_transpose(x: torch.Tensor):
     return out, out.t().contiguous(), scale_inv
 
 
+def torch_cast_transpose_dbias(x: torch.Tensor):
+    return *torch_cast_transpose(x), x.sum(0, dtype=torch.float32)
+
+
 def torch_dequantize(args):
     x8, scale_inv = args
     return (x8.float() * scale_inv).to(torch.bfloat16)
@@ -107,6 +112,11 @@ def ours_quantize(current: bool) -> Callable:
 def ours_cast_transpose(current: bool) -> Callable:
     kwargs = scaling_args(current)
     return lambda x: fp8amp.cast_transpose(x, **kwargs)
+
+
+def ours_cast_transpose_dbias(current: bool) -> Callable:
+    kwargs = scaling_args(current)
+    return lambda x: fp8amp.cast_transpose_dbias(x, **kwargs)
 
 
 def ours_dequantize(args):
@@ -162,6 +172,8 @@ def bench_shape(rows_n: int, cols_n: int, iters: int) -> list[Row]:
     measure("quantize", {k: ours_quantize(v) for k, v in flavours.items()}, torch_quantize, xs, 3 * numel)
     measure("cast+transpose+amax", {k: ours_cast_transpose(v) for k, v in flavours.items()}, torch_cast_transpose,
             xs, 4 * numel)
+    measure("cast+transpose+amax+dbias", {" (delayed)": ours_cast_transpose_dbias(False)},
+            torch_cast_transpose_dbias, xs, 4 * numel + 4 * cols_n)
     measure("dequantize", {"": ours_dequantize}, torch_dequantize, fp8s, 3 * numel)
     del xs, fp8s
     torch.cuda.empty_cache()

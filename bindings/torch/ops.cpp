@@ -37,12 +37,18 @@ at::Tensor empty_as(const at::Tensor& x, at::ScalarType dtype) {
   return at::empty_symint(x.sym_sizes(), x.options().dtype(dtype));
 }
 
-// [cols, rows] for x viewed as [rows, cols] (cols its last dim).
-at::Tensor empty_transposed(const at::Tensor& x, at::ScalarType dtype) {
-  const c10::SymInt cols = x.dim() == 0 ? c10::SymInt(1) : x.sym_size(-1);
+// x viewed as a matrix [rows, cols]: cols is its last dim.
+c10::SymInt columns(const at::Tensor& x) { return x.dim() == 0 ? c10::SymInt(1) : x.sym_size(-1); }
+
+c10::SymInt matrix_rows(const at::Tensor& x) {
   c10::SymInt rows = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows = rows * x.sym_size(d);
-  return at::empty_symint({cols, rows}, x.options().dtype(dtype));
+  return rows;
+}
+
+// [cols, rows]: the transpose of that matrix.
+at::Tensor empty_transposed(const at::Tensor& x, at::ScalarType dtype) {
+  return at::empty_symint({columns(x), matrix_rows(x)}, x.options().dtype(dtype));
 }
 
 at::Tensor scale_inv_like(const at::Tensor& scale) { return at::empty_symint({scale.sym_numel()}, scale.options()); }
@@ -74,6 +80,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
                            scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op), stream);
   });
   return {out, out_t, scale_inv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias(
+    const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax, at::ScalarType dtype,
+    const std::optional<at::Tensor>& warmup_counter, int64_t warmup_steps, int64_t margin, bool pow2_scale) {
+  const char* op = "cast_transpose_dbias";
+  at::Tensor out = empty_as(x, dtype);
+  at::Tensor out_t = empty_transposed(x, dtype);
+  at::Tensor scale_inv = scale_inv_like(scale);
+  at::Tensor dbias = at::empty_symint({columns(x)}, x.options().dtype(at::kFloat));
+  at::Tensor workspace = at::empty(
+      {fp8amp::cast_transpose_dbias_workspace(matrix_rows(x).expect_int(), columns(x).expect_int())},
+      x.options().dtype(at::kFloat));
+  call(x, [&](Stream stream) {
+    const auto counter = optional_view(warmup_counter, op, "warmup_counter");
+    fp8amp::cast_transpose_dbias(view(x, op, "x"), view(out, op, "dtype"), view(out_t, op, "dtype"),
+                                 view(dbias, op, "dbias"), view(workspace, op, "workspace"),
+                                 scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op),
+                                 stream);
+  });
+  return {out, out_t, scale_inv, dbias};
 }
 
 at::Tensor dequantize(const at::Tensor& x, const at::Tensor& scale_inv, at::ScalarType dtype) {
@@ -164,6 +191,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Ten
   return {empty_as(x, dtype), empty_transposed(x, dtype), scale_inv_like(scale)};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias_meta(
+    const at::Tensor& x, const at::Tensor& scale, const at::Tensor&, at::ScalarType dtype,
+    const std::optional<at::Tensor>&, int64_t, int64_t, bool) {
+  return {empty_as(x, dtype), empty_transposed(x, dtype), scale_inv_like(scale),
+          at::empty_symint({columns(x)}, x.options().dtype(at::kFloat))};
+}
+
 at::Tensor dequantize_meta(const at::Tensor& x, const at::Tensor&, at::ScalarType dtype) { return empty_as(x, dtype); }
 
 void amax_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {}
@@ -191,6 +225,8 @@ TORCH_LIBRARY(fp8amp, m) {
         ") -> (Tensor, Tensor)");
   m.def("cast_transpose(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor, Tensor)");
+  m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
+        ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dequantize(Tensor x, Tensor scale_inv, ScalarType dtype) -> Tensor");
   m.def("amax(Tensor x, Tensor(a!) amax, Tensor? warmup_counter=None, int warmup_steps=0) -> ()");
   m.def("multi_amax(Tensor[] xs, Tensor(a!) amax) -> ()");
@@ -208,6 +244,7 @@ TORCH_LIBRARY(fp8amp, m) {
 #define FP8AMP_REGISTER_KERNELS(m, suffix)                                \
   m.impl("quantize", fp8amp::torch_binding::quantize##suffix);             \
   m.impl("cast_transpose", fp8amp::torch_binding::cast_transpose##suffix); \
+  m.impl("cast_transpose_dbias", fp8amp::torch_binding::cast_transpose_dbias##suffix); \
   m.impl("dequantize", fp8amp::torch_binding::dequantize##suffix);         \
   m.impl("amax", fp8amp::torch_binding::amax##suffix);                     \
   m.impl("multi_amax", fp8amp::torch_binding::multi_amax##suffix);         \

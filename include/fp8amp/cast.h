@@ -47,6 +47,16 @@ void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorVi
 void cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t,
                     const Scaling& scaling, Stream stream);
 
+// cast_transpose, and in the same pass the column sums of x (the bias gradient, when x is a
+// layer's output gradient): dbias float32 [cols], dbias[c] = the sum over rows of x[r, c], in
+// float32 and in a fixed order (cast_kernels.h, "Column sums"), the same on the CPU and the GPU,
+// so the two agree bit for bit. workspace: float32, contiguous, at least
+// cast_transpose_dbias_workspace(rows, cols) elements (partial sums; its contents are scratch).
+void cast_transpose_dbias(const TensorView& x, const TensorView& out, const TensorView& out_t,
+                          const TensorView& dbias, const TensorView& workspace, const Scaling& scaling,
+                          Stream stream);
+int64_t cast_transpose_dbias_workspace(int64_t rows, int64_t cols);
+
 // amax[0] = max(amax[0], max |x|). With a warmup counter, nothing is done unless
 // counter[0] < warmup_steps (the pass current scaling needs before its quantize).
 void amax(const TensorView& x, const TensorView& amax, const TensorView* warmup_counter,

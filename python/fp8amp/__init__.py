@@ -4,6 +4,7 @@ from ._library import ops
 from .cast import (
     amax,
     cast_transpose,
+    cast_transpose_dbias,
     compute_scale,
     dequantize,
     multi_amax,
@@ -33,6 +34,7 @@ __all__ = [
     "format_max",
     "quantize",
     "cast_transpose",
+    "cast_transpose_dbias",
     "dequantize",
     "amax",
     "multi_amax",

@@ -26,6 +26,7 @@ from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 __all__ = [
     "quantize",
     "cast_transpose",
+    "cast_transpose_dbias",
     "dequantize",
     "amax",
     "multi_amax",
@@ -41,6 +42,7 @@ _SCALED_FORMATS = tuple(SCALED_FORMATS)
 # is host time on every step). Each op has a single overload.
 _quantize = ops.quantize.default
 _cast_transpose = ops.cast_transpose.default
+_cast_transpose_dbias = ops.cast_transpose_dbias.default
 _dequantize = ops.dequantize.default
 _amax = ops.amax.default
 _multi_amax = ops.multi_amax.default
@@ -119,6 +121,32 @@ def cast_transpose(
     """
     op = "cast_transpose"
     return _cast_transpose(
+        _input(x, "x", op),
+        *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
+    )
+
+
+def cast_transpose_dbias(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    warmup_counter: torch.Tensor | None = None,
+    warmup_steps: int = 0,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_transpose`, and in the same pass the column sums of ``x`` viewed as ``[M, N]``
+    (a Linear's bias gradient, when ``x`` is its output gradient).
+
+    Returns ``(out, out_t, scale_inv, dbias)``, ``dbias`` float32 ``[N]``: the sums over rows in
+    float32, added in a fixed order that the CPU and CUDA kernels share (bit-identical results;
+    the order is in ``src/cast/cast_kernels.h``), so they may differ from ``x.sum(0)`` by float32
+    rounding.
+    """
+    op = "cast_transpose_dbias"
+    return _cast_transpose_dbias(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
     )

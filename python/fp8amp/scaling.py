@@ -19,7 +19,7 @@ import torch
 
 from . import cast
 from ._args import _input
-from .cast import _cast_transpose, _quantize, _update_delayed_scaling
+from .cast import _cast_transpose, _cast_transpose_dbias, _quantize, _update_delayed_scaling
 from .formats import E4M3, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScalingRecipe", "ScalingState"]
@@ -182,6 +182,20 @@ class ScalingState(torch.nn.Module):
         r = self.recipe
         return _cast_transpose(
             _input(x, "x", "cast_transpose"), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale
+        )
+
+    def cast_transpose_dbias(
+        self, x: torch.Tensor, index: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like :meth:`cast_transpose`, also returning the column sums of ``x`` (float32 ``[N]``,
+        :func:`fp8amp.cast_transpose_dbias`): ``(out, out_t, scale_inv, dbias)``."""
+        if torch.compiler.is_compiling():
+            return cast.cast_transpose_dbias(x, **self._scaling(index))
+        scale, amax, counter, _ = self._views(index)
+        r = self.recipe
+        return _cast_transpose_dbias(
+            _input(x, "x", "cast_transpose_dbias"), scale, amax, self.dtype, counter, r.history_len, r.margin,
+            r.pow2_scale,
         )
 
     def cast_transpose_current(

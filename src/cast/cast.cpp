@@ -173,9 +173,15 @@ void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale
   dequantize_impl(xs, scale_inv, outs, stream, "multi_dequantize");
 }
 
-void cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const Scaling& scaling,
-                    Stream stream) {
-  const char* op = "cast_transpose";
+namespace {
+
+// x viewed as [rows, cols]: the checks cast_transpose and cast_transpose_dbias share.
+struct Matrix {
+  int64_t rows;
+  int64_t cols;
+};
+
+Matrix check_cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const char* op) {
   check::high_precision(x, op, "x");
   check::contiguous(x, op, "x");
   FP8AMP_CHECK_VALUE(x.dim() >= 1, op, "x must have at least 1 dimension, got ", x.describe());
@@ -195,10 +201,50 @@ void cast_transpose(const TensorView& x, const TensorView& out, const TensorView
   check::no_overlap(x, out, op, "x", "out");
   check::no_overlap(x, out_t, op, "x", "out_t");
   check::no_overlap(out, out_t, op, "out", "out_t");
+  return {rows, cols};
+}
+
+}  // namespace
+
+void cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const Scaling& scaling,
+                    Stream stream) {
+  const char* op = "cast_transpose";
+  const auto [rows, cols] = check_cast_transpose(x, out, out_t, op);
   const ScalingPtrs s = scaling_ptrs(scaling, 1, x, op);
   run_on(
-      x, op, [&] { cpu::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s); },
-      [&] { cuda::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, stream); });
+      x, op,
+      [&] { cpu::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, nullptr, nullptr); },
+      [&] {
+        cuda::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, nullptr, nullptr,
+                             stream);
+      });
+}
+
+int64_t cast_transpose_dbias_workspace(int64_t rows, int64_t cols) { return column_sum_bands(rows) * cols; }
+
+void cast_transpose_dbias(const TensorView& x, const TensorView& out, const TensorView& out_t,
+                          const TensorView& dbias, const TensorView& workspace, const Scaling& scaling,
+                          Stream stream) {
+  const char* op = "cast_transpose_dbias";
+  const auto [rows, cols] = check_cast_transpose(x, out, out_t, op);
+  check_float32(dbias, x, op, "dbias");
+  check::numel_is(dbias, cols, op, "dbias");
+  check_float32(workspace, x, op, "workspace");
+  check::numel_at_least(workspace, cast_transpose_dbias_workspace(rows, cols), op, "workspace");
+  for (const auto& [t, name] : {std::pair{&dbias, "dbias"}, std::pair{&workspace, "workspace"}}) {
+    check::no_overlap(x, *t, op, "x", name);
+    check::no_overlap(out, *t, op, "out", name);
+    check::no_overlap(out_t, *t, op, "out_t", name);
+  }
+  check::no_overlap(dbias, workspace, op, "dbias", "workspace");
+  const ScalingPtrs s = scaling_ptrs(scaling, 1, x, op);
+  float* sums = dbias.ptr<float>();
+  float* bands = workspace.ptr<float>();
+  run_on(
+      x, op, [&] { cpu::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, sums, bands); },
+      [&] {
+        cuda::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, sums, bands, stream);
+      });
 }
 
 void amax(const TensorView& x, const TensorView& amax_out, const TensorView* warmup_counter, int warmup_steps,

@@ -1,5 +1,6 @@
 // CPU reference of the cast op family: the readable definition of correct for cast_cuda.cu.
 #include <algorithm>
+#include <vector>
 
 #include "cast/cast_kernels.h"
 #include "common/dispatch.h"
@@ -32,6 +33,42 @@ float prepare_scale(const In* x, int64_t numel, const ScalingPtrs& s, int64_t i)
   const numerics::ScalePair pair = select_scale(s, i, *amax_slot, numerics::format_max<Out>());
   s.scale_inv[i] = pair.scale_inv;
   return pair.scale;
+}
+
+// A NaN as the GPU's float adds return it (the host's keep an operand's payload).
+float canonical_nan(float v) { return numerics::is_nan(v) ? numerics::bits_float(numerics::kCanonicalNanBits) : v; }
+
+// The column sums of cast_kernels.h, in its order: band sums into workspace [bands, cols], then
+// their sum. Walks x row by row, keeping one running sum per column at each level.
+template <class In>
+void column_sums(const In* x, int64_t rows, int64_t cols, float* dbias, float* workspace) {
+  const int64_t groups = kSumTileRows / kSumGroupRows;
+  std::vector<float> group(static_cast<size_t>(groups * cols));
+  for (int64_t b = 0; b < column_sum_bands(rows); ++b) {
+    std::fill(group.begin(), group.end(), 0.0f);
+    for (int64_t k = 0; k < kSumTiles; ++k) {
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t i = 0; i < kSumGroupRows; ++i) {
+          const int64_t r = b * kBandRows + k * kSumTileRows + g * kSumGroupRows + i;
+          if (r >= rows) continue;
+          for (int64_t c = 0; c < cols; ++c) {
+            group[g * cols + c] = rn::add(group[g * cols + c], numerics::to_float(x[r * cols + c]));
+          }
+        }
+      }
+    }
+    float* band = workspace + b * cols;
+    std::fill(band, band + cols, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t c = 0; c < cols; ++c) band[c] = rn::add(band[c], group[g * cols + c]);
+    }
+    std::transform(band, band + cols, band, canonical_nan);
+  }
+  std::fill(dbias, dbias + cols, 0.0f);
+  for (int64_t b = 0; b < column_sum_bands(rows); ++b) {
+    for (int64_t c = 0; c < cols; ++c) dbias[c] = rn::add(dbias[c], workspace[b * cols + c]);
+  }
+  std::transform(dbias, dbias + cols, dbias, canonical_nan);
 }
 
 }  // namespace
@@ -88,7 +125,7 @@ void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>&
 }
 
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
-                    int64_t cols, const ScalingPtrs& s) {
+                    int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace) {
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     visit(ScaledFormatTypes{}, out_dtype, [&](auto o) {
       using In = decltype(in);
@@ -105,6 +142,7 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
         }
       }
       fold_amax(s.amax, amax_key_of(xi, rows * cols));
+      if (dbias != nullptr) column_sums(xi, rows, cols, dbias, workspace);
     });
   });
 }

@@ -390,13 +390,17 @@ __device__ void transpose_words(uint32_t (&w)[4 / sizeof(Out)]) {
   }
 }
 
+static_assert(kSumTileRows == kTileRows && kSumTiles == kTilesPerBlock && kSumGroupRows == kThreadRows,
+              "cast_kernels.h's column-sum order is this kernel's thread layout");
+
 // kWholePacks: the launcher found x, out and out_t aligned to their packs and both dimensions whole
 // numbers of packs, so no element-wise code is compiled (the vector_ok flags are then all true).
-template <class In, class Out, bool kWholePacks>
+// kColumnSums: also this block's column sums of x (its band, its columns) into band_sums [bands, cols].
+template <class In, class Out, bool kWholePacks, bool kColumnSums>
 __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
     cast_transpose_kernel(const In* __restrict__ x, Out* __restrict__ out, Out* __restrict__ out_t, int64_t rows,
                           int64_t cols, bool x_vector_ok, bool out_vector_ok, bool out_t_vector_ok,
-                          const ScalingPtrs s) {
+                          float* __restrict__ band_sums, const ScalingPtrs s) {
   using Tile = CodeTile<In, Out>;
   constexpr int NI = 16 / sizeof(In);   // columns of a thread's block: one 16-byte load per row
   constexpr int NT = 16 / sizeof(Out);  // codes in a 16-byte chunk of an out_t row
@@ -431,6 +435,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
   const float scale = quantize_scale<Out>(s, 0, blockIdx.x == 0);
 
   uint32_t abs_max = 0;
+  float group_sum[kColumnSums ? NI : 1] = {};  // this thread's row group, its NI columns
 #pragma unroll 1
   for (int k = 0; k < n; ++k) {
     if (k > 0) load(k);
@@ -441,6 +446,10 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
       abs_max = abs_max_pack<In, NI>(xs[i], abs_max);
       float v[NI];
       decode_pack<In>(xs[i], v);
+      if constexpr (kColumnSums) {
+#pragma unroll
+        for (int e = 0; e < NI; ++e) group_sum[e] = rn::add(group_sum[e], v[e]);
+      }
 #pragma unroll
       for (int e = 0; e < NI; ++e) v[e] *= scale;
       encode_pack<Out>(v, row_words[i]);
@@ -485,6 +494,37 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
     }
   }
   fold_block_amax(s.amax, amax_key_from<In>(abs_max));
+  if constexpr (kColumnSums) {
+    // The band's sum of each column: its row groups' sums, added in group order by one thread.
+    __shared__ float group_sums[kTileRows / kThreadRows][Tile::kCols];
+#pragma unroll
+    for (int e = 0; e < NI; ++e) group_sums[tr / kThreadRows][tc + e] = group_sum[e];
+    __syncthreads();
+    const int col = static_cast<int>(threadIdx.x);
+    if (col < Tile::kCols && c0 + col < cols) {
+      float band_sum = 0.0f;
+#pragma unroll 8
+      for (int g = 0; g < kTileRows / kThreadRows; ++g) band_sum = rn::add(band_sum, group_sums[g][col]);
+      band_sums[band / kTilesPerBlock * cols + c0 + col] = band_sum;
+    }
+  }
+}
+
+// dbias[c] = the sum of band_sums[b, c] over bands b, in band order (cast_kernels.h).
+__global__ void sum_bands_kernel(const float* __restrict__ band_sums, int64_t bands, int64_t cols,
+                                 float* __restrict__ dbias) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float sum = 0.0f;
+  for (int64_t b = 0; b < bands; ++b) sum = rn::add(sum, band_sums[b * cols + c]);
+  dbias[c] = sum;
+}
+
+void sum_bands(const float* band_sums, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream) {
+  if (cols == 0) return;
+  sum_bands_kernel<<<grid_size(ceil_div(cols, kThreads), "cast"), kThreads, 0, stream>>>(
+      band_sums, column_sum_bands(rows), cols, dbias);
+  FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -560,11 +600,12 @@ void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>&
 }
 
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
-                    int64_t cols, const ScalingPtrs& s, Stream stream) {
+                    int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace, Stream stream) {
   if (rows * cols == 0) {
     // No tile to launch, but scale_inv is still written and the amax slot folded (with nothing):
-    // exactly what quantizing an empty tensor does.
+    // exactly what quantizing an empty tensor does; the column sums of no rows are zeros.
     quantize(in_dtype, out_dtype, {TensorSlice{x, out, 0}}, s, stream);
+    if (dbias != nullptr) sum_bands(workspace, rows, cols, dbias, cuda_stream(stream));
     return;
   }
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
@@ -583,11 +624,15 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
       const bool out_t_vector_ok = rows % NT == 0 && is_aligned(yt, 16);
       const int64_t blocks =
           ceil_div(ceil_div(rows, kTileRows), kTilesPerBlock) * ceil_div(cols, CodeTile<In, Out>::kCols);
-      const auto kernel = x_vector_ok && out_vector_ok && out_t_vector_ok ? cast_transpose_kernel<In, Out, true>
-                                                                         : cast_transpose_kernel<In, Out, false>;
-      kernel<<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(xi, y, yt, rows, cols, x_vector_ok,
-                                                                             out_vector_ok, out_t_vector_ok, s);
+      const bool whole = x_vector_ok && out_vector_ok && out_t_vector_ok;
+      const auto kernel = dbias != nullptr ? (whole ? cast_transpose_kernel<In, Out, true, true>
+                                                    : cast_transpose_kernel<In, Out, false, true>)
+                                           : (whole ? cast_transpose_kernel<In, Out, true, false>
+                                                    : cast_transpose_kernel<In, Out, false, false>);
+      kernel<<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(
+          xi, y, yt, rows, cols, x_vector_ok, out_vector_ok, out_t_vector_ok, workspace, s);
       FP8AMP_CUDA_CHECK_LAUNCH();
+      if (dbias != nullptr) sum_bands(workspace, rows, cols, dbias, cuda_stream(stream));
     });
   });
 }

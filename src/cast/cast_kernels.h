@@ -44,12 +44,30 @@ struct TensorSlice {
   int64_t numel;
 };
 
+// Column sums (cast_transpose_dbias): the order of the float32 additions, which the CUDA kernel's
+// thread layout sets and the CPU reference repeats. x's rows are cut into bands of
+// kBandRows = kSumTiles * kSumTileRows rows; within a band, row group g (g in [0, kSumTileRows /
+// kSumGroupRows)) holds rows k * kSumTileRows + g * kSumGroupRows + i, k in [0, kSumTiles), i in
+// [0, kSumGroupRows). Every sum starts from +0 and adds in order:
+//   group[g] = sum over k, then i, of x[r, c]   (rows past the end skipped: adding +0 is exact)
+//   band[b]  = sum over g of group[g]            (stored in the workspace, [bands, cols])
+//   dbias[c] = sum over b of band[b]
+// A NaN sum is stored as the canonical NaN (numerics::kCanonicalNanBits), which is what the GPU's
+// adds return.
+constexpr int64_t kSumTileRows = 128;
+constexpr int64_t kSumTiles = 2;
+constexpr int64_t kSumGroupRows = 4;
+constexpr int64_t kBandRows = kSumTiles * kSumTileRows;
+
+FP8AMP_HD int64_t column_sum_bands(int64_t rows) { return (rows + kBandRows - 1) / kBandRows; }
+
 namespace cpu {
 void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter, int warmup_steps);
 void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s);
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv);
+// dbias (nullptr: none) and workspace: the column sums, see above.
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
-                    int64_t cols, const ScalingPtrs& s);
+                    int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace);
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride);
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
                    int margin, bool pow2);
@@ -65,7 +83,7 @@ void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& t
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv,
                 Stream stream);
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
-                    int64_t cols, const ScalingPtrs& s, Stream stream);
+                    int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace, Stream stream);
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride,
                 Stream stream);
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,

@@ -2,6 +2,7 @@
 with the aot_eager backend on CPU giving eager's results and buffer mutations bit for bit."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ def opcheck_cases():
                      dict(warmup_counter=counter, warmup_steps=4)),
         "cast_transpose": (ops.cast_transpose.default, (x, torch.ones(1), torch.zeros(1, 4), fp8amp.E5M2),
                            dict(warmup_counter=counter, warmup_steps=4)),
+        "cast_transpose_dbias": (ops.cast_transpose_dbias.default,
+                                 (torch.randn(2, 300, 16), torch.ones(1), torch.zeros(1, 4), fp8amp.E5M2),
+                                 dict(warmup_counter=counter, warmup_steps=4)),
         "dequantize": (ops.dequantize.default, (x.half(), torch.ones(1), torch.bfloat16), {}),
         "amax": (ops.amax.default, (x, torch.zeros(1, 4)), dict(warmup_counter=counter, warmup_steps=4)),
         "multi_amax": (ops.multi_amax.default, ([x, x[:3]], torch.zeros(2, 3)), {}),
@@ -84,6 +88,56 @@ def test_compiled_cast_transpose_with_changing_shapes():
         x = torch.randn(rows, 16)
         out, out_t, _ = compiled(x)
         assert out_t.shape == (16, rows)
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (300, 33), (2, 3, 7), (5,), (0, 8), (7, 0)])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16])
+def test_cast_transpose_dbias_fake_outputs_match_real(shape, in_dtype, dtype):
+    x = torch.randn(shape).to(in_dtype)
+    real = ops.cast_transpose_dbias.default(x, torch.ones(1), torch.zeros(1, 2), dtype)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops.cast_transpose_dbias.default(mode.from_tensor(x), mode.from_tensor(torch.ones(1)),
+                                                mode.from_tensor(torch.zeros(1, 2)), dtype)
+    assert len(fake) == len(real) == 4
+    for f, r in zip(fake, real, strict=True):
+        assert (f.shape, f.dtype, f.stride()) == (r.shape, r.dtype, r.stride())
+    assert real[3].shape == (shape[-1],) and real[3].dtype == torch.float32
+
+
+def dbias_step(state: fp8amp.ScalingState, grad: torch.Tensor):
+    g8, g8_t, g_scale_inv, dbias = state.cast_transpose_dbias(grad, 1)
+    state.update()
+    return [g8, g8_t, g_scale_inv, dbias, dbias.to(torch.bfloat16)]
+
+
+def test_compiled_cast_transpose_dbias_equals_eager():
+    eager_state = fp8amp.ScalingState(2, fp8amp.E5M2, fp8amp.ScalingRecipe(history_len=2))
+    compiled_state = copy.deepcopy(eager_state)
+    compiled = torch.compile(dbias_step, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):  # warm-up (2 steps), then delayed scaling
+        grad = (torch.randn(300, 24, generator=g) * 10.0**-step).to(torch.bfloat16)
+        for a, b in zip(dbias_step(eager_state, grad), compiled(compiled_state, grad), strict=True):
+            assert_bits_equal(b, a)
+        for name, value in eager_state.named_buffers():
+            assert_bits_equal(getattr(compiled_state, name), value)
+    assert eager_state.counter.tolist() == [2, 2]
+
+
+def test_compiled_cast_transpose_dbias_with_changing_shapes():
+    def cast(x, scale, amax):
+        return fp8amp.cast_transpose_dbias(x, scale, amax, fp8amp.E4M3)
+
+    compiled = torch.compile(cast, backend="aot_eager", fullgraph=True)
+    for shape in ((8, 16), (12, 16), (20, 24), (2, 300, 24)):  # the second makes dynamo go dynamic
+        x = torch.randn(shape)
+        amax_c, amax_e = torch.zeros(1), torch.zeros(1)
+        got, expected = compiled(x, torch.ones(1), amax_c), cast(x, torch.ones(1), amax_e)
+        assert got[1].shape == (shape[-1], math.prod(shape[:-1])) and got[3].shape == (shape[-1],)
+        for a, b in zip(got, expected, strict=True):
+            assert_bits_equal(a, b)
+        assert_bits_equal(amax_c, amax_e)
 
 
 def test_compiled_multi_quantize():

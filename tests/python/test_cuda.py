@@ -68,6 +68,11 @@ def cast_transpose_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, 
                                  pow2_scale=pow2)
 
 
+def cast_transpose_dbias_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, pow2=True):
+    return fp8amp.cast_transpose_dbias(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps,
+                                       margin=margin, pow2_scale=pow2)
+
+
 SCALES = [1.0, 2.0**-9, 2.0**12, 0.3]
 
 
@@ -134,6 +139,107 @@ def test_cast_transpose_misaligned_rows():
     base = torch.randn(129 * 64 + 1, dtype=torch.bfloat16)
     x = base[1:].view(129, 64)  # 2-byte offset: no 16-byte packs
     check_cuda_equals_cpu(cast_transpose_with, x, torch.tensor([4.0]), torch.zeros(1), fp8amp.E4M3)
+
+
+# cast_transpose_dbias: tails of rows and columns around the 256-row bands and the 128-byte column
+# tiles, many bands (3000 rows: 12), one row or column, empty matrices.
+DBIAS_SHAPES = [(1, 1), (7,), (255, 63), (256, 64), (257, 65), (3000, 72), (513, 1031), (2, 3, 130), (4097, 3),
+                (31, 16), (1, 4096), (0, 5), (5, 0), (2, 0, 3)]
+
+
+def wide_range(shape, in_dtype, seed):
+    """randn scaled by 2^e, e random per element: float32 / bfloat16 from the subnormals up to 2^40
+    (every float32 sum is then rounded somewhere), float16 within its range."""
+    g = torch.Generator().manual_seed(seed)
+    low, high = (-26, 13) if in_dtype == torch.float16 else (-140, 40)
+    return (torch.randn(shape, generator=g) * torch.exp2(torch.randint(low, high, shape, generator=g).float())).to(
+        in_dtype)
+
+
+def matrix(x):
+    return x.view(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+@pytest.mark.parametrize("shape", DBIAS_SHAPES)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_cast_transpose_dbias(shape, in_dtype, dtype):
+    x = wide_range(shape, in_dtype, sum(shape) + len(shape))
+    finite = x.clone()
+    m = matrix(x)
+    if m.numel():  # +inf and -inf, each alone in its column
+        m[m.shape[0] // 2, 0] = float("inf")
+        m[-1, -1] = -float("inf") if m.shape[1] > 1 else float("inf")
+    check_cuda_equals_cpu(cast_transpose_dbias_with, x, torch.tensor([0.75]), torch.zeros(1, 2), dtype)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for pow2, margin in ((True, 0), (False, 1)):  # current scaling (warm-up), then delayed
+        check_cuda_equals_cpu(cast_transpose_dbias_with, finite, torch.ones(1), torch.zeros(1, 2), dtype, counter, 3,
+                              margin, pow2)
+        check_cuda_equals_cpu(cast_transpose_dbias_with, finite, torch.tensor([2.0**-7]), torch.zeros(1, 2), dtype,
+                              torch.tensor([3], dtype=torch.int32), 3, margin, pow2)
+
+
+def test_cast_transpose_dbias_equals_cast_transpose_on_cuda():
+    x = wide_range((3000, 72), torch.bfloat16, 1).to(CUDA)
+    amax_t, amax_d = torch.zeros(1, 2, device=CUDA), torch.zeros(1, 2, device=CUDA)
+    scale = torch.tensor([0.75], device=CUDA)
+    expected = fp8amp.cast_transpose(x, scale, amax_t, fp8amp.E4M3)
+    *got, dbias = fp8amp.cast_transpose_dbias(x, scale, amax_d, fp8amp.E4M3)
+    for a, b in zip(got, expected, strict=True):
+        assert_bits_equal(a, b)
+    assert_bits_equal(amax_d, amax_t)
+    assert dbias.device.type == CUDA and dbias.dtype == torch.float32 and dbias.shape == (72,)
+
+
+def with_nans(shape, in_dtype, seed):
+    """x with a NaN alone in column 0 (in the second band when there is one), +inf and -inf in
+    column 1 (their sum: NaN), +inf in column 2 and a NaN in the last row's last column."""
+    x = wide_range(shape, in_dtype, seed)
+    m = matrix(x)
+    rows, cols = m.shape
+    m[min(300, rows - 1), 0] = float("nan")
+    m[0, 1], m[rows - 1, 1] = float("inf"), -float("inf")
+    m[rows // 2, 2] = float("inf")
+    m[rows - 1, cols - 1] = -float("nan")
+    return x
+
+
+NAN_SHAPES = [(2, 5), (257, 65), (3000, 72), (513, 1031), (2, 3, 130)]
+
+
+@pytest.mark.parametrize("shape", NAN_SHAPES)
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+def test_cast_transpose_dbias_with_nan_and_inf(shape, in_dtype, dtype):
+    x = with_nans(shape, in_dtype, sum(shape))
+    for counter, steps in ((None, 0), (torch.zeros(1, dtype=torch.int32), 2)):  # delayed; warm-up (NaN amax)
+        cpu_inputs, cpu_result, cuda_inputs, cuda_result = on_both(
+            cast_transpose_dbias_with, x, torch.tensor([0.5]), torch.zeros(1, 2), dtype, counter, steps)
+        assert_all_same(cpu_result, cuda_result)  # dbias too: a NaN sum is the canonical NaN on both
+        assert_all_same(cpu_inputs, cuda_inputs)  # amax (NaN), counter
+        nan = torch.zeros(shape[-1], dtype=torch.bool)
+        nan[[0, 1, shape[-1] - 1]] = True
+        assert torch.equal(cuda_result[3].isnan(), nan)
+        assert cuda_result[3][2].item() == float("inf")
+
+
+def test_cast_transpose_dbias_misaligned_rows():
+    base = torch.randn(129 * 64 + 1, dtype=torch.bfloat16)
+    x = base[1:].view(129, 64)  # 2-byte offset: no 16-byte packs
+    check_cuda_equals_cpu(cast_transpose_dbias_with, x, torch.tensor([4.0]), torch.zeros(1), fp8amp.E4M3)
+    x = (torch.randn(300 * 40 + 1) * 100)[1:].view(300, 40)  # float32, 4-byte offset
+    check_cuda_equals_cpu(cast_transpose_dbias_with, x, torch.tensor([4.0]), torch.zeros(1), fp8amp.E5M2)
+
+
+def test_cast_transpose_dbias_subnormal_sums_are_exact():
+    # Multiples of 2^-149 whose every partial sum stays subnormal: exact (no flush to zero) on both.
+    g = torch.Generator().manual_seed(11)
+    k = torch.randint(-1000, 1000, (3000, 33), generator=g)
+    x = k.float() * 2.0**-149
+    check_cuda_equals_cpu(cast_transpose_dbias_with, x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)
+    dbias = cast_transpose_dbias_with(x.to(CUDA), torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA),
+                                      fp8amp.E4M3)[3]
+    assert_bits_equal(dbias.cpu(), k.sum(0).float() * 2.0**-149)
 
 
 @pytest.mark.parametrize("dtype", SCALED_FORMATS)
@@ -330,3 +436,58 @@ def test_cuda_quantize_on_another_stream():
         out = fp8amp.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
     torch.cuda.current_stream().wait_stream(stream)
     assert_bits_equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype,recipe", [(fp8amp.E5M2, fp8amp.ScalingRecipe(history_len=3)),
+                                          (fp8amp.E4M3, fp8amp.ScalingRecipe(history_len=2, margin=1,
+                                                                             pow2_scale=False))])
+def test_scaling_state_cast_transpose_dbias_steps(dtype, recipe):
+    cpu_state = fp8amp.ScalingState(2, dtype, recipe)
+    cuda_state = copy.deepcopy(cpu_state).to(CUDA)
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        grad = (torch.randn(300, 96, generator=g) * 10.0 ** (step % 4 - 2)).to(torch.bfloat16)
+        if step == 5:
+            grad[17, 3] = float("inf")
+        expected = cpu_state.cast_transpose_dbias(grad, 1)
+        got = cuda_state.cast_transpose_dbias(grad.to(CUDA), 1)
+        assert_all_same(expected, [t.cpu() for t in got])
+        cpu_state.update()
+        cuda_state.update()
+        for name, value in cpu_state.named_buffers():
+            assert_bits_equal(getattr(cuda_state, name).cpu(), value)
+
+
+def test_torch_compile_inductor_cast_transpose_dbias():
+    def step(state, grad):
+        g8, g8_t, g_scale_inv, dbias = state.cast_transpose_dbias(grad, 0)
+        state.update()
+        return [g8, g8_t, g_scale_inv, dbias * 2]
+
+    eager_state = fp8amp.ScalingState(1, fp8amp.E5M2, fp8amp.ScalingRecipe(history_len=2), device=CUDA)
+    compiled_state = copy.deepcopy(eager_state)
+    compiled = torch.compile(step, fullgraph=True)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    for i in range(4):
+        grad = torch.randn(384, 256, device=CUDA, generator=g).to(torch.bfloat16) * 10.0**-i
+        assert_all_same([t.cpu() for t in step(eager_state, grad)], [t.cpu() for t in compiled(compiled_state, grad)])
+        for name, value in eager_state.named_buffers():
+            assert_bits_equal(getattr(compiled_state, name), value)
+
+
+def test_cast_transpose_dbias_no_host_sync():
+    state = fp8amp.ScalingState(1, fp8amp.E5M2, fp8amp.ScalingRecipe(history_len=2), device=CUDA)
+    x = torch.randn(1000, 72, device=CUDA, dtype=torch.bfloat16)
+    scale, amax = torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            state.cast_transpose_dbias(x)
+            state.cast_transpose_dbias(x.t())  # non-contiguous: made contiguous on the device
+            fp8amp.cast_transpose_dbias(x, scale, amax, fp8amp.E4M3)
+            state.update()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert state.counter.tolist() == [2]

@@ -76,6 +76,45 @@ CASES = {
                                      ["dtype", "torch.float8_e4m3fn"]),
     "cast_transpose scale_inv-like scale [3]": (lambda: fp8amp.cast_transpose(x(), torch.ones(3), one(), E4M3),
                                                 ValueError, ["scale"]),
+    # cast_transpose_dbias: the same checks, naming its own op
+    "cast_transpose_dbias x not a tensor": (lambda: fp8amp.cast_transpose_dbias([1.0], one(), one(), E4M3),
+                                            TypeError, ["cast_transpose_dbias", "x", "Tensor"]),
+    "cast_transpose_dbias 0-d x": (lambda: fp8amp.cast_transpose_dbias(torch.tensor(1.0), one(), one(), E4M3),
+                                   ValueError, ["cast_transpose_dbias", "x", "at least 1 dimension"]),
+    "cast_transpose_dbias x float64": (lambda: fp8amp.cast_transpose_dbias(x().double(), one(), one(), E4M3),
+                                       ValueError, ["cast_transpose_dbias", "x"]),
+    "cast_transpose_dbias x int32": (lambda: fp8amp.cast_transpose_dbias(counter(0, 8), one(), one(), E4M3),
+                                     ValueError, ["cast_transpose_dbias", "x", "float32"]),
+    "cast_transpose_dbias x fp8": (lambda: fp8amp.cast_transpose_dbias(codes(), one(), one(), E4M3), ValueError,
+                                   ["cast_transpose_dbias", "x", "float32"]),
+    "cast_transpose_dbias dtype float32": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), torch.float32),
+                                           ValueError, ["cast_transpose_dbias", "dtype", "torch.float8_e4m3fn",
+                                                        "torch.float32"]),
+    "cast_transpose_dbias dtype a string": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), "e5m2"),
+                                            TypeError, ["cast_transpose_dbias", "dtype"]),
+    "cast_transpose_dbias scale [3]": (lambda: fp8amp.cast_transpose_dbias(x(), torch.ones(3), one(), E4M3),
+                                       ValueError, ["cast_transpose_dbias", "scale", "1 element"]),
+    "cast_transpose_dbias scale a float": (lambda: fp8amp.cast_transpose_dbias(x(), 1.0, one(), E4M3), TypeError,
+                                           ["cast_transpose_dbias", "scale"]),
+    "cast_transpose_dbias scale float16": (lambda: fp8amp.cast_transpose_dbias(x(), one().half(), one(), E4M3),
+                                           ValueError, ["cast_transpose_dbias", "scale", "float32"]),
+    "cast_transpose_dbias amax None": (lambda: fp8amp.cast_transpose_dbias(x(), one(), None, E4M3), TypeError,
+                                       ["cast_transpose_dbias", "amax"]),
+    "cast_transpose_dbias amax [2, 3]": (lambda: fp8amp.cast_transpose_dbias(x(), one(), torch.zeros(2, 3), E4M3),
+                                         ValueError, ["cast_transpose_dbias", "amax"]),
+    "cast_transpose_dbias warmup_counter float": (
+        lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), E4M3, warmup_counter=one(), warmup_steps=1),
+        ValueError, ["cast_transpose_dbias", "warmup_counter", "int32"]),
+    "cast_transpose_dbias margin a float": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), E4M3, margin=1.0),
+                                            TypeError, ["cast_transpose_dbias", "margin"]),
+    "cast_transpose_dbias positional options": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), E4M3, None),
+                                                TypeError, []),
+    "cast_transpose_dbias op dtype bfloat16": (
+        lambda: fp8amp.ops.cast_transpose_dbias.default(x(), one(), one(), torch.bfloat16),
+        ValueError, ["cast_transpose_dbias", "dtype", "bfloat16"]),
+    "cast_transpose_dbias op x not contiguous": (
+        lambda: fp8amp.ops.cast_transpose_dbias.default(x().t(), one(), one(), E4M3),
+        ValueError, ["cast_transpose_dbias", "x", "contiguous"]),
     # dequantize
     "dequantize x float32": (lambda: fp8amp.dequantize(x(), one(), torch.float32), ValueError, ["x"]),
     "dequantize dtype fp8": (lambda: fp8amp.dequantize(x().to(E4M3), one(), E4M3), ValueError,
@@ -250,6 +289,18 @@ CASES = {
     "state index negative": (lambda: fp8amp.ScalingState(2).cast_transpose(x(), -1), ValueError, ["index"]),
     "state index a tensor": (lambda: fp8amp.ScalingState(2).quantize(x(), torch.tensor(0)), TypeError, ["index"]),
     "state x float64": (lambda: fp8amp.ScalingState(1).quantize(x().double()), ValueError, ["x"]),
+    "state cast_transpose_dbias index out of range": (lambda: fp8amp.ScalingState(2).cast_transpose_dbias(x(), 2),
+                                                      ValueError, ["index", "[0, 2)"]),
+    "state cast_transpose_dbias index negative": (lambda: fp8amp.ScalingState(2).cast_transpose_dbias(x(), -1),
+                                                  ValueError, ["index"]),
+    "state cast_transpose_dbias index a tensor": (
+        lambda: fp8amp.ScalingState(2).cast_transpose_dbias(x(), torch.tensor(0)), TypeError, ["index"]),
+    "state cast_transpose_dbias index a bool": (lambda: fp8amp.ScalingState(2).cast_transpose_dbias(x(), True),
+                                                TypeError, ["index"]),
+    "state cast_transpose_dbias x float64": (lambda: fp8amp.ScalingState(1).cast_transpose_dbias(x().double()),
+                                             ValueError, ["cast_transpose_dbias", "x"]),
+    "state cast_transpose_dbias 0-d x": (lambda: fp8amp.ScalingState(1).cast_transpose_dbias(torch.tensor(1.0)),
+                                         ValueError, ["cast_transpose_dbias", "x"]),
 }
 
 
@@ -284,3 +335,17 @@ def test_cpu_cuda_mix_names_the_argument():
                                       torch.ones(1, device="cuda"), counter(), 448.0)
     with pytest.raises(ValueError, match="x"):
         fp8amp.ScalingState(1).quantize(xc)
+
+
+@pytest.mark.gpu
+def test_cast_transpose_dbias_cpu_cuda_mix_names_the_argument():
+    xc = torch.randn(300, 8, device="cuda")
+    with pytest.raises(ValueError, match="scale"):
+        fp8amp.cast_transpose_dbias(xc, one(), torch.zeros(1, device="cuda"), E4M3)
+    with pytest.raises(ValueError, match="amax"):
+        fp8amp.cast_transpose_dbias(xc, torch.ones(1, device="cuda"), one(), E4M3)
+    with pytest.raises(ValueError, match="warmup_counter"):
+        fp8amp.cast_transpose_dbias(xc, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), E4M3,
+                                    warmup_counter=counter(), warmup_steps=1)
+    with pytest.raises(ValueError, match="x"):
+        fp8amp.ScalingState(1).cast_transpose_dbias(xc)
