@@ -4,8 +4,9 @@ Forward: the input is cast to E4M3 with delayed scaling and, in the same pass, t
 transpose is what the weight-gradient GEMM needs, and it is all that is saved for backward:
 1 byte per element); the weight is cast to E4M3 with current scaling, also with its transpose;
 ``y = x·Wᵀ (+ bias)`` runs on the FP8 tensor cores with FP32 accumulation, output in the autocast
-dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpose in one pass;
-``dX = dY·W`` and ``dW = dYᵀ·X`` run in FP8 with full FP32 accumulation.
+dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpose in one pass,
+which also sums its columns into the bias gradient (float32); ``dX = dY·W`` and ``dW = dYᵀ·X``
+run in FP8 with full FP32 accumulation.
 
 At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.ScaledTensor`
 (FP16 codes + scale, the master copy) carrying an E4M3 copy of itself
@@ -129,8 +130,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         two_d = grad_output.dim() == 2
         dy2d = grad_output if two_d else grad_output.reshape(-1, grad_output.shape[-1])
         padded = ctx.rows % _ALIGN != 0
-        dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(_pad_rows(dy2d) if padded else dy2d)
+        dy_in = _pad_rows(dy2d) if padded else dy2d
         grad_x = grad_weight = grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # The bias gradient from the same pass over dY (padding rows are zeros: they add nothing).
+            dy_fp8, dy_fp8_t, dy_scale_inv, dbias = ctx.grad_output_scaling.cast_transpose_dbias(dy_in)
+            grad_bias = dbias.to(ctx.weight_dtype)
+        else:
+            dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(dy_in)
         if ctx.needs_input_grad[0]:
             grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
             if padded:
@@ -142,8 +149,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_weight = _fp8_weight_grad(grad_weight, ctx.weight_dtype)
         elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = dy2d.sum(0, dtype=torch.float32).to(ctx.weight_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
