@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "cast/cast_kernels.h"
 #include "common/dispatch.h"
