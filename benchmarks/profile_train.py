@@ -11,6 +11,10 @@ fp8amp.save_activations_in_fp8(): the activations non-Linear ops save, stored in
 with "-compile": every transformer block compiled, as bench_train.py's compiled modes do (where
 FP8 activations become Inductor code fused into the blocks' kernels).
 
+After each table: how much of the profiled steps' span the GPU ran nothing, in gaps grouped by
+length, and the longest gaps with their neighbours (launch gaps are a few µs; long ones are the
+GPU waiting for the host).
+
 Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile] [--steps 3] [--top 25]
        [--preset 1b|small]
        [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
@@ -97,6 +101,52 @@ def live_at_peak(step, top: int) -> str:
     return "\n".join(lines)
 
 
+# Gap sizes the idle summary groups by, in µs: launch-to-launch gaps on a busy stream are a few µs;
+# longer ones mean the GPU waited for the host.
+GAP_BUCKETS_US = (3.0, 20.0, 200.0)
+
+
+def idle_summary(intervals: list[tuple[float, float, str]], top: int = 8) -> str:
+    """Where the GPU ran nothing: `intervals` are (start µs, end µs, name) of the device activity
+    (kernels, memsets, copies; any streams) of the profiled steps. Busy time is their union; the
+    gaps in it, from the first start to the last end, are grouped by size, and the longest are
+    listed with the activity that ended before and started after them."""
+    if not intervals:
+        return "idle: no device activity recorded"
+    kernels = sorted(intervals)
+    busy = 0.0
+    gaps: list[tuple[float, str, str]] = []  # (length µs, the kernel before, the kernel after)
+    run_start, run_end, last_name = kernels[0]
+    for start, end, name in kernels[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            gaps.append((start - run_end, last_name, name))
+            run_start, run_end = start, end
+        elif end > run_end:
+            run_end = end
+        if end >= run_end:
+            last_name = name
+    busy += run_end - run_start
+    span = run_end - kernels[0][0]
+    edges = (0.0, *GAP_BUCKETS_US, float("inf"))
+    lines = [f"device activity over {span / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+             f"in {len(gaps)} gaps ({len(kernels)} kernels, memsets and copies)"]
+    for lo, hi in zip(edges, edges[1:]):
+        sizes = [g for g, _, _ in gaps if lo <= g < hi]
+        label = f">= {lo:g} us" if hi == float("inf") else f"{lo:g}-{hi:g} us"
+        lines.append(f"  gaps {label:>12}: {len(sizes):6d}, {sum(sizes) / 1e3:7.2f} ms")
+    lines.append(f"  the {min(top, len(gaps))} longest:")
+    for length, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {length:9.1f} us  after {before[:70]}  before {after[:70]}")
+    return "\n".join(lines)
+
+
+def device_intervals(prof) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every device-side event torch.profiler recorded."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int,
                  memory: bool = False) -> str:
     model, optimizer, hooks = build(mode, cfg, batch * cfg.seq_len)
@@ -121,7 +171,8 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
         table = averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=90)
     except (AttributeError, KeyError):  # older names
         table = averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
-    text = f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n{table}\n"
+    text = (f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n"
+            f"{table}\n{idle_summary(device_intervals(prof))}\n")
     if memory:
         text += "\n" + live_at_peak(step, top) + "\n"
     return text
