@@ -510,19 +510,32 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
   }
 }
 
-// dbias[c] = the sum of band_sums[b, c] over bands b, in band order (cast_kernels.h).
+// dbias[c] = the sum of band_sums[b, c] over bands b, in band order (cast_kernels.h). A few
+// thousand threads each add tens of values: latency-bound, so each thread has kSumLoads loads in
+// flight before it adds them in order, and the blocks are small so that more SMs take part.
+constexpr int kSumThreads = 128;
+constexpr int kSumLoads = 8;
+
 __global__ void sum_bands_kernel(const float* __restrict__ band_sums, int64_t bands, int64_t cols,
                                  float* __restrict__ dbias) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float sum = 0.0f;
-  for (int64_t b = 0; b < bands; ++b) sum = rn::add(sum, band_sums[b * cols + c]);
+  int64_t b = 0;
+  for (; b + kSumLoads <= bands; b += kSumLoads) {
+    float v[kSumLoads];
+#pragma unroll
+    for (int j = 0; j < kSumLoads; ++j) v[j] = band_sums[(b + j) * cols + c];
+#pragma unroll
+    for (int j = 0; j < kSumLoads; ++j) sum = rn::add(sum, v[j]);
+  }
+  for (; b < bands; ++b) sum = rn::add(sum, band_sums[b * cols + c]);
   dbias[c] = sum;
 }
 
 void sum_bands(const float* band_sums, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream) {
   if (cols == 0) return;
-  sum_bands_kernel<<<grid_size(ceil_div(cols, kThreads), "cast"), kThreads, 0, stream>>>(
+  sum_bands_kernel<<<grid_size(ceil_div(cols, kSumThreads), "cast"), kSumThreads, 0, stream>>>(
       band_sums, column_sum_bands(rows), cols, dbias);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
