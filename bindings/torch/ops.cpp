@@ -66,6 +66,19 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
   return {out, scale_inv};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_current(const at::Tensor& x, at::ScalarType dtype,
+                                                                int64_t margin, bool nan_if_nonfinite) {
+  const char* op = "quantize_current";
+  at::Tensor out = empty_as(x, dtype);
+  at::Tensor scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  at::Tensor amax_out = at::empty({1}, x.options().dtype(at::kFloat));
+  call(x, [&](Stream stream) {
+    fp8amp::quantize_current(view(x, op, "x"), view(out, op, "dtype"), view(scale_inv, op, "scale_inv"),
+                             view(amax_out, op, "amax"), narrow_int(margin, op, "margin"), nan_if_nonfinite, stream);
+  });
+  return {out, scale_inv, amax_out};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& x, const at::Tensor& scale,
                                                               const at::Tensor& amax, at::ScalarType dtype,
                                                               const std::optional<at::Tensor>& warmup_counter,
@@ -184,6 +197,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::
   return {empty_as(x, dtype), scale_inv_like(scale)};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_current_meta(const at::Tensor& x, at::ScalarType dtype, int64_t,
+                                                                     bool) {
+  return {empty_as(x, dtype), at::empty({1}, x.options().dtype(at::kFloat)), at::empty({1}, x.options().dtype(at::kFloat))};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Tensor& x, const at::Tensor& scale,
                                                                    const at::Tensor&, at::ScalarType dtype,
                                                                    const std::optional<at::Tensor>&, int64_t,
@@ -223,6 +241,7 @@ void update_delayed_scaling_meta(const at::Tensor&, const at::Tensor&, const at:
 TORCH_LIBRARY(fp8amp, m) {
   m.def("quantize(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor)");
+  m.def("quantize_current(Tensor x, ScalarType dtype, int margin=0, bool nan_if_nonfinite=False) -> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
@@ -243,6 +262,7 @@ TORCH_LIBRARY(fp8amp, m) {
 
 #define FP8AMP_REGISTER_KERNELS(m, suffix)                                \
   m.impl("quantize", fp8amp::torch_binding::quantize##suffix);             \
+  m.impl("quantize_current", fp8amp::torch_binding::quantize_current##suffix); \
   m.impl("cast_transpose", fp8amp::torch_binding::cast_transpose##suffix); \
   m.impl("cast_transpose_dbias", fp8amp::torch_binding::cast_transpose_dbias##suffix); \
   m.impl("dequantize", fp8amp::torch_binding::dequantize##suffix);         \

@@ -11,6 +11,7 @@ from .cast import (
     multi_dequantize,
     multi_quantize,
     quantize,
+    quantize_current,
     update_delayed_scaling,
 )
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
@@ -33,6 +34,7 @@ __all__ = [
     "FP16_MAX",
     "format_max",
     "quantize",
+    "quantize_current",
     "cast_transpose",
     "cast_transpose_dbias",
     "dequantize",

@@ -25,6 +25,7 @@ from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 
 __all__ = [
     "quantize",
+    "quantize_current",
     "cast_transpose",
     "cast_transpose_dbias",
     "dequantize",
@@ -41,6 +42,7 @@ _SCALED_FORMATS = tuple(SCALED_FORMATS)
 # The op overloads, resolved once (a torch.ops attribute lookup and overload resolution per call
 # is host time on every step). Each op has a single overload.
 _quantize = ops.quantize.default
+_quantize_current = ops.quantize_current.default
 _cast_transpose = ops.cast_transpose.default
 _cast_transpose_dbias = ops.cast_transpose_dbias.default
 _dequantize = ops.dequantize.default
@@ -99,6 +101,27 @@ def quantize(
     return _quantize(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
+    )
+
+
+def quantize_current(
+    x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, nan_if_nonfinite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` (float32/bfloat16/float16) into ``dtype`` with current scaling, in one call.
+
+    Returns ``(out, scale_inv, amax)``: ``amax`` float32 ``[1]`` is ``max|x|`` (NaN if x holds
+    one); the scale is ``2^(floor(log2(fmax / amax)) - margin)``, or 1 for an amax of 0, inf or NaN;
+    ``scale_inv`` float32 ``[1]`` is its inverse, or NaN with ``nan_if_nonfinite`` and an inf or
+    NaN amax. The same bits as :func:`amax` into a zero, :func:`compute_scale` from (1, 1) and
+    :func:`quantize` with that scale, in fewer launches and without mutable buffers (nothing for
+    ``torch.compile`` to clone).
+    """
+    op = "quantize_current"
+    return _quantize_current(
+        _input(x, "x", op),
+        _dtype(dtype, _SCALED_FORMATS, "dtype", op),
+        _int(margin, "margin", op),
+        _bool(nan_if_nonfinite, "nan_if_nonfinite", op),
     )
 
 

@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import cast
 from .accumulate import scaled_accumulate
-from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype, format_max
+from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor"]
 
@@ -87,17 +87,13 @@ aten = torch.ops.aten
 _STORAGE_FORMATS = tuple(SCALED_FORMATS)
 
 
-def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host sync."""
+def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
+                      nan_if_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host
+    sync; one op (cast.quantize_current)."""
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    scale = torch.ones(1, dtype=torch.float32, device=x.device)
-    scale_inv = torch.ones(1, dtype=torch.float32, device=x.device)
-    cast.amax(x, amax)
-    cast.compute_scale(amax, scale, scale_inv, format_max(fmt), margin=margin, pow2_scale=True)
-    data, scale_inv = cast.quantize(x, scale, amax, fmt)
-    return data, scale_inv, amax
+    return cast.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
 
 
 def _is_scalar(s: object) -> bool:
@@ -200,9 +196,7 @@ class ScaledTensor(torch.Tensor):
             orig_dtype = x.dtype if x.dtype in HIGH_PRECISION_DTYPES else torch.float32
         if x.dtype.is_complex:
             raise ValueError(f"{where}: x must be real, got {x.dtype}")
-        data, scale_inv, amax = _quantize_current(x.detach(), dtype, margin)
-        if nan_if_nonfinite:
-            scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.nan)
+        data, scale_inv, _ = _quantize_current(x.detach(), dtype, margin, nan_if_nonfinite)
         return cls(data, scale_inv, orig_dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -160,6 +160,31 @@ void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling
   quantize_impl({x}, {out}, scaling, stream, "quantize");
 }
 
+void quantize_current(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
+                      const TensorView& amax_out, int margin, bool nan_if_nonfinite, Stream stream) {
+  const char* op = "quantize_current";
+  const std::vector<TensorSlice> t = slices({x}, {out}, op);
+  check::high_precision(x, op, "x");
+  check::scaled_format(out.dtype, op, "dtype");
+  check_recipe(ScaleRecipe{margin, true}, op);
+  check_float32(scale_inv, x, op, "scale_inv");
+  check::numel_is(scale_inv, 1, op, "scale_inv");
+  check_float32(amax_out, x, op, "amax");
+  check::numel_is(amax_out, 1, op, "amax");
+  check_outs_disjoint({x}, {out}, op);
+  check::no_overlap(scale_inv, amax_out, op, "scale_inv", "amax");
+  for (const auto& [t_out, name] : {std::pair{&scale_inv, "scale_inv"}, std::pair{&amax_out, "amax"}}) {
+    check::no_overlap(x, *t_out, op, "x", name);
+    check::no_overlap(out, *t_out, op, "out", name);
+  }
+  ScalingPtrs s{nullptr, amax_out.ptr<float>(), 0, scale_inv.ptr<float>(), nullptr, 0, margin, true};
+  s.current = true;
+  s.nan_if_nonfinite = nan_if_nonfinite;
+  run_on(
+      x, op, [&] { cpu::quantize_current(x.dtype, out.dtype, t[0], s); },
+      [&] { cuda::quantize_current(x.dtype, out.dtype, t[0], s, stream); });
+}
+
 void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
                     Stream stream) {
   quantize_impl(xs, outs, scaling, stream, "multi_quantize");

@@ -29,9 +29,9 @@ void fold_amax(float* slot, uint32_t key) {
 template <class In, class Out>
 float prepare_scale(const In* x, int64_t numel, const ScalingPtrs& s, int64_t i) {
   float* amax_slot = s.amax + i * s.amax_stride;
-  if (warming_up(s.warmup_counter, i, s.warmup_steps)) fold_amax(amax_slot, amax_key_of(x, numel));
+  if (current_scaling(s, i)) fold_amax(amax_slot, amax_key_of(x, numel));
   const numerics::ScalePair pair = select_scale(s, i, *amax_slot, numerics::format_max<Out>());
-  s.scale_inv[i] = pair.scale_inv;
+  s.scale_inv[i] = scale_inv_to_write(s, pair, *amax_slot);
   return pair.scale;
 }
 
@@ -106,6 +106,11 @@ void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& t
       }
     });
   });
+}
+
+void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s) {
+  *s.amax = 0.0f;
+  quantize(in_dtype, out_dtype, {tensor}, s);
 }
 
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv) {

@@ -97,10 +97,9 @@ __device__ void fold_block_amax(float* slot, uint32_t key) {
 template <class Out>
 __device__ float quantize_scale(const ScalingPtrs& s, int64_t i, bool first_block) {
   const float* slot = s.amax + i * s.amax_stride;
-  const float amax_now =
-      warming_up(s.warmup_counter, i, s.warmup_steps) ? *static_cast<const volatile float*>(slot) : 0.0f;
+  const float amax_now = current_scaling(s, i) ? *static_cast<const volatile float*>(slot) : 0.0f;
   const numerics::ScalePair pair = select_scale(s, i, amax_now, numerics::format_max<Out>());
-  if (first_block && threadIdx.x == 0) s.scale_inv[i] = pair.scale_inv;
+  if (first_block && threadIdx.x == 0) s.scale_inv[i] = scale_inv_to_write(s, pair, amax_now);
   return pair.scale;
 }
 
@@ -311,11 +310,15 @@ void launch_multi_tensor(const std::vector<TensorSlice>& tensors, const Op& op, 
   if (batch.count > 0) launch();
 }
 
-// The pre-pass of current scaling: folds the amax of every tensor that is warming up.
+// The pre-pass of current scaling: folds the amax of every tensor that is warming up (of every
+// tensor, with s.current).
 template <class In>
 void warmup_amax(const std::vector<TensorSlice>& tensors, const ScalingPtrs& s, cudaStream_t stream) {
-  if (s.warmup_counter == nullptr) return;
-  launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, s.warmup_counter, s.warmup_steps}, stream);
+  if (s.current) {
+    launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, nullptr, 0}, stream);
+  } else if (s.warmup_counter != nullptr) {
+    launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, s.warmup_counter, s.warmup_steps}, stream);
+  }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -599,6 +602,12 @@ void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& t
       launch_multi_tensor(tensors, QuantizeOp<In, Out>{s}, cuda_stream(stream));
     });
   });
+}
+
+void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s,
+                      Stream stream) {
+  FP8AMP_CUDA_CHECK(cudaMemsetAsync(s.amax, 0, sizeof(float), cuda_stream(stream)));
+  quantize(in_dtype, out_dtype, {tensor}, s, stream);
 }
 
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv,

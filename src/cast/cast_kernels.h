@@ -23,18 +23,38 @@ struct ScalingPtrs {
   int warmup_steps;
   int margin;
   bool pow2;
+  // quantize_current (cast.h): current scaling on every call, from the amax of this call with the
+  // fallback scale 1 (scale and warmup_counter are not read), and with nan_if_nonfinite a scale_inv
+  // of NaN for an inf or NaN amax.
+  bool current = false;
+  bool nan_if_nonfinite = false;
 };
-
-// The scale tensor i is quantized with, given the (already folded) amax of this step.
-FP8AMP_HD numerics::ScalePair select_scale(const ScalingPtrs& s, int64_t i, float amax_now, float fmax) {
-  const float scale = s.scale[i];
-  const numerics::ScalePair given{scale, 1.0f / scale};
-  if (s.warmup_counter == nullptr || s.warmup_counter[i] >= s.warmup_steps) return given;
-  return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2, given);
-}
 
 FP8AMP_HD bool warming_up(const int32_t* counter, int64_t i, int warmup_steps) {
   return counter != nullptr && counter[i] < warmup_steps;
+}
+
+// Whether tensor i takes its scale from the amax of this call (the amax pass runs first).
+FP8AMP_HD bool current_scaling(const ScalingPtrs& s, int64_t i) {
+  return s.current || warming_up(s.warmup_counter, i, s.warmup_steps);
+}
+
+// The scale tensor i is quantized with, given the (already folded) amax of this step.
+FP8AMP_HD numerics::ScalePair select_scale(const ScalingPtrs& s, int64_t i, float amax_now, float fmax) {
+  if (s.current) return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2, {1.0f, 1.0f});
+  const float scale = s.scale[i];
+  const numerics::ScalePair given{scale, 1.0f / scale};
+  if (!warming_up(s.warmup_counter, i, s.warmup_steps)) return given;
+  return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2, given);
+}
+
+// torch's NaN (float("nan")), which ScaledTensor.from_tensor(nan_if_nonfinite=True) wrote before
+// quantize_current did it in the kernel.
+constexpr uint32_t kQuietNanBits = 0x7FC00000u;
+
+// The scale_inv written for tensor i: that of its scale, or NaN (nan_if_nonfinite, amax not finite).
+FP8AMP_HD float scale_inv_to_write(const ScalingPtrs& s, const numerics::ScalePair& pair, float amax_now) {
+  return s.nan_if_nonfinite && !numerics::is_finite(amax_now) ? numerics::bits_float(kQuietNanBits) : pair.scale_inv;
 }
 
 // One tensor of a multi-tensor op.
@@ -64,6 +84,8 @@ FP8AMP_HD int64_t column_sum_bands(int64_t rows) { return (rows + kBandRows - 1)
 namespace cpu {
 void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter, int warmup_steps);
 void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s);
+// quantize of one tensor with s.current: zeroes amax[0] first (an output here, not a fold).
+void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s);
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv);
 // dbias (nullptr: none) and workspace: the column sums, see above.
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
@@ -80,6 +102,8 @@ void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t*
           Stream stream);
 void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s,
               Stream stream);
+void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s,
+                      Stream stream);
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv,
                 Stream stream);
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -64,6 +65,70 @@ TEST(Quantize, WarmupUsesCurrentScaling) {
   quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {2}), s, nullptr);
   EXPECT_EQ(st.scale_inv[0], 1.0f);
   EXPECT_EQ(y[0], 0x52);  // 10.0 in E4M3
+}
+
+// quantize_current against what it replaces: amax into a zero, compute_scale from (1, 1), quantize
+// with that scale; then the NaN rule for scale_inv.
+void expect_quantize_current_is_the_composition(std::vector<float> x, DType out_dtype, int margin) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  const size_t code_bytes = out_dtype == DType::kFloat16 ? 2 : 1;
+  for (bool nan_if_nonfinite : {false, true}) {
+    std::vector<uint8_t> got(x.size() * code_bytes, 0xAA), want(x.size() * code_bytes, 0x55);
+    std::vector<float> scale_inv{-7.0f}, amax{-7.0f};
+    quantize_current(view(x, DType::kFloat32, {n}), view(got, out_dtype, {n}), view(scale_inv, DType::kFloat32, {1}),
+                     view(amax, DType::kFloat32, {1}), margin, nan_if_nonfinite, nullptr);
+    std::vector<float> ref_amax{0.0f}, scale{1.0f}, ref_scale_inv{1.0f};
+    fp8amp::amax(view(x, DType::kFloat32, {n}), view(ref_amax, DType::kFloat32, {1}), nullptr, 0, nullptr);
+    compute_scale(view(ref_amax, DType::kFloat32, {1}), view(scale, DType::kFloat32, {1}),
+                  view(ref_scale_inv, DType::kFloat32, {1}), format_max(out_dtype), ScaleRecipe{margin, true}, nullptr);
+    Scaling s{view(scale, DType::kFloat32, {1}), view(ref_amax, DType::kFloat32, {1}),
+              view(ref_scale_inv, DType::kFloat32, {1})};
+    quantize(view(x, DType::kFloat32, {n}), view(want, out_dtype, {n}), s, nullptr);
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(std::memcmp(&amax[0], &ref_amax[0], 4), 0) << amax[0] << " vs " << ref_amax[0];
+    if (nan_if_nonfinite && !std::isfinite(ref_amax[0])) {
+      uint32_t bits;
+      std::memcpy(&bits, &scale_inv[0], 4);
+      EXPECT_EQ(bits, 0x7FC00000u);
+    } else {
+      EXPECT_EQ(scale_inv[0], ref_scale_inv[0]);
+    }
+  }
+}
+
+TEST(QuantizeCurrent, EqualsAmaxComputeScaleQuantize) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 30.0f);
+  std::vector<float> x(1000);
+  for (float& v : x) v = normal(rng);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kFloat16}) {
+    expect_quantize_current_is_the_composition(x, out, 0);
+    expect_quantize_current_is_the_composition(x, out, 3);
+    expect_quantize_current_is_the_composition({0.0f, -0.0f, 0.0f}, out, 0);  // amax 0: scale 1
+    expect_quantize_current_is_the_composition({1.0f, inf, -2.0f}, out, 0);   // scale 1, scale_inv NaN with the rule
+    expect_quantize_current_is_the_composition({1.0f, std::nanf(""), 1e-30f}, out, 1);
+    expect_quantize_current_is_the_composition({}, out, 0);
+  }
+}
+
+TEST(QuantizeCurrent, RefusesBadArguments) {
+  std::vector<float> x(4, 1.0f), scale_inv(1), amax(1), two(2);
+  std::vector<uint8_t> y(4);
+  const auto run = [&](const TensorView& out, const TensorView& si, const TensorView& a, int margin) {
+    quantize_current(view(x, DType::kFloat32, {4}), out, si, a, margin, false, nullptr);
+  };
+  const TensorView out = view(y, DType::kFloat8E4M3, {4});
+  expect_value_error([&] { run(view(x, DType::kFloat32, {4}), view(scale_inv, DType::kFloat32, {1}),
+                               view(amax, DType::kFloat32, {1}), 0); }, "quantize_current: dtype");
+  expect_value_error([&] { run(out, view(two, DType::kFloat32, {2}), view(amax, DType::kFloat32, {1}), 0); },
+                     "quantize_current: scale_inv");
+  expect_value_error([&] { run(out, view(scale_inv, DType::kFloat32, {1}), view(two, DType::kFloat32, {2}), 0); },
+                     "quantize_current: amax");
+  expect_value_error([&] { run(out, view(scale_inv, DType::kFloat32, {1}), view(amax, DType::kFloat32, {1}), -1); },
+                     "quantize_current: margin");
+  expect_value_error([&] { run(out, view(scale_inv, DType::kFloat32, {1}), view(scale_inv, DType::kFloat32, {1}), 0); },
+                     "quantize_current: scale_inv and amax must not share memory");
 }
 
 TEST(Dequantize, AllE4M3CodesToFloat32) {

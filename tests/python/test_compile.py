@@ -22,6 +22,7 @@ def opcheck_cases():
     return {
         "quantize": (ops.quantize.default, (x, torch.ones(1), torch.zeros(1, 4), fp8amp.E4M3),
                      dict(warmup_counter=counter, warmup_steps=4)),
+        "quantize_current": (ops.quantize_current.default, (x, fp8amp.E4M3), dict(margin=1, nan_if_nonfinite=True)),
         "cast_transpose": (ops.cast_transpose.default, (x, torch.ones(1), torch.zeros(1, 4), fp8amp.E5M2),
                            dict(warmup_counter=counter, warmup_steps=4)),
         "cast_transpose_dbias": (ops.cast_transpose_dbias.default,

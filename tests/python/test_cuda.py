@@ -135,6 +135,18 @@ def test_cast_transpose(shape, in_dtype, dtype):
                           3)
 
 
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("special", [None, float("inf"), float("nan")])
+def test_quantize_current(in_dtype, dtype, special):
+    x = (torch.randn(1031, 67) * 50).to(in_dtype)
+    if special is not None:
+        x[700, 3] = special
+    for margin in (0, 1):
+        for nan_if_nonfinite in (False, True):
+            check_cuda_equals_cpu(fp8amp.quantize_current, x, dtype, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
+
+
 def test_cast_transpose_misaligned_rows():
     base = torch.randn(129 * 64 + 1, dtype=torch.bfloat16)
     x = base[1:].view(129, 64)  # 2-byte offset: no 16-byte packs
