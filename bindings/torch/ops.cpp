@@ -190,6 +190,26 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& sc
   });
 }
 
+void multi_update_delayed_scaling(at::TensorList amax_histories, at::TensorList scales, at::TensorList scale_invs,
+                                  at::TensorList counters, double fmax, int64_t margin, bool pow2_scale) {
+  const char* op = "multi_update_delayed_scaling";
+  // The device is that of the first tensor of any list (the core checks the lists' lengths).
+  const at::Tensor* first = nullptr;
+  for (const at::TensorList& list : {amax_histories, scales, scale_invs, counters}) {
+    if (!list.empty()) {
+      first = &list[0];
+      break;
+    }
+  }
+  if (first == nullptr) return;
+  call(*first, [&](Stream stream) {
+    fp8amp::multi_update_delayed_scaling(views(amax_histories, op, "amax_histories"), views(scales, op, "scales"),
+                                         views(scale_invs, op, "scale_invs"), views(counters, op, "counters"),
+                                         static_cast<float>(fmax),
+                                         ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
+  });
+}
+
 // Meta kernels: shapes and dtypes only, for torch.compile's fake tensors.
 std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::Tensor& scale, const at::Tensor&,
                                                  at::ScalarType dtype, const std::optional<at::Tensor>&, int64_t,
@@ -232,6 +252,9 @@ void compute_scale_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 void update_delayed_scaling_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                  int64_t, bool) {}
 
+void multi_update_delayed_scaling_meta(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, int64_t,
+                                       bool) {}
+
 }  // namespace
 }  // namespace fp8amp::torch_binding
 
@@ -258,6 +281,9 @@ TORCH_LIBRARY(fp8amp, m) {
   m.def(
       "update_delayed_scaling(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv, "
       "Tensor(d!) counter, float fmax, int margin=0, bool pow2_scale=True) -> ()");
+  m.def(
+      "multi_update_delayed_scaling(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
+      "Tensor(d!)[] counters, float fmax, int margin=0, bool pow2_scale=True) -> ()");
 }
 
 #define FP8AMP_REGISTER_KERNELS(m, suffix)                                \
@@ -271,7 +297,8 @@ TORCH_LIBRARY(fp8amp, m) {
   m.impl("multi_quantize", fp8amp::torch_binding::multi_quantize##suffix); \
   m.impl("multi_dequantize", fp8amp::torch_binding::multi_dequantize##suffix); \
   m.impl("compute_scale", fp8amp::torch_binding::compute_scale##suffix);   \
-  m.impl("update_delayed_scaling", fp8amp::torch_binding::update_delayed_scaling##suffix)
+  m.impl("update_delayed_scaling", fp8amp::torch_binding::update_delayed_scaling##suffix); \
+  m.impl("multi_update_delayed_scaling", fp8amp::torch_binding::multi_update_delayed_scaling##suffix)
 
 // The same functions serve CPU and CUDA: the core dispatches on the tensors' device.
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_KERNELS(m, ); }

@@ -92,6 +92,13 @@ void update_delayed_scaling(const TensorView& amax_history, const TensorView& sc
                             const TensorView& scale_inv, const TensorView& counter, float fmax,
                             const ScaleRecipe& recipe, Stream stream);
 
+// update_delayed_scaling of many states with one fmax and recipe in one launch (a few for very
+// many): state i is amax_histories[i] [n_i, H_i], scales[i], scale_invs[i], counters[i] [n_i].
+// All on one device; no two of the tensors may share memory.
+void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
+                                  const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
+                                  float fmax, const ScaleRecipe& recipe, Stream stream);
+
 // Largest finite magnitude of a scaled format (E4M3 448, E5M2 57344, FP16 65504).
 float format_max(DType dtype);
 

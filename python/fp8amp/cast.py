@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _tensor
+from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _tensor, _tensors
 from ._library import ops
 from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 
@@ -35,6 +35,7 @@ __all__ = [
     "multi_dequantize",
     "compute_scale",
     "update_delayed_scaling",
+    "multi_update_delayed_scaling",
 ]
 
 _SCALED_FORMATS = tuple(SCALED_FORMATS)
@@ -52,6 +53,7 @@ _multi_quantize = ops.multi_quantize.default
 _multi_dequantize = ops.multi_dequantize.default
 _compute_scale = ops.compute_scale.default
 _update_delayed_scaling = ops.update_delayed_scaling.default
+_multi_update_delayed_scaling = ops.multi_update_delayed_scaling.default
 
 
 def _scaling_args(
@@ -311,6 +313,32 @@ def update_delayed_scaling(
         _tensor(scale, "scale", op),
         _tensor(scale_inv, "scale_inv", op),
         _tensor(counter, "counter", op),
+        _float(fmax, "fmax", op),
+        _int(margin, "margin", op),
+        _bool(pow2_scale, "pow2_scale", op),
+    )
+
+
+def multi_update_delayed_scaling(
+    amax_histories: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    scale_invs: Sequence[torch.Tensor],
+    counters: Sequence[torch.Tensor],
+    fmax: float,
+    *,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> None:
+    """:func:`update_delayed_scaling` of many states with one ``fmax`` and recipe in one launch:
+    state i is ``amax_histories[i]`` ``[n_i, H_i]``, ``scales[i]``, ``scale_invs[i]`` and
+    ``counters[i]`` ``[n_i]``, all on one device, no two sharing memory."""
+    op = "multi_update_delayed_scaling"
+    lists = (_tensors(amax_histories, "amax_histories", op), _tensors(scales, "scales", op),
+             _tensors(scale_invs, "scale_invs", op), _tensors(counters, "counters", op))
+    if not any(lists):
+        return  # no state (and no tensor for torch to dispatch on)
+    _multi_update_delayed_scaling(
+        *lists,
         _float(fmax, "fmax", op),
         _int(margin, "margin", op),
         _bool(pow2_scale, "pow2_scale", op),

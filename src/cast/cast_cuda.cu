@@ -5,7 +5,7 @@
 //   dequantize, amax); a block owns one chunk of one tensor (an amax block possibly several) and
 //   folds its amax once.
 // - cast_transpose_kernel: quantize a [rows, cols] matrix into out and out_t through a shared tile.
-// - compute_scale_kernel / update_delayed_scaling_kernel: one thread per tensor.
+// - compute_scale_kernel / update_delayed_scaling_kernel: one thread per tensor (per row of a state).
 // Current scaling (warm-up) needs a tensor's whole amax before its first element is quantized, so
 // quantize and cast_transpose then run an amax pre-pass first; its blocks read the warm-up counter
 // on the device and skip tensors that are past warm-up.
@@ -558,24 +558,26 @@ __global__ void compute_scale_kernel(const float* amax, int64_t amax_stride, flo
   scale_inv[i] = pair.scale_inv;
 }
 
-__global__ void update_delayed_scaling_kernel(float* amax_history, int64_t n, int64_t history_len, float* scale,
-                                              float* scale_inv, int32_t* counter, float fmax, int margin,
-                                              bool pow2) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  float* h = amax_history + i * history_len;
-  const bool bad = !numerics::is_finite(h[0]);
-  if (bad) h[0] = 0.0f;
-  float window_max = 0.0f;
-  // std::max's rule, as on the CPU: an older NaN entry never wins.
-  for (int64_t j = 0; j < history_len; ++j) window_max = window_max < h[j] ? h[j] : window_max;
-  const numerics::ScalePair pair =
-      numerics::scale_from_amax(window_max, fmax, margin, pow2, {scale[i], scale_inv[i]});
-  scale[i] = pair.scale;
-  scale_inv[i] = pair.scale_inv;
-  for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
-  h[0] = 0.0f;
-  counter[i] = bad ? 0 : static_cast<int32_t>(min(static_cast<int64_t>(counter[i]) + 1, history_len));
+// Up to kMaxStatesPerLaunch states a launch, by value (under the 4 KB of kernel parameters);
+// thread g updates row g of the rows of all of them, in order.
+constexpr int kMaxStatesPerLaunch = 64;
+
+struct DelayedScalingBatch {
+  DelayedScalingSlice states[kMaxStatesPerLaunch];
+  int64_t row_begin[kMaxStatesPerLaunch + 1];
+  int32_t count;
+};
+static_assert(sizeof(DelayedScalingBatch) + 16 <= 4096, "kernel parameters are limited to 4 KB");
+
+__global__ void update_delayed_scaling_kernel(const DelayedScalingBatch batch, float fmax, int margin, bool pow2) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= batch.row_begin[batch.count]) return;
+  int k = 0;
+  while (g >= batch.row_begin[k + 1]) ++k;
+  const DelayedScalingSlice& st = batch.states[k];
+  const int64_t i = g - batch.row_begin[k];
+  update_delayed_row(st.amax_history + i * st.history_len, st.history_len, st.scale + i, st.scale_inv + i,
+                     st.counter + i, fmax, margin, pow2);
 }
 
 }  // namespace
@@ -675,13 +677,21 @@ void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* 
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
-void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
-                            int32_t* counter, float fmax, int margin, bool pow2, Stream stream) {
-  if (n == 0) return;
-  const int64_t blocks = ceil_div(n, kScaleThreads);
-  update_delayed_scaling_kernel<<<grid_size(blocks, "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
-      amax_history, n, history_len, scale, scale_inv, counter, fmax, margin, pow2);
-  FP8AMP_CUDA_CHECK_LAUNCH();
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2,
+                            Stream stream) {
+  for (size_t first = 0; first < states.size(); first += kMaxStatesPerLaunch) {
+    DelayedScalingBatch batch{};
+    batch.count = static_cast<int32_t>(std::min<size_t>(kMaxStatesPerLaunch, states.size() - first));
+    for (int k = 0; k < batch.count; ++k) {
+      batch.states[k] = states[first + k];
+      batch.row_begin[k + 1] = batch.row_begin[k] + batch.states[k].rows;
+    }
+    const int64_t rows = batch.row_begin[batch.count];
+    if (rows == 0) continue;
+    update_delayed_scaling_kernel<<<grid_size(ceil_div(rows, kScaleThreads), "cast"), kScaleThreads, 0,
+                                    cuda_stream(stream)>>>(batch, fmax, margin, pow2);
+    FP8AMP_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace cuda

@@ -64,6 +64,34 @@ struct TensorSlice {
   int64_t numel;
 };
 
+// One delayed-scaling state of update_delayed_scaling (cast.h): `rows` tensors, row i with its
+// history amax_history[i * history_len ...] and scale[i], scale_inv[i], counter[i].
+struct DelayedScalingSlice {
+  float* amax_history;
+  float* scale;
+  float* scale_inv;
+  int32_t* counter;
+  int64_t rows;
+  int64_t history_len;
+};
+
+// The update of one row, the same on the CPU and in a CUDA thread.
+FP8AMP_HD void update_delayed_row(float* h, int64_t history_len, float* scale, float* scale_inv, int32_t* counter,
+                                  float fmax, int margin, bool pow2) {
+  const bool bad = !numerics::is_finite(h[0]);
+  if (bad) h[0] = 0.0f;
+  float window_max = 0.0f;
+  // std::max's rule: an older NaN entry never wins.
+  for (int64_t j = 0; j < history_len; ++j) window_max = window_max < h[j] ? h[j] : window_max;
+  const numerics::ScalePair pair = numerics::scale_from_amax(window_max, fmax, margin, pow2, {*scale, *scale_inv});
+  *scale = pair.scale;
+  *scale_inv = pair.scale_inv;
+  for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
+  h[0] = 0.0f;
+  const int64_t next = static_cast<int64_t>(*counter) + 1;
+  *counter = bad ? 0 : static_cast<int32_t>(next < history_len ? next : history_len);
+}
+
 // Column sums (cast_transpose_dbias): the order of the float32 additions, which the CUDA kernel's
 // thread layout sets and the CPU reference repeats. x's rows are cut into bands of
 // kBandRows = kSumTiles * kSumTileRows rows; within a band, row group g (g in [0, kSumTileRows /
@@ -93,8 +121,7 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride);
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
                    int margin, bool pow2);
-void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
-                            int32_t* counter, float fmax, int margin, bool pow2);
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2);
 }  // namespace cpu
 
 namespace cuda {
@@ -112,8 +139,8 @@ void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* ama
                 Stream stream);
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
                    int margin, bool pow2, Stream stream);
-void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
-                            int32_t* counter, float fmax, int margin, bool pow2, Stream stream);
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2,
+                            Stream stream);
 }  // namespace cuda
 
 // ------------------------------------------------------------------------------------------------

@@ -658,5 +658,39 @@ TEST(CastCuda, UpdateDelayedScaling) {
   }
 }
 
+// 150 states of different row counts and history lengths: three launches of up to 64 states.
+TEST(CastCuda, MultiUpdateDelayedScaling) {
+  REQUIRE_GPU();
+  std::mt19937 rng(23);
+  std::vector<std::unique_ptr<MirroredTensor>> hs, scales, scale_invs, counters;
+  for (int i = 0; i < 150; ++i) {
+    const int64_t n = i % 7 == 0 ? 3 : 1, history = 1 + i % 17;
+    hs.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n, history}));
+    scales.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n}));
+    scale_invs.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n}));
+    counters.push_back(std::make_unique<MirroredTensor>(DType::kInt32, std::vector<int64_t>{n}));
+    for (int64_t j = 0; j < hs.back()->numel(); ++j) hs.back()->set_float(j, awkward_amax(rng));
+    for (int64_t j = 0; j < n; ++j) {
+      scales.back()->set_float(j, 2.0f);
+      scale_invs.back()->set_float(j, 0.5f);
+      counters.back()->set_int(j, static_cast<int32_t>(rng() % 20));
+    }
+  }
+  const auto views_on = [](const std::vector<std::unique_ptr<MirroredTensor>>& ts, Device d) {
+    std::vector<TensorView> v;
+    for (const auto& t : ts) v.push_back(t->view(d));
+    return v;
+  };
+  for (int step = 0; step < 3; ++step) {
+    expect_cuda_matches_cpu(pointers(hs) + pointers(scales) + pointers(scale_invs) + pointers(counters),
+                            [&](Device d) {
+                              multi_update_delayed_scaling(views_on(hs, d), views_on(scales, d),
+                                                           views_on(scale_invs, d), views_on(counters, d), 57344.0f,
+                                                           ScaleRecipe{0, true}, nullptr);
+                            },
+                            "step " + std::to_string(step));
+  }
+}
+
 }  // namespace
 }  // namespace fp8amp
