@@ -66,6 +66,19 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
   return {out, scale_inv};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_current(const at::Tensor& x, at::ScalarType dtype,
+                                                                int64_t margin, bool nan_if_nonfinite) {
+  const char* op = "quantize_current";
+  at::Tensor out = empty_as(x, dtype);
+  at::Tensor scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  at::Tensor amax_out = at::empty({1}, x.options().dtype(at::kFloat));
+  call(x, [&](Stream stream) {
+    fp8amp::quantize_current(view(x, op, "x"), view(out, op, "dtype"), view(scale_inv, op, "scale_inv"),
+                             view(amax_out, op, "amax"), narrow_int(margin, op, "margin"), nan_if_nonfinite, stream);
+  });
+  return {out, scale_inv, amax_out};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& x, const at::Tensor& scale,
                                                               const at::Tensor& amax, at::ScalarType dtype,
                                                               const std::optional<at::Tensor>& warmup_counter,
@@ -177,11 +190,36 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& sc
   });
 }
 
+void multi_update_delayed_scaling(at::TensorList amax_histories, at::TensorList scales, at::TensorList scale_invs,
+                                  at::TensorList counters, double fmax, int64_t margin, bool pow2_scale) {
+  const char* op = "multi_update_delayed_scaling";
+  // The device is that of the first tensor of any list (the core checks the lists' lengths).
+  const at::Tensor* first = nullptr;
+  for (const at::TensorList& list : {amax_histories, scales, scale_invs, counters}) {
+    if (!list.empty()) {
+      first = &list[0];
+      break;
+    }
+  }
+  if (first == nullptr) return;
+  call(*first, [&](Stream stream) {
+    fp8amp::multi_update_delayed_scaling(views(amax_histories, op, "amax_histories"), views(scales, op, "scales"),
+                                         views(scale_invs, op, "scale_invs"), views(counters, op, "counters"),
+                                         static_cast<float>(fmax),
+                                         ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
+  });
+}
+
 // Meta kernels: shapes and dtypes only, for torch.compile's fake tensors.
 std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::Tensor& scale, const at::Tensor&,
                                                  at::ScalarType dtype, const std::optional<at::Tensor>&, int64_t,
                                                  int64_t, bool) {
   return {empty_as(x, dtype), scale_inv_like(scale)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_current_meta(const at::Tensor& x, at::ScalarType dtype, int64_t,
+                                                                     bool) {
+  return {empty_as(x, dtype), at::empty({1}, x.options().dtype(at::kFloat)), at::empty({1}, x.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Tensor& x, const at::Tensor& scale,
@@ -214,6 +252,9 @@ void compute_scale_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 void update_delayed_scaling_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                  int64_t, bool) {}
 
+void multi_update_delayed_scaling_meta(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, int64_t,
+                                       bool) {}
+
 }  // namespace
 }  // namespace fp8amp::torch_binding
 
@@ -223,6 +264,7 @@ void update_delayed_scaling_meta(const at::Tensor&, const at::Tensor&, const at:
 TORCH_LIBRARY(fp8amp, m) {
   m.def("quantize(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor)");
+  m.def("quantize_current(Tensor x, ScalarType dtype, int margin=0, bool nan_if_nonfinite=False) -> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
@@ -239,10 +281,14 @@ TORCH_LIBRARY(fp8amp, m) {
   m.def(
       "update_delayed_scaling(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv, "
       "Tensor(d!) counter, float fmax, int margin=0, bool pow2_scale=True) -> ()");
+  m.def(
+      "multi_update_delayed_scaling(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
+      "Tensor(d!)[] counters, float fmax, int margin=0, bool pow2_scale=True) -> ()");
 }
 
 #define FP8AMP_REGISTER_KERNELS(m, suffix)                                \
   m.impl("quantize", fp8amp::torch_binding::quantize##suffix);             \
+  m.impl("quantize_current", fp8amp::torch_binding::quantize_current##suffix); \
   m.impl("cast_transpose", fp8amp::torch_binding::cast_transpose##suffix); \
   m.impl("cast_transpose_dbias", fp8amp::torch_binding::cast_transpose_dbias##suffix); \
   m.impl("dequantize", fp8amp::torch_binding::dequantize##suffix);         \
@@ -251,7 +297,8 @@ TORCH_LIBRARY(fp8amp, m) {
   m.impl("multi_quantize", fp8amp::torch_binding::multi_quantize##suffix); \
   m.impl("multi_dequantize", fp8amp::torch_binding::multi_dequantize##suffix); \
   m.impl("compute_scale", fp8amp::torch_binding::compute_scale##suffix);   \
-  m.impl("update_delayed_scaling", fp8amp::torch_binding::update_delayed_scaling##suffix)
+  m.impl("update_delayed_scaling", fp8amp::torch_binding::update_delayed_scaling##suffix); \
+  m.impl("multi_update_delayed_scaling", fp8amp::torch_binding::multi_update_delayed_scaling##suffix)
 
 // The same functions serve CPU and CUDA: the core dispatches on the tensors' device.
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_KERNELS(m, ); }

@@ -38,6 +38,15 @@ struct Scaling {
 // out = encode(x * scale) in out.dtype (E4M3, E5M2, or FP16 with saturation); x fp32/bf16/fp16.
 void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream);
 
+// Current scaling in one call (ScaledTensor.from_tensor, FP8 weight gradients), bit for bit
+// amax() into a zero, compute_scale() from the pair (1, 1), then quantize() with that scale:
+// amax (float32 [1], written, not folded) = max |x| (NaN above everything; 0 when x is empty);
+// scale = the pow2 rule from amax with `margin`, or 1 for an amax of 0, inf or NaN;
+// out = encode(x * scale) in out.dtype; scale_inv (float32 [1]) = 1 / scale, or NaN (0x7FC00000)
+// when nan_if_nonfinite and the amax is inf or NaN (an E4M3 code cannot hold the overflow).
+void quantize_current(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
+                      const TensorView& amax, int margin, bool nan_if_nonfinite, Stream stream);
+
 // out = decode(x) * scale_inv in out.dtype (fp32/bf16/fp16, IEEE rounding); x E4M3/E5M2/FP16;
 // scale_inv float32 [1].
 void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorView& out, Stream stream);
@@ -82,6 +91,13 @@ void compute_scale(const TensorView& amax, const TensorView& scale, const Tensor
 void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale,
                             const TensorView& scale_inv, const TensorView& counter, float fmax,
                             const ScaleRecipe& recipe, Stream stream);
+
+// update_delayed_scaling of many states with one fmax and recipe in one launch (a few for very
+// many): state i is amax_histories[i] [n_i, H_i], scales[i], scale_invs[i], counters[i] [n_i].
+// All on one device; no two of the tensors may share memory.
+void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
+                                  const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
+                                  float fmax, const ScaleRecipe& recipe, Stream stream);
 
 // Largest finite magnitude of a scaled format (E4M3 448, E5M2 57344, FP16 65504).
 float format_max(DType dtype);

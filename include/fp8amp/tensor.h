@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -50,7 +51,7 @@ void no_overlap(const TensorView& a, const TensorView& b, const char* op, const 
 // The same for every pair of outs, and every out with every x (xs may share memory: they are only
 // read). names(list, i) names element i of "outs" or "xs" in the message.
 void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<TensorView>& xs, const char* op,
-                      std::string (*names)(const char* list, size_t i));
+                      const std::function<std::string(const char* list, size_t i)>& names);
 }  // namespace check
 
 }  // namespace fp8amp

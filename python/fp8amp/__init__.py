@@ -10,7 +10,9 @@ from .cast import (
     multi_amax,
     multi_dequantize,
     multi_quantize,
+    multi_update_delayed_scaling,
     quantize,
+    quantize_current,
     update_delayed_scaling,
 )
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
@@ -33,6 +35,7 @@ __all__ = [
     "FP16_MAX",
     "format_max",
     "quantize",
+    "quantize_current",
     "cast_transpose",
     "cast_transpose_dbias",
     "dequantize",
@@ -42,6 +45,7 @@ __all__ = [
     "multi_dequantize",
     "compute_scale",
     "update_delayed_scaling",
+    "multi_update_delayed_scaling",
     "scaled_accumulate",
     "ScalingRecipe",
     "ScalingState",

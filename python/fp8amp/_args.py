@@ -44,6 +44,13 @@ def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
     return [_input(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
 
 
+def _tensors(values: object, arg: str, op: str) -> list[torch.Tensor]:
+    """A list of tensors the op writes in place, passed as they are; the core checks the rest."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
+    return [_tensor(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
+
+
 def _outputs(values: object, dtype: torch.dtype, arg: str, op: str) -> list[torch.Tensor]:
     """Tensors of ``dtype`` the op writes in place, as a list: passed as they are (a contiguous copy
     would not receive the write); the core checks their count, shapes, devices and layout."""

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _tensor
+from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _tensor, _tensors
 from ._library import ops
 from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 
 __all__ = [
     "quantize",
+    "quantize_current",
     "cast_transpose",
     "cast_transpose_dbias",
     "dequantize",
@@ -34,6 +35,7 @@ __all__ = [
     "multi_dequantize",
     "compute_scale",
     "update_delayed_scaling",
+    "multi_update_delayed_scaling",
 ]
 
 _SCALED_FORMATS = tuple(SCALED_FORMATS)
@@ -41,6 +43,7 @@ _SCALED_FORMATS = tuple(SCALED_FORMATS)
 # The op overloads, resolved once (a torch.ops attribute lookup and overload resolution per call
 # is host time on every step). Each op has a single overload.
 _quantize = ops.quantize.default
+_quantize_current = ops.quantize_current.default
 _cast_transpose = ops.cast_transpose.default
 _cast_transpose_dbias = ops.cast_transpose_dbias.default
 _dequantize = ops.dequantize.default
@@ -50,6 +53,7 @@ _multi_quantize = ops.multi_quantize.default
 _multi_dequantize = ops.multi_dequantize.default
 _compute_scale = ops.compute_scale.default
 _update_delayed_scaling = ops.update_delayed_scaling.default
+_multi_update_delayed_scaling = ops.multi_update_delayed_scaling.default
 
 
 def _scaling_args(
@@ -99,6 +103,27 @@ def quantize(
     return _quantize(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
+    )
+
+
+def quantize_current(
+    x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, nan_if_nonfinite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` (float32/bfloat16/float16) into ``dtype`` with current scaling, in one call.
+
+    Returns ``(out, scale_inv, amax)``: ``amax`` float32 ``[1]`` is ``max|x|`` (NaN if x holds
+    one); the scale is ``2^(floor(log2(fmax / amax)) - margin)``, or 1 for an amax of 0, inf or NaN;
+    ``scale_inv`` float32 ``[1]`` is its inverse, or NaN with ``nan_if_nonfinite`` and an inf or
+    NaN amax. The same bits as :func:`amax` into a zero, :func:`compute_scale` from (1, 1) and
+    :func:`quantize` with that scale, in fewer launches and without mutable buffers (nothing for
+    ``torch.compile`` to clone).
+    """
+    op = "quantize_current"
+    return _quantize_current(
+        _input(x, "x", op),
+        _dtype(dtype, _SCALED_FORMATS, "dtype", op),
+        _int(margin, "margin", op),
+        _bool(nan_if_nonfinite, "nan_if_nonfinite", op),
     )
 
 
@@ -288,6 +313,32 @@ def update_delayed_scaling(
         _tensor(scale, "scale", op),
         _tensor(scale_inv, "scale_inv", op),
         _tensor(counter, "counter", op),
+        _float(fmax, "fmax", op),
+        _int(margin, "margin", op),
+        _bool(pow2_scale, "pow2_scale", op),
+    )
+
+
+def multi_update_delayed_scaling(
+    amax_histories: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    scale_invs: Sequence[torch.Tensor],
+    counters: Sequence[torch.Tensor],
+    fmax: float,
+    *,
+    margin: int = 0,
+    pow2_scale: bool = True,
+) -> None:
+    """:func:`update_delayed_scaling` of many states with one ``fmax`` and recipe in one launch:
+    state i is ``amax_histories[i]`` ``[n_i, H_i]``, ``scales[i]``, ``scale_invs[i]`` and
+    ``counters[i]`` ``[n_i]``, all on one device, no two sharing memory."""
+    op = "multi_update_delayed_scaling"
+    lists = (_tensors(amax_histories, "amax_histories", op), _tensors(scales, "scales", op),
+             _tensors(scale_invs, "scale_invs", op), _tensors(counters, "counters", op))
+    if not any(lists):
+        return  # no state (and no tensor for torch to dispatch on)
+    _multi_update_delayed_scaling(
+        *lists,
         _float(fmax, "fmax", op),
         _int(margin, "margin", op),
         _bool(pow2_scale, "pow2_scale", op),

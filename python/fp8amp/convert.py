@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .linear import Fp8Linear, fp8_linear_supported
-from .scaling import ScalingRecipe
+from .scaling import ScalingRecipe, update_states
 
 __all__ = [
     "convert",
@@ -418,8 +418,8 @@ def decide(
 
 
 def update_scaling(model: nn.Module) -> None:
-    """Delayed-scaling update of every ``Fp8Linear`` in ``model``; call after each optimizer step."""
+    """Delayed-scaling update of every ``Fp8Linear`` in ``model``; call after each optimizer step.
+    One launch for all their input states and one for their output-gradient states."""
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Fp8Linear):
-                module.update_scaling()
+        update_states(s for m in model.modules() if isinstance(m, Fp8Linear)
+                      for s in (m.input_scaling, m.grad_output_scaling))

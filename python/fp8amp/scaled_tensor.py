@@ -36,12 +36,15 @@ Semantics of ops (``__torch_dispatch__``):
   makes ``_scale_inv`` NaN so the whole tensor reads NaN). It is how autograd accumulates FP8
   weight gradients across micro-batches (``param.grad += new_grad``);
   ``_foreach_mul_`` / ``_foreach_div_`` / ``_foreach_zero_`` over lists that contain ScaledTensors
-  (element by element, through the above);
+  (the plain tensors in one call of the aten op; by one scalar, the ScaledTensors' ``_scale_inv``
+  in one foreach call too; else element by element, through the above);
   ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
   check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
 * Norms from the codes: ``linalg.vector_norm`` over all elements and ``_foreach_norm`` (what
-  ``clip_grad_norm_`` calls) compute ``||codes|| * |scale_inv|`` (any order but 0), widening one
-  tensor's codes at a time, so a list of gradients is never dequantized all at once.
+  ``clip_grad_norm_(..., foreach=True)`` calls) compute ``||codes|| * |scale_inv|`` (any order
+  but 0). ``vector_norm`` widens one tensor's codes to FP16; ``_foreach_norm`` widens them a chunk
+  of at most 2^27 elements at a time (one launch), takes the chunk's norms in one foreach call,
+  and never holds more FP16 copies at once.
 * Any other op that would write into a ScaledTensor (``sub_``, ``fill_``, ``lerp_``, ``out=`` ...)
   raises ``NotImplementedError`` naming the op: data is never silently dropped.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
@@ -75,7 +78,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import cast
 from .accumulate import scaled_accumulate
-from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype, format_max
+from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor"]
 
@@ -84,17 +87,13 @@ aten = torch.ops.aten
 _STORAGE_FORMATS = tuple(SCALED_FORMATS)
 
 
-def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host sync."""
+def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
+                      nan_if_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host
+    sync; one op (cast.quantize_current)."""
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    scale = torch.ones(1, dtype=torch.float32, device=x.device)
-    scale_inv = torch.ones(1, dtype=torch.float32, device=x.device)
-    cast.amax(x, amax)
-    cast.compute_scale(amax, scale, scale_inv, format_max(fmt), margin=margin, pow2_scale=True)
-    data, scale_inv = cast.quantize(x, scale, amax, fmt)
-    return data, scale_inv, amax
+    return cast.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
 
 
 def _is_scalar(s: object) -> bool:
@@ -197,9 +196,7 @@ class ScaledTensor(torch.Tensor):
             orig_dtype = x.dtype if x.dtype in HIGH_PRECISION_DTYPES else torch.float32
         if x.dtype.is_complex:
             raise ValueError(f"{where}: x must be real, got {x.dtype}")
-        data, scale_inv, amax = _quantize_current(x.detach(), dtype, margin)
-        if nan_if_nonfinite:
-            scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.nan)
+        data, scale_inv, _ = _quantize_current(x.detach(), dtype, margin, nan_if_nonfinite)
         return cls(data, scale_inv, orig_dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -406,6 +403,40 @@ def _norm_of(x: "ScaledTensor", ord, dtype) -> torch.Tensor:
     return norm.to(dtype or x.dtype)
 
 
+# _foreach_norm widens the FP8 codes of its ScaledTensors to FP16 a chunk at a time, at most this
+# many elements (256 MiB of FP16) alive at once; a larger tensor forms a chunk of its own.
+_NORM_CHUNK_ELEMENTS = 1 << 27
+
+
+def _norms_of(xs: list["ScaledTensor"], ord, dtype) -> list[torch.Tensor]:
+    """_norm_of of many ScaledTensors in a few launches a chunk (one device and code dtype each):
+    one multi_dequantize widens the codes, one torch._foreach_norm takes their norms, one foreach
+    multiply applies |scale_inv|; instead of four launches a tensor."""
+    norms: list[torch.Tensor] = []
+    chunk: list[ScaledTensor] = []
+
+    def flush() -> None:
+        codes = [x._data for x in chunk]
+        if codes[0].dtype != torch.float16:  # FP8 codes are FP16 values exactly
+            codes = cast.multi_dequantize(codes, torch.ones(len(codes), device=codes[0].device), torch.float16)
+        chunk_norms = torch._foreach_norm(codes, ord, torch.float32)
+        chunk_norms = torch._foreach_mul(chunk_norms, torch._foreach_abs([x._scale_inv.reshape(()) for x in chunk]))
+        norms.extend(n.to(dtype or x.dtype) for n, x in zip(chunk_norms, chunk))
+        chunk.clear()
+
+    elements = 0
+    for x in xs:
+        if chunk and (elements + x.numel() > _NORM_CHUNK_ELEMENTS or x.device != chunk[0].device
+                      or x._data.dtype != chunk[0]._data.dtype):
+            flush()
+            elements = 0
+        chunk.append(x)
+        elements += x.numel()
+    if chunk:
+        flush()
+    return norms
+
+
 def _vector_norm(func, args, kwargs):
     x = args[0]
     ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
@@ -424,7 +455,8 @@ def _foreach_norm(func, args, kwargs):
         return NotImplemented
     plain = [t for t in tensors if not isinstance(t, ScaledTensor)]
     plain_norms = iter(func(plain, ord, dtype) if plain else [])
-    return [_norm_of(t, ord, dtype) if isinstance(t, ScaledTensor) else next(plain_norms) for t in tensors]
+    scaled_norms = iter(_norms_of([t for t in tensors if isinstance(t, ScaledTensor)], ord, dtype))
+    return [next(scaled_norms) if isinstance(t, ScaledTensor) else next(plain_norms) for t in tensors]
 
 
 def _zero_(func, args, kwargs):
@@ -436,18 +468,44 @@ def _zero_(func, args, kwargs):
 
 
 def _foreach(method):
+    """_foreach_mul_ / _foreach_div_ / _foreach_zero_ over a list holding ScaledTensors. The plain
+    tensors go to the aten op in one call (one fused launch, not one a tensor: clip_grad_norm_'s
+    scaling of every gradient); the ScaledTensors scale their scale_inv, all of them in one
+    foreach call when the factor is one scalar, else one at a time."""
     def handler(func, args, kwargs):
         tensors = args[0]
         if not any(isinstance(t, ScaledTensor) for t in tensors):
             return NotImplemented
+        scaled = [t for t in tensors if isinstance(t, ScaledTensor)]
+        plain = [t for t in tensors if not isinstance(t, ScaledTensor)]
         if method == "zero_":
-            for t in tensors:
+            if plain:
+                func(plain)
+            for t in scaled:
                 t.zero_()
             return None
         other = args[1] if len(args) > 1 else kwargs.get("scalar", kwargs.get("scalars", kwargs.get("other")))
-        others = other if isinstance(other, (list, tuple)) else [other] * len(tensors)
-        for t, s in zip(tensors, others):
-            getattr(t, method)(s)
+        if isinstance(other, (list, tuple)):
+            pairs = list(zip(tensors, other, strict=True))
+            if plain:
+                func(plain, [s for t, s in pairs if not isinstance(t, ScaledTensor)])
+            for t, s in pairs:
+                if isinstance(t, ScaledTensor):
+                    getattr(t, method)(s)
+            return None
+        if plain:
+            func(plain, other)
+        devices = {t.device for t in scaled}
+        if not _is_scalar(other) or len(devices) != 1:
+            for t in scaled:
+                getattr(t, method)(other)  # raises for a factor that is not a scalar
+            return None
+        if isinstance(other, torch.Tensor):
+            other = other.to(device=devices.pop(), dtype=torch.float32)
+        scale_invs = [t._scale_inv for t in scaled]
+        (torch._foreach_mul_ if method == "mul_" else torch._foreach_div_)(scale_invs, other)
+        for t in scaled:
+            t._refresh_fp8_copy()
         return None
     return handler
 

@@ -14,15 +14,22 @@ that it uses the delayed scale, made from the max of its last H amaxes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from . import cast
 from ._args import _input
-from .cast import _cast_transpose, _cast_transpose_dbias, _quantize, _update_delayed_scaling
+from .cast import (
+    _cast_transpose,
+    _cast_transpose_dbias,
+    _multi_update_delayed_scaling,
+    _quantize,
+    _update_delayed_scaling,
+)
 from .formats import E4M3, SCALED_FORMATS, check_dtype
 
-__all__ = ["ScalingRecipe", "ScalingState"]
+__all__ = ["ScalingRecipe", "ScalingState", "update_states"]
 
 # Scale exponents live in [-126, 126]; a larger margin changes nothing.
 _MAX_MARGIN = 126
@@ -255,3 +262,18 @@ class ScalingState(torch.nn.Module):
             f"num_tensors={self.num_tensors}, dtype={self.dtype}, history_len={r.history_len}, "
             f"margin={r.margin}, pow2_scale={r.pow2_scale}"
         )
+
+
+def update_states(states: Iterable[ScalingState]) -> None:
+    """:meth:`ScalingState.update` of many states (each once), in one launch for each device,
+    format and recipe among them instead of one a state: what :func:`fp8amp.update_scaling` runs
+    after every optimizer step for all the Fp8Linears of a model."""
+    groups: dict[tuple, list[ScalingState]] = {}
+    for state in {id(st): st for st in states}.values():
+        r = state.recipe
+        groups.setdefault((state.amax_history.device, state.fmax, r.margin, r.pow2_scale), []).append(state)
+    for (_, fmax, margin, pow2_scale), group in groups.items():
+        buffers = [st._buffers for st in group]
+        _multi_update_delayed_scaling([b["amax_history"] for b in buffers], [b["scale"] for b in buffers],
+                                      [b["scale_inv"] for b in buffers], [b["counter"] for b in buffers],
+                                      fmax, margin, pow2_scale)

@@ -156,7 +156,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     with autocast, saved_tensors_hooks or contextlib.nullcontext():
         _, loss = (forward or model)(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # foreach=True: with fp8amp's ScaledTensor gradients in the list, torch's default would norm and
+    # scale them one tensor at a time (a few launches each); for plain gradients it is the default.
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:

@@ -160,6 +160,31 @@ void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling
   quantize_impl({x}, {out}, scaling, stream, "quantize");
 }
 
+void quantize_current(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
+                      const TensorView& amax_out, int margin, bool nan_if_nonfinite, Stream stream) {
+  const char* op = "quantize_current";
+  const std::vector<TensorSlice> t = slices({x}, {out}, op);
+  check::high_precision(x, op, "x");
+  check::scaled_format(out.dtype, op, "dtype");
+  check_recipe(ScaleRecipe{margin, true}, op);
+  check_float32(scale_inv, x, op, "scale_inv");
+  check::numel_is(scale_inv, 1, op, "scale_inv");
+  check_float32(amax_out, x, op, "amax");
+  check::numel_is(amax_out, 1, op, "amax");
+  check_outs_disjoint({x}, {out}, op);
+  check::no_overlap(scale_inv, amax_out, op, "scale_inv", "amax");
+  for (const auto& [t_out, name] : {std::pair{&scale_inv, "scale_inv"}, std::pair{&amax_out, "amax"}}) {
+    check::no_overlap(x, *t_out, op, "x", name);
+    check::no_overlap(out, *t_out, op, "out", name);
+  }
+  ScalingPtrs s{nullptr, amax_out.ptr<float>(), 0, scale_inv.ptr<float>(), nullptr, 0, margin, true};
+  s.current = true;
+  s.nan_if_nonfinite = nan_if_nonfinite;
+  run_on(
+      x, op, [&] { cpu::quantize_current(x.dtype, out.dtype, t[0], s); },
+      [&] { cuda::quantize_current(x.dtype, out.dtype, t[0], s, stream); });
+}
+
 void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
                     Stream stream) {
   quantize_impl(xs, outs, scaling, stream, "multi_quantize");
@@ -301,35 +326,77 @@ void compute_scale(const TensorView& amax_in, const TensorView& scale, const Ten
       [&] { cuda::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2, stream); });
 }
 
-void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
-                            const TensorView& counter, float fmax, const ScaleRecipe& recipe, Stream stream) {
-  const char* op = "update_delayed_scaling";
-  check::dtype_is(amax_history, DType::kFloat32, op, "amax_history");
-  check::contiguous(amax_history, op, "amax_history");
-  check::dim_is(amax_history, 2, op, "amax_history");
+namespace {
+
+// One state's checks (names: "amax_history" ... or "amax_histories[3]" ...), and its slice.
+DelayedScalingSlice delayed_state(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
+                                  const TensorView& counter, const char* op, bool multi, size_t i) {
+  const std::string hist_name = element_name(multi, "amax_history", "amax_histories", i);
+  const std::string scale_name = element_name(multi, "scale", "scales", i);
+  const std::string scale_inv_name = element_name(multi, "scale_inv", "scale_invs", i);
+  const std::string counter_name = element_name(multi, "counter", "counters", i);
+  check::dtype_is(amax_history, DType::kFloat32, op, hist_name.c_str());
+  check::contiguous(amax_history, op, hist_name.c_str());
+  check::dim_is(amax_history, 2, op, hist_name.c_str());
   const int64_t n = amax_history.shape[0];
   const int64_t h = amax_history.shape[1];
-  FP8AMP_CHECK_VALUE(h >= 1, op, "amax_history must be [n, H] with H >= 1, got ", amax_history.describe());
-  for (const auto& [t, arg] : {std::pair{&scale, "scale"}, std::pair{&scale_inv, "scale_inv"}}) {
+  FP8AMP_CHECK_VALUE(h >= 1, op, hist_name, " must be [n, H] with H >= 1, got ", amax_history.describe());
+  for (const auto& [t, arg] : {std::pair{&scale, scale_name.c_str()}, std::pair{&scale_inv, scale_inv_name.c_str()}}) {
     check::dtype_is(*t, DType::kFloat32, op, arg);
     check::contiguous(*t, op, arg);
     check::numel_is(*t, n, op, arg);
-    check::same_device(*t, amax_history, op, arg, "amax_history");
+    check::same_device(*t, amax_history, op, arg, hist_name.c_str());
   }
-  check::dtype_is(counter, DType::kInt32, op, "counter");
-  check::contiguous(counter, op, "counter");
-  check::numel_is(counter, n, op, "counter");
-  check::same_device(counter, amax_history, op, "counter", "amax_history");
+  check::dtype_is(counter, DType::kInt32, op, counter_name.c_str());
+  check::contiguous(counter, op, counter_name.c_str());
+  check::numel_is(counter, n, op, counter_name.c_str());
+  check::same_device(counter, amax_history, op, counter_name.c_str(), hist_name.c_str());
+  return DelayedScalingSlice{amax_history.ptr<float>(), scale.ptr<float>(), scale_inv.ptr<float>(),
+                             counter.ptr<int32_t>(), n, h};
+}
+
+void update_delayed_impl(const std::vector<DelayedScalingSlice>& states, const TensorView& device_of, float fmax,
+                         const ScaleRecipe& recipe, Stream stream, const char* op) {
   FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
   check_recipe(recipe, op);
-  float* hist = amax_history.ptr<float>();
-  float* sc = scale.ptr<float>();
-  float* si = scale_inv.ptr<float>();
-  int32_t* cnt = counter.ptr<int32_t>();
   run_on(
-      amax_history, op,
-      [&] { cpu::update_delayed_scaling(hist, n, h, sc, si, cnt, fmax, recipe.margin, recipe.pow2); },
-      [&] { cuda::update_delayed_scaling(hist, n, h, sc, si, cnt, fmax, recipe.margin, recipe.pow2, stream); });
+      device_of, op, [&] { cpu::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2); },
+      [&] { cuda::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2, stream); });
+}
+
+}  // namespace
+
+void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
+                            const TensorView& counter, float fmax, const ScaleRecipe& recipe, Stream stream) {
+  const char* op = "update_delayed_scaling";
+  update_delayed_impl({delayed_state(amax_history, scale, scale_inv, counter, op, false, 0)}, amax_history, fmax,
+                      recipe, stream, op);
+}
+
+void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
+                                  const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
+                                  float fmax, const ScaleRecipe& recipe, Stream stream) {
+  const char* op = "multi_update_delayed_scaling";
+  const size_t n = amax_histories.size();
+  FP8AMP_CHECK_VALUE(scales.size() == n && scale_invs.size() == n && counters.size() == n, op,
+                     "amax_histories, scales, scale_invs and counters must hold as many tensors each, got ", n, ", ",
+                     scales.size(), ", ", scale_invs.size(), " and ", counters.size());
+  if (n == 0) return;
+  std::vector<DelayedScalingSlice> states;
+  states.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    states.push_back(delayed_state(amax_histories[i], scales[i], scale_invs[i], counters[i], op, true, i));
+    check::same_device(amax_histories[i], amax_histories[0], op, element_name(true, "", "amax_histories", i).c_str(),
+                       "amax_histories[0]");
+  }
+  // Every tensor is written: two sharing memory would race on the GPU.
+  std::vector<TensorView> written;
+  for (const auto* list : {&amax_histories, &scales, &scale_invs, &counters}) written.insert(written.end(), list->begin(), list->end());
+  check::disjoint_outputs(written, {}, op, [&](const char*, size_t k) {
+    static constexpr const char* kLists[] = {"amax_histories", "scales", "scale_invs", "counters"};
+    return element_name(true, "", kLists[k / n], k % n);
+  });
+  update_delayed_impl(states, amax_histories[0], fmax, recipe, stream, op);
 }
 
 // ------------------------------------------------------------------------------------------------

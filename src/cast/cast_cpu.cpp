@@ -29,9 +29,9 @@ void fold_amax(float* slot, uint32_t key) {
 template <class In, class Out>
 float prepare_scale(const In* x, int64_t numel, const ScalingPtrs& s, int64_t i) {
   float* amax_slot = s.amax + i * s.amax_stride;
-  if (warming_up(s.warmup_counter, i, s.warmup_steps)) fold_amax(amax_slot, amax_key_of(x, numel));
+  if (current_scaling(s, i)) fold_amax(amax_slot, amax_key_of(x, numel));
   const numerics::ScalePair pair = select_scale(s, i, *amax_slot, numerics::format_max<Out>());
-  s.scale_inv[i] = pair.scale_inv;
+  s.scale_inv[i] = scale_inv_to_write(s, pair, *amax_slot);
   return pair.scale;
 }
 
@@ -108,6 +108,11 @@ void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& t
   });
 }
 
+void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s) {
+  *s.amax = 0.0f;
+  quantize(in_dtype, out_dtype, {tensor}, s);
+}
+
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv) {
   visit(ScaledFormatTypes{}, in_dtype, [&](auto in) {
     visit(HighPrecisionTypes{}, out_dtype, [&](auto out) {
@@ -157,20 +162,12 @@ void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* 
   }
 }
 
-void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
-                            int32_t* counter, float fmax, int margin, bool pow2) {
-  for (int64_t i = 0; i < n; ++i) {
-    float* h = amax_history + i * history_len;
-    const bool bad = !numerics::is_finite(h[0]);
-    if (bad) h[0] = 0.0f;
-    float window_max = 0.0f;
-    for (int64_t j = 0; j < history_len; ++j) window_max = std::max(window_max, h[j]);
-    const numerics::ScalePair pair = numerics::scale_from_amax(window_max, fmax, margin, pow2, {scale[i], scale_inv[i]});
-    scale[i] = pair.scale;
-    scale_inv[i] = pair.scale_inv;
-    for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
-    h[0] = 0.0f;
-    counter[i] = bad ? 0 : static_cast<int32_t>(std::min<int64_t>(static_cast<int64_t>(counter[i]) + 1, history_len));
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2) {
+  for (const DelayedScalingSlice& st : states) {
+    for (int64_t i = 0; i < st.rows; ++i) {
+      update_delayed_row(st.amax_history + i * st.history_len, st.history_len, st.scale + i, st.scale_inv + i,
+                         st.counter + i, fmax, margin, pow2);
+    }
   }
 }
 

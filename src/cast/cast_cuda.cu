@@ -5,7 +5,7 @@
 //   dequantize, amax); a block owns one chunk of one tensor (an amax block possibly several) and
 //   folds its amax once.
 // - cast_transpose_kernel: quantize a [rows, cols] matrix into out and out_t through a shared tile.
-// - compute_scale_kernel / update_delayed_scaling_kernel: one thread per tensor.
+// - compute_scale_kernel / update_delayed_scaling_kernel: one thread per tensor (per row of a state).
 // Current scaling (warm-up) needs a tensor's whole amax before its first element is quantized, so
 // quantize and cast_transpose then run an amax pre-pass first; its blocks read the warm-up counter
 // on the device and skip tensors that are past warm-up.
@@ -97,10 +97,9 @@ __device__ void fold_block_amax(float* slot, uint32_t key) {
 template <class Out>
 __device__ float quantize_scale(const ScalingPtrs& s, int64_t i, bool first_block) {
   const float* slot = s.amax + i * s.amax_stride;
-  const float amax_now =
-      warming_up(s.warmup_counter, i, s.warmup_steps) ? *static_cast<const volatile float*>(slot) : 0.0f;
+  const float amax_now = current_scaling(s, i) ? *static_cast<const volatile float*>(slot) : 0.0f;
   const numerics::ScalePair pair = select_scale(s, i, amax_now, numerics::format_max<Out>());
-  if (first_block && threadIdx.x == 0) s.scale_inv[i] = pair.scale_inv;
+  if (first_block && threadIdx.x == 0) s.scale_inv[i] = scale_inv_to_write(s, pair, amax_now);
   return pair.scale;
 }
 
@@ -311,11 +310,15 @@ void launch_multi_tensor(const std::vector<TensorSlice>& tensors, const Op& op, 
   if (batch.count > 0) launch();
 }
 
-// The pre-pass of current scaling: folds the amax of every tensor that is warming up.
+// The pre-pass of current scaling: folds the amax of every tensor that is warming up (of every
+// tensor, with s.current).
 template <class In>
 void warmup_amax(const std::vector<TensorSlice>& tensors, const ScalingPtrs& s, cudaStream_t stream) {
-  if (s.warmup_counter == nullptr) return;
-  launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, s.warmup_counter, s.warmup_steps}, stream);
+  if (s.current) {
+    launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, nullptr, 0}, stream);
+  } else if (s.warmup_counter != nullptr) {
+    launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, s.warmup_counter, s.warmup_steps}, stream);
+  }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -510,19 +513,32 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
   }
 }
 
-// dbias[c] = the sum of band_sums[b, c] over bands b, in band order (cast_kernels.h).
+// dbias[c] = the sum of band_sums[b, c] over bands b, in band order (cast_kernels.h). A few
+// thousand threads each add tens of values: latency-bound, so each thread has kSumLoads loads in
+// flight before it adds them in order, and the blocks are small so that more SMs take part.
+constexpr int kSumThreads = 128;
+constexpr int kSumLoads = 8;
+
 __global__ void sum_bands_kernel(const float* __restrict__ band_sums, int64_t bands, int64_t cols,
                                  float* __restrict__ dbias) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float sum = 0.0f;
-  for (int64_t b = 0; b < bands; ++b) sum = rn::add(sum, band_sums[b * cols + c]);
+  int64_t b = 0;
+  for (; b + kSumLoads <= bands; b += kSumLoads) {
+    float v[kSumLoads];
+#pragma unroll
+    for (int j = 0; j < kSumLoads; ++j) v[j] = band_sums[(b + j) * cols + c];
+#pragma unroll
+    for (int j = 0; j < kSumLoads; ++j) sum = rn::add(sum, v[j]);
+  }
+  for (; b < bands; ++b) sum = rn::add(sum, band_sums[b * cols + c]);
   dbias[c] = sum;
 }
 
 void sum_bands(const float* band_sums, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream) {
   if (cols == 0) return;
-  sum_bands_kernel<<<grid_size(ceil_div(cols, kThreads), "cast"), kThreads, 0, stream>>>(
+  sum_bands_kernel<<<grid_size(ceil_div(cols, kSumThreads), "cast"), kSumThreads, 0, stream>>>(
       band_sums, column_sum_bands(rows), cols, dbias);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
@@ -542,24 +558,26 @@ __global__ void compute_scale_kernel(const float* amax, int64_t amax_stride, flo
   scale_inv[i] = pair.scale_inv;
 }
 
-__global__ void update_delayed_scaling_kernel(float* amax_history, int64_t n, int64_t history_len, float* scale,
-                                              float* scale_inv, int32_t* counter, float fmax, int margin,
-                                              bool pow2) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  float* h = amax_history + i * history_len;
-  const bool bad = !numerics::is_finite(h[0]);
-  if (bad) h[0] = 0.0f;
-  float window_max = 0.0f;
-  // std::max's rule, as on the CPU: an older NaN entry never wins.
-  for (int64_t j = 0; j < history_len; ++j) window_max = window_max < h[j] ? h[j] : window_max;
-  const numerics::ScalePair pair =
-      numerics::scale_from_amax(window_max, fmax, margin, pow2, {scale[i], scale_inv[i]});
-  scale[i] = pair.scale;
-  scale_inv[i] = pair.scale_inv;
-  for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
-  h[0] = 0.0f;
-  counter[i] = bad ? 0 : static_cast<int32_t>(min(static_cast<int64_t>(counter[i]) + 1, history_len));
+// Up to kMaxStatesPerLaunch states a launch, by value (under the 4 KB of kernel parameters);
+// thread g updates row g of the rows of all of them, in order.
+constexpr int kMaxStatesPerLaunch = 64;
+
+struct DelayedScalingBatch {
+  DelayedScalingSlice states[kMaxStatesPerLaunch];
+  int64_t row_begin[kMaxStatesPerLaunch + 1];
+  int32_t count;
+};
+static_assert(sizeof(DelayedScalingBatch) + 16 <= 4096, "kernel parameters are limited to 4 KB");
+
+__global__ void update_delayed_scaling_kernel(const DelayedScalingBatch batch, float fmax, int margin, bool pow2) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= batch.row_begin[batch.count]) return;
+  int k = 0;
+  while (g >= batch.row_begin[k + 1]) ++k;
+  const DelayedScalingSlice& st = batch.states[k];
+  const int64_t i = g - batch.row_begin[k];
+  update_delayed_row(st.amax_history + i * st.history_len, st.history_len, st.scale + i, st.scale_inv + i,
+                     st.counter + i, fmax, margin, pow2);
 }
 
 }  // namespace
@@ -586,6 +604,12 @@ void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& t
       launch_multi_tensor(tensors, QuantizeOp<In, Out>{s}, cuda_stream(stream));
     });
   });
+}
+
+void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s,
+                      Stream stream) {
+  FP8AMP_CUDA_CHECK(cudaMemsetAsync(s.amax, 0, sizeof(float), cuda_stream(stream)));
+  quantize(in_dtype, out_dtype, {tensor}, s, stream);
 }
 
 void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const float* scale_inv,
@@ -653,13 +677,21 @@ void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* 
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
-void update_delayed_scaling(float* amax_history, int64_t n, int64_t history_len, float* scale, float* scale_inv,
-                            int32_t* counter, float fmax, int margin, bool pow2, Stream stream) {
-  if (n == 0) return;
-  const int64_t blocks = ceil_div(n, kScaleThreads);
-  update_delayed_scaling_kernel<<<grid_size(blocks, "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
-      amax_history, n, history_len, scale, scale_inv, counter, fmax, margin, pow2);
-  FP8AMP_CUDA_CHECK_LAUNCH();
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2,
+                            Stream stream) {
+  for (size_t first = 0; first < states.size(); first += kMaxStatesPerLaunch) {
+    DelayedScalingBatch batch{};
+    batch.count = static_cast<int32_t>(std::min<size_t>(kMaxStatesPerLaunch, states.size() - first));
+    for (int k = 0; k < batch.count; ++k) {
+      batch.states[k] = states[first + k];
+      batch.row_begin[k + 1] = batch.row_begin[k] + batch.states[k].rows;
+    }
+    const int64_t rows = batch.row_begin[batch.count];
+    if (rows == 0) continue;
+    update_delayed_scaling_kernel<<<grid_size(ceil_div(rows, kScaleThreads), "cast"), kScaleThreads, 0,
+                                    cuda_stream(stream)>>>(batch, fmax, margin, pow2);
+    FP8AMP_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace cuda

@@ -103,7 +103,7 @@ void no_overlap(const TensorView& a, const TensorView& b, const char* op, const 
 }
 
 void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<TensorView>& xs, const char* op,
-                      std::string (*names)(const char* list, size_t i)) {
+                      const std::function<std::string(const char* list, size_t i)>& names) {
   // The non-empty outs by address: if two overlap, so do two neighbours (an out that begins
   // between them begins inside the first). Once they are disjoint their ends are sorted too, so
   // a view overlaps some out iff it overlaps the last one that begins before its end.

@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fp8amp/cast.h"
@@ -64,6 +66,70 @@ TEST(Quantize, WarmupUsesCurrentScaling) {
   quantize(view(x, DType::kFloat32, {2}), view(y, DType::kFloat8E4M3, {2}), s, nullptr);
   EXPECT_EQ(st.scale_inv[0], 1.0f);
   EXPECT_EQ(y[0], 0x52);  // 10.0 in E4M3
+}
+
+// quantize_current against what it replaces: amax into a zero, compute_scale from (1, 1), quantize
+// with that scale; then the NaN rule for scale_inv.
+void expect_quantize_current_is_the_composition(std::vector<float> x, DType out_dtype, int margin) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  const size_t code_bytes = out_dtype == DType::kFloat16 ? 2 : 1;
+  for (bool nan_if_nonfinite : {false, true}) {
+    std::vector<uint8_t> got(x.size() * code_bytes, 0xAA), want(x.size() * code_bytes, 0x55);
+    std::vector<float> scale_inv{-7.0f}, amax{-7.0f};
+    quantize_current(view(x, DType::kFloat32, {n}), view(got, out_dtype, {n}), view(scale_inv, DType::kFloat32, {1}),
+                     view(amax, DType::kFloat32, {1}), margin, nan_if_nonfinite, nullptr);
+    std::vector<float> ref_amax{0.0f}, scale{1.0f}, ref_scale_inv{1.0f};
+    fp8amp::amax(view(x, DType::kFloat32, {n}), view(ref_amax, DType::kFloat32, {1}), nullptr, 0, nullptr);
+    compute_scale(view(ref_amax, DType::kFloat32, {1}), view(scale, DType::kFloat32, {1}),
+                  view(ref_scale_inv, DType::kFloat32, {1}), format_max(out_dtype), ScaleRecipe{margin, true}, nullptr);
+    Scaling s{view(scale, DType::kFloat32, {1}), view(ref_amax, DType::kFloat32, {1}),
+              view(ref_scale_inv, DType::kFloat32, {1})};
+    quantize(view(x, DType::kFloat32, {n}), view(want, out_dtype, {n}), s, nullptr);
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(std::memcmp(&amax[0], &ref_amax[0], 4), 0) << amax[0] << " vs " << ref_amax[0];
+    if (nan_if_nonfinite && !std::isfinite(ref_amax[0])) {
+      uint32_t bits;
+      std::memcpy(&bits, &scale_inv[0], 4);
+      EXPECT_EQ(bits, 0x7FC00000u);
+    } else {
+      EXPECT_EQ(scale_inv[0], ref_scale_inv[0]);
+    }
+  }
+}
+
+TEST(QuantizeCurrent, EqualsAmaxComputeScaleQuantize) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 30.0f);
+  std::vector<float> x(1000);
+  for (float& v : x) v = normal(rng);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kFloat16}) {
+    expect_quantize_current_is_the_composition(x, out, 0);
+    expect_quantize_current_is_the_composition(x, out, 3);
+    expect_quantize_current_is_the_composition({0.0f, -0.0f, 0.0f}, out, 0);  // amax 0: scale 1
+    expect_quantize_current_is_the_composition({1.0f, inf, -2.0f}, out, 0);   // scale 1, scale_inv NaN with the rule
+    expect_quantize_current_is_the_composition({1.0f, std::nanf(""), 1e-30f}, out, 1);
+    expect_quantize_current_is_the_composition({}, out, 0);
+  }
+}
+
+TEST(QuantizeCurrent, RefusesBadArguments) {
+  std::vector<float> x(4, 1.0f), scale_inv(1), amax(1), two(2);
+  std::vector<uint8_t> y(4);
+  const auto run = [&](const TensorView& out, const TensorView& si, const TensorView& a, int margin) {
+    quantize_current(view(x, DType::kFloat32, {4}), out, si, a, margin, false, nullptr);
+  };
+  const TensorView out = view(y, DType::kFloat8E4M3, {4});
+  expect_value_error([&] { run(view(x, DType::kFloat32, {4}), view(scale_inv, DType::kFloat32, {1}),
+                               view(amax, DType::kFloat32, {1}), 0); }, "quantize_current: dtype");
+  expect_value_error([&] { run(out, view(two, DType::kFloat32, {2}), view(amax, DType::kFloat32, {1}), 0); },
+                     "quantize_current: scale_inv");
+  expect_value_error([&] { run(out, view(scale_inv, DType::kFloat32, {1}), view(two, DType::kFloat32, {2}), 0); },
+                     "quantize_current: amax");
+  expect_value_error([&] { run(out, view(scale_inv, DType::kFloat32, {1}), view(amax, DType::kFloat32, {1}), -1); },
+                     "quantize_current: margin");
+  expect_value_error([&] { run(out, view(scale_inv, DType::kFloat32, {1}), view(scale_inv, DType::kFloat32, {1}), 0); },
+                     "quantize_current: scale_inv and amax must not share memory");
 }
 
 TEST(Dequantize, AllE4M3CodesToFloat32) {
@@ -241,6 +307,67 @@ TEST(MultiTensor, DequantizeIntoViewsOfOneBuffer) {
   multi_dequantize({view(x0, DType::kFloat8E4M3), view(x1, DType::kFloat8E4M3), view(x2, DType::kFloat8E4M3)},
                    view(scale_inv, DType::kFloat32), {at(0, 2), at(2, 0), at(3, 3)}, nullptr);
   EXPECT_EQ(buf, (std::vector<float>{0.5f, -1.0f, -99.0f, 1792.0f, std::ldexp(1.0f, -7), 8.0f, -99.0f}));
+}
+
+// The multi-tensor update is the single one applied to each state; overlapping states are refused.
+TEST(DelayedScaling, MultiUpdateIsEachStatesUpdate) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> amax(0.0f, 1000.0f);
+  struct State {
+    std::vector<float> hist, scale, scale_inv;
+    std::vector<int32_t> counter;
+    int64_t n, h;
+  };
+  std::vector<State> states, refs;
+  for (int i = 0; i < 5; ++i) {
+    State st{{}, {}, {}, {}, 1 + i % 2, 1 + 3 * i};
+    for (int64_t j = 0; j < st.n * st.h; ++j) st.hist.push_back(amax(rng));
+    if (i == 3) st.hist[0] = std::numeric_limits<float>::infinity();
+    st.scale.assign(st.n, 2.0f);
+    st.scale_inv.assign(st.n, 0.5f);
+    st.counter.assign(st.n, i);
+    states.push_back(st);
+  }
+  refs = states;
+  const auto views = [](std::vector<State>& sts) {
+    std::vector<TensorView> h, s, si, c;
+    for (State& st : sts) {
+      h.push_back(view(st.hist, DType::kFloat32, {st.n, st.h}));
+      s.push_back(view(st.scale, DType::kFloat32, {st.n}));
+      si.push_back(view(st.scale_inv, DType::kFloat32, {st.n}));
+      c.push_back(view(st.counter, DType::kInt32, {st.n}));
+    }
+    return std::tuple{h, s, si, c};
+  };
+  for (int step = 0; step < 3; ++step) {
+    auto [h, s, si, c] = views(states);
+    multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{1, true}, nullptr);
+    for (State& r : refs) {
+      update_delayed_scaling(view(r.hist, DType::kFloat32, {r.n, r.h}), view(r.scale, DType::kFloat32, {r.n}),
+                             view(r.scale_inv, DType::kFloat32, {r.n}), view(r.counter, DType::kInt32, {r.n}), 448.0f,
+                             ScaleRecipe{1, true}, nullptr);
+    }
+    for (size_t i = 0; i < states.size(); ++i) {
+      EXPECT_EQ(states[i].hist, refs[i].hist);
+      EXPECT_EQ(states[i].scale, refs[i].scale);
+      EXPECT_EQ(states[i].scale_inv, refs[i].scale_inv);
+      EXPECT_EQ(states[i].counter, refs[i].counter);
+    }
+  }
+  auto [h, s, si, c] = views(states);
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, {c[0]}, 448.0f, ScaleRecipe{}, nullptr); },
+                     "as many tensors each");
+  si[2] = s[0];  // state 2's scale_inv is state 0's scale
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+                     "must not share memory");
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+                     "scales[0]");
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+                     "scale_invs[2]");
+  si = std::get<2>(views(states));
+  c[4] = view(states[4].hist, DType::kFloat32, {states[4].n});
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+                     "counters[4]");
 }
 
 TEST(DelayedScaling, HistoryRollCounterAndNonFinite) {

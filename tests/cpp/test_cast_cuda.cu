@@ -364,6 +364,47 @@ TEST(CastCuda, AmaxWithAndWithoutCounter) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// quantize_current: the amax pass, the scale from it and the NaN rule, on both sides.
+
+TEST(CastCuda, QuantizeCurrent) {
+  REQUIRE_GPU();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{4097}, int64_t{300000}}) {
+    for (DType in : kHighPrecision) {
+      for (DType out : kScaled) {
+        for (int special = 0; special < 4; ++special) {  // none, a zero tensor, an inf, a NaN
+          std::vector<float> values = random_values(n, static_cast<uint32_t>(n + special));
+          for (float& v : values) {
+            if (!std::isfinite(v)) v = 1.0f;  // random_values' specials out: this loop places them
+            if (special == 1) v = 0.0f;
+          }
+          if (n > 0 && special == 2) values[static_cast<size_t>(n / 2)] = -inf;
+          if (n > 0 && special == 3) values[static_cast<size_t>(n - 1)] = std::nanf("");
+          MirroredTensor x(in, {n});
+          fill(x, values);
+          for (bool nan_if_nonfinite : {false, true}) {
+            for (int margin : {0, 2}) {
+              MirroredTensor y(out, {n}), scale_inv(DType::kFloat32, {1}), amax(DType::kFloat32, {1});
+              scale_inv.set_float(0, -7.0f);
+              amax.set_float(0, -7.0f);  // an output: overwritten, not folded
+              expect_cuda_matches_cpu(
+                  {&x, &y, &scale_inv, &amax},
+                  [&](Device d) {
+                    quantize_current(x.view(d), y.view(d), scale_inv.view(d), amax.view(d), margin, nan_if_nonfinite,
+                                     nullptr);
+                  },
+                  label(in, out, "n " + std::to_string(n) + " special " + std::to_string(special) + " margin " +
+                                     std::to_string(margin) + (nan_if_nonfinite ? " nan_if_nonfinite" : "")));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// dequantize// ------------------------------------------------------------------------------------------------
 // dequantize
 
 TEST(CastCuda, DequantizeEveryCode) {
@@ -614,6 +655,40 @@ TEST(CastCuda, UpdateDelayedScaling) {
         }
       }
     }
+  }
+}
+
+// 150 states of different row counts and history lengths: three launches of up to 64 states.
+TEST(CastCuda, MultiUpdateDelayedScaling) {
+  REQUIRE_GPU();
+  std::mt19937 rng(23);
+  std::vector<std::unique_ptr<MirroredTensor>> hs, scales, scale_invs, counters;
+  for (int i = 0; i < 150; ++i) {
+    const int64_t n = i % 7 == 0 ? 3 : 1, history = 1 + i % 17;
+    hs.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n, history}));
+    scales.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n}));
+    scale_invs.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n}));
+    counters.push_back(std::make_unique<MirroredTensor>(DType::kInt32, std::vector<int64_t>{n}));
+    for (int64_t j = 0; j < hs.back()->numel(); ++j) hs.back()->set_float(j, awkward_amax(rng));
+    for (int64_t j = 0; j < n; ++j) {
+      scales.back()->set_float(j, 2.0f);
+      scale_invs.back()->set_float(j, 0.5f);
+      counters.back()->set_int(j, static_cast<int32_t>(rng() % 20));
+    }
+  }
+  const auto views_on = [](const std::vector<std::unique_ptr<MirroredTensor>>& ts, Device d) {
+    std::vector<TensorView> v;
+    for (const auto& t : ts) v.push_back(t->view(d));
+    return v;
+  };
+  for (int step = 0; step < 3; ++step) {
+    expect_cuda_matches_cpu(pointers(hs) + pointers(scales) + pointers(scale_invs) + pointers(counters),
+                            [&](Device d) {
+                              multi_update_delayed_scaling(views_on(hs, d), views_on(scales, d),
+                                                           views_on(scale_invs, d), views_on(counters, d), 57344.0f,
+                                                           ScaleRecipe{0, true}, nullptr);
+                            },
+                            "step " + std::to_string(step));
   }
 }
 

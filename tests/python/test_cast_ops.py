@@ -560,3 +560,37 @@ def test_multi_amax_equals_single(in_dtype):
     flat = torch.zeros(len(xs))  # a [n] buffer works too
     fp8amp.multi_amax(xs, flat)
     assert_same_float(flat, torch.cat([torch_amax(x) for x in xs]))
+
+
+@pytest.mark.parametrize("dtype", [fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16])
+@pytest.mark.parametrize("special", ["none", "zeros", "inf", "nan", "empty"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_quantize_current_is_amax_compute_scale_quantize(dtype, special, margin):
+    """quantize_current: the codes, amax and scale_inv of amax into a zero, compute_scale from
+    (1, 1) and quantize with that scale, bit for bit; with nan_if_nonfinite, scale_inv is torch's
+    NaN for an inf or NaN amax."""
+    torch.manual_seed(3)
+    x = torch.randn(37, 29) * 40
+    if special == "zeros":
+        x.zero_()
+    elif special == "inf":
+        x[5, 7] = -float("inf")
+    elif special == "nan":
+        x[36, 28] = float("nan")
+    elif special == "empty":
+        x = x[:0]
+    for in_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xi = x.to(in_dtype)
+        amax, scale, scale_inv = torch.zeros(1), torch.ones(1), torch.ones(1)
+        fp8amp.amax(xi, amax)
+        fp8amp.compute_scale(amax, scale, scale_inv, fp8amp.format_max(dtype), margin=margin)
+        want, want_scale_inv = fp8amp.quantize(xi, scale, amax.clone(), dtype)
+        for nan_if_nonfinite in (False, True):
+            out, got_scale_inv, got_amax = fp8amp.quantize_current(xi, dtype, margin=margin,
+                                                                   nan_if_nonfinite=nan_if_nonfinite)
+            assert_bits_equal(out, want)
+            assert_bits_equal(got_amax, amax)
+            if nan_if_nonfinite and not torch.isfinite(amax).all():
+                assert_bits_equal(got_scale_inv, torch.tensor([float("nan")]))
+            else:
+                assert_bits_equal(got_scale_inv, want_scale_inv)

@@ -135,6 +135,18 @@ def test_cast_transpose(shape, in_dtype, dtype):
                           3)
 
 
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+@pytest.mark.parametrize("dtype", SCALED_FORMATS)
+@pytest.mark.parametrize("special", [None, float("inf"), float("nan")])
+def test_quantize_current(in_dtype, dtype, special):
+    x = (torch.randn(1031, 67) * 50).to(in_dtype)
+    if special is not None:
+        x[700, 3] = special
+    for margin in (0, 1):
+        for nan_if_nonfinite in (False, True):
+            check_cuda_equals_cpu(fp8amp.quantize_current, x, dtype, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
+
+
 def test_cast_transpose_misaligned_rows():
     base = torch.randn(129 * 64 + 1, dtype=torch.bfloat16)
     x = base[1:].view(129, 64)  # 2-byte offset: no 16-byte packs
@@ -491,3 +503,21 @@ def test_cast_transpose_dbias_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert state.counter.tolist() == [2]
+
+
+def test_multi_update_delayed_scaling():
+    """150 one-tensor states and a few wider ones (three launches of up to 64), histories with NaN
+    and inf, several steps: CUDA equals the CPU bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    hists = [torch.rand(1 + (i % 7 == 0) * 2, 1 + i % 17, generator=g) * 10.0 ** (i % 9 - 4) for i in range(150)]
+    hists[5][0, 0], hists[77][0, 0] = float("nan"), float("inf")
+    scales = [torch.full((h.shape[0],), 2.0) for h in hists]
+    scale_invs = [torch.full((h.shape[0],), 0.5) for h in hists]
+    counters = [torch.randint(0, 20, (h.shape[0],), generator=g, dtype=torch.int32) for h in hists]
+    cpu = [[t.clone() for t in ts] for ts in (hists, scales, scale_invs, counters)]
+    cuda = [[t.to(CUDA) for t in ts] for ts in (hists, scales, scale_invs, counters)]
+    for _ in range(3):
+        fp8amp.multi_update_delayed_scaling(*cpu, 57344.0, margin=1)
+        fp8amp.multi_update_delayed_scaling(*cuda, 57344.0, margin=1)
+        for a_list, b_list in zip(cpu, cuda):
+            assert_all_same(a_list, [b.cpu() for b in b_list])

@@ -54,6 +54,13 @@ CASES = {
     "quantize warmup_counter a list": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=[0]),
                                        TypeError, ["warmup_counter"]),
     "quantize positional options": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, None), TypeError, []),
+    "quantize_current dtype bfloat16": (lambda: fp8amp.quantize_current(x(), torch.bfloat16), ValueError, ["dtype"]),
+    "quantize_current margin a float": (lambda: fp8amp.quantize_current(x(), E4M3, margin=1.0), TypeError,
+                                        ["margin"]),
+    "quantize_current margin -1": (lambda: fp8amp.quantize_current(x(), E4M3, margin=-1), ValueError, ["margin"]),
+    "quantize_current nan_if_nonfinite an int": (lambda: fp8amp.quantize_current(x(), E4M3, nan_if_nonfinite=1),
+                                                 TypeError, ["nan_if_nonfinite"]),
+    "quantize_current x float64": (lambda: fp8amp.quantize_current(x().double(), E4M3), ValueError, ["x"]),
     # quantize / cast_transpose: checks of the core
     "quantize x float64": (lambda: fp8amp.quantize(x().double(), one(), one(), E4M3), ValueError, ["x"]),
     "quantize x int32": (lambda: fp8amp.quantize(counter(), one(), one(), E4M3), ValueError, ["x"]),

@@ -171,6 +171,47 @@ def test_foreach_mul_and_zero():
     assert torch.equal(s.dequantize(), torch.zeros(8, 16))
 
 
+@pytest.mark.parametrize("other", [0.5, torch.tensor(0.5), [0.5, 0.25, 2.0, 0.5, 4.0, 0.125]])
+def test_foreach_mul_batches_plain_tensors_and_scales(other):
+    """clip_grad_norm_(foreach=True) scales every gradient through _foreach_mul_, which now sends
+    the plain tensors to the aten op in one call and, by one scalar, the ScaledTensors' scale_inv
+    in one foreach call: the values must be what multiplying one tensor at a time gives (how many
+    launches that takes shows on the GPU, in profile_train.py)."""
+    torch.manual_seed(0)
+    scaled = [ScaledTensor.from_tensor(torch.randn(8, 16) * 10, fmt) for fmt in (fp8amp.E4M3, fp8amp.FP16)]
+    plain = [torch.randn(5), torch.randn(3, 3), torch.randn(7), torch.randn(2)]
+    tensors = [plain[0], scaled[0], plain[1], plain[2], scaled[1], plain[3]]
+    factors = other if isinstance(other, list) else [other] * len(tensors)
+    want = [(t.dequantize() if isinstance(t, ScaledTensor) else t.clone()) * float(f) for t, f in zip(tensors, factors)]
+    scale_invs = [s._scale_inv.clone() for s in scaled]
+    torch._foreach_mul_(tensors, other)
+    for t, w in zip(tensors, want):
+        assert torch.equal(t.dequantize() if isinstance(t, ScaledTensor) else t, w)
+    for s, si, f in zip(scaled, scale_invs, [factors[1], factors[4]]):
+        assert_bits_equal(s._scale_inv, si * float(f))  # only the scale moves
+
+
+def test_foreach_norm_in_chunks_equals_one_tensor_at_a_time(monkeypatch):
+    """_foreach_norm of ScaledTensors widens the codes a chunk at a time (here 300 elements, so
+    the list spans several chunks, split by size and by code dtype): each norm bit for bit what
+    vector_norm of that tensor alone gives, in the list's order, plain tensors in between."""
+    monkeypatch.setattr(fp8amp.scaled_tensor, "_NORM_CHUNK_ELEMENTS", 300)
+    torch.manual_seed(1)
+    xs = [ScaledTensor.from_tensor(torch.randn(*shape) * 10.0**k, fmt)
+          for shape, k, fmt in [((8, 16), 0, fp8amp.E4M3), ((100,), -3, fp8amp.E4M3), ((400,), 2, fp8amp.E4M3),
+                                ((5, 5), 1, fp8amp.FP16), ((33,), 0, fp8amp.E5M2), ((7,), 0, fp8amp.E4M3)]]
+    tensors = [xs[0], torch.randn(6), *xs[1:4], torch.randn(2, 2), *xs[4:]]
+    for ord in (2, 1, float("inf")):
+        got = torch._foreach_norm(tensors, ord)
+        want = [torch.linalg.vector_norm(t, ord) for t in tensors]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert type(g) is torch.Tensor and g.dtype == torch.float32
+            assert_bits_equal(g, w)
+    got = torch._foreach_norm(tensors, 2, torch.float64)
+    assert all(g.dtype == torch.float64 for g in got)
+
+
 def test_zero_():
     _, s = make(fp8amp.E5M2)
     s.mul_(float("inf"))

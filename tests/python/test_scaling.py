@@ -409,3 +409,51 @@ def test_inference_mode_then_training():
     state.quantize(torch.full((2,), 2.0), 1)
     state.update()
     assert state.amax_history[:, 1].tolist() == [3.0, 2.0]
+
+
+def _random_states(seed: int) -> list:
+    """Eight states: E4M3 and E5M2, 1 to 3 tensors, histories of 1 to 8, two recipes, amaxes and
+    counters of every kind (a NaN and an inf among them)."""
+    g = torch.Generator().manual_seed(seed)
+    states = []
+    for i in range(8):
+        recipe = fp8amp.ScalingRecipe(history_len=1 + i, margin=i % 2)
+        st = fp8amp.ScalingState(1 + i % 3, fp8amp.E4M3 if i % 2 else fp8amp.E5M2, recipe)
+        with torch.no_grad():
+            st.amax_history.copy_(torch.rand(st.amax_history.shape, generator=g) * 10.0 ** (i - 4))
+            st.counter.copy_(torch.randint(0, 9, st.counter.shape, generator=g, dtype=torch.int32))
+        states.append(st)
+    with torch.no_grad():
+        states[3].amax_history[0, 0] = float("nan")
+        states[6].amax_history[-1, 0] = float("inf")
+    return states
+
+
+def test_update_states_equals_each_update():
+    """fp8amp.scaling.update_states (what update_scaling runs: one launch per device, format and
+    recipe) leaves every buffer as ScalingState.update() of each state in turn would, over steps."""
+    from fp8amp.scaling import update_states
+
+    batched, single = _random_states(0), _random_states(0)
+    for _ in range(3):
+        update_states(batched + [batched[0]])  # a state listed twice is updated once
+        for st in single:
+            st.update()
+        for a, b in zip(batched, single):
+            for name in ("amax_history", "scale", "scale_inv", "counter"):
+                assert_bits_equal(getattr(a, name), getattr(b, name))
+
+
+def test_multi_update_delayed_scaling_refuses_overlaps_and_mismatched_lists():
+    states = _random_states(1)[::3]  # one tensor each
+    h = [s.amax_history for s in states]
+    sc = [s.scale for s in states]
+    si = [s.scale_inv for s in states]
+    c = [s.counter for s in states]
+    with pytest.raises(ValueError, match="as many tensors each"):
+        fp8amp.multi_update_delayed_scaling(h, sc, si, c[:2], 448.0)
+    with pytest.raises(ValueError, match="must not share memory"):
+        fp8amp.multi_update_delayed_scaling(h, sc, [si[0], si[1], si[1]], c, 448.0)
+    with pytest.raises(TypeError, match="scales"):
+        fp8amp.multi_update_delayed_scaling(h, sc[0], si, c, 448.0)
+    fp8amp.multi_update_delayed_scaling([], [], [], [], 448.0)  # nothing to do
