@@ -13,10 +13,11 @@ FP8 activations become Inductor code fused into the blocks' kernels).
 
 After each table: how much of the profiled steps' span the GPU ran nothing, in gaps grouped by
 length, and the longest gaps with their neighbours (launch gaps are a few µs; long ones are the
-GPU waiting for the host).
+GPU waiting for the host). With two or more modes, a last table compares each mode with the first,
+kernel by kernel (by name: calls and ms a step), the largest differences first: what a mode adds.
 
 Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile] [--steps 3] [--top 25]
-       [--preset 1b|small]
+       [--preset 1b|small] [--compare-top 40]
        [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
 With $OUT set, also writes the tables to $OUT/profile_train.txt.
 """
@@ -141,6 +142,41 @@ def idle_summary(intervals: list[tuple[float, float, str]], top: int = 8) -> str
     return "\n".join(lines)
 
 
+def kernel_totals(intervals: list[tuple[float, float, str]], steps: int) -> dict[str, tuple[float, float]]:
+    """{device activity name: (calls a step, ms a step)} of `steps` profiled steps."""
+    totals: dict[str, list[float]] = {}
+    for start, end, name in intervals:
+        entry = totals.setdefault(name, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+    return {name: (calls / steps, us / steps / 1e3) for name, (calls, us) in totals.items()}
+
+
+def compare_modes(totals: dict[str, dict[str, tuple[float, float]]], top: int) -> str:
+    """Markdown table: per kernel name, each mode's calls and ms a step against the first mode's,
+    sorted by the largest |ms difference| of any mode; a last row sums every kernel."""
+    modes = list(totals)
+    base = totals[modes[0]]
+    names = set().union(*(t.keys() for t in totals.values()))
+    zero = (0.0, 0.0)
+
+    def change(name: str) -> float:
+        return max(abs(totals[m].get(name, zero)[1] - base.get(name, zero)[1]) for m in modes[1:])
+
+    header = "| kernel | " + " | ".join(f"{m} calls | {m} ms" for m in modes) + " | " + \
+        " | ".join(f"{m} - {modes[0]} ms" for m in modes[1:]) + " |"
+    lines = [f"### per kernel, a step: each mode against {modes[0]} (the {top} largest differences)", "",
+             header, "|---" * (1 + 2 * len(modes) + len(modes) - 1) + "|"]
+    rows = sorted(names, key=lambda n: (-change(n), n))[:top]
+    sums = {m: (sum(c for c, _ in totals[m].values()), sum(ms for _, ms in totals[m].values())) for m in modes}
+    for name, values in [(n, {m: totals[m].get(n, zero) for m in modes}) for n in rows] + [("all", sums)]:
+        cells = [f"{values[m][0]:.0f} | {values[m][1]:.2f}" for m in modes]
+        diffs = [f"{values[m][1] - values[modes[0]][1]:+.2f}" for m in modes[1:]]
+        label = name if name == "all" else name.replace("|", "/")[:100]
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(diffs) + " |")
+    return "\n".join(lines)
+
+
 def device_intervals(prof) -> list[tuple[float, float, str]]:
     """(start µs, end µs, name) of every device-side event torch.profiler recorded."""
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -148,7 +184,8 @@ def device_intervals(prof) -> list[tuple[float, float, str]]:
 
 
 def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int,
-                 memory: bool = False) -> str:
+                 memory: bool = False) -> tuple[str, dict[str, tuple[float, float]]]:
+    """(the mode's text, its kernel_totals)"""
     model, optimizer, hooks = build(mode, cfg, batch * cfg.seq_len)
     loader = batches(data, batch, cfg.seq_len, "cuda", seed=0)
 
@@ -171,11 +208,12 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
         table = averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=90)
     except (AttributeError, KeyError):  # older names
         table = averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+    intervals = device_intervals(prof)
     text = (f"### {mode}: {step_ms:.1f} ms a step ({steps} profiled steps; totals below are over all of them)\n\n"
-            f"{table}\n{idle_summary(device_intervals(prof))}\n")
+            f"{table}\n{idle_summary(intervals)}\n")
     if memory:
         text += "\n" + live_at_peak(step, top) + "\n"
-    return text
+    return text, kernel_totals(intervals, steps)
 
 
 def main() -> None:
@@ -185,6 +223,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=18)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--compare-top", type=int, default=40,
+                        help="rows of the per-kernel comparison of the modes (with two or more modes)")
     parser.add_argument("--memory", action="store_true",
                         help="also record one step's allocations and show what is alive at its peak")
     args = parser.parse_args()
@@ -192,11 +232,14 @@ def main() -> None:
     set_recompile_limit(64)  # as bench_train.py: 20 compiled block instances never fall back to eager
     cfg, batch = PRESETS[args.preset]
     data = load_text_bytes(max_bytes=64 << 20)
-    tables = []
+    tables, totals = [], {}
     for mode in args.modes:
-        tables.append(profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top, args.memory))
+        text, totals[mode] = profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top, args.memory)
+        tables.append(text)
         gc.collect()  # the mode's model and optimizer are gone: give their memory back
         torch.cuda.empty_cache()
+    if len(totals) > 1:
+        tables.append(compare_modes(totals, args.compare_top) + "\n")
     text = "\n".join(tables)
     print(text)
     if os.environ.get("OUT"):

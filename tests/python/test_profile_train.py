@@ -1,11 +1,11 @@
-"""benchmarks/profile_train.py's idle summary, on hand-made device intervals (no GPU needed)."""
+"""benchmarks/profile_train.py's idle summary and mode comparison, on hand-made device intervals (no GPU needed)."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-from profile_train import idle_summary  # noqa: E402
+from profile_train import compare_modes, idle_summary, kernel_totals  # noqa: E402
 
 
 def test_idle_summary_merges_overlaps_and_groups_gaps():
@@ -38,3 +38,23 @@ def test_idle_summary_busy_is_the_union():
 
 def test_idle_summary_without_activity():
     assert idle_summary([]) == "idle: no device activity recorded"
+
+
+def test_kernel_totals_per_step():
+    totals = kernel_totals([(0.0, 10.0, "a"), (20.0, 50.0, "a"), (60.0, 64.0, "b")], steps=2)
+    assert totals == {"a": (1.0, 0.02), "b": (0.5, 0.002)}
+
+
+def test_compare_modes_orders_by_difference_and_sums():
+    totals = {
+        "o2": {"gemm": (10.0, 5.0), "amax": (4.0, 1.0)},
+        "o2-fp8act": {"gemm": (10.0, 5.1), "amax": (8.0, 3.0), "quantize": (2.0, 0.5)},
+    }
+    lines = compare_modes(totals, top=2).splitlines()
+    assert lines[0] == "### per kernel, a step: each mode against o2 (the 2 largest differences)"
+    assert lines[2] == "| kernel | o2 calls | o2 ms | o2-fp8act calls | o2-fp8act ms | o2-fp8act - o2 ms |"
+    assert lines[3].count("|---") == 6
+    assert lines[4] == "| amax | 4 | 1.00 | 8 | 3.00 | +2.00 |"
+    assert lines[5] == "| quantize | 0 | 0.00 | 2 | 0.50 | +0.50 |"
+    assert lines[6] == "| all | 14 | 6.00 | 20 | 8.60 | +2.60 |"
+    assert len(lines) == 7
