@@ -270,7 +270,10 @@ TORCH_LIBRARY(fp8amp, m) {
   m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dequantize(Tensor x, Tensor scale_inv, ScalarType dtype) -> Tensor");
-  m.def("amax(Tensor x, Tensor(a!) amax, Tensor? warmup_counter=None, int warmup_steps=0) -> ()");
+  // A compiled graph passes x with the strides it was traced with: the Python wrapper decides from
+  // them whether x is read in place (row runs) or copied.
+  m.def("amax(Tensor x, Tensor(a!) amax, Tensor? warmup_counter=None, int warmup_steps=0) -> ()",
+        {at::Tag::needs_exact_strides});
   m.def("multi_amax(Tensor[] xs, Tensor(a!) amax) -> ()");
   m.def("multi_quantize(Tensor[] xs, Tensor(b!)[] outs, Tensor scale, Tensor(a!) amax, " FP8AMP_SCALING_ARGS
         ") -> Tensor");

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,19 @@ struct TensorView {
   template <typename T>
   T* ptr() const { return static_cast<T*>(data); }
 };
+
+// A layout whose elements, taken in some order of the tensor's dims, are `rows` runs of `cols`
+// consecutive elements, run r starting r * row_stride elements after data (row_stride >= cols):
+// a contiguous tensor or a permutation of one (one run), a slice of a matrix's columns, SDPA's q,
+// k, v as views of one projection's output. Order-free reductions (amax) read these without a copy.
+struct RowRuns {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+};
+// The runs of t, or nullopt where its elements do not form them (broadcast, overlapping, or more than
+// one outer stride). An empty tensor is one run of 0 elements.
+std::optional<RowRuns> row_runs(const TensorView& t);
 
 // Argument checks shared by every op. `op` and `arg` name the op and the argument in the message.
 namespace check {

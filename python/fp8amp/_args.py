@@ -30,6 +30,46 @@ def _input(value: object, arg: str, op: str) -> torch.Tensor:
     raise _type_error(op, arg, "a torch.Tensor", value)
 
 
+def has_row_runs(x: torch.Tensor) -> bool:
+    """Whether x's elements, in some order of its dims, are runs of equal length at one stride (the
+    core's fp8amp::row_runs, tensor.h): contiguous tensors, permutations of them, slices of a
+    matrix's columns such as SDPA's q, k, v. Order-free reductions read these in place. (Integer
+    steps only, no sort of tuples: Dynamo traces this inside compiled graphs.)"""
+    if x.numel() == 0:
+        return True
+    dims = [[stride, n] for stride, n in zip(x.stride(), x.shape) if n != 1]
+
+    def extent_from(stride: int) -> int:
+        """Takes out of `dims` the dims that continue a run starting at `stride`; its end."""
+        extent, grown = stride, True
+        while grown:
+            grown = False
+            for d in dims:
+                if d[0] == extent:
+                    extent, grown = extent * d[1], True
+                    dims.remove(d)
+                    break
+        return extent
+
+    if dims and not any(d[0] == 1 for d in dims):
+        return False
+    cols = extent_from(1)
+    if not dims:
+        return True
+    row_stride = min(d[0] for d in dims)
+    if row_stride < cols:
+        return False  # the runs would overlap
+    extent_from(row_stride)
+    return not dims
+
+
+def _reduction_input(value: object, arg: str, op: str) -> torch.Tensor:
+    """A tensor an order-free reduction reads: as it is where it has row runs, else made contiguous."""
+    if isinstance(value, _Tensor):
+        return value if has_row_runs(value) else value.contiguous()
+    raise _type_error(op, arg, "a torch.Tensor", value)
+
+
 def _optional_input(value: object, arg: str, op: str) -> torch.Tensor | None:
     if value is None:
         return None

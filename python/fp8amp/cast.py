@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ._args import _bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _tensor, _tensors
+from ._args import (_bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _reduction_input,
+                    _tensor, _tensors)
 from ._library import ops
 from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
 
@@ -198,11 +199,13 @@ def amax(
     """Max-accumulates ``max|x|`` into ``amax[0]`` in place (NaN propagates).
 
     With ``warmup_counter`` (int32 ``[1]``), does nothing unless ``warmup_counter[0] <
-    warmup_steps``: the amax pass current scaling needs before a quantize.
+    warmup_steps``: the amax pass current scaling needs before a quantize. A non-contiguous x is
+    read in place where its elements are runs of equal length at one stride (a permutation of a
+    contiguous tensor, a slice of a matrix's columns), else from a contiguous copy.
     """
     op = "amax"
     _amax(
-        _input(x, "x", op),
+        _reduction_input(x, "x", op),
         _tensor(amax, "amax", op),
         _optional_input(warmup_counter, "warmup_counter", op),
         _int(warmup_steps, "warmup_steps", op),

@@ -72,6 +72,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import cast
+from ._args import has_row_runs
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, check_dtype, format_max
 from .scaled_tensor import ScaledTensor
 
@@ -363,10 +364,11 @@ def _input_gets_gradient(placeholder: torch.fx.Node, fw_graph: torch.fx.Graph, b
 def _amax_in_graph(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a float32 [1] (NaN if x holds one). Inductor lowers a whole-tensor amax to a split
     reduction, which ran at 1.5 TB/s on the H200 for the 1B GPT's GELU input (16384 x 8192 bf16:
-    192 us a block), so a contiguous x takes fp8amp's amax kernel (67 us). A strided x (SDPA's q,
-    k, v, views of one GEMM output) keeps Inductor's reduction: fp8amp's kernel takes contiguous
-    tensors only, and reducing the rows first measured 2.5x slower there (80 against 32 us)."""
-    if x.is_contiguous():
+    192 us a block; fp8amp's amax kernel 67 us), and at about half of copy bandwidth for SDPA's
+    strided q, k, v (33 us each), so x takes fp8amp's kernel wherever it reads x in place: a
+    contiguous x, a permutation of one (SDPA's output) or rows at one stride (q, k, v, views of one
+    GEMM output). Other layouts keep Inductor's reduction (the kernel would read a copy)."""
+    if has_row_runs(x):
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         cast.amax(x, amax)
         return amax

@@ -3,6 +3,7 @@
 #include "fp8amp/cast.h"
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -277,7 +278,10 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
           Stream stream) {
   const char* op = "amax";
   check::high_precision(x, op, "x");
-  check::contiguous(x, op, "x");
+  const std::optional<RowRuns> runs = row_runs(x);
+  FP8AMP_CHECK_VALUE(runs.has_value(), op, "x must be contiguous, a permutation of a contiguous tensor, or rows of "
+                     "equal length at one stride (e.g. a slice of a matrix's columns), got strides that are not (",
+                     x.describe(), "); call .contiguous() first");
   check_float32(amax_out, x, op, "amax");
   check::numel_at_least(amax_out, 1, op, "amax");
   const int32_t* counter = nullptr;
@@ -290,8 +294,8 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
   }
   float* a = amax_out.ptr<float>();
   run_on(
-      x, op, [&] { cpu::amax(x.dtype, x.data, x.numel(), a, counter, warmup_steps); },
-      [&] { cuda::amax(x.dtype, x.data, x.numel(), a, counter, warmup_steps, stream); });
+      x, op, [&] { cpu::amax(x.dtype, x.data, *runs, a, counter, warmup_steps); },
+      [&] { cuda::amax(x.dtype, x.data, *runs, a, counter, warmup_steps, stream); });
 }
 
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, Stream stream) {

@@ -73,12 +73,16 @@ void column_sums(const In* x, int64_t rows, int64_t cols, float* dbias, float* w
 
 }  // namespace
 
-void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter,
+void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const int32_t* warmup_counter,
           int warmup_steps) {
   if (warmup_counter != nullptr && !warming_up(warmup_counter, 0, warmup_steps)) return;
   visit(HighPrecisionTypes{}, dtype, [&](auto in) {
     using In = decltype(in);
-    fold_amax(amax, amax_key_of(static_cast<const In*>(x), numel));
+    uint32_t key = 0;
+    for (int64_t r = 0; r < runs.rows; ++r) {
+      key = std::max(key, amax_key_of(static_cast<const In*>(x) + r * runs.row_stride, runs.cols));
+    }
+    fold_amax(amax, key);
   });
 }
 

@@ -110,7 +110,9 @@ constexpr int64_t kBandRows = kSumTiles * kSumTileRows;
 FP8AMP_HD int64_t column_sum_bands(int64_t rows) { return (rows + kBandRows - 1) / kBandRows; }
 
 namespace cpu {
-void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter, int warmup_steps);
+// x: the runs of tensor.h's row_runs.
+void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const int32_t* warmup_counter,
+          int warmup_steps);
 void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s);
 // quantize of one tensor with s.current: zeroes amax[0] first (an output here, not a fold).
 void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s);
@@ -125,8 +127,8 @@ void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, floa
 }  // namespace cpu
 
 namespace cuda {
-void amax(DType dtype, const void* x, int64_t numel, float* amax, const int32_t* warmup_counter, int warmup_steps,
-          Stream stream);
+void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const int32_t* warmup_counter,
+          int warmup_steps, Stream stream);
 void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s,
               Stream stream);
 void quantize_current(DType in_dtype, DType out_dtype, const TensorSlice& tensor, const ScalingPtrs& s,

@@ -25,6 +25,33 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+std::optional<RowRuns> row_runs(const TensorView& t) {
+  const int64_t n = t.numel();
+  if (t.strides.empty() || n == 0) return RowRuns{1, n, n};
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.shape[d] != 1) dims.emplace_back(t.strides[d], t.shape[d]);
+  }
+  if (dims.empty()) return RowRuns{1, 1, 1};
+  std::sort(dims.begin(), dims.end(), std::greater<>());  // outermost first
+  // Merge each dim into the next inner one where it steps over exactly that dim's extent.
+  std::vector<std::pair<int64_t, int64_t>> merged{dims.back()};
+  for (auto it = dims.rbegin() + 1; it != dims.rend(); ++it) {
+    auto& inner = merged.back();
+    if (it->first == inner.first * inner.second) {
+      inner.second *= it->second;
+    } else {
+      merged.push_back(*it);
+    }
+  }
+  const auto [inner_stride, cols] = merged.front();
+  if (inner_stride != 1 || merged.size() > 2) return std::nullopt;
+  if (merged.size() == 1) return RowRuns{1, cols, cols};
+  const auto [row_stride, rows] = merged.back();
+  if (row_stride < cols) return std::nullopt;  // runs would overlap
+  return RowRuns{rows, cols, row_stride};
+}
+
 std::string TensorView::describe() const {
   std::ostringstream s;
   s << dtype_name(dtype) << "[";

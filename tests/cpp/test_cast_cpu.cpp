@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -47,6 +48,52 @@ TEST(Quantize, AmaxPropagatesNaN) {
   quantize(view(x, DType::kFloat32, {3}), view(y, DType::kFloat8E5M2, {3}), st.scaling(), nullptr);
   EXPECT_TRUE(std::isnan(st.amax[0]));
   EXPECT_EQ(y[1], 0x7F);
+}
+
+// row_runs: which layouts an order-free reduction reads in place, and as which runs.
+TEST(RowRuns, OfLayouts) {
+  std::vector<float> buf(1);
+  const auto runs = [&](std::vector<int64_t> shape, std::vector<int64_t> strides) {
+    return row_runs(view(buf, DType::kFloat32, std::move(shape), std::move(strides)));
+  };
+  const auto expect_runs = [](std::optional<RowRuns> got, int64_t rows, int64_t cols, int64_t row_stride) {
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->rows, rows);
+    EXPECT_EQ(got->cols, cols);
+    EXPECT_EQ(got->row_stride, row_stride);
+  };
+  expect_runs(runs({3, 4}, {}), 1, 12, 12);                // contiguous, no strides given
+  expect_runs(runs({3, 4}, {4, 1}), 1, 12, 12);            // contiguous
+  expect_runs(runs({2, 3, 4}, {4, 8, 1}), 1, 24, 24);      // a permutation of a contiguous tensor
+  expect_runs(runs({4, 3}, {5, 1}), 4, 3, 5);              // columns 0-2 of a 4 x 5 matrix
+  expect_runs(runs({2, 2, 3, 4}, {72, 4, 24, 1}), 6, 8, 24);  // SDPA's q: (B, H, T, D) of a (B, T, 3, H, D) output
+  expect_runs(runs({1, 4, 1}, {99, 1, 7}), 1, 4, 4);       // dims of size 1 have any stride
+  expect_runs(runs({1, 1}, {5, 9}), 1, 1, 1);
+  expect_runs(runs({0, 4}, {9, 1}), 1, 0, 0);              // empty
+  EXPECT_FALSE(runs({4}, {2}).has_value());                // no run of consecutive elements
+  EXPECT_FALSE(runs({3, 4}, {0, 1}).has_value());          // broadcast rows
+  EXPECT_FALSE(runs({3, 4}, {2, 1}).has_value());          // overlapping rows
+  EXPECT_FALSE(runs({2, 3}, {1, 1}).has_value());
+  EXPECT_FALSE(runs({2, 3, 4}, {40, 10, 1}).has_value());  // two outer strides
+}
+
+TEST(Amax, ReadsOnlyTheRuns) {
+  // A 4 x 5 matrix whose columns 3 and 4 hold larger values and a NaN: columns 0-2 have amax 7.
+  std::vector<float> m(20, 100.0f);
+  for (int r = 0; r < 4; ++r) {
+    for (int c = 0; c < 3; ++c) m[r * 5 + c] = static_cast<float>(r * 2 - c);
+  }
+  m[9] = std::nanf("");
+  std::vector<float> amax{1.0f};
+  fp8amp::amax(view(m, DType::kFloat32, {4, 3}, {5, 1}), view(amax, DType::kFloat32, {1}), nullptr, 0, nullptr);
+  EXPECT_EQ(amax[0], 6.0f);
+  fp8amp::amax(view(m, DType::kFloat32, {3, 4}, {1, 3}), view(amax, DType::kFloat32, {1}), nullptr, 0, nullptr);
+  EXPECT_TRUE(std::isnan(amax[0]));  // a transposed (permuted) view of elements 0-11 holds m[9]
+  std::vector<float> fresh{0.0f};
+  expect_value_error([&] { fp8amp::amax(view(m, DType::kFloat32, {2, 3, 2}, {10, 3, 1}), view(fresh, DType::kFloat32, {1}),
+                                        nullptr, 0, nullptr); },
+                     "amax: x must be contiguous, a permutation of a contiguous tensor, or rows of equal length");
+  EXPECT_EQ(fresh[0], 0.0f);
 }
 
 TEST(Quantize, WarmupUsesCurrentScaling) {

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -361,6 +362,50 @@ TEST(CastCuda, AmaxWithAndWithoutCounter) {
   a.set_float(0, 1.0f);
   expect_cuda_matches_cpu({&x, &a}, [&](Device d) { amax(x.view(d), a.view(d), nullptr, 0, nullptr); }, "NaN input");
   EXPECT_EQ(a.bits(0), numerics::kCanonicalNanBits);
+}
+
+// amax of row runs (strided views): only the runs are read, the gaps between them hold larger
+// values and NaNs; shapes with tails, odd strides and misaligned starts (element-wise loads).
+TEST(CastCuda, AmaxRowRuns) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t rows, cols, row_stride, offset;
+  };
+  const Case cases[] = {{2, 1, 3, 0},       {5, 3, 7, 1},          {37, 1000, 1003, 0},  {37, 1000, 1008, 1},
+                        {1000, 2048, 6144, 0}, {4097, 64, 192, 0}, {3, 5000, 5000 + 8, 0}};
+  for (const Case& k : cases) {
+    const int64_t span = (k.rows - 1) * k.row_stride + k.cols;
+    std::vector<float> values = random_values(span, 17);
+    for (float& v : values) v = std::isfinite(v) ? std::clamp(v, -6e4f, 6e4f) : 0.0f;  // finite in fp16 too
+    for (int64_t r = 0; r < k.rows; ++r) {
+      for (int64_t c = k.cols; c < k.row_stride && r * k.row_stride + c < span; ++c) {
+        values[r * k.row_stride + c] = (c % 2 == 0) ? 1e6f : std::nanf("");
+      }
+    }
+    for (DType in : kHighPrecision) {
+      MirroredTensor x(in, {span}, k.offset);
+      fill(x, values);
+      for (int counter : {-1, 2, 5}) {  // -1: no counter
+        MirroredTensor a(DType::kFloat32, {1});
+        a.set_float(0, 0.5f);
+        MirroredTensor c(DType::kInt32, {1});
+        c.set_int(0, counter);
+        expect_cuda_matches_cpu(
+            {&x, &a, &c},
+            [&](Device d) {
+              TensorView xv = x.view(d, {k.rows, k.cols});
+              xv.strides = {k.row_stride, 1};
+              const TensorView cv = c.view(d);
+              amax(xv, a.view(d), counter < 0 ? nullptr : &cv, 3, nullptr);
+            },
+            std::string(dtype_name(in)) + " runs " + std::to_string(k.rows) + " x " + std::to_string(k.cols) +
+                " stride " + std::to_string(k.row_stride) + " offset " + std::to_string(k.offset) + " counter " +
+                std::to_string(counter));
+        EXPECT_TRUE(std::isfinite(a.get_float(0)));  // no gap was read
+        EXPECT_LT(a.get_float(0), 1e6f);
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

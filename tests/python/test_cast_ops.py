@@ -479,6 +479,70 @@ def test_amax_random(in_dtype):
     assert_bits_equal(amax, torch_amax(x))
 
 
+def strided_views(in_dtype):
+    """{name: (view, whether its elements are row runs)}: the layouts amax reads in place and others."""
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(2, 16, 3, 4, 8, generator=g) * 100).to(in_dtype)  # (B, T, q/k/v, H, D)
+    m = (torch.randn(9, 13, generator=g) * 100).to(in_dtype)
+    return {
+        "q": (qkv[:, :, 0].transpose(1, 2), True), "k": (qkv[:, :, 1].transpose(1, 2), True),
+        "permutation": (qkv.permute(4, 1, 0, 3, 2), True), "columns": (m[:, 2:7], True),
+        "every other column": (m[:, ::2], False), "every other row": (m[::2], True),
+        "rows and columns": (m[::3, ::2], False), "broadcast": (m[:1].expand(4, 13), False),
+        "size-1 dims": (m[:, 3:4].t()[None], False), "empty": (m[:, :0], True),
+    }
+
+
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_amax_of_strided_views(in_dtype):
+    """Row runs are read in place (the raw op takes them; a NaN or a larger value outside the view
+    is not seen); other layouts through a contiguous copy (the raw op refuses them)."""
+    for name, (x, runs) in strided_views(in_dtype).items():
+        assert fp8amp._args.has_row_runs(x) == runs, name
+        expected = torch_amax(x.contiguous()) if x.numel() else torch.zeros(1)
+        amax = torch.zeros(1)
+        fp8amp.amax(x, amax)
+        assert_bits_equal(amax, expected)
+        raw = torch.zeros(1)
+        if runs:
+            torch.ops.fp8amp.amax(x, raw)
+            assert_bits_equal(raw, expected)
+        else:
+            with pytest.raises(ValueError, match="amax: x must be contiguous, a permutation of a contiguous tensor"):
+                torch.ops.fp8amp.amax(x, raw)
+    m = torch.full((6, 10), float("nan"), dtype=in_dtype)
+    m[:, 3:8] = torch.arange(30, dtype=torch.float32).reshape(6, 5).to(in_dtype)
+    amax = torch.zeros(1)
+    fp8amp.amax(m[:, 3:8], amax)
+    assert_bits_equal(amax, torch.tensor([29.0]))
+
+
+def test_has_row_runs_agrees_with_the_core():
+    """The wrapper's layout test (Python, traced by Dynamo) and the core's (C++) over random views:
+    permutations, slices, steps and size-1 dims of a 4-D tensor; the core refuses what it rejects."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 6, 5, 8, generator=g)
+    seen = set()
+    for _ in range(400):
+        v = base.permute(*torch.randperm(4, generator=g).tolist())
+        for d in range(4):
+            n = v.shape[d]
+            start = int(torch.randint(0, n, (1,), generator=g))
+            stop = int(torch.randint(start + 1, n + 1, (1,), generator=g))
+            step = 1 if torch.rand(1, generator=g) < 0.7 else 2
+            v = v.narrow(d, start, stop - start)[(slice(None),) * d + (slice(None, None, step),)]
+        runs = fp8amp._args.has_row_runs(v)
+        seen.add(runs)
+        amax = torch.zeros(1)
+        if runs:
+            torch.ops.fp8amp.amax(v, amax)
+            assert_bits_equal(amax, torch_amax(v.contiguous()))
+        else:
+            with pytest.raises(ValueError, match="x must be contiguous, a permutation"):
+                torch.ops.fp8amp.amax(v, amax)
+    assert seen == {True, False}
+
+
 def test_amax_with_warmup_counter_only_while_warming_up():
     amax = torch.zeros(1)
     x = torch.tensor([2.0])

@@ -271,6 +271,34 @@ def test_dequantize_odd_shapes(shape):
 
 
 @pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_amax_of_row_runs(in_dtype):
+    """Strided views read in place (fp8amp's row-runs kernel): q, k, v of a (B, T, 3, H, D) output at
+    the 1B GPT's width and odd ones, a slice of columns with a misaligned start; a NaN outside the
+    view is not seen, one inside it is."""
+    g = torch.Generator().manual_seed(6)
+    qkv = (torch.randn(2, 1024, 3, 16, 128, generator=g) * 10).to(in_dtype)
+    qkv[1, 5, 2, 3, 7] = float("nan")  # inside v only
+    odd = (torch.randn(37, 1003, generator=g) * 10).to(in_dtype)
+    odd[:, 1000:] = float("nan")
+    odd[20, 500] = -7e3
+    views = {"q": lambda t: t[:, :, 0].transpose(1, 2), "k": lambda t: t[:, :, 1].transpose(1, 2),
+             "v": lambda t: t[:, :, 2].transpose(1, 2)}
+    for name, view in views.items():
+        cpu, cuda = torch.zeros(1), torch.zeros(1, device=CUDA)
+        x = view(qkv)
+        fp8amp.amax(x, cpu)
+        fp8amp.amax(view(qkv.to(CUDA)), cuda)
+        assert_bits_equal(cuda.cpu(), cpu)
+        assert cpu.isnan().item() == (name == "v"), name
+    for view in (lambda t: t[:, 1:1000], lambda t: t[3:, :999], lambda t: t[::2, 5:6]):
+        cpu, cuda = torch.zeros(1), torch.zeros(1, device=CUDA)
+        fp8amp.amax(view(odd), cpu)
+        fp8amp.amax(view(odd.to(CUDA)), cuda)
+        assert_bits_equal(cuda.cpu(), cpu)
+        assert cpu.isfinite().item()
+
+
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
 def test_amax(in_dtype):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(3_000_001, generator=g) * 10).to(in_dtype)

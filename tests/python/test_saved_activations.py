@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8amp
 from fp8amp import E4M3, E5M2, ScaledTensor, saved_activations
+from fp8amp._args import has_row_runs
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
 SQNR_FLOOR_DB = {E4M3: 25.8, E5M2: 19.8}
@@ -312,6 +313,11 @@ def test_quantize_in_graph_is_the_kernels_bit_for_bit(fmt, dtype):
     cases = {"randn": torch.randn(64, 48, generator=g), "exact power of two amax": torch.ones(8, 8) * 2.0 ** -7,
              "tiny": torch.randn(64, 48, generator=g) * 1e-30, "huge": torch.randn(64, 48, generator=g) * 1e30,
              "zeros": torch.zeros(16, 16)}
+    qkv = torch.randn(2, 16, 3, 4, 8, generator=g)  # (B, T, q/k/v, H, D), as SDPA's inputs come
+    strided = {"q of a qkv output": qkv[:, :, 0].transpose(1, 2), "v of a qkv output": qkv[:, :, 2].transpose(1, 2),
+               "a permutation": qkv.permute(3, 0, 4, 2, 1), "not row runs": qkv[:, ::2, :, ::2]}
+    assert [has_row_runs(x) for x in strided.values()] == [True, True, True, False]
+    cases.update(strided)
     for name, x in cases.items():
         x = x.to(dtype)
         if not torch.isfinite(x).all():
