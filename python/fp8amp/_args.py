@@ -33,7 +33,7 @@ def _input(value: object, arg: str, op: str) -> torch.Tensor:
 def has_row_runs(x: torch.Tensor) -> bool:
     """Whether x's elements, in some order of its dims, are runs of equal length at one stride (the
     core's fp8amp::row_runs, tensor.h): contiguous tensors, permutations of them, slices of a
-    matrix's columns such as SDPA's q, k, v. Order-free reductions read these in place. (Integer
+    matrix's columns such as SDPA's q, k, v, runs of one element (a column). Order-free reductions read these in place. (Integer
     steps only, no sort of tuples: Dynamo traces this inside compiled graphs.)"""
     if x.numel() == 0:
         return True
@@ -51,9 +51,7 @@ def has_row_runs(x: torch.Tensor) -> bool:
                     break
         return extent
 
-    if dims and not any(d[0] == 1 for d in dims):
-        return False
-    cols = extent_from(1)
+    cols = extent_from(1)  # 1 where no dim has stride 1: runs of one element
     if not dims:
         return True
     row_stride = min(d[0] for d in dims)

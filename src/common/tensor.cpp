@@ -44,8 +44,9 @@ std::optional<RowRuns> row_runs(const TensorView& t) {
       merged.push_back(*it);
     }
   }
+  if (merged.front().first != 1) merged.insert(merged.begin(), {1, 1});  // runs of one element
   const auto [inner_stride, cols] = merged.front();
-  if (inner_stride != 1 || merged.size() > 2) return std::nullopt;
+  if (merged.size() > 2) return std::nullopt;
   if (merged.size() == 1) return RowRuns{1, cols, cols};
   const auto [row_stride, rows] = merged.back();
   if (row_stride < cols) return std::nullopt;  // runs would overlap

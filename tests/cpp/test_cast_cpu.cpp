@@ -70,11 +70,14 @@ TEST(RowRuns, OfLayouts) {
   expect_runs(runs({1, 4, 1}, {99, 1, 7}), 1, 4, 4);       // dims of size 1 have any stride
   expect_runs(runs({1, 1}, {5, 9}), 1, 1, 1);
   expect_runs(runs({0, 4}, {9, 1}), 1, 0, 0);              // empty
-  EXPECT_FALSE(runs({4}, {2}).has_value());                // no run of consecutive elements
+  expect_runs(runs({4}, {2}), 4, 1, 2);                   // every other element: runs of one
+  expect_runs(runs({1, 3}, {1, 7}), 3, 1, 7);              // a column
   EXPECT_FALSE(runs({3, 4}, {0, 1}).has_value());          // broadcast rows
+  EXPECT_FALSE(runs({3}, {0}).has_value());
   EXPECT_FALSE(runs({3, 4}, {2, 1}).has_value());          // overlapping rows
   EXPECT_FALSE(runs({2, 3}, {1, 1}).has_value());
   EXPECT_FALSE(runs({2, 3, 4}, {40, 10, 1}).has_value());  // two outer strides
+  EXPECT_FALSE(runs({2, 3}, {10, 2}).has_value());         // every other column of rows: two strides
 }
 
 TEST(Amax, ReadsOnlyTheRuns) {

@@ -489,7 +489,8 @@ def strided_views(in_dtype):
         "permutation": (qkv.permute(4, 1, 0, 3, 2), True), "columns": (m[:, 2:7], True),
         "every other column": (m[:, ::2], False), "every other row": (m[::2], True),
         "rows and columns": (m[::3, ::2], False), "broadcast": (m[:1].expand(4, 13), False),
-        "size-1 dims": (m[:, 3:4].t()[None], False), "empty": (m[:, :0], True),
+        "a column, size-1 dims": (m[:, 3:4].t()[None], True), "every other element": (m.view(-1)[::2], True),
+        "empty": (m[:, :0], True),
     }
 
 
