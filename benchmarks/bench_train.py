@@ -39,7 +39,7 @@ only); the O1/O2 modes add the memory formats that DESIGN §9's ≤ 0.5x memory 
 
 Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
        [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,
-        o2-fp8act,o2-fp8act-compile] [--compile-scope block|model]
+        o2-fp8act,o2-fp8act-compile] [--compile-scope block|model] [--gemm-autotune]
 Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
 """
 
@@ -229,8 +229,11 @@ def main() -> None:
                         help=", ".join(MODES))
     parser.add_argument("--compile-scope", choices=["block", "model"], default="block")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gemm-autotune", action="store_true",
+                        help="fp8amp.gemm.set_autotune(True) for the run (the fp8amp modes' GEMMs)")
     args = parser.parse_args()
     require_gpu("bench_train", min_capability=(8, 9))
+    fp8amp.gemm.set_autotune(args.gemm_autotune)
 
     preset = PRESETS[args.preset]
     cfg: GPTConfig = preset["model"]
@@ -277,7 +280,8 @@ def main() -> None:
     text = (f"GPT training on {torch.cuda.get_device_name()}, torch {torch.__version__}, {torchao_note}: "
             f"{n_params / 1e6:,.0f}M parameters (n_layer {cfg.n_layer}, d_model {cfg.d_model}, n_head {cfg.n_head}), "
             f"batch {args.batch} x seq {cfg.seq_len} = {tokens_per_step:,} tokens/step, AdamW(fused) lr {args.lr:g}, "
-            f"autocast bfloat16, compile per {args.compile_scope}; {args.warmup} warm-up + {args.steps} timed steps, "
+            f"autocast bfloat16, compile per {args.compile_scope}; fp8amp GEMM autotuning "
+            f"{'on' if args.gemm_autotune else 'off'}; {args.warmup} warm-up + {args.steps} timed steps, "
             f"median step time\n\n{table(results, tokens_per_step, flops_token)}\n")
     report("train", text)
 

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 #include "binding_utils.h"
 #include "fp8amp/gemm.h"
@@ -71,10 +72,23 @@ at::Tensor gemm_meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 void gemm_accumulate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const std::optional<at::Tensor>&, bool) {}
 
+void set_gemm_autotune(bool enabled) { fp8amp::set_gemm_autotune(enabled); }
+
+bool gemm_autotune() { return fp8amp::gemm_autotune(); }
+
+std::vector<int64_t> gemm_autotune_stats() {
+  const GemmAutotuneStats s = fp8amp::gemm_autotune_stats();
+  return {s.tuning, s.tuned, s.changed};
+}
+
 }  // namespace
 }  // namespace fp8amp::torch_binding
 
 TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
+  // Process-wide settings, no tensors: one kernel for every dispatch key.
+  m.def("set_gemm_autotune(bool enabled) -> ()", fp8amp::torch_binding::set_gemm_autotune);
+  m.def("gemm_autotune() -> bool", fp8amp::torch_binding::gemm_autotune);
+  m.def("gemm_autotune_stats() -> int[]", fp8amp::torch_binding::gemm_autotune_stats);
   m.def(
       "gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, "
       "bool fast_accum=False) -> Tensor");

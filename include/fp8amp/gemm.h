@@ -53,4 +53,23 @@ struct GemmOptions {
 void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_inv, const TensorView& b_scale_inv,
           const TensorView* bias, const TensorView& out, const GemmOptions& options, Stream stream);
 
+// Autotuning of the CUDA path's cuBLASLt algorithm (process-wide, off by default). Off, a problem
+// (device, shape, leading dims, dtypes, bias, flags, alignments, workspace) runs the first
+// algorithm of cuBLASLt's heuristic. On, each problem first seen while it is on has its first 24
+// calls spread over the heuristic's first 8 algorithms (3 calls each), each call timed with CUDA
+// events on its own stream and read back when done (no host synchronization), then keeps the
+// fastest (the heuristic's first unless another is 1 % faster) for the rest of the process.
+// Every algorithm computes the same GEMM, but their sums differ in order, so results can differ
+// in the last bits between algorithms and, as timing decides, between processes: like
+// torch.backends.cudnn.benchmark. Calls during CUDA graph capture are never timed.
+void set_gemm_autotune(bool enabled);
+bool gemm_autotune();
+
+struct GemmAutotuneStats {
+  int64_t tuning = 0;   // problems whose candidates are still being timed
+  int64_t tuned = 0;    // problems whose algorithm is decided
+  int64_t changed = 0;  // of those, how many run another algorithm than the heuristic's first
+};
+GemmAutotuneStats gemm_autotune_stats();
+
 }  // namespace fp8amp

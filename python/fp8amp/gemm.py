@@ -13,7 +13,7 @@ import torch
 from ._args import _bool, _dtype, _input, _optional_input, _tensor
 from ._library import ops
 
-__all__ = ["gemm", "gemm_accumulate", "bias_dtype"]
+__all__ = ["gemm", "gemm_accumulate", "bias_dtype", "set_autotune", "autotune_enabled", "autotune_stats"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -82,3 +82,31 @@ def gemm_accumulate(
         _optional_input(bias, "bias", op),
         _bool(fast_accum, "fast_accum", op),
     )
+
+
+def set_autotune(enabled: bool) -> None:
+    """Turns autotuning of the CUDA GEMMs' cuBLASLt algorithm on or off, process-wide (off by
+    default), like ``torch.backends.cudnn.benchmark``.
+
+    Off, each GEMM problem (device, shape, strides, dtypes, bias, flags, alignments) runs the first
+    algorithm of cuBLASLt's heuristic, as ``torch._scaled_mm`` does. On, each problem first seen
+    while it is on spreads its first 24 calls over the heuristic's first 8 algorithms, times them
+    with CUDA events on the calls' own stream (read back later, never a host synchronization), and
+    then keeps the fastest (the heuristic's first unless another is 1 % faster) for the rest of the
+    process. On the 1B GPT's GEMMs the heuristic's first choice was up to 11 % slower than the best
+    of its first 8 (docs/benchmarks.md). All algorithms compute the same product, but their sums
+    run in different orders, so results can differ in the last bits between algorithms and, since
+    timing decides, between runs. Calls during CUDA graph capture are never timed."""
+    ops.set_gemm_autotune(_bool(enabled, "enabled", "gemm.set_autotune"))
+
+
+def autotune_enabled() -> bool:
+    """Whether :func:`set_autotune` is on."""
+    return bool(ops.gemm_autotune())
+
+
+def autotune_stats() -> dict[str, int]:
+    """Problems seen with autotuning on: ``tuning`` (still timing their candidates), ``tuned``
+    (decided) and ``changed`` (decided on another algorithm than the heuristic's first)."""
+    tuning, tuned, changed = ops.gemm_autotune_stats()
+    return {"tuning": tuning, "tuned": tuned, "changed": changed}

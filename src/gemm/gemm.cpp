@@ -2,6 +2,7 @@
 // raw pointers to the CPU reference or the cuBLASLt path (gemm_kernels.h).
 #include "fp8amp/gemm.h"
 
+#include <atomic>
 #include <cstdint>
 
 #include "common/run_on.h"
@@ -127,6 +128,22 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_in
   g.device_index = a.device_index;
   run_on(
       a, kOp, [&] { cpu::gemm(g); }, [&] { cuda::gemm(g, stream); });
+}
+
+namespace {
+std::atomic<bool> autotune_enabled{false};
+}  // namespace
+
+void set_gemm_autotune(bool enabled) { autotune_enabled.store(enabled); }
+
+bool gemm_autotune() { return autotune_enabled.load(); }
+
+GemmAutotuneStats gemm_autotune_stats() {
+#ifdef FP8AMP_WITH_CUDA
+  return cuda::autotune_stats();
+#else
+  return {};
+#endif
 }
 
 }  // namespace fp8amp

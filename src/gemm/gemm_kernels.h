@@ -8,6 +8,7 @@
 
 #include "common/numerics.h"
 #include "fp8amp/dtype.h"
+#include "fp8amp/gemm.h"
 #include "fp8amp/tensor.h"
 
 namespace fp8amp {
@@ -55,6 +56,7 @@ void gemm(const GemmArgs& g);
 
 namespace cuda {
 void gemm(const GemmArgs& g, Stream stream);
+GemmAutotuneStats autotune_stats();
 // K == 0, which cuBLASLt has no kernel for: out = (accumulate ? out : 0) + bias (gemm_empty_cuda.cu).
 void gemm_empty_sum(const GemmArgs& g, Stream stream);
 }  // namespace cuda

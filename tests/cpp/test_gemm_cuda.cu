@@ -345,6 +345,26 @@ TEST(GemmCuda, LargeShapes) {
   }
 }
 
+// Autotuning: every call of a new problem while its candidates take turns is within the bound
+// (accumulating ones too), and the problem is decided after at most 8 candidates x 3 rounds.
+TEST(GemmCuda, AutotuneCallsMatchTheReferenceUntilDecided) {
+  REQUIRE_FP8_GPU();
+  struct Off {
+    ~Off() { set_gemm_autotune(false); }
+  } off;
+  set_gemm_autotune(true);
+  for (const bool accumulate : {false, true}) {
+    const GemmAutotuneStats before = gemm_autotune_stats();
+    Case c{144, 336, 512, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kBFloat16};
+    c.bias = true;
+    c.accumulate = accumulate;
+    for (int call = 0; call < 30; ++call) expect_close(c);  // run_case synchronizes after each call
+    const GemmAutotuneStats after = gemm_autotune_stats();
+    EXPECT_EQ(after.tuned, before.tuned + 1) << "accumulate " << accumulate;
+    EXPECT_EQ(after.tuning, before.tuning);
+  }
+}
+
 TEST(GemmCuda, StridedViewsAndNoWorkspace) {
   REQUIRE_FP8_GPU();
   for (const DType out : kOutputs) {

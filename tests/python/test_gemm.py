@@ -263,3 +263,66 @@ def test_cuda_compiled_and_on_a_side_stream():
         side = ops.gemm(a, b, sa, sb, torch.bfloat16)
     torch.cuda.current_stream().wait_stream(stream)
     assert_same_bits(side, eager)
+
+
+@pytest.fixture
+def autotune():
+    """Autotuning on for one test, off again after it (a process-wide setting)."""
+    fp8amp.gemm.set_autotune(True)
+    yield
+    fp8amp.gemm.set_autotune(False)
+
+
+def test_autotune_setting_and_its_errors():
+    assert fp8amp.gemm.autotune_enabled() is False  # the default
+    fp8amp.gemm.set_autotune(True)
+    try:
+        assert fp8amp.gemm.autotune_enabled() is True
+    finally:
+        fp8amp.gemm.set_autotune(False)
+    assert fp8amp.gemm.autotune_enabled() is False
+    with pytest.raises(TypeError, match="gemm.set_autotune: enabled must be a bool, got int"):
+        fp8amp.gemm.set_autotune(1)
+    assert set(fp8amp.gemm.autotune_stats()) == {"tuning", "tuned", "changed"}
+
+
+def test_autotune_leaves_the_cpu_reference_alone(autotune):
+    g = torch.Generator().manual_seed(8)
+    a, sa = quantized(7, 48, E4M3, 1.0, g)
+    b, sb = quantized(32, 48, E4M3, 0.1, g)
+    assert_same_bits(ops.gemm(a, b, sa, sb, torch.float32), reference(a, b, sa, sb, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(autotune, accumulate):
+    """With autotuning on, a new problem's calls run the heuristic's candidates in turn (each
+    result within the accumulation bound of the reference, accumulating ones too), until it
+    decides; from then on every call runs one algorithm: the same bits each time."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 GEMM below compute capability 8.9")
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 272, 528 + 16 * accumulate, 1024  # a problem no other test has tuned
+    a, sa = quantized(m, k, E4M3, 1.0, g, "cuda")
+    b, sb = quantized(n, k, E5M2, 0.02, g, "cuda")
+    bias = torch.randn(n, generator=g).to(torch.bfloat16).cuda()
+    old = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
+    ref = reference(a, b, sa, sb, torch.bfloat16, bias=bias, old=old if accumulate else None)
+    before = fp8amp.gemm.autotune_stats()
+
+    def call():
+        if accumulate:
+            out = old.clone()
+            ops.gemm_accumulate(a, b, sa, sb, out, bias=bias)
+            return out
+        return ops.gemm(a, b, sa, sb, torch.bfloat16, bias=bias)
+
+    for _ in range(40):  # 8 candidates x 3 rounds at most, then decided
+        got = call()
+        torch.cuda.synchronize()  # the timings complete before the next call reads them
+        added = bias.abs().double() + (old.abs().double() if accumulate else 0)
+        assert_within_accumulation_bound(got, ref, a, b, sa, sb, False, added=added,
+                                         result=reference(a, b, sa, sb, torch.bfloat16, bias=bias) if accumulate else None)
+    after = fp8amp.gemm.autotune_stats()
+    assert after["tuned"] == before["tuned"] + 1 and after["tuning"] == before["tuning"]
+    assert_same_bits(call(), call())
