@@ -277,6 +277,8 @@ def main() -> None:
         print(f"  {mode.label}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
               file=sys.stderr, flush=True)
 
+    if args.gemm_autotune:
+        print(f"  GEMM autotuning: {fp8amp.gemm.autotune_stats()}", file=sys.stderr, flush=True)
     text = (f"GPT training on {torch.cuda.get_device_name()}, torch {torch.__version__}, {torchao_note}: "
             f"{n_params / 1e6:,.0f}M parameters (n_layer {cfg.n_layer}, d_model {cfg.d_model}, n_head {cfg.n_head}), "
             f"batch {args.batch} x seq {cfg.seq_len} = {tokens_per_step:,} tokens/step, AdamW(fused) lr {args.lr:g}, "
