@@ -46,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fp8-activations", action="store_true",
                    help="run the forward inside fp8amp.save_activations_in_fp8(): what attention, GELU and the "
                         "LayerNorms save for backward is stored in FP8 (less memory; in eager mode only)")
+    p.add_argument("--gemm-autotune", action="store_true",
+                   help="fp8amp.gemm.set_autotune(True): each FP8 GEMM keeps the fastest of cuBLASLt's first 8 "
+                        "algorithms (timed on its first calls; results may differ in the last bits between runs)")
     p.add_argument("--data", default=None, help="a text file or a directory of .py files (default: stdlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
@@ -61,6 +64,7 @@ def main() -> None:
     batch = args.batch or preset["batch"]
     lr = args.lr or preset["lr"]
     torch.manual_seed(args.seed)
+    fp8amp.gemm.set_autotune(args.gemm_autotune)
 
     data = load_text_bytes(args.data)
     split = int(0.95 * data.numel())
