@@ -101,7 +101,8 @@ int main() {
   const float ones[2] = {1.0f, 1.0f};
   CK(cudaMemcpy(scales, ones, 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(scales + 64, ones + 1, 4, cudaMemcpyHostToDevice));
-  std::printf("| GEMM | M x N x K | heuristic #1 us | TFLOP/s | best us (its rank of found) | best TFLOP/s | best / #1 |\n");
+  std::printf("| GEMM | M x N x K | heuristic #1 us | TFLOP/s | best us (its rank of found) | best TFLOP/s | "
+              "best / #1 |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (const Problem& p : problems) {
     cublasLtMatmulDesc_t desc;
