@@ -75,6 +75,52 @@ float time_algo(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, cublasLtMatrixLay
   return ms[ms.size() / 2];
 }
 
+// fp8amp's cuBLASLt call for one problem: descriptor (scales, fast accumulation, bias epilogue),
+// layouts and workspace preference; destroyed with it.
+struct Call {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lo = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+
+  Call(const Problem& p, const void* sa, const void* sb, const void* bias) {
+    CK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const int8_t fast = p.fast_accum ? 1 : 0;
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+    if (p.bias) {
+      const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+      const int32_t bias_type = CUDA_R_16BF;
+      CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+      CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+      CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+    }
+    // cuBLASLt's A is our b (K x N, ld K), its B our a (K x M, ld K), out N x M (ld N).
+    CK(cublasLtMatrixLayoutCreate(&la, p.b, p.k, p.n, p.k));
+    CK(cublasLtMatrixLayoutCreate(&lb, p.a, p.k, p.m, p.k));
+    CK(cublasLtMatrixLayoutCreate(&lo, p.out, p.n, p.m, p.n));
+    CK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t wsz = kWorkspace;
+    CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
+  }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  ~Call() {
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lo);
+    cublasLtMatmulDescDestroy(desc);
+  }
+  // Up to n of the heuristic's algorithms into results; its status.
+  cublasStatus_t heuristic(cublasLtHandle_t h, int n, cublasLtMatmulHeuristicResult_t* results, int* found) const {
+    return cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lo, lo, pref, n, results, found);
+  }
+};
+
 int main() {
   const Problem problems[] = {
       {"qkv fwd", 16384, 6144, 2048, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, false, true},
@@ -106,39 +152,13 @@ int main() {
               "best / #1 |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (const Problem& p : problems) {
-    cublasLtMatmulDesc_t desc;
-    CK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    const int8_t fast = p.fast_accum ? 1 : 0;
-    const void* sa = scales;
-    const void* sb = scales + 64;
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
-    if (p.bias) {
-      const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
-      const int32_t bias_type = CUDA_R_16BF;
-      CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-      CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-      CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
-    }
-    // cuBLASLt's A is our b (K x N, ld K), its B our a (K x M, ld K), out N x M (ld N).
-    cublasLtMatrixLayout_t la, lb, lo;
-    CK(cublasLtMatrixLayoutCreate(&la, p.b, p.k, p.n, p.k));
-    CK(cublasLtMatrixLayoutCreate(&lb, p.a, p.k, p.m, p.k));
-    CK(cublasLtMatrixLayoutCreate(&lo, p.out, p.n, p.m, p.n));
-    cublasLtMatmulPreference_t pref;
-    CK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t wsz = kWorkspace;
-    CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
+    const Call call(p, scales, scales + 64, bias);
     cublasLtMatmulHeuristicResult_t results[32] = {};
     int found = 0;
-    CK(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lo, lo, pref, 32, results, &found));
+    CK(call.heuristic(h, 32, results, &found));
     std::vector<float> us;
     for (int i = 0; i < found; ++i) {
-      us.push_back(1e3f * time_algo(h, desc, la, lb, lo, results[i].algo, a, b, out, ws));
+      us.push_back(1e3f * time_algo(h, call.desc, call.la, call.lb, call.lo, results[i].algo, a, b, out, ws));
     }
     int best = 0;
     for (int i = 1; i < found; ++i) {
@@ -150,11 +170,6 @@ int main() {
     std::printf("    all (us):");
     for (int i = 0; i < found; ++i) std::printf(" %.0f", us[i]);
     std::printf("\n");
-    CK(cublasLtMatmulPreferenceDestroy(pref));
-    CK(cublasLtMatrixLayoutDestroy(la));
-    CK(cublasLtMatrixLayoutDestroy(lb));
-    CK(cublasLtMatrixLayoutDestroy(lo));
-    CK(cublasLtMatmulDescDestroy(desc));
   }
 
   // Which alignment cuBLASLt needs of the scale pointers: with the B scale 4 bytes after the A
@@ -162,40 +177,19 @@ int main() {
   // problem, the heuristic's first algorithm, the B scale at a few byte offsets.
   std::printf("\nB_SCALE_POINTER offset (bytes) -> cublasLtMatmul status:");
   for (const int offset : {0, 4, 8, 16, 32, 64}) {
-    const Problem& p = problems[0];
-    cublasLtMatmulDesc_t desc;
-    CK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    const void* sa = scales;
     const void* sb = reinterpret_cast<const char*>(scales + 64) + offset;
     CK(cudaMemcpy(const_cast<void*>(sb), ones, 4, cudaMemcpyHostToDevice));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
-    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
-    cublasLtMatrixLayout_t la, lb, lo;
-    CK(cublasLtMatrixLayoutCreate(&la, p.b, p.k, p.n, p.k));
-    CK(cublasLtMatrixLayoutCreate(&lb, p.a, p.k, p.m, p.k));
-    CK(cublasLtMatrixLayoutCreate(&lo, p.out, p.n, p.m, p.n));
-    cublasLtMatmulPreference_t pref;
-    CK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t wsz = kWorkspace;
-    CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
+    const Call call(problems[0], scales, sb, bias);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    const cublasStatus_t heuristic = cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lo, lo, pref, 1, &result, &found);
+    const cublasStatus_t heuristic = call.heuristic(h, 1, &result, &found);
     const float alpha = 1.0f, beta = 0.0f;
     const cublasStatus_t run = heuristic == CUBLAS_STATUS_SUCCESS && found > 0
-                                   ? cublasLtMatmul(h, desc, &alpha, b, la, a, lb, &beta, out, lo, out, lo,
-                                                    &result.algo, ws, kWorkspace, nullptr)
+                                   ? cublasLtMatmul(h, call.desc, &alpha, b, call.la, a, call.lb, &beta, out, call.lo,
+                                                    out, call.lo, &result.algo, ws, kWorkspace, nullptr)
                                    : heuristic;
     CK(cudaDeviceSynchronize());
     std::printf(" %d -> %s;", offset, cublasLtGetStatusString(run));
-    CK(cublasLtMatmulPreferenceDestroy(pref));
-    CK(cublasLtMatrixLayoutDestroy(la));
-    CK(cublasLtMatrixLayoutDestroy(lb));
-    CK(cublasLtMatrixLayoutDestroy(lo));
-    CK(cublasLtMatmulDescDestroy(desc));
   }
   std::printf("\n");
   return 0;
