@@ -219,7 +219,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_current_meta(const at::Tensor& x, at::ScalarType dtype, int64_t,
                                                                      bool) {
-  return {empty_as(x, dtype), at::empty({1}, x.options().dtype(at::kFloat)), at::empty({1}, x.options().dtype(at::kFloat))};
+  const auto one_float = x.options().dtype(at::kFloat);
+  return {empty_as(x, dtype), at::empty({1}, one_float), at::empty({1}, one_float)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Tensor& x, const at::Tensor& scale,
@@ -264,7 +265,8 @@ void multi_update_delayed_scaling_meta(at::TensorList, at::TensorList, at::Tenso
 TORCH_LIBRARY(fp8amp, m) {
   m.def("quantize(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor)");
-  m.def("quantize_current(Tensor x, ScalarType dtype, int margin=0, bool nan_if_nonfinite=False) -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_current(Tensor x, ScalarType dtype, int margin=0, bool nan_if_nonfinite=False) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS

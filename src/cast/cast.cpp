@@ -395,7 +395,9 @@ void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories,
   }
   // Every tensor is written: two sharing memory would race on the GPU.
   std::vector<TensorView> written;
-  for (const auto* list : {&amax_histories, &scales, &scale_invs, &counters}) written.insert(written.end(), list->begin(), list->end());
+  for (const auto* list : {&amax_histories, &scales, &scale_invs, &counters}) {
+    written.insert(written.end(), list->begin(), list->end());
+  }
   check::disjoint_outputs(written, {}, op, [&](const char*, size_t k) {
     static constexpr const char* kLists[] = {"amax_histories", "scales", "scale_invs", "counters"};
     return element_name(true, "", kLists[k / n], k % n);
