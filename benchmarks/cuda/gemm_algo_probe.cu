@@ -5,7 +5,8 @@
 //   nvcc -O2 -std=c++17 -arch=sm_90a benchmarks/cuda/gemm_algo_probe.cu -lcublasLt -o build/gemm_algo_probe \
 //     && build/gemm_algo_probe
 // The call is fp8amp's (src/gemm/gemm_cuda.cpp): TN, out[M, N] = a[M, K] b[N, K]^T read column-major,
-// per-tensor scales, fast accumulation for the forward, a bf16 bias where the Linear has one.
+// per-tensor scales, fast accumulation for the forward, a bf16 bias where the Linear has one. Last,
+// whether a scale pointer at a small byte offset is accepted.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -101,7 +102,8 @@ int main() {
   const float ones[2] = {1.0f, 1.0f};
   CK(cudaMemcpy(scales, ones, 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(scales + 64, ones + 1, 4, cudaMemcpyHostToDevice));
-  std::printf("| GEMM | M x N x K | heuristic #1 us | TFLOP/s | best us (its rank of found) | best TFLOP/s | best / #1 |\n");
+  std::printf("| GEMM | M x N x K | heuristic #1 us | TFLOP/s | best us (its rank of found) | best TFLOP/s | "
+              "best / #1 |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (const Problem& p : problems) {
     cublasLtMatmulDesc_t desc;
@@ -154,5 +156,47 @@ int main() {
     CK(cublasLtMatrixLayoutDestroy(lo));
     CK(cublasLtMatmulDescDestroy(desc));
   }
+
+  // Which alignment cuBLASLt needs of the scale pointers: with the B scale 4 bytes after the A
+  // scale, every algorithm above returned NOT_SUPPORTED (first run of this probe). The qkv forward
+  // problem, the heuristic's first algorithm, the B scale at a few byte offsets.
+  std::printf("\nB_SCALE_POINTER offset (bytes) -> cublasLtMatmul status:");
+  for (const int offset : {0, 4, 8, 16, 32, 64}) {
+    const Problem& p = problems[0];
+    cublasLtMatmulDesc_t desc;
+    CK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const void* sa = scales;
+    const void* sb = reinterpret_cast<const char*>(scales + 64) + offset;
+    CK(cudaMemcpy(const_cast<void*>(sb), ones, 4, cudaMemcpyHostToDevice));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+    CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+    cublasLtMatrixLayout_t la, lb, lo;
+    CK(cublasLtMatrixLayoutCreate(&la, p.b, p.k, p.n, p.k));
+    CK(cublasLtMatrixLayoutCreate(&lb, p.a, p.k, p.m, p.k));
+    CK(cublasLtMatrixLayoutCreate(&lo, p.out, p.n, p.m, p.n));
+    cublasLtMatmulPreference_t pref;
+    CK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t wsz = kWorkspace;
+    CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t heuristic = cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lo, lo, pref, 1, &result, &found);
+    const float alpha = 1.0f, beta = 0.0f;
+    const cublasStatus_t run = heuristic == CUBLAS_STATUS_SUCCESS && found > 0
+                                   ? cublasLtMatmul(h, desc, &alpha, b, la, a, lb, &beta, out, lo, out, lo,
+                                                    &result.algo, ws, kWorkspace, nullptr)
+                                   : heuristic;
+    CK(cudaDeviceSynchronize());
+    std::printf(" %d -> %s;", offset, cublasLtGetStatusString(run));
+    CK(cublasLtMatmulPreferenceDestroy(pref));
+    CK(cublasLtMatrixLayoutDestroy(la));
+    CK(cublasLtMatrixLayoutDestroy(lb));
+    CK(cublasLtMatrixLayoutDestroy(lo));
+    CK(cublasLtMatmulDescDestroy(desc));
+  }
+  std::printf("\n");
   return 0;
 }

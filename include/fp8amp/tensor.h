@@ -36,7 +36,8 @@ struct TensorView {
 // A layout whose elements, taken in some order of the tensor's dims, are `rows` runs of `cols`
 // consecutive elements, run r starting r * row_stride elements after data (row_stride >= cols):
 // a contiguous tensor or a permutation of one (one run), a slice of a matrix's columns (a single
-// column: runs of one element), SDPA's q, k, v as views of one projection's output. Order-free reductions (amax) read these without a copy.
+// column: runs of one element), SDPA's q, k, v as views of one projection's output. Order-free
+// reductions (amax) read these without a copy.
 struct RowRuns {
   int64_t rows = 0;
   int64_t cols = 0;

@@ -33,8 +33,9 @@ def _input(value: object, arg: str, op: str) -> torch.Tensor:
 def has_row_runs(x: torch.Tensor) -> bool:
     """Whether x's elements, in some order of its dims, are runs of equal length at one stride (the
     core's fp8amp::row_runs, tensor.h): contiguous tensors, permutations of them, slices of a
-    matrix's columns such as SDPA's q, k, v, runs of one element (a column). Order-free reductions read these in place. (Integer
-    steps only, no sort of tuples: Dynamo traces this inside compiled graphs.)"""
+    matrix's columns such as SDPA's q, k, v, runs of one element (a column). Order-free reductions
+    read these in place. (Integer steps only, no sort of tuples: Dynamo traces this inside
+    compiled graphs.)"""
     if x.numel() == 0:
         return True
     dims = [[stride, n] for stride, n in zip(x.stride(), x.shape) if n != 1]

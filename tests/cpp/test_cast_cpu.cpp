@@ -93,8 +93,8 @@ TEST(Amax, ReadsOnlyTheRuns) {
   fp8amp::amax(view(m, DType::kFloat32, {3, 4}, {1, 3}), view(amax, DType::kFloat32, {1}), nullptr, 0, nullptr);
   EXPECT_TRUE(std::isnan(amax[0]));  // a transposed (permuted) view of elements 0-11 holds m[9]
   std::vector<float> fresh{0.0f};
-  expect_value_error([&] { fp8amp::amax(view(m, DType::kFloat32, {2, 3, 2}, {10, 3, 1}), view(fresh, DType::kFloat32, {1}),
-                                        nullptr, 0, nullptr); },
+  const TensorView two_strides = view(m, DType::kFloat32, {2, 3, 2}, {10, 3, 1});
+  expect_value_error([&] { fp8amp::amax(two_strides, view(fresh, DType::kFloat32, {1}), nullptr, 0, nullptr); },
                      "amax: x must be contiguous, a permutation of a contiguous tensor, or rows of equal length");
   EXPECT_EQ(fresh[0], 0.0f);
 }

@@ -317,12 +317,12 @@ def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(autotune, 
             return out
         return ops.gemm(a, b, sa, sb, torch.bfloat16, bias=bias)
 
+    added = bias.abs().double() + (old.abs().double() if accumulate else 0)
+    result = reference(a, b, sa, sb, torch.bfloat16, bias=bias) if accumulate else None
     for _ in range(40):  # 8 candidates x 3 rounds at most, then decided
         got = call()
         torch.cuda.synchronize()  # the timings complete before the next call reads them
-        added = bias.abs().double() + (old.abs().double() if accumulate else 0)
-        assert_within_accumulation_bound(got, ref, a, b, sa, sb, False, added=added,
-                                         result=reference(a, b, sa, sb, torch.bfloat16, bias=bias) if accumulate else None)
+        assert_within_accumulation_bound(got, ref, a, b, sa, sb, False, added=added, result=result)
     after = fp8amp.gemm.autotune_stats()
     assert after["tuned"] == before["tuned"] + 1 and after["tuning"] == before["tuning"]
     assert_same_bits(call(), call())
