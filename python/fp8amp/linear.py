@@ -6,7 +6,7 @@ transpose is what the weight-gradient GEMM needs, and it is all that is saved fo
 ``y = x·Wᵀ (+ bias)`` runs on the FP8 tensor cores with FP32 accumulation, output in the autocast
 dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpose in one pass,
 which also sums its columns into the bias gradient (float32); ``dX = dY·W`` and ``dW = dYᵀ·X``
-run in FP8 with full FP32 accumulation.
+run in FP8 with full FP32 accumulation, dW output in the autocast dtype too.
 
 At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.ScaledTensor`
 (FP16 codes + scale, the master copy) carrying an E4M3 copy of itself
@@ -116,6 +116,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows
         ctx.input_dtype = x.dtype
+        ctx.output_dtype = out_dtype
         ctx.weight_dtype = weight.dtype
         ctx.has_bias = bias is not None
         if padded:
@@ -145,7 +146,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if not two_d:
                 grad_x = grad_x.view(*grad_output.shape[:-1], grad_x.shape[-1])
         if ctx.needs_input_grad[1] and ctx.fp8_weight_grad:
-            grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=torch.float32)
+            # In the autocast dtype, as the forward's output (DESIGN §3; MS-AMP does the same): under
+            # bf16 autocast half the bytes of float32 for the GEMM to write and for the current
+            # scaling to read twice, before the E4M3 rounding (2^-4) that dwarfs bf16's (2^-9).
+            grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.output_dtype)
             grad_weight = _fp8_weight_grad(grad_weight, ctx.weight_dtype)
         elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)

@@ -326,3 +326,38 @@ def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(autotune, 
     after = fp8amp.gemm.autotune_stats()
     assert after["tuned"] == before["tuned"] + 1 and after["tuning"] == before["tuning"]
     assert_same_bits(call(), call())
+
+
+@pytest.mark.gpu
+def test_cuda_autotune_under_graph_capture(autotune):
+    """A problem still tuning when a CUDA graph captures it: the capture records the best choice so
+    far, untimed (no event work during capture), and the replays are within the bound; eager calls
+    afterwards finish the tuning."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 GEMM below compute capability 8.9")
+    g = torch.Generator().manual_seed(10)
+    m, n, k = 208, 560, 768  # a problem no other test has tuned
+    a, sa = quantized(m, k, E4M3, 1.0, g, "cuda")
+    b, sb = quantized(n, k, E4M3, 0.02, g, "cuda")
+    ref = reference(a, b, sa, sb, torch.bfloat16)
+    ops.gemm(a, b, sa, sb, torch.bfloat16)  # the problem starts tuning
+    torch.cuda.synchronize()
+    tuning = fp8amp.gemm.autotune_stats()["tuning"]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.gemm(a, b, sa, sb, torch.bfloat16)  # warm-up on the side stream, as torch recommends
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            out = ops.gemm(a, b, sa, sb, torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_within_accumulation_bound(out, ref, a, b, sa, sb, False)
+    assert fp8amp.gemm.autotune_stats()["tuning"] == tuning  # capture decided nothing
+    for _ in range(30):
+        ops.gemm(a, b, sa, sb, torch.bfloat16)
+        torch.cuda.synchronize()
+    assert fp8amp.gemm.autotune_stats()["tuning"] == tuning - 1

@@ -183,6 +183,36 @@ def test_weight_grad_is_fp8_and_poisoned_when_nonfinite():
     assert torch.isnan(real(model.up.weight.grad)).all()  # inf cannot be an E4M3 code: NaN, not 448
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_weight_grad_gemm_writes_the_autocast_dtype(autocast, monkeypatch):
+    """The wgrad GEMM's output, which current scaling then reads twice, is in the forward output's
+    dtype (DESIGN §3): bfloat16 under bf16 autocast, float32 without; the E4M3 gradient is exactly
+    the current-scaled quantization of that output."""
+    model, _ = setup("O2")
+    calls = []
+    real_gemm = fp8amp.linear.gemm
+
+    def recording_gemm(a, b, a_scale_inv, b_scale_inv, **kwargs):
+        out = real_gemm(a, b, a_scale_inv, b_scale_inv, **kwargs)
+        calls.append((a.shape, b.shape, out))
+        return out
+
+    monkeypatch.setattr(fp8amp.linear, "gemm", recording_gemm)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_of(model, 0)
+    loss.backward()
+    out_features, in_features = model.up.weight.shape
+    grad = model.up.weight.grad
+    # up's wgrad GEMM (the tied head, a plain-weight Fp8Linear of the same shape, makes another)
+    wgrads = [out for a, b, out in calls if a == (out_features, 48) and b == (in_features, 48)]
+    quantized = [ScaledTensor.from_tensor(out, E4M3, nan_if_nonfinite=True) for out in wgrads]
+    same = [out for out, q in zip(wgrads, quantized)
+            if torch.equal(grad._data.view(torch.uint8), q._data.view(torch.uint8))
+            and torch.equal(grad._scale_inv, q._scale_inv)]
+    assert len(same) == 1
+    assert same[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+
+
 def test_micro_batch_accumulation_is_one_fused_requantize():
     model, _ = setup("O2")
     grads = []
