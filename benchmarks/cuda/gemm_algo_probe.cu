@@ -174,22 +174,25 @@ int main() {
 
   // Which alignment cuBLASLt needs of the scale pointers: with the B scale 4 bytes after the A
   // scale, every algorithm above returned NOT_SUPPORTED (first run of this probe). The qkv forward
-  // problem, the heuristic's first algorithm, the B scale at a few byte offsets.
-  std::printf("\nB_SCALE_POINTER offset (bytes) -> cublasLtMatmul status:");
-  for (const int offset : {0, 4, 8, 16, 32, 64}) {
-    const void* sb = reinterpret_cast<const char*>(scales + 64) + offset;
-    CK(cudaMemcpy(const_cast<void*>(sb), ones, 4, cudaMemcpyHostToDevice));
-    const Call call(problems[0], scales, sb, bias);
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t heuristic = call.heuristic(h, 1, &result, &found);
-    const float alpha = 1.0f, beta = 0.0f;
-    const cublasStatus_t run = heuristic == CUBLAS_STATUS_SUCCESS && found > 0
-                                   ? cublasLtMatmul(h, call.desc, &alpha, b, call.la, a, call.lb, &beta, out, call.lo,
-                                                    out, call.lo, &result.algo, ws, kWorkspace, nullptr)
-                                   : heuristic;
-    CK(cudaDeviceSynchronize());
-    std::printf(" %d -> %s;", offset, cublasLtGetStatusString(run));
+  // problem, the heuristic's first algorithm, one scale at a few byte offsets, the other aligned.
+  const float alpha = 1.0f, beta = 0.0f;
+  for (const bool moved_a : {true, false}) {
+    std::printf("\n%s_SCALE_POINTER offset (bytes) -> cublasLtMatmul status:", moved_a ? "A" : "B");
+    for (const int offset : {0, 4, 8, 12, 16, 32, 64}) {
+      const char* base = reinterpret_cast<const char*>(moved_a ? scales + 32 : scales + 64);
+      const void* moved = base + offset;
+      CK(cudaMemcpy(const_cast<void*>(moved), ones, 4, cudaMemcpyHostToDevice));
+      const Call call(problems[0], moved_a ? moved : scales, moved_a ? scales + 64 : moved, bias);
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      const cublasStatus_t heuristic = call.heuristic(h, 1, &result, &found);
+      const cublasStatus_t run = heuristic == CUBLAS_STATUS_SUCCESS && found > 0
+                                     ? cublasLtMatmul(h, call.desc, &alpha, b, call.la, a, call.lb, &beta, out,
+                                                      call.lo, out, call.lo, &result.algo, ws, kWorkspace, nullptr)
+                                     : heuristic;
+      CK(cudaDeviceSynchronize());
+      std::printf(" %d -> %s;", offset, cublasLtGetStatusString(run));
+    }
   }
   std::printf("\n");
   return 0;

@@ -15,9 +15,17 @@ namespace {
 
 constexpr const char* kOp = "gemm";
 // cuBLASLt's FP8 kernels need K, N and every leading dimension in multiples of 16 elements and
-// 16-byte aligned operands, output and bias (cuBLAS docs, cublasLtMatmul: FP8 requirements).
+// 16-byte aligned operands, output and bias (cuBLAS docs, cublasLtMatmul: FP8 requirements), and,
+// as measured, scales.
 constexpr int64_t kMultiple = 16;
 constexpr uintptr_t kAlignment = 16;
+
+// cuBLASLt's FP8 kernels read operands, output, bias and scales at 16-byte aligned addresses.
+void check_aligned(const TensorView& t, const char* arg) {
+  FP8AMP_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data) % kAlignment == 0, kOp, arg, " must start at a ",
+                     kAlignment, "-byte aligned address for cuBLASLt FP8 (", t.describe(),
+                     " is a view at an odd offset); call .clone() first");
+}
 
 // The row stride of a 2-D view, checked to be row-major (inner stride 1, ld >= cols) the way
 // cuBLASLt FP8 needs it.
@@ -34,9 +42,7 @@ int64_t leading_dim(const TensorView& t, const char* arg) {
                        " columns for ", t.describe());
     FP8AMP_CHECK_VALUE(ld % kMultiple == 0, kOp, arg, " row stride (leading dimension) must be a multiple of ",
                        kMultiple, " for cuBLASLt FP8, got ", ld, " for ", t.describe());
-    FP8AMP_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data) % kAlignment == 0, kOp, arg, " must start at a ",
-                       kAlignment, "-byte aligned address for cuBLASLt FP8 (", t.describe(),
-                       " is a view at an odd offset); call .clone() first");
+    check_aligned(t, arg);
   }
   return ld;
 }
@@ -49,6 +55,9 @@ void check_scale_inv(const TensorView& s, const TensorView& a, const char* arg) 
   check::dtype_is(s, DType::kFloat32, kOp, arg);
   check::numel_is(s, 1, kOp, arg);
   check::same_device(s, a, kOp, arg, "a");
+  // cuBLASLt (13.0, H200) refuses every FP8 algorithm (NOT_SUPPORTED) for a scale 4 or 8 bytes past
+  // a 16-byte boundary, such as s[1] of a larger tensor (benchmarks/cuda/gemm_algo_probe.cu).
+  check_aligned(s, arg);
 }
 
 // cuBLASLt's FP8 bias type: the output's 16-bit type, and bfloat16 for a float32 output.
@@ -95,9 +104,7 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_in
     check::contiguous(*bias, kOp, "bias");
     check::same_device(*bias, a, kOp, "bias", "a");
     // cuBLASLt's heuristic refuses (INVALID_VALUE) a bias that is less aligned, seen on an H200.
-    FP8AMP_CHECK_VALUE(reinterpret_cast<uintptr_t>(bias->data) % kAlignment == 0, kOp, "bias must start at a ",
-                       kAlignment, "-byte aligned address for cuBLASLt FP8 (", bias->describe(),
-                       " is a view at an odd offset); call .clone() first");
+    check_aligned(*bias, "bias");
   }
   FP8AMP_CHECK_VALUE(options.workspace != nullptr || options.workspace_bytes == 0, kOp,
                      "options.workspace is null but options.workspace_bytes is ",

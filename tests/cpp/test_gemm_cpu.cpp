@@ -250,7 +250,7 @@ TEST(Gemm, MatchesANaiveLoopOnRandomOperands) {
 
 struct Args {
   std::vector<uint8_t> a = std::vector<uint8_t>(64 * 64), b = std::vector<uint8_t>(64 * 64);
-  std::vector<float> sa{1.0f}, sb{1.0f}, out = std::vector<float>(64 * 64);
+  std::vector<float> sa{1.0f}, sb{1.0f}, out = std::vector<float>(64 * 64), scales = std::vector<float>(8, 1.0f);
   std::vector<uint16_t> bias = std::vector<uint16_t>(64);
   TensorView va = view(a, DType::kFloat8E4M3, {4, 32});
   TensorView vb = view(b, DType::kFloat8E4M3, {16, 32});
@@ -287,6 +287,11 @@ TEST(GemmErrors, NameTheArgumentAndTheRule) {
   expect_gemm_value_error([](Args& x) { x.vout.dtype = DType::kFloat8E4M3; }, "out must be float32, bfloat16 or float16");
   expect_gemm_value_error([](Args& x) { x.vsa.dtype = DType::kBFloat16; }, "a_scale_inv must be float32");
   expect_gemm_value_error([](Args& x) { x.vsb.shape = {0}; }, "b_scale_inv must have 1 element(s)");
+  // scales[1], scales[2]: 4 and 8 bytes past the vector's 16-byte aligned start (malloc's alignment).
+  expect_gemm_value_error([](Args& x) { x.vsb.data = x.scales.data() + 1; },
+                          "b_scale_inv must start at a 16-byte aligned address");
+  expect_gemm_value_error([](Args& x) { x.vsa.data = x.scales.data() + 2; },
+                          "a_scale_inv must start at a 16-byte aligned address");
   expect_gemm_value_error([](Args& x) { x.vbias.dtype = DType::kFloat32; x.bias_ptr = &x.vbias; },
                      "bias must be bfloat16 for a float32 out (cuBLASLt's FP8 bias type)");
   expect_gemm_value_error([](Args& x) { x.vout.dtype = DType::kFloat16; x.bias_ptr = &x.vbias; },

@@ -126,6 +126,9 @@ def test_layout_errors():
         ops.gemm(torch.zeros(65 * 32).to(E4M3)[1:2049].view(64, 32)[:4], b, one, one, torch.float32)
     with pytest.raises(ValueError, match="a_scale_inv must be float32"):
         ops.gemm(torch.zeros(4, 32).to(E4M3), b, one.bfloat16(), one, torch.float32)
+    # An element of a larger tensor, 4 bytes past its start: cuBLASLt refuses such a scale.
+    with pytest.raises(ValueError, match=r"b_scale_inv must start at a 16-byte aligned address.*\.clone\(\)"):
+        ops.gemm(torch.zeros(4, 32).to(E4M3), b, one, torch.ones(4)[1:2], torch.float32)
     with pytest.raises(ValueError, match="out must be float32, bfloat16 or float16"):
         ops.gemm(torch.zeros(4, 32).to(E4M3), b, one, one, E4M3)
 
@@ -245,6 +248,26 @@ def test_cuda_against_scaled_mm(fa, fb, out_dtype, fast_accum):
     theirs = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype,
                               use_fast_accum=fast_accum)
     assert_within_accumulation_bound(ours, theirs, a, b, sa, sb, fast_accum, sides=2)
+
+
+@pytest.mark.gpu
+def test_cuda_scales_inside_a_larger_tensor():
+    """Scales at 16-byte boundaries of one buffer work as separate tensors do; one 4 bytes further
+    (cuBLASLt refuses every FP8 algorithm for it) is refused by name before any launch."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 GEMM below compute capability 8.9")
+    g = torch.Generator().manual_seed(8)
+    a, sa = quantized(64, 128, E4M3, 1.0, g, "cuda")
+    b, sb = quantized(32, 128, E4M3, 0.1, g, "cuda")
+    separate = ops.gemm(a, b, sa, sb, torch.bfloat16)
+    packed = torch.cat([sa, sb, sa, sa, sb, sb, sb, sb, sb])  # sb at elements 1, 4..8
+    assert torch.equal(ops.gemm(a, b, packed[0:1], packed[4:5], torch.bfloat16), separate)
+    assert torch.equal(ops.gemm(a, b, packed[8:9], packed[4:5], torch.bfloat16), ops.gemm(a, b, sb, sb, torch.bfloat16))
+    for offset in (1, 5, 6, 7):
+        with pytest.raises(ValueError, match="b_scale_inv must start at a 16-byte aligned address"):
+            ops.gemm(a, b, sa, packed[offset:offset + 1], torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.equal(ops.gemm(a, b, sa, packed[1:2].clone(), torch.bfloat16), separate)
 
 
 @pytest.mark.gpu
