@@ -18,6 +18,9 @@
 // to; the remainder of an odd size is then a second launch), and a whole-chunk fast path (the
 // same code for whole aligned chunks, the general code for the last one, in one launch).
 //
+// Two more kinds of row: kPrefetch256 loads (the L2 fetches 256 bytes at once), and bulk_dequant_kernel
+// (TMA bulk copies through shared memory, described at the kernel).
+//
 // Rows: "lib" is the library's configuration in this template (static_asserts below tie it to
 // cast_cuda.cu's constants); "lib_real" is the library itself, fp8amp::cuda::dequantize, whose
 // source this file includes with common/dtype.cpp (so a difference between the single-tensor
@@ -88,6 +91,8 @@ enum Flag : unsigned {
                     // is a second launch, of lib's kernel
   kWholeFastPath = 32,  // one launch; a block whose chunk is whole and aligned takes the no-tail
                         // code, the others the general code (kNoTail without the second launch)
+  kPrefetch256 = 64,    // kNoAllocate's loads with .L2::256B: the L2 fetches the whole 256-byte
+                        // sector group that a warp's 8-byte loads cover (one DRAM burst)
 };
 
 template <int THREADS, int N, int G, int PACKS, unsigned FLAGS = 0, int MIN_BLOCKS = 1>
@@ -116,7 +121,13 @@ static_assert(fp8amp::cuda::kThreads == LibCfg::kThreads && fp8amp::cuda::kPackS
 template <unsigned FLAGS, int N>
 __device__ __forceinline__ void load_codes(const E4M3* p, int valid, bool vector_ok,
                                            uint32_t (&w)[kWords<E4M3, N>]) {
-  if constexpr ((FLAGS & kNoAllocate) != 0) {
+  if constexpr ((FLAGS & kPrefetch256) != 0) {
+    static_assert(N == 8, "the prefetching load is 8 bytes");
+    if (vector_ok && valid == N) {
+      asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+      return;
+    }
+  } else if constexpr ((FLAGS & kNoAllocate) != 0) {
     if (vector_ok && valid == N) {
       if constexpr (kWords<E4M3, N> == 2) {
         asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
@@ -206,15 +217,108 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Bulk-copy (TMA, cp.async.bulk, sm_90) variant: can the copy engine's whole-chunk transfers move
+// more bytes per second than threads' 8-byte loads and 16-byte stores? Persistent blocks (as many
+// as fit, at most one per chunk) take chunks c = blockIdx.x + i * gridDim.x of CODES codes: one
+// thread issues each chunk's bulk load into one of STAGES shared buffers (an mbarrier counts its
+// bytes), the block converts it into a shared bf16 buffer, and one thread issues its bulk store.
+// Loads run STAGES chunks ahead; a values buffer is rewritten once the store that read it (STAGES
+// chunks back) is done reading. Whole chunks only, 16-byte aligned: the rest is lib's kernel.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* full) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(full)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(full))
+               : "memory");
+}
+
+__device__ __forceinline__ void wait_full(uint64_t* full, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_addr(full)), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+template <int CODES, int STAGES>
+__global__ void __launch_bounds__(256) bulk_dequant_kernel(const E4M3* in, BF16* out, int64_t chunks,
+                                                           const float* scale_inv) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* codes_s = smem;            // STAGES x CODES bytes
+  BF16* values_s = reinterpret_cast<BF16*>(smem + STAGES * CODES);  // STAGES x CODES values
+  __shared__ __align__(8) uint64_t full[STAGES];
+  constexpr int N = 8;  // codes a thread converts at a time
+  const float factor = *scale_inv;
+  const int64_t step = gridDim.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[s])) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int s = 0; s < STAGES; ++s) {
+      const int64_t c = blockIdx.x + s * step;
+      if (c < chunks) bulk_load(codes_s + s * CODES, in + c * CODES, CODES, &full[s]);
+    }
+  }
+  __syncthreads();
+  int64_t i = 0;
+  for (int64_t c = blockIdx.x; c < chunks; c += step, ++i) {
+    const int s = static_cast<int>(i % STAGES);
+    wait_full(&full[s], static_cast<uint32_t>((i / STAGES) & 1));
+    // At most STAGES - 1 stores still reading: the one from values_s[s] is done.
+    if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(STAGES - 1) : "memory");
+    __syncthreads();
+    const unsigned char* cs = codes_s + s * CODES;
+    BF16* vs = values_s + s * CODES;
+#pragma unroll 4
+    for (int k = threadIdx.x * N; k < CODES; k += 256 * N) {
+      uint32_t x[kWords<E4M3, N>];
+      const uint2 raw = *reinterpret_cast<const uint2*>(cs + k);
+      x[0] = raw.x;
+      x[1] = raw.y;
+      float v[N];
+      decode_pack<E4M3>(x, v);
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[e] *= factor;
+      uint32_t w[kWords<BF16, N>];
+      round_pack<BF16>(v, w);
+      *reinterpret_cast<uint4*>(vs + k) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    // The values written through the generic proxy, visible to the bulk store's async proxy.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(out + c * CODES),
+                   "r"(smem_addr(vs)), "r"(static_cast<uint32_t>(2 * CODES))
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      const int64_t next = c + STAGES * step;  // codes_s[s] is free: every thread is past it
+      if (next < chunks) bulk_load(codes_s + s * CODES, in + next * CODES, CODES, &full[s]);
+    }
+  }
+  if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
 // The rows: the template's variants, the library itself, and the copy they are measured against.
 
 using KernelFn = void (*)(const E4M3*, BF16*, int64_t, const float*);
-enum class Kind { kKernel, kLibrary, kCopy };
+enum class Kind { kKernel, kLibrary, kBulk, kCopy };
 
 struct Variant {
   std::string name, config;
   Kind kind = Kind::kKernel;
-  KernelFn kernel = nullptr;
+  KernelFn kernel = nullptr;  // for kBulk, bulk_dequant_kernel (its third argument counts chunks)
+  int smem = 0;               // dynamic shared memory a block (kBulk)
   int threads = 0;
   int64_t chunk = 0;
   unsigned flags = 0;
@@ -234,10 +338,26 @@ Variant variant(const char* name) {
   if (C::kFlags & kOneWave) v.config += ", one wave";
   if (C::kFlags & kNoTail) v.config += ", no tail code";
   if (C::kFlags & kWholeFastPath) v.config += ", whole-chunk fast path";
+  if (C::kFlags & kPrefetch256) v.config += ", ld.nc.L1::no_allocate.L2::256B";
   v.kernel = dequant_kernel<C>;
   v.threads = C::kThreads;
   v.chunk = C::kChunk;
   v.flags = C::kFlags;
+  return v;
+}
+
+template <int CODES, int STAGES>
+Variant bulk_variant(const char* name) {
+  Variant v;
+  v.name = name;
+  v.config = "bulk copies, 256 thr, " + std::to_string(CODES) + "-code chunks, " + std::to_string(STAGES) +
+             " stages, persistent";
+  v.kind = Kind::kBulk;
+  v.kernel = bulk_dequant_kernel<CODES, STAGES>;
+  v.smem = 3 * CODES * STAGES;
+  v.threads = 256;
+  v.chunk = CODES;
+  v.flags = kNoTail;  // whole chunks; the rest by lib's kernel
   return v;
 }
 
@@ -277,6 +397,13 @@ std::vector<Variant> all_variants() {
       variant<Cfg<256, 8, 2, 2, kWholeFastPath>>("lib_fast"),
       variant<Cfg<256, 8, 2, 2, kWholeFastPath | kIndex32>>("lib_i32_fast"),
       variant<Cfg<128, 8, 1, 1, kWholeFastPath | kIndex32>>("t128_g1_i32_fast"),
+      variant<Cfg<256, 8, 2, 2, kPrefetch256 | kStreaming>>("lib_pf_cs"),
+      variant<Cfg<128, 8, 1, 1, kPrefetch256 | kStreaming>>("t128_g1_pf_cs"),
+      bulk_variant<4096, 4>("bulk_c4k_s4"),
+      bulk_variant<4096, 8>("bulk_c4k_s8"),
+      bulk_variant<8192, 4>("bulk_c8k_s4"),
+      bulk_variant<16384, 2>("bulk_c16k_s2"),
+      bulk_variant<2048, 8>("bulk_c2k_s8"),
   };
 }
 
@@ -298,7 +425,7 @@ int g_sms = 0;
 // The grid of variant v over n elements: one block per chunk, or at most one wave.
 unsigned grid_blocks(const Variant& v, int64_t n) {
   int64_t blocks = std::max<int64_t>(1, ceil_div(n, v.chunk));
-  if (v.flags & kOneWave) blocks = std::min<int64_t>(blocks, int64_t{v.resident} * g_sms);
+  if ((v.flags & kOneWave) || v.kind == Kind::kBulk) blocks = std::min<int64_t>(blocks, int64_t{v.resident} * g_sms);
   if (blocks > INT32_MAX) {
     std::fprintf(stderr, "dequant_sweep: %lld blocks are too many for one launch\n", static_cast<long long>(blocks));
     std::exit(1);
@@ -320,6 +447,20 @@ void run(const Variant& v, const Buffers& b, int set, cudaStream_t stream) {
       }
       if (body > 0 || !(v.flags & kNoTail)) {
         v.kernel<<<grid_blocks(v, body), v.threads, 0, stream>>>(in, out, body, b.scale_inv);
+        CUDA_CHECK(cudaGetLastError());
+      }
+      if (body < b.n) {
+        const auto tail_blocks = static_cast<unsigned>(ceil_div(b.n - body, LibCfg::kChunk));
+        dequant_kernel<LibCfg><<<tail_blocks, LibCfg::kThreads, 0, stream>>>(in + body, out + body, b.n - body,
+                                                                             b.scale_inv);
+        CUDA_CHECK(cudaGetLastError());
+      }
+      break;
+    }
+    case Kind::kBulk: {
+      const int64_t chunks = b.n / v.chunk, body = chunks * v.chunk;
+      if (chunks > 0) {
+        v.kernel<<<grid_blocks(v, body), v.threads, v.smem, stream>>>(in, out, chunks, b.scale_inv);
         CUDA_CHECK(cudaGetLastError());
       }
       if (body < b.n) {
@@ -495,13 +636,16 @@ int main_body() {
 
   std::vector<Variant> variants = all_variants();
   for (Variant& v : variants) {
-    const void* fn = v.kind == Kind::kKernel
-                         ? reinterpret_cast<const void*>(v.kernel)
-                         : reinterpret_cast<const void*>(fp8amp::cuda::multi_tensor_kernel<LibOp>);
+    const void* fn = v.kind == Kind::kLibrary
+                         ? reinterpret_cast<const void*>(fp8amp::cuda::multi_tensor_kernel<LibOp>)
+                         : reinterpret_cast<const void*>(v.kernel);
     cudaFuncAttributes attr{};
     CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
     v.regs = attr.numRegs;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.resident, fn, v.threads, 0));
+    if (v.kind == Kind::kBulk) {  // beyond 48 KB a block (static and dynamic together) needs the opt-in
+      CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
+    }
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.resident, fn, v.threads, v.smem));
   }
 
   struct Size {
