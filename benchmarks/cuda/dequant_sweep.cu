@@ -433,6 +433,14 @@ unsigned grid_blocks(const Variant& v, int64_t n) {
   return static_cast<unsigned>(blocks);
 }
 
+// Elements [body, n) by lib's kernel: the rest after a variant that takes whole chunks only.
+void run_rest(const Buffers& b, const E4M3* in, BF16* out, int64_t body, cudaStream_t stream) {
+  if (body >= b.n) return;
+  const auto blocks = static_cast<unsigned>(ceil_div(b.n - body, LibCfg::kChunk));
+  dequant_kernel<LibCfg><<<blocks, LibCfg::kThreads, 0, stream>>>(in + body, out + body, b.n - body, b.scale_inv);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 void run(const Variant& v, const Buffers& b, int set, cudaStream_t stream) {
   E4M3* in = b.in[set];
   BF16* out = b.out[set];
@@ -449,12 +457,7 @@ void run(const Variant& v, const Buffers& b, int set, cudaStream_t stream) {
         v.kernel<<<grid_blocks(v, body), v.threads, 0, stream>>>(in, out, body, b.scale_inv);
         CUDA_CHECK(cudaGetLastError());
       }
-      if (body < b.n) {
-        const auto tail_blocks = static_cast<unsigned>(ceil_div(b.n - body, LibCfg::kChunk));
-        dequant_kernel<LibCfg><<<tail_blocks, LibCfg::kThreads, 0, stream>>>(in + body, out + body, b.n - body,
-                                                                             b.scale_inv);
-        CUDA_CHECK(cudaGetLastError());
-      }
+      run_rest(b, in, out, body, stream);
       break;
     }
     case Kind::kBulk: {
@@ -463,12 +466,7 @@ void run(const Variant& v, const Buffers& b, int set, cudaStream_t stream) {
         v.kernel<<<grid_blocks(v, body), v.threads, v.smem, stream>>>(in, out, chunks, b.scale_inv);
         CUDA_CHECK(cudaGetLastError());
       }
-      if (body < b.n) {
-        const auto tail_blocks = static_cast<unsigned>(ceil_div(b.n - body, LibCfg::kChunk));
-        dequant_kernel<LibCfg><<<tail_blocks, LibCfg::kThreads, 0, stream>>>(in + body, out + body, b.n - body,
-                                                                             b.scale_inv);
-        CUDA_CHECK(cudaGetLastError());
-      }
+      run_rest(b, in, out, body, stream);
       break;
     }
     case Kind::kLibrary:

@@ -55,8 +55,8 @@ void check_scale_inv(const TensorView& s, const TensorView& a, const char* arg) 
   check::dtype_is(s, DType::kFloat32, kOp, arg);
   check::numel_is(s, 1, kOp, arg);
   check::same_device(s, a, kOp, arg, "a");
-  // cuBLASLt (13.0, H200) refuses every FP8 algorithm (NOT_SUPPORTED) for a scale 4 or 8 bytes past
-  // a 16-byte boundary, such as s[1] of a larger tensor (benchmarks/cuda/gemm_algo_probe.cu).
+  // cuBLASLt (13.0, H200) refuses every FP8 algorithm (NOT_SUPPORTED) for a scale 4, 8 or 12 bytes
+  // past a 16-byte boundary, such as s[1] of a larger tensor (benchmarks/cuda/gemm_algo_probe.cu).
   check_aligned(s, arg);
 }
 
