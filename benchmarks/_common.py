@@ -144,7 +144,8 @@ def dynamo_reset_counters() -> None:
 
 
 def dynamo_summary() -> str:
-    """'N graphs, M breaks' since the last dynamo_reset_counters(), with the first break reason."""
+    """'N graphs, M breaks' since the last dynamo_reset_counters(), with the first break reason, and
+    how many compiled graphs did not become CUDA graphs where a mode asked for them."""
     try:
         from torch._dynamo.utils import counters
 
@@ -153,6 +154,9 @@ def dynamo_summary() -> str:
         text = f"{graphs} graph{'s' if graphs != 1 else ''}, {breaks} break{'s' if breaks != 1 else ''}"
         if breaks:
             text += f" (first: {next(iter(counters['graph_break']))[:120]!r})"
+        skips = counters["inductor"].get("cudagraph_skips", 0)
+        if skips:
+            text += f", {skips} CUDA-graph skip{'s' if skips != 1 else ''} (TORCH_LOGS=perf_hints says why)"
         return text
     except Exception:  # private API: a diagnostic only
         return "dynamo counters unavailable"

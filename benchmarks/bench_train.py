@@ -22,7 +22,9 @@ gradient clipping and torch.optim.AdamW(fused=True), in these modes:
                                only each block's input is stored, with a warning)
 
 "compile" compiles each transformer block (regional compilation: one compiled graph reused by
-all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model).
+all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model),
+in torch.compile's default mode unless --compile-mode names another ("reduce-overhead": each
+compiled graph replays as a CUDA graph, which removes the launch gaps between its kernels).
 Every mode starts from the same initial weights (same seed) and sees the same batches, prepared
 on the GPU beforehand so no host-to-device copy stalls a step. Warm-up steps come first (they
 include compilation, and take fp8amp's delayed scaling past its current-scaling warm-up of
@@ -39,7 +41,7 @@ only); the O1/O2 modes add the memory formats that DESIGN §9's ≤ 0.5x memory 
 
 Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
        [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,
-        o2-fp8act,o2-fp8act-compile] [--compile-scope block|model] [--gemm-autotune]
+        o2-fp8act,o2-fp8act-compile] [--compile-scope block|model] [--compile-mode MODE] [--gemm-autotune]
 Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
 """
 
@@ -140,10 +142,10 @@ def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> R
     step_model = model
     if compiled:
         if args.compile_scope == "model":
-            step_model = torch.compile(model, dynamic=False)
+            step_model = torch.compile(model, dynamic=False, mode=args.compile_mode)
         else:
             for block in model.blocks:
-                block.compile(dynamic=False)
+                block.compile(dynamic=False, mode=args.compile_mode)
 
     saved_tensors_hooks = fp8amp.save_activations_in_fp8() if mode.fp8_activations else None
 
@@ -228,6 +230,8 @@ def main() -> None:
     parser.add_argument("--modes", type=lambda t: parse_subset(t, list(MODES)), default=DEFAULT_MODES,
                         help=", ".join(MODES))
     parser.add_argument("--compile-scope", choices=["block", "model"], default="block")
+    parser.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        default="default", help="torch.compile's mode for the compiled modes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gemm-autotune", action="store_true",
                         help="fp8amp.gemm.set_autotune(True) for the run (the fp8amp modes' GEMMs)")
@@ -282,7 +286,7 @@ def main() -> None:
     text = (f"GPT training on {torch.cuda.get_device_name()}, torch {torch.__version__}, {torchao_note}: "
             f"{n_params / 1e6:,.0f}M parameters (n_layer {cfg.n_layer}, d_model {cfg.d_model}, n_head {cfg.n_head}), "
             f"batch {args.batch} x seq {cfg.seq_len} = {tokens_per_step:,} tokens/step, AdamW(fused) lr {args.lr:g}, "
-            f"autocast bfloat16, compile per {args.compile_scope}; fp8amp GEMM autotuning "
+            f"autocast bfloat16, compile per {args.compile_scope} ({args.compile_mode} mode); fp8amp GEMM autotuning "
             f"{'on' if args.gemm_autotune else 'off'}; {args.warmup} warm-up + {args.steps} timed steps, "
             f"median step time\n\n{table(results, tokens_per_step, flops_token)}\n")
     report("train", text)
