@@ -23,6 +23,7 @@ from .linear import Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
+from .report import NumericsReport, TensorStats, numerics_report
 from . import distributed, gemm, optim
 
 __all__ = [
@@ -60,6 +61,9 @@ __all__ = [
     "OPT_LEVELS",
     "save_activations_in_fp8",
     "ACTIVATION_FORMATS",
+    "numerics_report",
+    "NumericsReport",
+    "TensorStats",
     "distributed",
     "gemm",
     "optim",

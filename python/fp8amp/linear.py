@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cast
+from . import cast, report
 from .gemm import bias_dtype, gemm
 from .formats import E4M3, E5M2
 from .scaled_tensor import ScaledTensor
@@ -109,6 +109,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
+        if report.recording():
+            report.record(input_scaling, "input", x2d, x_fp8[:rows], x_scale_inv)
+            w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
+            report.record(input_scaling, "weight", w_real, w_fp8, w_scale_inv)
         # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
         ctx.w_transpose_from = transpose_from
@@ -139,6 +143,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_bias = dbias.to(ctx.weight_dtype)
         else:
             dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(dy_in)
+        recording = report.recording()
+        if recording:
+            report.record(ctx.grad_output_scaling, "grad_output", dy2d, dy_fp8[: ctx.rows], dy_scale_inv)
         if ctx.needs_input_grad[0]:
             grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
             if padded:
@@ -150,7 +157,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # bf16 autocast half the bytes of float32 for the GEMM to write and for the current
             # scaling to read twice, before the E4M3 rounding (2^-4) that dwarfs bf16's (2^-9).
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.output_dtype)
-            grad_weight = _fp8_weight_grad(grad_weight, ctx.weight_dtype)
+            real, grad_weight = grad_weight, _fp8_weight_grad(grad_weight, ctx.weight_dtype)
+            if recording:
+                report.record(ctx.grad_output_scaling, "weight_grad", real, grad_weight._data, grad_weight._scale_inv)
         elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None
