@@ -76,27 +76,32 @@ class NumericsReport:
     """Context manager returned by :func:`numerics_report`; holds :attr:`rows` after it exits."""
 
     def __init__(self, model: nn.Module) -> None:
-        from .linear import Fp8Linear  # linear records into this module
-
         if not isinstance(model, nn.Module):
             raise TypeError(f"numerics_report: model must be an nn.Module, got {type(model).__name__}")
-        self._layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+        self._model = model
+        self._layers: list[tuple[str, nn.Module]] = []
         self._by_state: dict[int, tuple[str, nn.Module]] = {}
-        for name, m in self._layers:
-            self._by_state[id(m.input_scaling)] = (name, m)
-            self._by_state[id(m.grad_output_scaling)] = (name, m)
         self._sums: dict[tuple[str, str], torch.Tensor] = {}
         self._last: dict[tuple[str, str], tuple[torch.dtype, torch.Tensor, int]] = {}
         self.rows: list[TensorStats] = []
         self.note = ""
 
     def __enter__(self) -> "NumericsReport":
+        from .linear import Fp8Linear  # linear records into this module
+
         global _active
         if _active is not None:
             raise RuntimeError("numerics_report: another report is recording; exit it first (they do not nest)")
+        # The model as it is now (converted or not); a report can be entered again, and starts afresh.
+        self._layers = [(name, m) for name, m in self._model.named_modules() if isinstance(m, Fp8Linear)]
+        self._by_state = {}
+        for name, m in self._layers:
+            self._by_state[id(m.input_scaling)] = (name, m)
+            self._by_state[id(m.grad_output_scaling)] = (name, m)
         self._sums.clear()
         self._last.clear()
         self.rows = []
+        self.note = ""
         _active = self
         return self
 
@@ -129,17 +134,30 @@ class NumericsReport:
                          "does not record)")
             return
         keys = list(self._sums)
-        # One read back of everything (a host sync), sums first, then the scales.
-        values = [t.cpu().tolist() for t in (torch.stack([self._sums[k].cpu() for k in keys]),
-                                             torch.stack([self._last[k][1].cpu() for k in keys]))]
-        warming = {}
+        states = {}
         for name, m in self._layers:
-            for role, state in (("input", m.input_scaling), ("grad_output", m.grad_output_scaling)):
-                warming[(name, role)] = bool((state.counter < state.recipe.history_len).any().item())
+            states[(name, "input")] = m.input_scaling
+            states[(name, "grad_output")] = m.grad_output_scaling
+        device = self._sums[keys[0]].device
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
+
+        def warm_flag(key) -> torch.Tensor:  # 1 while warming up, 0 after, NaN for current scaling
+            state = states.get(key)
+            if state is None:
+                return nan
+            return (state.counter < state.recipe.history_len).any().to(device, torch.float64)
+
+        # Everything in one [keys, 10] tensor, read back once (the report's only host sync).
+        table = torch.stack([
+            torch.cat([self._sums[k].to(device), self._last[k][1].to(device, torch.float64).reshape(1),
+                       warm_flag(k).reshape(1)])
+            for k in keys
+        ]).tolist()
         order = {name: i for i, (name, _) in enumerate(self._layers)}
         rows = []
-        for key, s, scale_inv in zip(keys, values[0], values[1]):
+        for key, s in zip(keys, table):
             fmt, _, calls = self._last[key]
+            scale_inv, warm = s[_AMAX + 1], s[_AMAX + 2]
             finite = s[_NUMEL] - s[_NONFINITE]
             rows.append(TensorStats(
                 layer=key[0], role=key[1], fmt=fmt, calls=calls, numel=int(s[_NUMEL]), amax=s[_AMAX],
@@ -147,7 +165,7 @@ class NumericsReport:
                 saturated=s[_SATURATED] / finite if finite else 0.0,
                 underflow=s[_UNDERFLOW] / s[_NONZERO] if s[_NONZERO] else 0.0,
                 nonfinite=int(s[_NONFINITE]), sqnr_db=_sqnr_db(s[_SIGNAL], s[_NOISE]),
-                warming_up=warming.get(key)))
+                warming_up=None if math.isnan(warm) else bool(warm)))
         rows.sort(key=lambda r: (order[r.layer], ROLES.index(r.role)))
         self.rows = rows
 

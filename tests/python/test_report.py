@@ -158,10 +158,14 @@ def test_errors_and_models_without_fp8():
     with pytest.raises(TypeError, match="model must be an nn.Module, got int"):
         fp8amp.numerics_report(42)
     model = nn.Sequential(nn.Linear(32, 16))
-    with fp8amp.numerics_report(model) as report:
+    report = fp8amp.numerics_report(model)
+    with report:
         model(torch.randn(2, 32))
     assert report.rows == [] and "has no Fp8Linear" in report.note
     fp8amp.convert(model, policy="all")
+    with report:  # entered again: the model as it is now, from scratch
+        model(torch.randn(16, 32))
+    assert report.note == "" and [r.role for r in report.rows] == ["input", "weight"]
     with fp8amp.numerics_report(model):
         with pytest.raises(RuntimeError, match="do not nest"):
             with fp8amp.numerics_report(model):
