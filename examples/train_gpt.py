@@ -5,6 +5,7 @@
     python examples/train_gpt.py --precision O1      # O1; "fp8": FP8 GEMMs only (fp8amp.convert)
     python examples/train_gpt.py --preset small --steps 500 --compile
     python examples/train_gpt.py --fp8-activations   # also store saved activations in FP8 (eager)
+    python examples/train_gpt.py --numerics-report   # then how well each FP8 cast fits its tensor
 
 On a GPU the default preset is a ~20M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
 so that the FP8 emulation (the CPU reference kernels) finishes in a minute or two.
@@ -49,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gemm-autotune", action="store_true",
                    help="fp8amp.gemm.set_autotune(True): each FP8 GEMM keeps the fastest of cuBLASLt's first 8 "
                         "algorithms (timed on its first calls; results may differ in the last bits between runs)")
+    p.add_argument("--numerics-report", action="store_true",
+                   help="after training, one more batch (forward and backward, eager, no optimizer step) inside "
+                        "fp8amp.numerics_report: saturation, underflow and SQNR of every FP8 cast, printed")
     p.add_argument("--data", default=None, help="a text file or a directory of .py files (default: stdlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
@@ -103,6 +107,15 @@ def main() -> None:
         if step % args.log_every == 0 or step == steps:
             elapsed = time.perf_counter() - start
             print(f"step {step:5d}  loss {loss.item():.4f}  {tokens / elapsed:,.0f} tokens/s")
+
+    if args.numerics_report:
+        x, y = next(loader)
+        with fp8amp.numerics_report(model) as report:  # the uncompiled model: compiled code records nothing
+            with autocast:
+                _, report_loss = model(x, y)
+            report_loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        print(f"numerics report (one more batch, eager, no optimizer step):\n{report}")
 
     model.eval()
     val_loader = batches(val, batch, cfg.seq_len, device, seed=1234)
