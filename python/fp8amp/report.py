@@ -80,7 +80,7 @@ class NumericsReport:
             raise TypeError(f"numerics_report: model must be an nn.Module, got {type(model).__name__}")
         self._model = model
         self._layers: list[tuple[str, nn.Module]] = []
-        self._by_state: dict[int, tuple[str, nn.Module]] = {}
+        self._layer_of_state: dict[int, str] = {}  # id of an input or output-gradient ScalingState
         self._sums: dict[tuple[str, str], torch.Tensor] = {}
         self._last: dict[tuple[str, str], tuple[torch.dtype, torch.Tensor, int]] = {}
         self.rows: list[TensorStats] = []
@@ -94,10 +94,10 @@ class NumericsReport:
             raise RuntimeError("numerics_report: another report is recording; exit it first (they do not nest)")
         # The model as it is now (converted or not); a report can be entered again, and starts afresh.
         self._layers = [(name, m) for name, m in self._model.named_modules() if isinstance(m, Fp8Linear)]
-        self._by_state = {}
+        self._layer_of_state = {}
         for name, m in self._layers:
-            self._by_state[id(m.input_scaling)] = (name, m)
-            self._by_state[id(m.grad_output_scaling)] = (name, m)
+            self._layer_of_state[id(m.input_scaling)] = name
+            self._layer_of_state[id(m.grad_output_scaling)] = name
         self._sums.clear()
         self._last.clear()
         self.rows = []
@@ -112,10 +112,10 @@ class NumericsReport:
 
     def _record(self, state: nn.Module, role: str, x: torch.Tensor, codes: torch.Tensor,
                 scale_inv: torch.Tensor) -> None:
-        entry = self._by_state.get(id(state))
-        if entry is None:  # an Fp8Linear outside the reported model
+        layer = self._layer_of_state.get(id(state))
+        if layer is None:  # an Fp8Linear outside the reported model
             return
-        key = (entry[0], role)
+        key = (layer, role)
         with torch.no_grad():
             stats = _quantization_stats(x, codes, scale_inv)
             total = self._sums.get(key)

@@ -115,9 +115,11 @@ def test_micro_batches_add_up_and_rows_keep_model_order():
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 16))
     fp8amp.convert(model, policy="all")
+    other = fp8amp.convert(nn.Sequential(nn.Linear(32, 16)), policy="all")
     with fp8amp.numerics_report(model) as report:
         for _ in range(3):
             model(torch.randn(8, 32)).sum().backward()
+            other(torch.randn(8, 32)).sum().backward()  # not the reported model: not recorded
     assert [(r.layer, r.role) for r in report.rows] == [
         (layer, role) for layer in ("0", "2") for role in ("input", "weight", "grad_output")]
     first = rows_by_role(report, "0")
