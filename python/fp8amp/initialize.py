@@ -128,6 +128,7 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
             setattr(module, name, master)
+            module.fp16_master = True
         masters[param] = master
     return masters
 

@@ -180,6 +180,10 @@ class Fp8Linear(nn.Linear):
     #: element). Set by ``fp8amp.initialize(weight_grad=...)``; plain weights get grads of their dtype.
     fp8_weight_grad: bool = True
 
+    #: True once :func:`fp8amp.initialize` made the weight an FP16 master (O1/O2): the weight must
+    #: stay that ScaledTensor parameter, which its optimizer updates.
+    fp16_master: bool = False
+
     def __init__(
         self,
         in_features: int,
@@ -229,6 +233,14 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
             )
+        if self.fp16_master and not isinstance(self.weight, ScaledTensor):
+            raise RuntimeError(
+                f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
+                f"now a {type(self.weight).__name__} of {self.weight.dtype}: something replaced the parameter "
+                "(FSDP2's fully_shard does; so does load_state_dict(..., assign=True)). The optimizer that "
+                "initialize returned would update the old master and this layer would not train. O1/O2 under "
+                "FSDP2 is not supported yet; with fully_shard, use fp8amp.convert(model) (FP8 compute) before "
+                "it and build the optimizer after it (docs/distributed.md)")
         return _Fp8LinearFunction.apply(
             x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
             self.fp8_weight_grad,
