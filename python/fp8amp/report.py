@@ -176,8 +176,9 @@ class NumericsReport:
     def __str__(self) -> str:
         if not self.rows:
             return f"numerics_report: {self.note or 'nothing recorded yet'}"
-        head = "| layer | tensor | format | calls | amax | scale | saturated | underflow | SQNR dB | non-finite | warm-up |"
-        lines = [head, "|" + "---|" * 11]
+        columns = ("layer", "tensor", "format", "calls", "amax", "scale", "saturated", "underflow", "SQNR dB",
+                   "non-finite", "warm-up")
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for r in self.worst(len(self.rows)):
             warm = "" if r.warming_up is None else ("yes" if r.warming_up else "no")
             lines.append(
