@@ -20,6 +20,9 @@ Statistics are summed on the device as the steps run and read back once, when th
 They cost a few passes over every recorded tensor (float32 copies included), so the report is a
 diagnostic to run for a step or two, not to leave on.
 
+Every cast counts, so activation checkpointing's recomputed forward adds a second call of the same
+cast (the fractions and the SQNR do not change; ``calls`` and ``numel`` double).
+
 Only eager code records: inside code that ``torch.compile`` compiled nothing is recorded (and
 nothing is traced for it, so compiled graphs are unchanged). Run the steps to inspect on the
 uncompiled model; :attr:`NumericsReport.note` says when nothing was recorded.
