@@ -177,3 +177,18 @@ def test_errors_and_models_without_fp8():
         model(torch.randn(16, 32))
     model(torch.randn(16, 32))
     assert rows_by_role(report, "0")["input"].calls == 1
+
+
+def test_activation_checkpointing_counts_the_recomputed_forward():
+    from torch.utils.checkpoint import checkpoint
+
+    model = fp8amp.convert(nn.Sequential(nn.Linear(32, 16)), policy="all")
+    x = torch.randn(16, 32, requires_grad=True)
+    with fp8amp.numerics_report(model) as plain:
+        model(x).sum().backward()
+    model = fp8amp.convert(nn.Sequential(nn.Linear(32, 16)), policy="all")
+    with fp8amp.numerics_report(model) as checkpointed:
+        checkpoint(model, x, use_reentrant=False).sum().backward()
+    once, twice = rows_by_role(plain, "0")["input"], rows_by_role(checkpointed, "0")["input"]
+    assert twice.calls == 2 and twice.numel == 2 * once.numel
+    assert twice.sqnr_db == pytest.approx(once.sqnr_db) and twice.underflow == once.underflow
