@@ -3,18 +3,15 @@ converts every Linear FP8 can take. The decision logic runs on the CPU with made
 injected timer); the real CUDA-event timer is exercised on a GPU."""
 
 import logging
-import os
-import socket
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fp8amp
 from fp8amp.convert import ConversionReport, clear_timing_cache, conversion_report, decide
+from ranks import run_on_ranks
 
 convert_module = sys.modules["fp8amp.convert"]  # fp8amp.convert is the function
 
@@ -211,26 +208,16 @@ def test_bad_arguments(kwargs, error, words):
         assert word in str(info.value)
 
 
-def _rank_worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        # Rank 1 measures FP8 as slower, rank 0 as faster: both follow rank 0.
-        table = {(64, 256): (1.0, 0.5 if rank == 0 else 2.0), (256, 64): (1.0, 2.0 if rank == 0 else 0.5)}
-        m = fp8amp.convert(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), timer=FakeTimer(table))
-        results[rank] = [type(layer).__name__ for layer in m]
-    finally:
-        dist.destroy_process_group()
+def _rank_decisions(rank: int) -> list:
+    # Rank 1 measures FP8 as slower, rank 0 as faster: both follow rank 0.
+    table = {(64, 256): (1.0, 0.5 if rank == 0 else 2.0), (256, 64): (1.0, 2.0 if rank == 0 else 0.5)}
+    m = fp8amp.convert(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), timer=FakeTimer(table))
+    return [type(layer).__name__ for layer in m]
 
 
 def test_ranks_follow_rank_0_measurements():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_worker, args=(port, results), nprocs=2, join=True)
-        assert results[0] == results[1] == ["Fp8Linear", "Linear"]
+    results = run_on_ranks(_rank_decisions, 2)
+    assert results[0] == results[1] == ["Fp8Linear", "Linear"]
 
 
 @pytest.mark.gpu

@@ -7,24 +7,14 @@ next broadcast replaces them by rank 0's, so under stock DDP the delayed scales 
 data (FP8 gradient communication with amaxes reduced over the ranks is DESIGN §7's work).
 """
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fp8amp
+from ranks import run_on_ranks
 
 WORLD_SIZE = 2
 STEPS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model() -> nn.Module:
@@ -37,28 +27,19 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        model = nn.parallel.DistributedDataParallel(make_model())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(STEPS):
-            model(batch(step, rank)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            fp8amp.update_scaling(model)
-        results[rank] = {k: v.clone() for k, v in model.module.state_dict().items()}
-    finally:
-        dist.destroy_process_group()
+def train_rank(rank: int) -> dict:
+    model = nn.parallel.DistributedDataParallel(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        model(batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        fp8amp.update_scaling(model)
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
 def test_ddp_replicas_stay_identical_and_train():
-    port = free_port()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(port, results), nprocs=WORLD_SIZE, join=True)
-        states = [dict(results[r]) for r in range(WORLD_SIZE)]
+    states = run_on_ranks(train_rank, WORLD_SIZE)
     for key in ("0.weight", "0.bias", "2.weight", "2.bias", "0.input_scaling.counter"):
         assert torch.equal(states[0][key], states[1][key]), key
     # Each rank's last recorded input amax is its own batch's.
@@ -69,27 +50,21 @@ def test_ddp_replicas_stay_identical_and_train():
     assert states[0]["0.input_scaling.counter"].tolist() == [STEPS]
 
 
-def o2_worker(rank: int, port: int, results) -> None:
+def o2_rank(rank: int) -> dict:
     """O2 under stock DDP: one backward per rank; the all-reduced FP8 gradient and the weights after
     one step, from each rank."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-        model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
-        local = fp8amp.initialize(make_model(), None, "O2")[0]  # the same weights, no DDP
-        local.load_state_dict(model.state_dict())
-        local(batch(0, rank)).pow(2).mean().backward()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        ddp(batch(0, rank)).pow(2).mean().backward()
-        grad = model[0].weight.grad
-        results[rank] = dict(grad_type=type(grad).__name__, grad=grad.dequantize(),
-                             local_grad=local[0].weight.grad.dequantize())
-        opt.step()
-        results[rank] = dict(results[rank], weight=model[0].weight.dequantize())
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
+    local = fp8amp.initialize(make_model(), None, "O2")[0]  # the same weights, no DDP
+    local.load_state_dict(model.state_dict())
+    local(batch(0, rank)).pow(2).mean().backward()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp(batch(0, rank)).pow(2).mean().backward()
+    grad = model[0].weight.grad
+    result = dict(grad_type=type(grad).__name__, grad=grad.dequantize(), local_grad=local[0].weight.grad.dequantize())
+    opt.step()
+    return dict(result, weight=model[0].weight.dequantize())
 
 
 def test_ddp_with_o2_averages_fp8_gradients():
@@ -99,11 +74,7 @@ def test_ddp_with_o2_averages_fp8_gradients():
     rounded once to E4M3 (half an ulp: 2^-4 relative, or 2^-10 of the scale below the normal range),
     and the replicas stay identical. (FP8 gradient communication, DESIGN §7, is not done yet: the
     bytes on the wire are DDP's float32.)"""
-    port = free_port()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(o2_worker, args=(port, results), nprocs=WORLD_SIZE, join=True)
-        res = [dict(results[r]) for r in range(WORLD_SIZE)]
+    res = run_on_ranks(o2_rank, WORLD_SIZE)
     assert res[0]["grad_type"] == "ScaledTensor"
     mean = (res[0]["local_grad"] + res[1]["local_grad"]) / 2
     for r in res:

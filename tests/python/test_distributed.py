@@ -31,7 +31,6 @@ import datetime
 import itertools
 import math
 import os
-import socket
 from typing import NamedTuple
 
 import pytest
@@ -42,6 +41,7 @@ from torch import nn
 
 import fp8amp
 from cast_reference import assert_bits_equal
+from ranks import free_port
 from fp8amp import distributed as fd
 
 E4M3, E5M2 = fp8amp.E4M3, fp8amp.E5M2
@@ -56,12 +56,6 @@ DDP_STEPS = 3
 SLEEP_CYCLES = 10**9
 # A rank that fails leaves the others waiting in a collective: give up after this, not NCCL's 10 min.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- data

@@ -7,26 +7,16 @@ old FP16 masters while the model trained nothing; the same refusal covers
 ``load_state_dict(assign=True)``, in one process.
 """
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fp8amp
+from ranks import run_on_ranks
 
 WORLD_SIZE = 2
 STEPS = 4
 LR = 1e-2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model() -> nn.Module:
@@ -56,29 +46,20 @@ def shard(model: nn.Module) -> None:
     fully_shard(model)
 
 
-def fp8_compute_worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        model = fp8amp.convert(make_model(), policy="all")
-        shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        for step in range(STEPS):
-            loss_of(model, *batch(step, rank)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            fp8amp.update_scaling(model)
-        results[rank] = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-    finally:
-        dist.destroy_process_group()
+def fp8_compute_rank(rank: int) -> dict:
+    model = fp8amp.convert(make_model(), policy="all")
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        loss_of(model, *batch(step, rank)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        fp8amp.update_scaling(model)
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
 
 def test_fp8_compute_under_fully_shard_trains_as_one_process():
-    port = free_port()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(fp8_compute_worker, args=(port, results), nprocs=WORLD_SIZE, join=True)
-        ranks = [dict(results[r]) for r in range(WORLD_SIZE)]
+    ranks = run_on_ranks(fp8_compute_rank, WORLD_SIZE)
     # One process: both ranks' batches as micro-batches of one step (FSDP2 averages the gradients).
     model = fp8amp.convert(make_model(), policy="all")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -96,28 +77,19 @@ def test_fp8_compute_under_fully_shard_trains_as_one_process():
         assert not torch.equal(ranks[0][name], initial[name].detach()), name  # it trained
 
 
-def o2_worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+def o2_rank(rank: int) -> str:
+    model = make_model()
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2")
+    shard(model)
     try:
-        model = make_model()
-        model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2")
-        shard(model)
-        try:
-            loss_of(model, *batch(0, rank))
-            results[rank] = "no error"
-        except RuntimeError as e:
-            results[rank] = str(e)
-    finally:
-        dist.destroy_process_group()
+        loss_of(model, *batch(0, rank))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
 def test_o2_under_fully_shard_is_refused_by_name():
-    port = free_port()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(o2_worker, args=(port, results), nprocs=WORLD_SIZE, join=True)
-        messages = [results[r] for r in range(WORLD_SIZE)]
+    messages = run_on_ranks(o2_rank, WORLD_SIZE)
     for message in messages:
         assert "FP16 master (O1/O2)" in message and "fully_shard" in message, message
         assert "fp8amp.convert(model)" in message, message
