@@ -25,9 +25,8 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
-#include <limits>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <type_traits>
