@@ -165,45 +165,36 @@ class ScalingState(torch.nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_view_cache", None)
 
+    def _delayed(self, wrapper, raw_op, op: str, x: torch.Tensor, index: int):
+        """x through one cast op as tensor ``index`` (delayed scaling; current during warm-up): in
+        compiled code the public wrapper, whose argument checks Dynamo traces; in eager code the
+        raw op on the cached buffer views (host time on every Linear call)."""
+        if torch.compiler.is_compiling():
+            return wrapper(x, **self._scaling(index))
+        scale, amax, counter, _ = self._views(index)
+        r = self.recipe
+        return raw_op(_input(x, "x", op), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale)
+
     def quantize(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` as tensor ``index`` of this state; records its amax.
 
         Returns ``(out, scale_inv)``, ``scale_inv`` float32 ``[1]`` being 1 / the scale used.
         """
-        if torch.compiler.is_compiling():
-            return cast.quantize(x, **self._scaling(index))
-        scale, amax, counter, _ = self._views(index)
-        r = self.recipe
-        return _quantize(
-            _input(x, "x", "quantize"), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale
-        )
+        return self._delayed(cast.quantize, _quantize, "quantize", x, index)
 
     def cast_transpose(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` ``[..., N]`` as tensor ``index`` and transposes it; records its amax.
 
         Returns ``(out, out_t, scale_inv)``: ``out`` of ``x``'s shape, ``out_t`` ``[N, M]``.
         """
-        if torch.compiler.is_compiling():
-            return cast.cast_transpose(x, **self._scaling(index))
-        scale, amax, counter, _ = self._views(index)
-        r = self.recipe
-        return _cast_transpose(
-            _input(x, "x", "cast_transpose"), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale
-        )
+        return self._delayed(cast.cast_transpose, _cast_transpose, "cast_transpose", x, index)
 
     def cast_transpose_dbias(
         self, x: torch.Tensor, index: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like :meth:`cast_transpose`, also returning the column sums of ``x`` (float32 ``[N]``,
         :func:`fp8amp.cast_transpose_dbias`): ``(out, out_t, scale_inv, dbias)``."""
-        if torch.compiler.is_compiling():
-            return cast.cast_transpose_dbias(x, **self._scaling(index))
-        scale, amax, counter, _ = self._views(index)
-        r = self.recipe
-        return _cast_transpose_dbias(
-            _input(x, "x", "cast_transpose_dbias"), scale, amax, self.dtype, counter, r.history_len, r.margin,
-            r.pow2_scale,
-        )
+        return self._delayed(cast.cast_transpose_dbias, _cast_transpose_dbias, "cast_transpose_dbias", x, index)
 
     def cast_transpose_current(
         self, x: torch.Tensor, index: int = 0
