@@ -25,6 +25,7 @@
 // cast_cuda.cu's constants); "lib_real" is the library itself, fp8amp::cuda::dequantize, whose
 // source this file includes with common/dtype.cpp (so a difference between the single-tensor
 // template and the library's multi-tensor kernel shows).
+// Rows marked TRAFFIC ONLY are the memory roof: the same loads and stores without the conversion.
 //
 // Checks, before any timing, per size: "lib"'s output equals numerics.h's reference on the host,
 // every other row's output equals "lib"'s (memcmp), and nothing past the n outputs is written.
@@ -93,6 +94,9 @@ enum Flag : unsigned {
                         // code, the others the general code (kNoTail without the second launch)
   kPrefetch256 = 64,    // kNoAllocate's loads with .L2::256B: the L2 fetches the whole 256-byte
                         // sector group that a warp's 8-byte loads cover (one DRAM burst)
+  kTrafficOnly = 128,   // not a dequantize: the same loads and stores, each code zero-extended to 16
+                        // bits (two byte permutes a word) instead of converted, so the row measures
+                        // the memory traffic alone; its output is checked against the codes
 };
 
 template <int THREADS, int N, int G, int PACKS, unsigned FLAGS = 0, int MIN_BLOCKS = 1>
@@ -191,12 +195,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float v[N];
-        decode_pack<E4M3>(x[g], v);
-#pragma unroll
-        for (int k = 0; k < N; ++k) v[k] *= factor;
         uint32_t w[kWords<BF16, N>];
-        round_pack<BF16>(v, w);
+        if constexpr ((C::kFlags & kTrafficOnly) != 0) {
+#pragma unroll
+          for (int i = 0; i < kWords<E4M3, N>; ++i) {
+            w[2 * i] = __byte_perm(x[g][i], 0, 0x4140);  // codes 0, 1 -> 16-bit 0, 1
+            w[2 * i + 1] = __byte_perm(x[g][i], 0, 0x4342);
+          }
+        } else {
+          float v[N];
+          decode_pack<E4M3>(x[g], v);
+#pragma unroll
+          for (int k = 0; k < N; ++k) v[k] *= factor;
+          round_pack<BF16>(v, w);
+        }
         store_values<C::kFlags, N>(out + j[g], w, valid[g], kWhole || vector_ok);
       }
     }
@@ -339,6 +351,7 @@ Variant variant(const char* name) {
   if (C::kFlags & kNoTail) v.config += ", no tail code";
   if (C::kFlags & kWholeFastPath) v.config += ", whole-chunk fast path";
   if (C::kFlags & kPrefetch256) v.config += ", ld.nc.L1::no_allocate.L2::256B";
+  if (C::kFlags & kTrafficOnly) v.config += ", TRAFFIC ONLY (codes zero-extended, no conversion)";
   v.kernel = dequant_kernel<C>;
   v.threads = C::kThreads;
   v.chunk = C::kChunk;
@@ -404,6 +417,10 @@ std::vector<Variant> all_variants() {
       bulk_variant<8192, 4>("bulk_c8k_s4"),
       bulk_variant<16384, 2>("bulk_c16k_s2"),
       bulk_variant<2048, 8>("bulk_c2k_s8"),
+      // The memory roof of this access pattern: lib's and the fastest rows' loads and stores alone.
+      variant<Cfg<256, 8, 2, 2, kTrafficOnly>>("lib_traffic"),
+      variant<Cfg<256, 8, 2, 2, kNoAllocate | kStreaming | kTrafficOnly>>("lib_nc_cs_traffic"),
+      variant<Cfg<128, 8, 1, 1, kNoAllocate | kStreaming | kTrafficOnly>>("t128_g1_nc_cs_traffic"),
   };
 }
 
@@ -502,16 +519,25 @@ void check_outputs(const std::vector<Variant>& variants, const Buffers& b, const
     run(v, b, 0, stream);
     CUDA_CHECK(cudaMemcpyAsync(got.data(), b.out[0], bytes + kGuard, cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    // lib against numerics.h's reference, element by element; the others against lib's bytes.
-    const bool same = i == 0 ? std::equal(codes.begin(), codes.end(), got.begin(),
-                                          [&](uint8_t c, uint16_t o) { return lut[c] == o; })
-                             : std::memcmp(got.data(), lib.data(), bytes) == 0;
+    // lib against numerics.h's reference, element by element; a traffic-only row against the codes
+    // zero-extended; the others against lib's bytes.
+    const bool traffic = (v.flags & kTrafficOnly) != 0;
+    const auto want = [&](int64_t k) -> uint16_t {
+      return i == 0 ? lut[codes[k]] : traffic ? uint16_t{codes[k]} : lib[k];
+    };
+    const bool same = i == 0 || traffic ? [&] {
+      for (int64_t k = 0; k < b.n; ++k) {
+        if (got[k] != want(k)) return false;
+      }
+      return true;
+    }()
+                                        : std::memcmp(got.data(), lib.data(), bytes) == 0;
     if (!same) {
       int64_t e = 0;
-      const auto want = [&](int64_t k) { return i == 0 ? lut[codes[k]] : lib[k]; };
       while (got[e] == want(e)) ++e;
       std::printf("MISMATCH: %s at %s: element %lld (code 0x%02X) is 0x%04X, %s 0x%04X\n", v.name.c_str(), label,
-                  static_cast<long long>(e), codes[e], got[e], i == 0 ? "numerics.h reference" : "lib", want(e));
+                  static_cast<long long>(e), codes[e], got[e],
+                  i == 0 ? "numerics.h reference" : traffic ? "the code" : "lib", want(e));
       std::exit(1);
     }
     const uint8_t* guard = reinterpret_cast<const uint8_t*>(got.data()) + bytes;
