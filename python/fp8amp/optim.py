@@ -38,9 +38,14 @@ it, not the ones before: optim.h's "calls are independent".)
 ``_step_supports_amp_scaling``): it unscales the grads, checks them, and calls ``step()`` only
 when they are finite (that check is GradScaler's own host sync).
 
-Not supported (a ``ValueError`` names the argument): ``amsgrad=True``, ``capturable=True``,
-``differentiable=True``, a Tensor ``lr`` or ``betas``, sparse grads. ``foreach`` and ``fused``
-are accepted and ignored: the step is always one fused multi-tensor op call per param group.
+CUDA graphs: the step is always what torch calls ``capturable`` (step counts on the device, no
+host sync), so ``capturable=True`` is accepted and changes nothing, and the whole training step
+can be captured with ``torch.cuda.graph`` (docs/o1_o2.md, "CUDA graphs"). ``lr`` and the other
+hyperparameters are Python numbers, so a captured step keeps the values it was captured with.
+
+Not supported (a ``ValueError`` names the argument): ``amsgrad=True``, ``differentiable=True``, a
+Tensor ``lr`` or ``betas``, sparse grads. ``foreach`` and ``fused`` are accepted and ignored: the
+step is always one fused multi-tensor op call per param group.
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ class Adam(torch.optim.Optimizer):
         params: iterable of float32 parameters or of param-group dicts.
         lr, betas, eps, weight_decay, maximize, decoupled_weight_decay: as ``torch.optim.Adam``
             (Python numbers only).
-        amsgrad, capturable, differentiable: must be False (refused otherwise).
-        foreach, fused: accepted and ignored (the step is always fused).
+        amsgrad, differentiable: must be False (refused otherwise).
+        foreach, fused, capturable: accepted and ignored (the step is always fused, and always
+            capturable: no host sync).
         state_dtypes: ``"O1"`` (float32 moments) or ``"O2"`` (E4M3 m, FP16 v, each with a scale).
     """
 
@@ -114,7 +120,7 @@ class Adam(torch.optim.Optimizer):
         groups whose dicts came from a ``torch.optim`` optimizer)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for flag in ("amsgrad", "capturable", "differentiable"):
+        for flag in ("amsgrad", "differentiable"):
             if group[flag]:
                 raise ValueError(f"{self._name}: {flag}=True is not supported; accepted: {flag}=False")
         if group["state_dtypes"] not in STATE_DTYPES:
