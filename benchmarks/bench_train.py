@@ -20,6 +20,14 @@ gradient clipping and torch.optim.AdamW(fused=True), in these modes:
                                (docs/o1_o2.md). Compiled, AOTAutograd inlines the quantize and
                                dequantize into each block's graphs (torch >= 2.10; on an older torch
                                only each block's input is stored, with a warning)
+    ... + CUDA graph           the "-graph" modes: the whole step (forward, compiled or not,
+                               backward, clipping, optimizer, scaling update) captured once with
+                               torch.cuda.graph after the warm-up and replayed for the timed steps
+                               (torch's AdamW with capturable=True, which fp8amp's accepts too;
+                               docs/o1_o2.md, "CUDA graphs"). The learning rate is the captured one:
+                               the warm-up schedule has reached its constant by then. Peak memory is
+                               the captured step's (counters reset before the capture, which
+                               allocates what an eager step does; replays allocate nothing)
 
 "compile" compiles each transformer block (regional compilation: one compiled graph reused by
 all blocks, which keeps compile time to seconds; --compile-scope model compiles the whole model),
@@ -41,7 +49,8 @@ only); the O1/O2 modes add the memory formats that DESIGN §9's ≤ 0.5x memory 
 
 Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
        [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,
-        o2-fp8act,o2-fp8act-compile] [--compile-scope block|model] [--compile-mode MODE] [--gemm-autotune]
+        o2-fp8act,o2-fp8act-compile, and each bf16/o2 mode + "-graph"] [--compile-scope block|model]
+       [--compile-mode MODE] [--gemm-autotune]
 Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
 """
 
@@ -84,6 +93,7 @@ class Mode(NamedTuple):
     kind: str  # bf16, torchao, fp8amp, O1 or O2
     compiled: bool
     fp8_activations: bool = False  # the forward inside fp8amp.save_activations_in_fp8()
+    graphed: bool = False  # the whole step captured in one CUDA graph after the warm-up
 
 
 MODES = {
@@ -99,6 +109,13 @@ MODES = {
     "o2-compile": Mode("fp8amp O2 + compile", "O2", True),
     "o2-fp8act": Mode("fp8amp O2 + FP8 activations", "O2", False, True),
     "o2-fp8act-compile": Mode("fp8amp O2 + FP8 activations + compile", "O2", True, True),
+    "bf16-graph": Mode("bf16 eager + CUDA graph", "bf16", False, graphed=True),
+    "bf16-compile-graph": Mode("bf16 + compile + CUDA graph", "bf16", True, graphed=True),
+    "o2-graph": Mode("fp8amp O2 + CUDA graph", "O2", False, graphed=True),
+    "o2-compile-graph": Mode("fp8amp O2 + compile + CUDA graph", "O2", True, graphed=True),
+    "o2-fp8act-graph": Mode("fp8amp O2 + FP8 activations + CUDA graph", "O2", False, True, graphed=True),
+    "o2-fp8act-compile-graph": Mode("fp8amp O2 + FP8 activations + compile + CUDA graph", "O2", True, True,
+                                    graphed=True),
 }
 DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp-compile", "o1", "o2", "o2-compile", "o2-fp8act"]
 
@@ -128,7 +145,8 @@ def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> R
     model = GPT(cfg).cuda()
     if kind == "torchao":
         model = torchao_convert(model)  # swaps the Linears in place, sharing their parameters
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True,
+                                  capturable=mode.graphed)
     tokens = args.batch * cfg.seq_len  # what convert's default policy times each layer shape with
     if kind == "fp8amp":
         model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens)  # update_scaling after every step()
@@ -153,14 +171,33 @@ def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> R
         return train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule,
                           saved_tensors_hooks=saved_tensors_hooks)
 
-    for x, y in data[: args.warmup]:
-        step(x, y)
+    # A graph's warm-up runs on a side stream, as torch.cuda.graph asks.
+    warmup_stream = torch.cuda.Stream() if mode.graphed else torch.cuda.current_stream()
+    warmup_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup_stream):
+        for x, y in data[: args.warmup]:
+            step(x, y)
+    torch.cuda.current_stream().wait_stream(warmup_stream)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    if mode.graphed:
+        static_x, static_y = (t.clone() for t in data[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = step(static_x, static_y)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # noqa: F811: the replay
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+            return static_loss.clone()
+
     torch.cuda.synchronize()
     result.warmup_seconds = time.perf_counter() - t0
     if compiled:
         result.notes.append(dynamo_summary())
-
-    torch.cuda.reset_peak_memory_stats()
+    if not mode.graphed:
+        torch.cuda.reset_peak_memory_stats()
     timed = data[args.warmup:]
     starts = [torch.cuda.Event(enable_timing=True) for _ in timed]
     ends = [torch.cuda.Event(enable_timing=True) for _ in timed]
