@@ -24,7 +24,7 @@ from .convert import ConversionReport, LayerDecision, conversion_report, convert
 from .initialize import OPT_LEVELS, initialize
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from .report import NumericsReport, TensorStats, numerics_report
-from . import distributed, gemm, optim
+from . import distributed, fsdp, gemm, optim
 
 __all__ = [
     "ops",
@@ -65,6 +65,7 @@ __all__ = [
     "NumericsReport",
     "TensorStats",
     "distributed",
+    "fsdp",
     "gemm",
     "optim",
 ]

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import cast, report
 from .gemm import bias_dtype, gemm
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, FP16
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe, ScalingState
 
@@ -62,10 +62,13 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
     """(w_fp8, w_fp8_t, scale_inv, transpose_from) for the forward GEMM. A master with an E4M3
     copy (O1/O2) gives the copy itself, w_fp8_t None and what the backward makes the transpose
-    from (see _transposed_copy); otherwise both layouts come from one current-scaling cast."""
+    from (see _transposed_copy); an E4M3 weight (FSDP2's FP8 all-gather, fp8amp.fsdp) gives its
+    codes and their transpose; otherwise both layouts come from one current-scaling cast."""
     if isinstance(weight, ScaledTensor):
         if weight._fp8 is not None:
             return weight._fp8, None, weight._fp8_scale_inv, (weight._data, weight._scale_inv, weight._fp8_scale)
+        if weight.storage_format == E4M3:
+            return weight._data, weight._data.t().contiguous(), weight._scale_inv, None
         weight = weight.dequantize()
     return (*weight_scaling.cast_transpose_current(weight), None)
 
@@ -116,7 +119,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
         ctx.w_transpose_from = transpose_from
-        ctx.fp8_weight_grad = isinstance(weight, ScaledTensor) and fp8_weight_grad
+        # FP8 weight gradients are for O1/O2's FP16 masters only (not FSDP2's gathered E4M3 weight).
+        ctx.fp8_weight_grad = isinstance(weight, ScaledTensor) and weight.storage_format == FP16 and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows
         ctx.input_dtype = x.dtype

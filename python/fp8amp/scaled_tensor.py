@@ -73,6 +73,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
@@ -318,6 +319,20 @@ def _view(func, args, kwargs):
     return ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
 
 
+def _as_strided(func, args, kwargs):
+    """A contiguous view from offset 0 (what FSDP2 makes of a gathered parameter); any other
+    striding dequantizes (the fallback)."""
+    x, size, stride = args[:3]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if offset not in (None, 0) or tuple(stride) != tuple(make_contiguous_strides_for(size)):
+        return NotImplemented
+    def view(t: torch.Tensor) -> torch.Tensor:  # from t's own first element
+        return t.as_strided(size, stride, t.storage_offset())
+
+    copy = None if x._fp8 is None else (view(x._fp8), x._fp8_scale, x._fp8_scale_inv)
+    return ScaledTensor(view(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
+
+
 def _to_copy(func, args, kwargs):
     x = args[0]
     kw = dict(kwargs)
@@ -532,6 +547,7 @@ _HANDLERS = {
     aten.alias.default: _detach,
     aten.clone.default: _clone,
     aten.view.default: _view,
+    aten.as_strided.default: _as_strided,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.mul_.Tensor: _scale_op,

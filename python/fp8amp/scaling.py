@@ -21,6 +21,7 @@ import torch
 from . import cast
 from ._args import _input
 from .cast import (
+    _amax,
     _cast_transpose,
     _cast_transpose_dbias,
     _multi_update_delayed_scaling,
@@ -212,6 +213,24 @@ class ScalingState(torch.nn.Module):
         amax_now.zero_()
         r = self.recipe
         return _cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin, r.pow2_scale)
+
+    def quantize_shard(self, shard: torch.Tensor, group, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantizes one rank's shard of a tensor sharded over the process group ``group`` with the
+        scale :meth:`cast_transpose_current` gives the whole tensor: the shards' amaxes are
+        all-reduced (MAX) into column 0 of row ``index``'s history first, so every rank uses the same
+        scale and the gathered codes equal a cast of the whole tensor. Returns ``(codes,
+        scale_inv)``. A NaN amax is all-reduced as +inf (a reduction's MAX need not propagate NaN):
+        every rank then keeps the stored scale, as the whole tensor's cast would."""
+        import torch.distributed as dist
+
+        scale, amax, _, amax_now = self._views(index)
+        shard = _input(shard, "shard", "quantize_shard")
+        amax_now.zero_()
+        _amax(shard, amax_now, None, 0)
+        torch.nan_to_num_(amax_now, nan=float("inf"))
+        dist.all_reduce(amax_now, op=dist.ReduceOp.MAX, group=group)
+        r = self.recipe
+        return _quantize(shard, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin, r.pow2_scale)
 
     def update(self) -> None:
         """The delayed update of all n tensors, after the optimizer step: new scales from the

@@ -1,17 +1,23 @@
-"""FSDP2 (``fully_shard``): 2 processes on CPU with gloo (FP8 emulation).
+"""FSDP2 (``fully_shard``): 2 or 3 processes on CPU with gloo (FP8 emulation).
 
 FP8 compute (``fp8amp.convert`` before ``fully_shard``, the optimizer built after it) trains as one
-process does on both ranks' batches. O1/O2 models are refused by name at the first forward:
+process does on both ranks' batches. With ``fp8amp.fsdp.enable_fp8_all_gather`` the weights travel
+as E4M3 codes and training is bit for bit what the high-precision all-gather gives (3 ranks: the
+uneven shards of a 16-row weight, padded). O1/O2 models are refused by name at the first forward:
 ``fully_shard`` replaces each parameter, so the optimizer ``initialize`` returned would update the
 old FP16 masters while the model trained nothing; the same refusal covers
 ``load_state_dict(assign=True)``, in one process.
 """
+
+import io
 
 import pytest
 import torch
 from torch import nn
 
 import fp8amp
+from fp8amp import Fp8Linear, ScaledTensor
+from fp8amp.fsdp import Fp8AllGatherWeight, enable_fp8_all_gather
 from ranks import run_on_ranks
 
 WORLD_SIZE = 2
@@ -37,13 +43,19 @@ def loss_of(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Te
     return (model(x) - target).square().mean()
 
 
-def shard(model: nn.Module) -> None:
-    from torch.distributed.fsdp import fully_shard
+def shard(model: nn.Module, param_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
+    """fully_shard each Linear, then the model, over all ranks on ``device_type`` (FSDP2's default
+    mesh is on the GPU wherever there is one, also for gloo processes)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     for module in model:
         if isinstance(module, nn.Linear):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def fp8_compute_rank(rank: int) -> dict:
@@ -77,6 +89,107 @@ def test_fp8_compute_under_fully_shard_trains_as_one_process():
         assert not torch.equal(ranks[0][name], initial[name].detach()), name  # it trained
 
 
+def all_gather_rank(rank: int, fp8_all_gather: bool, param_dtype: torch.dtype | None = None) -> dict:
+    """STEPS steps under fully_shard; what the Linears' forwards saw as their weight, the losses,
+    and the parameters and buffers (the scaling states) at the end."""
+    model = fp8amp.convert(make_model(), policy="all")
+    if fp8_all_gather:
+        assert enable_fp8_all_gather(model) == 2
+        assert enable_fp8_all_gather(model) == 0  # already wrapped: left as they are
+    shard(model, param_dtype)
+    seen = []
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.register_forward_pre_hook(lambda m, _: seen.append(
+                (type(m.weight).__name__, m.weight.storage_format if isinstance(m.weight, ScaledTensor) else m.weight.dtype,
+                 tuple(m.weight.shape))))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = loss_of(model, *batch(step, rank))
+        loss.backward()
+        losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        fp8amp.update_scaling(model)
+    local_types = {name: type(p.to_local()).__name__ for name, p in model.named_parameters()}
+    params = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    return dict(seen=seen, losses=torch.stack(losses), params=params, buffers=buffers, local_types=local_types)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp8_all_gather_trains_bit_for_bit_as_the_high_precision_one(world):
+    fp8 = run_on_ranks(all_gather_rank, world, True)
+    plain = run_on_ranks(all_gather_rank, world, False)
+    for rank in range(world):
+        a, b = fp8[rank], plain[rank]
+        # The forwards saw the gathered E4M3 codes, at the weights' full shapes (so the hooks ran).
+        assert {s[:2] for s in a["seen"]} == {("ScaledTensor", torch.float8_e4m3fn)}, a["seen"]
+        assert {s[:2] for s in b["seen"]} == {("Parameter", torch.float32)}, b["seen"]
+        assert [s[2] for s in a["seen"]] == [s[2] for s in b["seen"]] == [(64, 32), (16, 64)] * STEPS
+        assert a["local_types"] == {"0.weight": "Fp8AllGatherWeight", "0.bias": "Tensor",
+                                    "2.weight": "Fp8AllGatherWeight", "2.bias": "Tensor"}, a["local_types"]
+        assert torch.equal(a["losses"], b["losses"]), rank
+        for kind in ("params", "buffers"):
+            assert a[kind].keys() == b[kind].keys()
+            for name in a[kind]:
+                assert type(a[kind][name]) is torch.Tensor, name
+                assert torch.equal(a[kind][name], b[kind][name]), (rank, kind, name)
+    assert not torch.equal(fp8[0]["params"]["0.weight"], make_model()[0].weight.detach())  # it trained
+
+
+def test_fp8_all_gather_with_a_bf16_param_dtype():
+    """MixedPrecisionPolicy(param_dtype=bfloat16): the high-precision all-gather rounds each weight
+    to bf16 before the layer's E4M3 cast, the FP8 one casts the float32 shard directly (one
+    rounding, not two), so the two differ by a rounding here and there; the gathered weight is
+    E4M3 with the bf16 logical dtype, and the gradients come back in bf16."""
+    fp8 = run_on_ranks(all_gather_rank, 2, True, torch.bfloat16)
+    plain = run_on_ranks(all_gather_rank, 2, False, torch.bfloat16)
+    for a, b in zip(fp8, plain):
+        assert {s[:2] for s in a["seen"]} == {("ScaledTensor", torch.float8_e4m3fn)}
+        assert {s[:2] for s in b["seen"]} == {("Parameter", torch.bfloat16)}
+        torch.testing.assert_close(a["losses"], b["losses"], rtol=2e-2, atol=0)
+        for name, value in a["params"].items():
+            assert value.dtype == torch.float32  # the sharded parameters stay float32
+            # Adam moves a weight by at most ~lr a step, whatever its gradient: the runs may part by 2 lr a step.
+            torch.testing.assert_close(value, b["params"][name], rtol=0, atol=2 * LR * STEPS)
+
+
+def test_enable_fp8_all_gather_errors():
+    with pytest.raises(TypeError, match=r"enable_fp8_all_gather: model must be an nn.Module, got list"):
+        enable_fp8_all_gather([])
+    model = make_model()
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2")
+    with pytest.raises(ValueError, match=r"0 holds an O1/O2 FP16 master.*use fp8amp.convert\(model\)"):
+        enable_fp8_all_gather(model)
+    with pytest.raises(TypeError, match=r"tensor must be a plain torch.Tensor, got str"):
+        Fp8AllGatherWeight("w", fp8amp.ScalingState(1, fp8amp.E4M3))
+    with pytest.raises(TypeError, match=r"scaling must be an fp8amp.ScalingState, got NoneType"):
+        Fp8AllGatherWeight(torch.zeros(2), None)
+
+
+def test_fp8_all_gather_weight_is_its_tensor_outside_fsdp():
+    """Without fully_shard the wrapped weight trains, saves and loads as the plain one."""
+    reference = fp8amp.convert(make_model(), policy="all")
+    model = fp8amp.convert(make_model(), policy="all")
+    enable_fp8_all_gather(model)
+    for m in (reference, model):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=LR)
+        loss_of(m, *batch(0, 0)).backward()
+        optimizer.step()
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()))
+    assert type(loaded["0.weight"]) is torch.Tensor and torch.equal(loaded["0.weight"], reference[0].weight.detach())
+    plain = make_model()
+    plain.load_state_dict({k: v for k, v in loaded.items() if "scaling" not in k})
+    assert torch.equal(plain[0].weight, reference[0].weight)
+
+
 def o2_rank(rank: int) -> str:
     model = make_model()
     model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2")
@@ -105,3 +218,40 @@ def test_a_replaced_master_is_refused_at_forward(level):
     model.load_state_dict(plain, assign=True)
     with pytest.raises(RuntimeError, match=r"weight is now a Parameter of torch.float32.*assign=True"):
         model(x)
+
+
+@pytest.mark.gpu
+def test_fp8_all_gather_on_cuda():
+    """One CUDA rank with NCCL (the 2-rank runs need a second GPU): the gathered E4M3 weight through
+    the CUDA kernels and cuBLASLt, bit for bit as with the high-precision all-gather."""
+    import torch.distributed as dist
+    from ranks import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        runs = []
+        for fp8_all_gather in (True, False):
+            model = fp8amp.convert(make_model().cuda(), policy="all")
+            if fp8_all_gather:
+                enable_fp8_all_gather(model)
+            shard(model, device_type="cuda")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for step in range(STEPS):
+                x, target = (t.cuda() for t in batch(step, 0))
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = loss_of(model, x, target)
+                loss.backward()
+                losses.append(loss.detach())
+                optimizer.step()
+                optimizer.zero_grad()
+                fp8amp.update_scaling(model)
+            runs.append((torch.stack(losses), {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+                         type(model[0].weight.to_local()).__name__))
+    finally:
+        dist.destroy_process_group()
+    (fp8_losses, fp8_params, local_type), (losses, params, _) = runs
+    assert local_type == "Fp8AllGatherWeight"
+    assert torch.equal(fp8_losses, losses)
+    for name, value in params.items():
+        assert torch.equal(fp8_params[name], value), name

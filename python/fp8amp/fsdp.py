@@ -1,0 +1,155 @@
+"""FP8 weight all-gather under FSDP2 (``fully_shard``) for FP8 compute (:func:`fp8amp.convert`).
+
+FSDP2 all-gathers each sharded weight before its layer runs, in the parameter's dtype (float32, or
+``MixedPrecisionPolicy.param_dtype``), and an :class:`~fp8amp.Fp8Linear` then casts the whole
+weight to E4M3. :func:`enable_fp8_all_gather` moves the cast before the all-gather: each rank
+quantizes its own shard and the all-gather moves 1-byte codes (a quarter of float32's bytes, half
+of bf16's). All ranks use one scale, the one the whole weight's cast would use: each shard's amax
+is all-reduced (MAX) over the shard group first, one 4-byte all-reduce a weight. So the gathered
+codes are exactly those of the cast of the whole weight, and training is bit for bit what it is
+with the high-precision all-gather (tests/python/test_fsdp.py).
+
+It works through FSDP2's all-gather extension: the weight parameter becomes an
+:class:`Fp8AllGatherWeight`, a ``torch.Tensor`` subclass that holds the weight itself (the
+parameter that FSDP2 shards, the optimizer updates and checkpoints save) and defines
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``. The gathered weight is an E4M3
+:class:`~fp8amp.ScaledTensor` that the layer's forward takes as it is.
+
+Not for O1/O2 (their FP16 masters do not survive ``fully_shard``: docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from .formats import E4M3
+from .linear import Fp8Linear
+from .scaled_tensor import ScaledTensor
+from .scaling import ScalingState
+
+__all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather"]
+
+_aten = torch.ops.aten
+
+# The ops whose results stay Fp8AllGatherWeights: those FSDP2 makes the sharded parameter with
+# (chunking, padding into a new buffer, views, device and dtype moves, detach). Any other op's result
+# is a plain tensor: optimizer states, gradients, norms.
+_PRESERVED = {
+    _aten.detach.default, _aten.view.default, _aten._unsafe_view.default, _aten.as_strided.default,
+    _aten.slice.Tensor, _aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default,
+    _aten.narrow.default, _aten.new_zeros.default, _aten.new_empty.default, _aten.empty_like.default,
+    _aten.clone.default, _aten.copy_.default, _aten._to_copy.default, _aten._pin_memory.default,
+    _aten.alias.default,
+}
+
+
+class Fp8AllGatherWeight(torch.Tensor):
+    """A Linear weight whose FSDP2 all-gather moves E4M3 codes; in every other respect the
+    high-precision tensor it wraps (``_tensor``), which ops see, the optimizer updates in place and
+    checkpoints save.
+
+    Args:
+        tensor: the weight (a plain floating-point tensor).
+        scaling: the Fp8Linear's ``weight_scaling`` state, whose recipe (margin, power-of-two
+            scales) and buffers the all-gather's cast uses, as the layer's own cast would.
+    """
+
+    _tensor: torch.Tensor
+    _scaling: ScalingState
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, scaling: ScalingState):
+        where = "fp8amp.fsdp.Fp8AllGatherWeight"
+        if not isinstance(tensor, torch.Tensor) or type(tensor) is not torch.Tensor:
+            raise TypeError(f"{where}: tensor must be a plain torch.Tensor, got {type(tensor).__name__}")
+        if not isinstance(scaling, ScalingState):
+            raise TypeError(f"{where}: scaling must be an fp8amp.ScalingState, got {type(scaling).__name__}")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, tensor.shape, strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
+            device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad)
+        self._tensor = tensor
+        self._scaling = scaling
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Fp8AllGatherWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        scaling = []
+
+        def unwrap(t: "Fp8AllGatherWeight") -> torch.Tensor:
+            scaling.append(t._scaling)
+            return t._tensor
+
+        args, kwargs = tree_map_only(Fp8AllGatherWeight, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVED:
+            return out
+        return tree_map_only(torch.Tensor, lambda t: Fp8AllGatherWeight(t, scaling[0]), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._scaling
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, scaling, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner_tensors["_tensor"], scaling)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickling (checkpoints, spawning): the plain weight.
+        return self._tensor.__reduce_ex__(protocol)
+
+    # FSDP2's all-gather extension (torch.distributed.fsdp, "fsdp_pre_all_gather").
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
+        codes, scale_inv = self._scaling.quantize_shard(self._tensor, mesh.get_group())
+        codes = codes.view(torch.uint8)
+        # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
+        padded_rows = -(-outer_size[0] // mesh.size())
+        if codes.size(0) < padded_rows:
+            codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
+        return (codes,), scale_inv
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        scale_inv = metadata
+        if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
+            out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
+            return
+        return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
+
+
+def enable_fp8_all_gather(model: nn.Module) -> int:
+    """Makes the weight of every :class:`~fp8amp.Fp8Linear` of ``model`` an
+    :class:`Fp8AllGatherWeight`, so that FSDP2 all-gathers it in E4M3; returns how many.
+
+    Call it after :func:`fp8amp.convert` and before ``fully_shard``, and build the optimizer after
+    ``fully_shard``, as FSDP2 asks. Weights that are already wrapped are left as they are.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: an Fp8Linear holds an O1/O2 FP16 master (``fp8amp.initialize``): not supported
+            under FSDP2.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable_fp8_all_gather: model must be an nn.Module, got {type(model).__name__}")
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Fp8Linear) or isinstance(module.weight, Fp8AllGatherWeight):
+            continue
+        if module.fp16_master or isinstance(module.weight, ScaledTensor):
+            raise ValueError(
+                f"enable_fp8_all_gather: {name or 'model'} holds an O1/O2 FP16 master weight (fp8amp.initialize); "
+                "the FP8 all-gather is for FP8 compute: use fp8amp.convert(model) instead")
+        weight = module.weight
+        module.weight = nn.Parameter(Fp8AllGatherWeight(weight.data, module.weight_scaling),
+                                     requires_grad=weight.requires_grad)
+        count += 1
+    return count
