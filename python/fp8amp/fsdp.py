@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_map_only
 from .formats import E4M3
 from .linear import Fp8Linear
 from .scaled_tensor import ScaledTensor
-from .scaling import ScalingState
 
 __all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather"]
 
@@ -50,27 +49,26 @@ class Fp8AllGatherWeight(torch.Tensor):
     high-precision tensor it wraps (``_tensor``), which ops see, the optimizer updates in place and
     checkpoints save.
 
+    The all-gather's cast uses the ``weight_scaling`` state (recipe and buffers) of the
+    :class:`~fp8amp.Fp8Linear` that owns the parameter, which FSDP2 passes to the hook, as the
+    layer's own cast would; the tensor holds nothing else (so ``torch.compile`` sees a plain
+    wrapper).
+
     Args:
         tensor: the weight (a plain floating-point tensor).
-        scaling: the Fp8Linear's ``weight_scaling`` state, whose recipe (margin, power-of-two
-            scales) and buffers the all-gather's cast uses, as the layer's own cast would.
     """
 
     _tensor: torch.Tensor
-    _scaling: ScalingState
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, scaling: ScalingState):
-        where = "fp8amp.fsdp.Fp8AllGatherWeight"
-        if not isinstance(tensor, torch.Tensor) or type(tensor) is not torch.Tensor:
-            raise TypeError(f"{where}: tensor must be a plain torch.Tensor, got {type(tensor).__name__}")
-        if not isinstance(scaling, ScalingState):
-            raise TypeError(f"{where}: scaling must be an fp8amp.ScalingState, got {type(scaling).__name__}")
+    def __new__(cls, tensor: torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, (Fp8AllGatherWeight, ScaledTensor)):
+            raise TypeError(f"fp8amp.fsdp.Fp8AllGatherWeight: tensor must be a plain torch.Tensor, got "
+                            f"{type(tensor).__name__}")
         self = torch.Tensor._make_wrapper_subclass(
             cls, tensor.shape, strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
             device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad)
         self._tensor = tensor
-        self._scaling = scaling
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -80,24 +78,18 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        scaling = []
-
-        def unwrap(t: "Fp8AllGatherWeight") -> torch.Tensor:
-            scaling.append(t._scaling)
-            return t._tensor
-
-        args, kwargs = tree_map_only(Fp8AllGatherWeight, unwrap, (args, kwargs or {}))
+        args, kwargs = tree_map_only(Fp8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVED:
             return out
-        return tree_map_only(torch.Tensor, lambda t: Fp8AllGatherWeight(t, scaling[0]), out)
+        return tree_map_only(torch.Tensor, Fp8AllGatherWeight, out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], self._scaling
+        return ["_tensor"], None
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, scaling, outer_size, outer_stride):
-        return Fp8AllGatherWeight(inner_tensors["_tensor"], scaling)
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner_tensors["_tensor"])
 
     def __reduce_ex__(self, protocol):
         # torch.save / pickling (checkpoints, spawning): the plain weight.
@@ -106,10 +98,13 @@ class Fp8AllGatherWeight(torch.Tensor):
     # FSDP2's all-gather extension (torch.distributed.fsdp, "fsdp_pre_all_gather").
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if not isinstance(module, Fp8Linear):
+            raise TypeError(f"fp8amp.fsdp: an Fp8AllGatherWeight must be the weight of an Fp8Linear, not of a "
+                            f"{type(module).__name__} (enable_fp8_all_gather wraps those only)")
         if mesh.ndim != 1:
             raise NotImplementedError(
                 f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
-        codes, scale_inv = self._scaling.quantize_shard(self._tensor, mesh.get_group())
+        codes, scale_inv = module.weight_scaling.quantize_shard(self._tensor, mesh.get_group())
         codes = codes.view(torch.uint8)
         # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
         padded_rows = -(-outer_size[0] // mesh.size())
@@ -149,7 +144,6 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
                 f"enable_fp8_all_gather: {name or 'model'} holds an O1/O2 FP16 master weight (fp8amp.initialize); "
                 "the FP8 all-gather is for FP8 compute: use fp8amp.convert(model) instead")
         weight = module.weight
-        module.weight = nn.Parameter(Fp8AllGatherWeight(weight.data, module.weight_scaling),
-                                     requires_grad=weight.requires_grad)
+        module.weight = nn.Parameter(Fp8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
         count += 1
     return count

@@ -89,16 +89,19 @@ def test_fp8_compute_under_fully_shard_trains_as_one_process():
         assert not torch.equal(ranks[0][name], initial[name].detach()), name  # it trained
 
 
-def all_gather_rank(rank: int, fp8_all_gather: bool, param_dtype: torch.dtype | None = None) -> dict:
-    """STEPS steps under fully_shard; what the Linears' forwards saw as their weight, the losses,
-    and the parameters and buffers (the scaling states) at the end."""
+def all_gather_rank(rank: int, fp8_all_gather: bool, param_dtype: torch.dtype | None = None,
+                    compiled: bool = False) -> dict:
+    """STEPS steps under fully_shard (the model compiled or not); what the Linears' eager forwards
+    saw as their weight, the losses, and the parameters and buffers (the scaling states) at the end."""
     model = fp8amp.convert(make_model(), policy="all")
     if fp8_all_gather:
         assert enable_fp8_all_gather(model) == 2
         assert enable_fp8_all_gather(model) == 0  # already wrapped: left as they are
     shard(model, param_dtype)
+    if compiled:
+        model.compile()
     seen = []
-    for module in model.modules():
+    for module in [] if compiled else model.modules():
         if isinstance(module, Fp8Linear):
             module.register_forward_pre_hook(lambda m, _: seen.append(
                 (type(m.weight).__name__, m.weight.storage_format if isinstance(m.weight, ScaledTensor) else m.weight.dtype,
@@ -139,6 +142,18 @@ def test_fp8_all_gather_trains_bit_for_bit_as_the_high_precision_one(world):
     assert not torch.equal(fp8[0]["params"]["0.weight"], make_model()[0].weight.detach())  # it trained
 
 
+def test_fp8_all_gather_compiled():
+    """torch.compile of the sharded model: the same bits with the FP8 and the high-precision
+    all-gather (the wrapper carries no metadata for Dynamo to guard on)."""
+    fp8 = run_on_ranks(all_gather_rank, 2, True, None, True)
+    plain = run_on_ranks(all_gather_rank, 2, False, None, True)
+    for a, b in zip(fp8, plain):
+        assert a["local_types"]["0.weight"] == "Fp8AllGatherWeight"
+        assert torch.equal(a["losses"], b["losses"])
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), name
+
+
 def test_fp8_all_gather_with_a_bf16_param_dtype():
     """MixedPrecisionPolicy(param_dtype=bfloat16): the high-precision all-gather rounds each weight
     to bf16 before the layer's E4M3 cast, the FP8 one casts the float32 shard directly (one
@@ -164,9 +179,9 @@ def test_enable_fp8_all_gather_errors():
     with pytest.raises(ValueError, match=r"0 holds an O1/O2 FP16 master.*use fp8amp.convert\(model\)"):
         enable_fp8_all_gather(model)
     with pytest.raises(TypeError, match=r"tensor must be a plain torch.Tensor, got str"):
-        Fp8AllGatherWeight("w", fp8amp.ScalingState(1, fp8amp.E4M3))
-    with pytest.raises(TypeError, match=r"scaling must be an fp8amp.ScalingState, got NoneType"):
-        Fp8AllGatherWeight(torch.zeros(2), None)
+        Fp8AllGatherWeight("w")
+    with pytest.raises(TypeError, match=r"tensor must be a plain torch.Tensor, got Fp8AllGatherWeight"):
+        Fp8AllGatherWeight(Fp8AllGatherWeight(torch.zeros(2)))
 
 
 def test_fp8_all_gather_weight_is_its_tensor_outside_fsdp():
