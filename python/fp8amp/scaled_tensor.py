@@ -326,6 +326,7 @@ def _as_strided(func, args, kwargs):
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     if offset not in (None, 0) or tuple(stride) != tuple(make_contiguous_strides_for(size)):
         return NotImplemented
+
     def view(t: torch.Tensor) -> torch.Tensor:  # from t's own first element
         return t.as_strided(size, stride, t.storage_offset())
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from . import cast
 from ._args import _input
@@ -221,8 +222,6 @@ class ScalingState(torch.nn.Module):
         scale and the gathered codes equal a cast of the whole tensor. Returns ``(codes,
         scale_inv)``. A NaN amax is all-reduced as +inf (a reduction's MAX need not propagate NaN):
         every rank then keeps the stored scale, as the whole tensor's cast would."""
-        import torch.distributed as dist
-
         scale, amax, _, amax_now = self._views(index)
         shard = _input(shard, "shard", "quantize_shard")
         amax_now.zero_()

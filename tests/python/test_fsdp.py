@@ -171,6 +171,33 @@ def test_fp8_all_gather_with_a_bf16_param_dtype():
             torch.testing.assert_close(value, b["params"][name], rtol=0, atol=2 * LR * STEPS)
 
 
+def quantize_shard_rank(rank: int, weight: torch.Tensor) -> tuple:
+    state = fp8amp.ScalingState(1, fp8amp.E4M3)
+    shard = weight.chunk(2)[rank]
+    codes, scale_inv = state.quantize_shard(shard, None)  # None: the default group, both ranks
+    return codes.view(torch.uint8), scale_inv, state.amax_history[0, 0].clone()
+
+
+@pytest.mark.parametrize("case", ["finite", "nan", "zeros"])
+def test_quantize_shard_equals_the_whole_tensors_cast(case):
+    """Each rank's codes and scale_inv are those of cast_transpose_current of the whole tensor,
+    also when one shard holds a NaN (both ranks keep the stored scale) or all is zero."""
+    weight = (torch.randn(32, 16, generator=torch.Generator().manual_seed(3)) * 5).clamp(-29, 29)
+    weight[0, 0] = 30.0  # the amax, in rank 0's shard: scale 2^floor(log2(448 / 30)) = 8
+    if case == "nan":
+        weight[20, 3] = float("nan")  # in rank 1's shard
+    elif case == "zeros":
+        weight.zero_()
+    ranks = run_on_ranks(quantize_shard_rank, 2, weight)
+    whole, _, whole_scale_inv = fp8amp.ScalingState(1, fp8amp.E4M3).cast_transpose_current(weight)
+    assert torch.equal(torch.cat([codes for codes, _, _ in ranks]), whole.view(torch.uint8))
+    expected = {"finite": 0.125, "nan": 1.0, "zeros": 1.0}[case]  # a NaN or zero amax: the stored scale, 1
+    for _, scale_inv, amax in ranks:
+        assert torch.equal(scale_inv, whole_scale_inv) and scale_inv.item() == expected
+    if case == "finite":
+        assert ranks[0][2].item() == ranks[1][2].item() == 30.0  # the whole tensor's amax on both ranks
+
+
 def test_enable_fp8_all_gather_errors():
     with pytest.raises(TypeError, match=r"enable_fp8_all_gather: model must be an nn.Module, got list"):
         enable_fp8_all_gather([])

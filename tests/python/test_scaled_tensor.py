@@ -392,3 +392,17 @@ def test_fp8_copy_travels_and_stays_current():
             write(x)
         assert current(x)
     assert x.drop_fp8_copy().fp8_copy is None
+
+
+def test_as_strided_keeps_a_contiguous_view_scaled():
+    """FSDP2 makes its gathered parameter with as_strided: a contiguous view from the first element
+    stays a ScaledTensor over the same codes; any other striding dequantizes (a plain tensor)."""
+    x = torch.randn(6, 4)
+    st = ScaledTensor.from_tensor(x, fp8amp.E4M3)
+    head = torch.as_strided(st, (4, 4), (4, 1))
+    assert isinstance(head, ScaledTensor) and head._data.data_ptr() == st._data.data_ptr()
+    assert torch.equal(head.dequantize(), st.dequantize()[:4])
+    strided = torch.as_strided(st, (2, 4), (8, 1))
+    assert type(strided) is torch.Tensor and torch.equal(strided, st.dequantize()[0:4:2])
+    shifted = torch.as_strided(st, (2, 4), (4, 1), 4)
+    assert type(shifted) is torch.Tensor and torch.equal(shifted, st.dequantize()[1:3])
