@@ -7,6 +7,13 @@
     python examples/train_gpt.py --fp8-activations   # also store saved activations in FP8 (eager)
     python examples/train_gpt.py --numerics-report   # then how well each FP8 cast fits its tensor
 
+Many processes (one a GPU, or CPU processes with gloo), launched by torchrun:
+
+    torchrun --nproc-per-node=8 examples/train_gpt.py                    # DDP, O2
+    torchrun --nproc-per-node=8 examples/train_gpt.py --fp8-allreduce    # DDP, FP8 on the wire
+    torchrun --nproc-per-node=8 examples/train_gpt.py --parallel fsdp --precision fp8
+                                                     # FSDP2, weights all-gathered in E4M3
+
 On a GPU the default preset is a ~20M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
 so that the FP8 emulation (the CPU reference kernels) finishes in a minute or two.
 """
@@ -16,9 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
@@ -53,21 +62,50 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--numerics-report", action="store_true",
                    help="after training, one more batch (forward and backward, eager, no optimizer step) inside "
                         "fp8amp.numerics_report: saturation, underflow and SQNR of every FP8 cast, printed")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                   help="under torchrun: DDP (default; every precision) or FSDP2's fully_shard (fp8 and bf16: "
+                        "O1/O2's FP16 masters are not supported under FSDP2 yet)")
+    p.add_argument("--fp8-allreduce", action="store_true",
+                   help="DDP: fp8amp.distributed.fp8_allreduce_hook (FP8 gradients on the wire)")
+    p.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false",
+                   help="FSDP2 with --precision fp8: all-gather the weights in their own dtype instead of E4M3 "
+                        "(fp8amp.fsdp.enable_fp8_all_gather, the default)")
     p.add_argument("--data", default=None, help="a text file or a directory of .py files (default: stdlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     return p.parse_args()
 
 
+def join_processes(args) -> tuple[int, int, torch.device]:
+    """Under torchrun (WORLD_SIZE > 1), joins the process group: NCCL with one GPU a process,
+    gloo on CPUs. Returns (rank, world size, this process's device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device)
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
 def main() -> None:
     args = parse_args()
-    device = torch.device(args.device)
+    rank, world, device = join_processes(args)
+    fsdp = world > 1 and args.parallel == "fsdp"
+    if fsdp and args.precision in fp8amp.OPT_LEVELS:
+        raise SystemExit(f"train_gpt: --parallel fsdp takes --precision fp8 or bf16; {args.precision}'s FP16 master "
+                         "weights are not supported under FSDP2 yet (docs/distributed.md)")
+    if args.fp8_allreduce and (world == 1 or fsdp):
+        raise SystemExit("train_gpt: --fp8-allreduce is for DDP: launch with torchrun --nproc-per-node=N (N > 1)")
+    log = print if rank == 0 else (lambda *a, **k: None)
     preset = PRESETS[args.preset or ("small" if device.type == "cuda" else "tiny")]
     cfg: GPTConfig = preset["model"]
     steps = args.steps or preset["steps"]
     batch = args.batch or preset["batch"]
     lr = args.lr or preset["lr"]
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     fp8amp.gemm.set_autotune(args.gemm_autotune)
 
     data = load_text_bytes(args.data)
@@ -75,54 +113,82 @@ def main() -> None:
     train, val = data[:split], data[split:]
 
     model = GPT(cfg).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-    if args.precision in fp8amp.OPT_LEVELS:
-        model, optimizer = fp8amp.initialize(model, optimizer, opt_level=args.precision, policy=args.policy,
-                                             tokens=batch * cfg.seq_len)
-    elif args.precision == "fp8":
-        model = fp8amp.convert(model, optimizer=optimizer, policy=args.policy, tokens=batch * cfg.seq_len)
+    tokens_per_rank = batch * cfg.seq_len
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        if args.precision == "fp8":
+            fp8amp.convert(model, policy=args.policy, tokens=tokens_per_rank)
+            if args.fp8_all_gather:
+                fp8amp.fsdp.enable_fp8_all_gather(model)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        # FSDP2 replaced the parameters: the optimizer comes after it, then the scaling-update hook.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if args.precision == "fp8":
+            optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if args.precision in fp8amp.OPT_LEVELS:
+            model, optimizer = fp8amp.initialize(model, optimizer, opt_level=args.precision, policy=args.policy,
+                                                 tokens=tokens_per_rank)
+        elif args.precision == "fp8":
+            model = fp8amp.convert(model, optimizer=optimizer, policy=args.policy, tokens=tokens_per_rank)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # after initialize: it holds the optimizer
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
     converted = sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())
+    core = model  # the GPT itself (the report and the parameter count look at it)
+    if world > 1 and not fsdp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if args.fp8_allreduce:
+            from fp8amp.distributed import FP8CommState, fp8_allreduce_hook
+
+            model.register_comm_hook(FP8CommState(), fp8_allreduce_hook)
     step_model = torch.compile(model) if args.compile else model
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     )
-    print(
-        f"{args.precision} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU emulation'}): "
-        f"{model.num_parameters() / 1e6:.1f}M parameters, {converted} FP8 Linears, {len(data) / 1e6:.1f} MB of text, "
-        f"batch {batch} x {cfg.seq_len}, {steps} steps"
+    parallel = f", {world} processes ({'FSDP2' if fsdp else 'DDP'})" if world > 1 else ""
+    log(
+        f"{args.precision} on {device.type} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU emulation'}"
+        f"{parallel}): {core.num_parameters() / 1e6:.1f}M parameters, {converted} FP8 Linears, "
+        f"{len(data) / 1e6:.1f} MB of text, batch {batch} x {cfg.seq_len} a process, {steps} steps"
     )
 
     saved_activations = fp8amp.save_activations_in_fp8() if args.fp8_activations else None
-    loader = batches(train, batch, cfg.seq_len, device, seed=args.seed)
+    loader = batches(train, batch, cfg.seq_len, device, seed=args.seed + rank)
     tokens = 0
     start = time.perf_counter()
     for step in range(1, steps + 1):
         x, y = next(loader)
         loss = train_step(model, optimizer, x, y, forward=step_model, scheduler=schedule,
                           saved_tensors_hooks=saved_activations)
-        tokens += x.numel()
+        tokens += x.numel() * world
         if step % args.log_every == 0 or step == steps:
             elapsed = time.perf_counter() - start
-            print(f"step {step:5d}  loss {loss.item():.4f}  {tokens / elapsed:,.0f} tokens/s")
+            log(f"step {step:5d}  loss {loss.item():.4f}  {tokens / elapsed:,.0f} tokens/s")
 
     if args.numerics_report:
         x, y = next(loader)
-        with fp8amp.numerics_report(model) as report:  # the uncompiled model: compiled code records nothing
+        with fp8amp.numerics_report(core) as report:  # the uncompiled model: compiled code records nothing
             with autocast:
                 _, report_loss = model(x, y)
             report_loss.backward()
         optimizer.zero_grad(set_to_none=True)
-        print(f"numerics report (one more batch, eager, no optimizer step):\n{report}")
+        log(f"numerics report (one more batch, eager, no optimizer step{', rank 0' if world > 1 else ''}):\n{report}")
 
     model.eval()
     val_loader = batches(val, batch, cfg.seq_len, device, seed=1234)
     with torch.no_grad(), autocast:
         val_loss = sum(step_model(*next(val_loader))[1].item() for _ in range(8)) / 8
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a"
-    print(f"final: train loss {loss.item():.4f}, val loss {val_loss:.4f}, peak memory {peak}")
+    log(f"final: train loss {loss.item():.4f}, val loss {val_loss:.4f}, peak memory {peak}")
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
