@@ -11,8 +11,8 @@ Many processes (one a GPU, or CPU processes with gloo), launched by torchrun:
 
     torchrun --nproc-per-node=8 examples/train_gpt.py                    # DDP, O2
     torchrun --nproc-per-node=8 examples/train_gpt.py --fp8-allreduce    # DDP, FP8 on the wire
-    torchrun --nproc-per-node=8 examples/train_gpt.py --parallel fsdp --precision fp8
-                                                     # FSDP2, weights all-gathered in E4M3
+    torchrun --nproc-per-node=8 examples/train_gpt.py --parallel fsdp
+                        # FSDP2, O2: masters and states sharded, weights all-gathered in E4M3
 
 On a GPU the default preset is a ~20M-parameter GPT (seq 512); on a CPU-only machine a tiny one,
 so that the FP8 emulation (the CPU reference kernels) finishes in a minute or two.
@@ -63,8 +63,8 @@ def parse_args() -> argparse.Namespace:
                    help="after training, one more batch (forward and backward, eager, no optimizer step) inside "
                         "fp8amp.numerics_report: saturation, underflow and SQNR of every FP8 cast, printed")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
-                   help="under torchrun: DDP (default; every precision) or FSDP2's fully_shard (fp8 and bf16: "
-                        "O1/O2's FP16 masters are not supported under FSDP2 yet)")
+                   help="under torchrun: DDP (default) or FSDP2's fully_shard (O1/O2: FP16 masters and optimizer "
+                        "states sharded; every FP8 precision: weights all-gathered in E4M3)")
     p.add_argument("--fp8-allreduce", action="store_true",
                    help="DDP: fp8amp.distributed.fp8_allreduce_hook (FP8 gradients on the wire)")
     p.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false",
@@ -94,9 +94,6 @@ def main() -> None:
     args = parse_args()
     rank, world, device = join_processes(args)
     fsdp = world > 1 and args.parallel == "fsdp"
-    if fsdp and args.precision in fp8amp.OPT_LEVELS:
-        raise SystemExit(f"train_gpt: --parallel fsdp takes --precision fp8 or bf16; {args.precision}'s FP16 master "
-                         "weights are not supported under FSDP2 yet (docs/distributed.md)")
     if args.fp8_allreduce and (world == 1 or fsdp):
         raise SystemExit("train_gpt: --fp8-allreduce is for DDP: launch with torchrun --nproc-per-node=N (N > 1)")
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -117,7 +114,9 @@ def main() -> None:
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        if args.precision == "fp8":
+        if args.precision in fp8amp.OPT_LEVELS:  # the masters, sharded below with their scales
+            model, _ = fp8amp.initialize(model, opt_level=args.precision, policy=args.policy, tokens=tokens_per_rank)
+        elif args.precision == "fp8":
             fp8amp.convert(model, policy=args.policy, tokens=tokens_per_rank)
             if args.fp8_all_gather:
                 fp8amp.fsdp.enable_fp8_all_gather(model)
@@ -125,8 +124,12 @@ def main() -> None:
             fully_shard(block)
         fully_shard(model)
         # FSDP2 replaced the parameters: the optimizer comes after it, then the scaling-update hook.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-        if args.precision == "fp8":
+        if args.precision in fp8amp.OPT_LEVELS:
+            optimizer = fp8amp.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95),
+                                           state_dtypes=args.precision)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if args.precision != "bf16":
             optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))

@@ -15,7 +15,9 @@ parameter that FSDP2 shards, the optimizer updates and checkpoints save) and def
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``. The gathered weight is an E4M3
 :class:`~fp8amp.ScaledTensor` that the layer's forward takes as it is.
 
-Not for O1/O2 (their FP16 masters do not survive ``fully_shard``: docs/distributed.md).
+O1/O2 masters (:class:`~fp8amp.ScaledTensor`) take the same all-gather through ScaledTensor's own
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, which call :func:`pre_all_gather` and
+:func:`post_all_gather` below (docs/distributed.md, "FSDP2").
 """
 
 from __future__ import annotations
@@ -98,27 +100,38 @@ class Fp8AllGatherWeight(torch.Tensor):
     # FSDP2's all-gather extension (torch.distributed.fsdp, "fsdp_pre_all_gather").
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not isinstance(module, Fp8Linear):
-            raise TypeError(f"fp8amp.fsdp: an Fp8AllGatherWeight must be the weight of an Fp8Linear, not of a "
-                            f"{type(module).__name__} (enable_fp8_all_gather wraps those only)")
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
-        codes, scale_inv = module.weight_scaling.quantize_shard(self._tensor, mesh.get_group())
-        codes = codes.view(torch.uint8)
-        # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
-        padded_rows = -(-outer_size[0] // mesh.size())
-        if codes.size(0) < padded_rows:
-            codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
-        return (codes,), scale_inv
+        return pre_all_gather(self._tensor, mesh, outer_size, module)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        (data,) = all_gather_outputs
-        scale_inv = metadata
-        if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
-            out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
-            return
-        return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+
+def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module) -> tuple:
+    """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear): this rank's shard
+    (real values) as E4M3 codes with the whole weight's scale, padded to the first rank's shard
+    size, and that scale's inverse."""
+    if not isinstance(module, Fp8Linear):
+        raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
+                        f"{type(module).__name__}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
+    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
+    codes = codes.view(torch.uint8)
+    # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
+    padded_rows = -(-outer_size[0] // mesh.size())
+    if codes.size(0) < padded_rows:
+        codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
+    return (codes,), scale_inv
+
+
+def post_all_gather(all_gather_outputs, scale_inv: torch.Tensor, param_dtype: torch.dtype, out=None):
+    """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
+    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are."""
+    (data,) = all_gather_outputs
+    if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
+        out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
+        return None
+    return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
 
 
 def enable_fp8_all_gather(model: nn.Module) -> int:
@@ -130,8 +143,8 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: an Fp8Linear holds an O1/O2 FP16 master (``fp8amp.initialize``): not supported
-            under FSDP2.
+        ValueError: an Fp8Linear holds an O1/O2 FP16 master (``fp8amp.initialize``): masters are
+            all-gathered in E4M3 without this call.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_fp8_all_gather: model must be an nn.Module, got {type(model).__name__}")
@@ -141,8 +154,8 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
             continue
         if module.fp16_master or isinstance(module.weight, ScaledTensor):
             raise ValueError(
-                f"enable_fp8_all_gather: {name or 'model'} holds an O1/O2 FP16 master weight (fp8amp.initialize); "
-                "the FP8 all-gather is for FP8 compute: use fp8amp.convert(model) instead")
+                f"enable_fp8_all_gather: {name or 'model'} holds an O1/O2 FP16 master weight (fp8amp.initialize), "
+                "which fully_shard all-gathers in E4M3 without this call; it is for FP8 compute (fp8amp.convert)")
         weight = module.weight
         module.weight = nn.Parameter(Fp8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
         count += 1

@@ -80,7 +80,8 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-        extra = " (O3, FP8 weights sharded with FSDP2, is not implemented yet)" if opt_level == "O3" else ""
+        extra = (" (O3's sharding: O1/O2 under FSDP2's fully_shard, docs/distributed.md)" if opt_level == "O3"
+                 else "")
         raise ValueError(f"initialize: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
                          f"got {opt_level!r}{extra}")
     if weight_grad not in WEIGHT_GRADS:
@@ -96,6 +97,9 @@ def initialize(
             module.fp8_weight_grad = weight_grad == "fp8"
     if optimizer is None:
         return model, None
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.master_optimizer_built = True  # see Fp8Linear.forward: FSDP2 would orphan it
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
     new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
     return model, new_optimizer

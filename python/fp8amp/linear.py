@@ -188,6 +188,10 @@ class Fp8Linear(nn.Linear):
     #: stay that ScaledTensor parameter, which its optimizer updates.
     fp16_master: bool = False
 
+    #: True when :func:`fp8amp.initialize` also built the optimizer over the masters: FSDP2's
+    #: ``fully_shard`` then replaces the masters that optimizer holds.
+    master_optimizer_built: bool = False
+
     def __init__(
         self,
         in_features: int,
@@ -237,18 +241,32 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
             )
-        if self.fp16_master and not isinstance(self.weight, ScaledTensor):
-            raise RuntimeError(
-                f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
-                f"now a {type(self.weight).__name__} of {self.weight.dtype}: something replaced the parameter "
-                "(FSDP2's fully_shard does; so does load_state_dict(..., assign=True)). The optimizer that "
-                "initialize returned would update the old master and this layer would not train. O1/O2 under "
-                "FSDP2 is not supported yet; with fully_shard, use fp8amp.convert(model) (FP8 compute) before "
-                "it and build the optimizer after it (docs/distributed.md)")
+        if self.fp16_master:
+            self._check_master()
         return _Fp8LinearFunction.apply(
             x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
             self.fp8_weight_grad,
         )
+
+    def _check_master(self) -> None:
+        """Refuses a forward whose O1/O2 master the optimizer no longer updates: a weight that is
+        not a ScaledTensor any more (load_state_dict(..., assign=True) replaced it), or one that
+        FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
+        does not hold (fully_shard replaced them after that optimizer was built)."""
+        weight = self.weight
+        if not isinstance(weight, ScaledTensor):
+            raise RuntimeError(
+                f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
+                f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "
+                "load_state_dict(..., assign=True)). The optimizer that initialize returned would update the old "
+                "master and this layer would not train; load without assign=True")
+        if weight.storage_format == E4M3 and self.master_optimizer_built:
+            raise RuntimeError(
+                "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "
+                "optimizer over the unsharded masters: that optimizer would update the old masters and the model "
+                "would not train. Under FSDP2: model, _ = fp8amp.initialize(model, opt_level=...) without an "
+                "optimizer, then fully_shard, then build fp8amp.optim.AdamW(model.parameters(), state_dtypes=...) "
+                "and register fp8amp.update_scaling(model) after its step (docs/distributed.md)")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The real values of a ScaledTensor weight (O1/O2), loadable into an ``nn.Linear``."""

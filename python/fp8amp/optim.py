@@ -55,6 +55,11 @@ from collections import defaultdict
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: no DTensor params
+    DTensor = ()
+
 from .cast import multi_amax
 from .formats import E4M3, FP16
 from .scaled_tensor import ScaledTensor
@@ -127,7 +132,7 @@ class Adam(torch.optim.Optimizer):
             raise ValueError(f"{self._name}: state_dtypes must be one of {', '.join(map(repr, STATE_DTYPES))}; "
                              f"got {group['state_dtypes']!r}")
         self._check_hyper(group)
-        for i, p in enumerate(group["params"]):
+        for i, p in enumerate(map(_local, group["params"])):
             if isinstance(p, ScaledTensor):
                 if p.storage_format != FP16:
                     raise ValueError(
@@ -157,7 +162,8 @@ class Adam(torch.optim.Optimizer):
     # --------------------------------------------------------------------------------------------
     # State
 
-    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+    def _init_state(self, param: torch.Tensor, state: dict, group: dict) -> None:
+        p = _local(param)  # states of a sharded (FSDP2) param: of this rank's shard, plain tensors
         m_dtype, v_dtype = STATE_DTYPES[group["state_dtypes"]]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
@@ -168,7 +174,7 @@ class Adam(torch.optim.Optimizer):
         if v_dtype != torch.float32:
             for key in ("exp_avg_sq_scale", "exp_avg_sq_scale_inv"):
                 state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
-        self._cohorts[p] = 0  # cohort 0: step count 0
+        self._cohorts[param] = 0  # cohort 0: step count 0
 
     def _cohort_key(self, p: torch.Tensor) -> object:
         """Params with the same key have the same step count. The op takes one step tensor per
@@ -261,7 +267,7 @@ class Adam(torch.optim.Optimizer):
                 continue
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
             for p in itertools.chain.from_iterable(lists):
-                g = p.grad
+                g = _local(p.grad)
                 if isinstance(g, ScaledTensor):
                     # fp8amp's FP8 gradients carry a non-finite scale_inv when any element is
                     # non-finite (ScaledTensor.from_tensor(nan_if_nonfinite=True),
@@ -279,8 +285,10 @@ class Adam(torch.optim.Optimizer):
             found[device] = torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
         return found
 
-    def _call(self, group: dict, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-        states = [self.state[p] for p in params]
+    def _call(self, group: dict, sharded: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        states = [self.state[p] for p in sharded]
+        params = [_local(p) for p in sharded]
+        grads_of = {id(p): _local(q.grad) for p, q in zip(params, sharded)}
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"{self._name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
@@ -296,7 +304,7 @@ class Adam(torch.optim.Optimizer):
             data.append(p._data if scaled else p)
             param_scales.append(next(master_scales) if scaled else None)
             param_scale_invs.append(p._scale_inv if scaled else None)
-            g = p.grad
+            g = grads_of[id(p)]
             grads.append(g._data if isinstance(g, ScaledTensor) else g.contiguous())
             grad_scale_invs.append(g._scale_inv if isinstance(g, ScaledTensor) else None)
         steps = [s["step"] for s in states]
@@ -314,6 +322,13 @@ class Adam(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(p)
         if len(steps) > 1:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+
+
+def _local(t):
+    """This rank's shard of a DTensor (an FSDP2 parameter or gradient), or t itself. The fused op
+    works shard by shard: Adam is element-wise, and each shard of an O1/O2 master has its own
+    scale."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _or_empty(entries: list) -> list:

@@ -15,12 +15,16 @@ Semantics of ops (``__torch_dispatch__``):
   ``detach``, ``alias``, ``view`` (contiguous reshape; shares ``_data`` storage *and* the
   ``_scale_inv`` tensor, so in-place ops through the view reach the base, as for any view),
   ``clone`` (copies both), ``_to_copy`` that only changes the device (``.to(device)``, ``.cpu()``,
-  ``.cuda()``: moves both inner tensors; the codes are not touched).
+  ``.cuda()``: moves both inner tensors; the codes are not touched); row views (slicing or
+  ``split``/``chunk``/``narrow`` along dim 0, step 1): views of the codes at the tensor's scale
+  (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's scale. (FSDP2 shards an
+  O1/O2 master with these: fp8amp.fsdp.)
 * In place, supported:
   ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
   (amax -> pow2 scale -> quantize, no host sync); ``copy_(ScaledTensor)`` of the same storage
   format and shape: copies ``_data`` and ``_scale_inv`` bit for bit (another format: re-quantizes
-  its real values);
+  its real values). Into a row view, which shares its scale with the rest of the tensor, ``copy_``
+  keeps that scale and quantizes ``src``'s real values at it (saturating);
   ``mul_(s)`` / ``div_(s)`` with ``s`` a Python number or a 0-dim real tensor (e.g. the clip
   coefficient of ``clip_grad_norm_``): O(1), only ``_scale_inv`` changes, the codes are untouched
   (what MS-AMP does for unscale and world-size averaging). ``_scale_inv * s`` is computed in float32,
@@ -50,7 +54,7 @@ Semantics of ops (``__torch_dispatch__``):
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
   plain tensors, returning plain tensors: printing, arithmetic, comparisons, norms over some
   dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
-  than ``view``/``detach``/``alias`` (``t()``, ``transpose``, slicing) go through this path too, so
+  than those above (``t()``, ``transpose``, column slices, steps) go through this path too, so
   they return a dequantized *copy*, not an alias: writing into that copy does not reach the
   ScaledTensor.
 
@@ -141,6 +145,7 @@ class ScaledTensor(torch.Tensor):
     _fp8: torch.Tensor | None
     _fp8_scale: torch.Tensor | None
     _fp8_scale_inv: torch.Tensor | None
+    _partial: bool
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -165,6 +170,7 @@ class ScaledTensor(torch.Tensor):
         self._data = data
         self._scale_inv = scale_inv
         self._fp8, self._fp8_scale, self._fp8_scale_inv = fp8_copy if fp8_copy is not None else (None, None, None)
+        self._partial = False  # a row view of part of another ScaledTensor, sharing its scale
         if self._fp8 is not None and (self._fp8.dtype != E4M3 or self._fp8.shape != data.shape
                                       or self._fp8.device != data.device):
             raise ValueError(f"{where}: fp8_copy codes must be float8_e4m3fn of data's shape and device")
@@ -263,6 +269,20 @@ class ScaledTensor(torch.Tensor):
         shown = scale_inv if is_fake(scale_inv) or scale_inv.is_meta else scale_inv.item()
         return f"ScaledTensor({real!r}, format={self._data.dtype}, scale_inv={shown!r})"
 
+    # ------------------------------------------------------------------ FSDP2 (fp8amp.fsdp)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2's all-gather extension for an O1/O2 master sharded by ``fully_shard``: this rank's
+        shard of real values goes out as E4M3 codes with the whole weight's scale (fp8amp.fsdp)."""
+        from . import fsdp
+
+        return fsdp.pre_all_gather(self.dequantize(torch.float32), mesh, outer_size, module)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from . import fsdp
+
+        return fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
     # ------------------------------------------------------------------ torch.compile support
 
     def __tensor_flatten__(self):
@@ -302,7 +322,9 @@ class ScaledTensor(torch.Tensor):
 
 def _detach(func, args, kwargs):
     (x,) = args
-    return ScaledTensor(func(x._data), func(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(func))
+    out = ScaledTensor(func(x._data), func(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(func))
+    out._partial = x._partial
+    return out
 
 
 def _clone(func, args, kwargs):
@@ -316,7 +338,9 @@ def _clone(func, args, kwargs):
 def _view(func, args, kwargs):
     x, size = args
     copy = None if x._fp8 is None else (x._fp8.view(size), x._fp8_scale, x._fp8_scale_inv)
-    return ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
+    out = ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
+    out._partial = x._partial
+    return out
 
 
 def _as_strided(func, args, kwargs):
@@ -332,6 +356,40 @@ def _as_strided(func, args, kwargs):
 
     copy = None if x._fp8 is None else (view(x._fp8), x._fp8_scale, x._fp8_scale_inv)
     return ScaledTensor(view(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
+
+
+def _row_view(x: "ScaledTensor", fn) -> "ScaledTensor":
+    """fn (a view of whole rows, contiguous) of the codes and of the E4M3 copy's codes, sharing the
+    scales; marked partial unless it covers all of x (see _copy_)."""
+    copy = None if x._fp8 is None else (fn(x._fp8), x._fp8_scale, x._fp8_scale_inv)
+    view = ScaledTensor(fn(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
+    view._partial = x._partial or view.shape != x.shape
+    return view
+
+
+def _split(func, args, kwargs):
+    x, size = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if dim != 0:
+        return NotImplemented
+    return [_row_view(x, lambda t, k=k: t.split(size)[k]) for k in range(len(x._data.split(size)))]
+
+
+def _slice(func, args, kwargs):
+    x = args[0]
+    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+    if dim != 0 or step != 1 or kwargs:
+        return NotImplemented
+    return _row_view(x, lambda t: t[start:end])
+
+
+def _new_zeros(func, args, kwargs):
+    """Zeros of another shape with this tensor's scale (FSDP2's padded shard), without an E4M3 copy."""
+    x, size = args[0], args[1]
+    if set(kwargs) - {"device", "dtype", "layout", "pin_memory"} or kwargs.get("dtype") not in (None, x.dtype):
+        return NotImplemented
+    device = kwargs.get("device") or x.device
+    return ScaledTensor(torch.zeros(size, dtype=x._data.dtype, device=device), x._scale_inv.clone().to(device), x.dtype)
 
 
 def _to_copy(func, args, kwargs):
@@ -356,6 +414,14 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, ScaledTensor):
         return NotImplemented  # plain destination: dequantize src, ordinary copy_
+    if dst._partial:  # the scale is shared with the rest of the tensor: keep it
+        real = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src
+        real = real.to(device=dst.device, dtype=torch.float32).expand(dst.shape).contiguous()
+        codes, _ = cast.quantize(real, torch.reciprocal(dst._scale_inv), torch.zeros(1, device=dst.device),
+                                 dst._data.dtype)
+        dst._data.copy_(codes)
+        dst._refresh_fp8_copy()
+        return dst
     if isinstance(src, ScaledTensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
         dst._data.copy_(src._data)
         dst._scale_inv.copy_(src._scale_inv)
@@ -549,6 +615,9 @@ _HANDLERS = {
     aten.clone.default: _clone,
     aten.view.default: _view,
     aten.as_strided.default: _as_strided,
+    aten.split.Tensor: _split,
+    aten.slice.Tensor: _slice,
+    aten.new_zeros.default: _new_zeros,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.mul_.Tensor: _scale_op,

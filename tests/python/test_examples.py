@@ -1,6 +1,6 @@
 """examples/train_gpt.py runs as the README says: one process, and under torchrun with DDP (O2, FP8
-gradient all-reduce) and FSDP2 (FP8 compute, weights all-gathered in E4M3), here on CPU processes
-(gloo, FP8 emulation) for a few steps each."""
+gradient all-reduce) and FSDP2 (FP8 compute with the E4M3 all-gather; O2 with sharded masters),
+here on CPU processes (gloo, FP8 emulation) for a few steps each."""
 
 import math
 import re
@@ -31,6 +31,7 @@ def final_losses(out: str) -> tuple[float, float]:
     ((), 1, "O2 on cpu (CPU emulation): "),
     (("--fp8-allreduce",), 2, "O2 on cpu (CPU emulation, 2 processes (DDP)): "),
     (("--parallel", "fsdp", "--precision", "fp8"), 2, "fp8 on cpu (CPU emulation, 2 processes (FSDP2)): "),
+    (("--parallel", "fsdp"), 2, "O2 on cpu (CPU emulation, 2 processes (FSDP2)): "),
 ])
 def test_train_gpt_runs(args, processes, banner):
     result = run(*args, processes=processes)
@@ -43,7 +44,7 @@ def test_train_gpt_runs(args, processes, banner):
     assert math.isfinite(train) and math.isfinite(val) and val < math.log(256)  # below chance after 3 steps
 
 
-def test_train_gpt_refuses_o2_under_fsdp_by_name():
-    result = run("--parallel", "fsdp", processes=2)
+def test_train_gpt_refuses_an_fp8_allreduce_without_ddp():
+    result = run("--fp8-allreduce")
     assert result.returncode != 0
-    assert "--parallel fsdp takes --precision fp8 or bf16; O2's FP16 master weights" in result.stderr
+    assert "--fp8-allreduce is for DDP: launch with torchrun --nproc-per-node=N (N > 1)" in result.stderr

@@ -112,7 +112,8 @@ def test_arithmetic_fallback_equals_dequantized():
         (s + t, a + b), (s * 2, a * 2), (s - y, a - y), (s @ t.T, a @ b.T), (s.sum(), a.sum()),
         (torch.norm(s), torch.norm(a)), (torch.linalg.vector_norm(s, 2.0), torch.linalg.vector_norm(a, 2.0)),
         (s > 0, a > 0), (s == t, a == b), (s.isinf(), a.isinf()), (s.isnan(), a.isnan()),
-        (s.abs().max(), a.abs().max()), (s.t(), a.t()), (s[1:3], a[1:3]), (torch.nn.functional.relu(s), a.relu()),
+        (s.abs().max(), a.abs().max()), (s.t(), a.t()), (s[:, 1:3], a[:, 1:3]), (s[::2], a[::2]),
+        (torch.nn.functional.relu(s), a.relu()),
     ]
     for got, want in cases:
         assert type(got) is torch.Tensor
@@ -406,3 +407,26 @@ def test_as_strided_keeps_a_contiguous_view_scaled():
     assert type(strided) is torch.Tensor and torch.equal(strided, st.dequantize()[0:4:2])
     shifted = torch.as_strided(st, (2, 4), (4, 1), 4)
     assert type(shifted) is torch.Tensor and torch.equal(shifted, st.dequantize()[1:3])
+
+
+def test_row_views_share_codes_and_scale():
+    """Slices, split, chunk and narrow along dim 0 (step 1) are ScaledTensor views; writing into
+    one quantizes at the shared scale and leaves the other rows alone; new_zeros keeps the scale."""
+    x, s = make(fp8amp.FP16)
+    rows = s[1:3]
+    assert type(rows) is ScaledTensor and rows._data.data_ptr() == s._data[1:3].data_ptr()
+    assert rows._scale_inv is s._scale_inv and torch.equal(rows.dequantize(), s.dequantize()[1:3])
+    for part, want in ((s.split(2)[1], s.dequantize()[2:4]), (s.chunk(4)[3], s.dequantize()[6:8]),
+                       (s.narrow(0, 1, 2), s.dequantize()[1:3])):
+        assert type(part) is ScaledTensor and torch.equal(part.dequantize(), want)
+    before = s.dequantize().clone()
+    scale_inv = s._scale_inv.clone()
+    new = torch.full((2, s.shape[1]), 3.0)
+    rows.copy_(new)
+    assert torch.equal(s._scale_inv, scale_inv)  # the shared scale did not move
+    after = s.dequantize()
+    assert torch.equal(after[1:3], new) and torch.equal(after[0], before[0]) and torch.equal(after[3:], before[3:])
+    zeros = s.new_zeros((5, s.shape[1]))
+    assert type(zeros) is ScaledTensor and zeros.storage_format == fp8amp.FP16
+    assert torch.equal(zeros._scale_inv, s._scale_inv) and zeros._scale_inv is not s._scale_inv
+    assert not zeros.dequantize().any()
