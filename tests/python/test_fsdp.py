@@ -90,6 +90,19 @@ def test_fp8_compute_under_fully_shard_trains_as_one_process():
         assert not torch.equal(ranks[0][name], initial[name].detach()), name  # it trained
 
 
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> torch.Tensor:
+    """STEPS steps on this rank's batches, each followed by the scaling update; the losses."""
+    optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
+    losses = []
+    for step in range(STEPS):
+        loss = loss_of(model, *batch(step, rank))
+        loss.backward()
+        losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.stack(losses)
+
+
 def all_gather_rank(rank: int, fp8_all_gather: bool, param_dtype: torch.dtype | None = None,
                     compiled: bool = False) -> dict:
     """STEPS steps under fully_shard (the model compiled or not); what the Linears' eager forwards
@@ -107,19 +120,11 @@ def all_gather_rank(rank: int, fp8_all_gather: bool, param_dtype: torch.dtype | 
             module.register_forward_pre_hook(lambda m, _: seen.append(
                 (type(m.weight).__name__, m.weight.storage_format if isinstance(m.weight, ScaledTensor) else m.weight.dtype,
                  tuple(m.weight.shape))))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(model, *batch(step, rank))
-        loss.backward()
-        losses.append(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        fp8amp.update_scaling(model)
+    losses = train_steps(model, torch.optim.AdamW(model.parameters(), lr=LR), rank)
     local_types = {name: type(p.to_local()).__name__ for name, p in model.named_parameters()}
     params = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    return dict(seen=seen, losses=torch.stack(losses), params=params, buffers=buffers, local_types=local_types)
+    return dict(seen=seen, losses=losses, params=params, buffers=buffers, local_types=local_types)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -241,17 +246,10 @@ def o2_rank(rank: int, level: str) -> dict:
     model, _ = fp8amp.initialize(make_model(), None, level, policy="all")
     shard(model)
     optimizer = fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes=level)
-    optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(model, *batch(step, rank))
-        loss.backward()
-        losses.append(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
+    losses = train_steps(model, optimizer, rank)
     shard_types = {name: type(p.to_local()).__name__ for name, p in model.named_parameters()}
     state = optimizer.state[model[0].weight]
-    return dict(losses=torch.stack(losses), shard_types=shard_types,
+    return dict(losses=losses, shard_types=shard_types,
                 states=(state["exp_avg"].dtype, state["exp_avg_sq"].dtype, tuple(state["exp_avg"].shape)),
                 params={name: p.full_tensor().detach() for name, p in model.named_parameters()})
 
