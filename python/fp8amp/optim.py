@@ -38,6 +38,11 @@ it, not the ones before: optim.h's "calls are independent".)
 ``_step_supports_amp_scaling``): it unscales the grads, checks them, and calls ``step()`` only
 when they are finite (that check is GradScaler's own host sync).
 
+FSDP2: parameters and gradients that are DTensors (``fully_shard``) are stepped shard by shard:
+the op takes each rank's local shard (a float32 tensor, or a ScaledTensor shard of an O1/O2
+master with its own scale), and the states are plain tensors of the shard's shape
+(docs/distributed.md, "FSDP2").
+
 CUDA graphs: the step is always what torch calls ``capturable`` (step counts on the device, no
 host sync), so ``capturable=True`` is accepted and changes nothing, and the whole training step
 can be captured with ``torch.cuda.graph`` (docs/o1_o2.md, "CUDA graphs"). ``lr`` and the other
