@@ -24,7 +24,8 @@ Semantics of ops (``__torch_dispatch__``):
   (amax -> pow2 scale -> quantize, no host sync); ``copy_(ScaledTensor)`` of the same storage
   format and shape: copies ``_data`` and ``_scale_inv`` bit for bit (another format: re-quantizes
   its real values). Into a row view, which shares its scale with the rest of the tensor, ``copy_``
-  keeps that scale and quantizes ``src``'s real values at it (saturating);
+  writes ``src``'s real values into the whole tensor's and re-quantizes the whole tensor with a
+  fresh scale (the other rows' values are kept exactly unless the new amax is larger);
   ``mul_(s)`` / ``div_(s)`` with ``s`` a Python number or a 0-dim real tensor (e.g. the clip
   coefficient of ``clip_grad_norm_``): O(1), only ``_scale_inv`` changes, the codes are untouched
   (what MS-AMP does for unscale and world-size averaging). ``_scale_inv * s`` is computed in float32,
@@ -145,7 +146,7 @@ class ScaledTensor(torch.Tensor):
     _fp8: torch.Tensor | None
     _fp8_scale: torch.Tensor | None
     _fp8_scale_inv: torch.Tensor | None
-    _partial: bool
+    _base_rows: "ScaledTensor | None"
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -170,7 +171,7 @@ class ScaledTensor(torch.Tensor):
         self._data = data
         self._scale_inv = scale_inv
         self._fp8, self._fp8_scale, self._fp8_scale_inv = fp8_copy if fp8_copy is not None else (None, None, None)
-        self._partial = False  # a row view of part of another ScaledTensor, sharing its scale
+        self._base_rows = None  # the ScaledTensor this is a row view of part of (sharing its scale)
         if self._fp8 is not None and (self._fp8.dtype != E4M3 or self._fp8.shape != data.shape
                                       or self._fp8.device != data.device):
             raise ValueError(f"{where}: fp8_copy codes must be float8_e4m3fn of data's shape and device")
@@ -323,7 +324,7 @@ class ScaledTensor(torch.Tensor):
 def _detach(func, args, kwargs):
     (x,) = args
     out = ScaledTensor(func(x._data), func(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(func))
-    out._partial = x._partial
+    out._base_rows = x._base_rows
     return out
 
 
@@ -339,7 +340,7 @@ def _view(func, args, kwargs):
     x, size = args
     copy = None if x._fp8 is None else (x._fp8.view(size), x._fp8_scale, x._fp8_scale_inv)
     out = ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
-    out._partial = x._partial
+    out._base_rows = x._base_rows
     return out
 
 
@@ -360,10 +361,10 @@ def _as_strided(func, args, kwargs):
 
 def _row_view(x: "ScaledTensor", fn) -> "ScaledTensor":
     """fn (a view of whole rows, contiguous) of the codes and of the E4M3 copy's codes, sharing the
-    scales; marked partial unless it covers all of x (see _copy_)."""
+    scales; unless it covers all of x, it remembers the tensor it is part of (see _copy_)."""
     copy = None if x._fp8 is None else (fn(x._fp8), x._fp8_scale, x._fp8_scale_inv)
     view = ScaledTensor(fn(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
-    view._partial = x._partial or view.shape != x.shape
+    view._base_rows = x._base_rows if x._base_rows is not None or view.shape == x.shape else x
     return view
 
 
@@ -414,13 +415,17 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, ScaledTensor):
         return NotImplemented  # plain destination: dequantize src, ordinary copy_
-    if dst._partial:  # the scale is shared with the rest of the tensor: keep it
-        real = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src
-        real = real.to(device=dst.device, dtype=torch.float32).expand(dst.shape).contiguous()
-        codes, _ = cast.quantize(real, torch.reciprocal(dst._scale_inv), torch.zeros(1, device=dst.device),
-                                 dst._data.dtype)
-        dst._data.copy_(codes)
-        dst._refresh_fp8_copy()
+    base = dst._base_rows
+    if base is not None:
+        # The scale is the whole tensor's: write the rows into its real values and re-quantize it
+        # all with a fresh scale. The other rows keep their values exactly unless the new amax
+        # is larger (then they round at the coarser scale, as any per-tensor-scaled write does).
+        src_real = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src
+        real = base.dequantize(torch.float32)
+        offset = (dst._data.data_ptr() - base._data.data_ptr()) // dst._data.element_size()
+        real.view(-1)[offset : offset + dst.numel()].copy_(
+            src_real.to(device=dst.device, dtype=torch.float32).expand(dst.shape).reshape(-1))
+        _copy_(func, (base, real), {})
         return dst
     if isinstance(src, ScaledTensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
         dst._data.copy_(src._data)

@@ -411,7 +411,8 @@ def test_as_strided_keeps_a_contiguous_view_scaled():
 
 def test_row_views_share_codes_and_scale():
     """Slices, split, chunk and narrow along dim 0 (step 1) are ScaledTensor views; writing into
-    one quantizes at the shared scale and leaves the other rows alone; new_zeros keeps the scale."""
+    one re-quantizes the whole tensor with a fresh scale, the other rows' values kept; new_zeros
+    keeps the scale."""
     x, s = make(fp8amp.FP16)
     rows = s[1:3]
     assert type(rows) is ScaledTensor and rows._data.data_ptr() == s._data[1:3].data_ptr()
@@ -420,12 +421,14 @@ def test_row_views_share_codes_and_scale():
                        (s.narrow(0, 1, 2), s.dequantize()[1:3])):
         assert type(part) is ScaledTensor and torch.equal(part.dequantize(), want)
     before = s.dequantize().clone()
-    scale_inv = s._scale_inv.clone()
     new = torch.full((2, s.shape[1]), 3.0)
-    rows.copy_(new)
-    assert torch.equal(s._scale_inv, scale_inv)  # the shared scale did not move
+    rows.copy_(new)  # the amax stays in the other rows: their values are kept exactly
     after = s.dequantize()
     assert torch.equal(after[1:3], new) and torch.equal(after[0], before[0]) and torch.equal(after[3:], before[3:])
+    assert torch.equal(rows.dequantize(), new)  # the view sees the re-quantized codes and scale
+    big = torch.full((1, s.shape[1]), 2.0 ** 20)  # above FP16's range at the old scale: the scale moves
+    s.narrow(0, 7, 1).copy_(big)
+    assert torch.equal(s.dequantize()[7:], big) and torch.allclose(s.dequantize()[:7], after[:7], rtol=2 ** -10, atol=1e-3)
     zeros = s.new_zeros((5, s.shape[1]))
     assert type(zeros) is ScaledTensor and zeros.storage_format == fp8amp.FP16
     assert torch.equal(zeros._scale_inv, s._scale_inv) and zeros._scale_inv is not s._scale_inv
