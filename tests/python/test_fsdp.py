@@ -289,6 +289,52 @@ def test_o1_o2_under_fully_shard_train_as_one_process(level, world):
     assert (ranks[0]["params"]["0.weight"] - make_model()[0].weight.detach()).abs().max() > O3_LR  # it trained
 
 
+def sharded_model(mode: str) -> nn.Module:
+    """O2 masters, or FP8 compute with the E4M3 all-gather, under fully_shard."""
+    if mode == "O2":
+        model, _ = fp8amp.initialize(make_model(), None, "O2", policy="all")
+    else:
+        model = fp8amp.convert(make_model(), policy="all")
+        enable_fp8_all_gather(model)
+    shard(model)
+    return model
+
+
+def checkpoint_rank(rank: int, mode: str, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    def real(v):  # the full tensor's real values
+        full = v.full_tensor().detach() if hasattr(v, "full_tensor") else v
+        return full.dequantize() if isinstance(full, ScaledTensor) else full
+
+    model = sharded_model(mode)
+    optimizer = (fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes="O2") if mode == "O2"
+                 else torch.optim.AdamW(model.parameters(), lr=O3_LR))
+    train_steps(model, optimizer, rank)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    saved = {name: real(v) for name, v in model.state_dict().items()}
+    fresh = sharded_model(mode)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    loaded = {name: real(v) for name, v in fresh.state_dict().items()}
+    return dict(saved=saved, loaded=loaded, local=type(fresh[0].weight.to_local()).__name__)
+
+
+@pytest.mark.parametrize("mode", ["O2", "fp8-all-gather"])
+def test_distributed_checkpoint_round_trip(mode, tmp_path):
+    """torch.distributed.checkpoint saves the sharded weights (ScaledTensor master shards, or the
+    wrapped FP8-compute weights) and loads them into a fresh sharded model: the same real values.
+    The scaling buffers are per rank under FSDP2 and saved once: a load gives every rank one
+    rank's histories."""
+    for r in run_on_ranks(checkpoint_rank, WORLD_SIZE, mode, str(tmp_path)):
+        assert r["local"] == ("ScaledTensor" if mode == "O2" else "Fp8AllGatherWeight")
+        for name, value in r["saved"].items():
+            if not name.endswith(("weight", "bias")):
+                continue
+            assert torch.equal(r["loaded"][name], value), name
+
+
 def stale_optimizer_rank(rank: int) -> str:
     model = make_model()
     model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2")
