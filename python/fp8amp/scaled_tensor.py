@@ -345,18 +345,14 @@ def _view(func, args, kwargs):
 
 
 def _as_strided(func, args, kwargs):
-    """A contiguous view from offset 0 (what FSDP2 makes of a gathered parameter); any other
-    striding dequantizes (the fallback)."""
+    """A contiguous view from the tensor's first element (what FSDP2 makes of a gathered
+    parameter): a row view; any other striding dequantizes (the fallback)."""
     x, size, stride = args[:3]
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     if offset not in (None, 0) or tuple(stride) != tuple(make_contiguous_strides_for(size)):
         return NotImplemented
 
-    def view(t: torch.Tensor) -> torch.Tensor:  # from t's own first element
-        return t.as_strided(size, stride, t.storage_offset())
-
-    copy = None if x._fp8 is None else (view(x._fp8), x._fp8_scale, x._fp8_scale_inv)
-    return ScaledTensor(view(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
+    return _row_view(x, lambda t: t.as_strided(size, stride, t.storage_offset()))  # from t's first element
 
 
 def _row_view(x: "ScaledTensor", fn) -> "ScaledTensor":
@@ -371,14 +367,16 @@ def _row_view(x: "ScaledTensor", fn) -> "ScaledTensor":
 def _split(func, args, kwargs):
     x, size = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if dim != 0:
-        return NotImplemented
-    return [_row_view(x, lambda t, k=k: t.split(size)[k]) for k in range(len(x._data.split(size)))]
+    if dim != 0 or size <= 0:
+        return NotImplemented  # torch's own op (and its error for a size of 0)
+    starts = range(0, x.shape[0], size) if x.shape[0] else [0]  # split of no rows: one empty part
+    return [_row_view(x, lambda t, i=i: t[i : i + size]) for i in starts]
 
 
 def _slice(func, args, kwargs):
     x = args[0]
-    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+    defaults = (0, None, None, 1)  # aten.slice's dim, start, end, step
+    dim, start, end, step = tuple(args[1:]) + defaults[len(args) - 1 :]
     if dim != 0 or step != 1 or kwargs:
         return NotImplemented
     return _row_view(x, lambda t: t[start:end])
