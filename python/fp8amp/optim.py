@@ -40,8 +40,9 @@ when they are finite (that check is GradScaler's own host sync).
 
 FSDP2: parameters and gradients that are DTensors (``fully_shard``) are stepped shard by shard:
 the op takes each rank's local shard (a float32 tensor, or a ScaledTensor shard of an O1/O2
-master with its own scale), and the states are plain tensors of the shard's shape
-(docs/distributed.md, "FSDP2").
+master with its own scale). ``exp_avg`` / ``exp_avg_sq`` are DTensors sharded as the param,
+and each shard's scales a DTensor of one value a shard, so distributed checkpoints (DCP) keep
+every rank's states (docs/distributed.md, "FSDP2").
 
 CUDA graphs: the step is always what torch calls ``capturable`` (step counts on the device, no
 host sync), so ``capturable=True`` is accepted and changes nothing, and the whole training step
@@ -56,14 +57,15 @@ step is always one fused multi-tensor op call per param group.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # a torch built without distributed: no DTensor params
-    DTensor = ()
+    DTensor = Shard = ()
 
 from .cast import multi_amax
 from .formats import E4M3, FP16
@@ -168,7 +170,7 @@ class Adam(torch.optim.Optimizer):
     # State
 
     def _init_state(self, param: torch.Tensor, state: dict, group: dict) -> None:
-        p = _local(param)  # states of a sharded (FSDP2) param: of this rank's shard, plain tensors
+        p = _local(param)  # a sharded (FSDP2) param: the states of this rank's shard
         m_dtype, v_dtype = STATE_DTYPES[group["state_dtypes"]]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
@@ -179,6 +181,17 @@ class Adam(torch.optim.Optimizer):
         if v_dtype != torch.float32:
             for key in ("exp_avg_sq_scale", "exp_avg_sq_scale_inv"):
                 state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
+        if isinstance(param, DTensor):
+            # DTensors like the param's, so that a distributed checkpoint saves every rank's shard
+            # (a plain tensor would count as replicated: one rank's copy for all). A scale is one
+            # value a shard: a DTensor of the shard count, which a load into another rank count
+            # refuses by its shape (the codes were scaled per shard: they cannot be resharded).
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = DTensor.from_local(state[key], param.device_mesh, param.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
+            for key in _SCALES:
+                if key in state:
+                    state[key] = _one_per_shard(state[key], param)
         self._cohorts[param] = 0  # cohort 0: step count 0
 
     def _cohort_key(self, p: torch.Tensor) -> object:
@@ -297,7 +310,7 @@ class Adam(torch.optim.Optimizer):
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"{self._name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
-        scale_lists = [_or_empty([s.get(key) for s in states]) for key in _SCALES]
+        scale_lists = [_or_empty([_local(s.get(key)) for s in states]) for key in _SCALES]
         masters = [p for p in params if isinstance(p, ScaledTensor)]
         # The op writes each master's new scale as well as its scale_inv; the scale is derived
         # here (exactly: powers of two) rather than stored, so it can never go stale.
@@ -315,7 +328,7 @@ class Adam(torch.optim.Optimizer):
         steps = [s["step"] for s in states]
         beta1, beta2 = group["betas"]
         torch.ops.fp8amp.adam_step(
-            data, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            data, grads, [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
             _or_empty(param_scales), _or_empty(param_scale_invs), _or_empty(grad_scale_invs),
             *scale_lists,
             *(_or_empty([c and c[i] for c in copies]) for i in range(3)),  # codes, scale, scale_inv
@@ -334,6 +347,15 @@ def _local(t):
     works shard by shard: Adam is element-wise, and each shard of an O1/O2 master has its own
     scale."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _one_per_shard(value: torch.Tensor, param: "DTensor") -> "DTensor":
+    """A shard's [1] value as a DTensor of one value a shard, sharded over the param's shard dims."""
+    mesh = param.device_mesh
+    sharded = [isinstance(pl, Shard) for pl in param.placements]
+    shards = math.prod(mesh.size(i) for i, s in enumerate(sharded) if s)
+    placements = [Shard(0) if s else pl for s, pl in zip(sharded, param.placements)]
+    return DTensor.from_local(value, mesh, placements, run_check=False, shape=(shards,), stride=(1,))
 
 
 def _or_empty(entries: list) -> list:

@@ -250,7 +250,8 @@ def o2_rank(rank: int, level: str) -> dict:
     shard_types = {name: type(p.to_local()).__name__ for name, p in model.named_parameters()}
     state = optimizer.state[model[0].weight]
     return dict(losses=losses, shard_types=shard_types,
-                states=(state["exp_avg"].dtype, state["exp_avg_sq"].dtype, tuple(state["exp_avg"].shape)),
+                states=(state["exp_avg"].dtype, state["exp_avg_sq"].dtype, tuple(state["exp_avg"].to_local().shape),
+                        type(state["exp_avg"]).__name__, tuple(state.get("exp_avg_sq_scale", torch.ones(1)).shape)),
                 params={name: p.full_tensor().detach() for name, p in model.named_parameters()})
 
 
@@ -279,6 +280,8 @@ def test_o1_o2_under_fully_shard_train_as_one_process(level, world):
                                     "2.bias": "Tensor"}, r["shard_types"]
         assert r["states"][:2] == (m_dtype, v_dtype)
         assert r["states"][2] in {(-(-64 // world), 32), (64 - (world - 1) * -(-64 // world), 32)}  # its rows
+        # DTensors sharded as the param (so DCP saves every rank's), O2's scales one value a shard
+        assert r["states"][3] == "DTensor" and r["states"][4] == ((world,) if level == "O2" else (1,))
         for name, value in model.named_parameters():
             real = value.dequantize() if isinstance(value, ScaledTensor) else value.detach()
             torch.testing.assert_close(r["params"][name], real, rtol=0, atol=2 * O3_LR * STEPS, msg=name)
@@ -335,9 +338,14 @@ def test_distributed_checkpoint_round_trip(mode, tmp_path):
             assert torch.equal(r["loaded"][name], value), name
 
 
-def resume_rank(rank: int, path: str) -> dict:
-    """O2 under FSDP2: STEPS steps at once, and the same steps with a save of every rank's model and
-    optimizer state dicts halfway and a load into a fresh sharded model and optimizer."""
+def resume_rank(rank: int, path: str, how: str) -> dict:
+    """O2 under FSDP2: STEPS steps at once, and the same steps with a checkpoint halfway, loaded
+    into a fresh sharded model and optimizer: every rank's own state dicts through torch.save
+    (``how="torch.save"``), or a distributed checkpoint of both (``"dcp"``: torch's
+    get_state_dict / set_state_dict, as torchtitan saves)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     def o2_optimizer(model):
         return fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes="O2")
 
@@ -349,26 +357,74 @@ def resume_rank(rank: int, path: str) -> dict:
     model = sharded_model("O2")
     optimizer = o2_optimizer(model)
     first = train_steps(model, optimizer, rank, range(half))
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{path}/rank{rank}.pt")
+    if how == "torch.save":
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{path}/rank{rank}.pt")
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     model = sharded_model("O2")
     optimizer = o2_optimizer(model)
-    checkpoint = torch.load(f"{path}/rank{rank}.pt", weights_only=False)
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    if how == "torch.save":
+        checkpoint = torch.load(f"{path}/rank{rank}.pt", weights_only=False)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        checkpoint = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(checkpoint, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"])
     second = train_steps(model, optimizer, rank, range(half, STEPS))
     resumed = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
     return dict(straight=straight, resumed=torch.cat([first, second]), final=final, resumed_final=resumed)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_o2_under_fully_shard_resumes_bit_for_bit(world, tmp_path):
-    """Each rank saves its shards of the masters (ScaledTensor shards: codes and scale), its
-    optimizer states and its scaling buffers with torch.save; loading them into a fresh sharded
-    model continues the run bit for bit (3 ranks: an uneven, padded last shard)."""
-    for r in run_on_ranks(resume_rank, world, str(tmp_path)):
+@pytest.mark.parametrize("how, world", [("torch.save", 2), ("torch.save", 3), ("dcp", 2), ("dcp", 3)])
+def test_o2_under_fully_shard_resumes_bit_for_bit(how, world, tmp_path):
+    """The masters' shards (codes and scale), the optimizer's sharded states and each rank's scaling
+    buffers saved halfway and loaded into a fresh sharded model continue the run bit for bit
+    (3 ranks: an uneven, padded last shard)."""
+    for r in run_on_ranks(resume_rank, world, str(tmp_path), how):
         assert torch.equal(r["straight"], r["resumed"])
         for name, value in r["final"].items():
             assert torch.equal(r["resumed_final"][name], value), name
+
+
+def reshard_save_rank(rank: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = sharded_model("O2")
+    optimizer = fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes="O2")
+    train_steps(model, optimizer, rank, range(2))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+
+
+def reshard_load_rank(rank: int, path: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = sharded_model("O2")
+    optimizer = fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes="O2")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    except CheckpointException as e:  # a BaseException
+        return str(e)
+    return "loaded"
+
+
+def test_o2_states_refuse_another_rank_count():
+    """O2's states are scaled per shard, so they cannot be resharded: a distributed checkpoint of 2
+    ranks refuses to load into 3, naming the per-shard scale, instead of mixing scales and codes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        run_on_ranks(reshard_save_rank, 2, path)
+        for message in run_on_ranks(reshard_load_rank, 3, path):
+            assert "Size mismatch between saved torch.Size([2]) and current: torch.Size([3])" in message, message
+            assert "exp_avg_scale" in message, message
 
 
 def stale_optimizer_rank(rank: int) -> str:
