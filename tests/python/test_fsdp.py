@@ -415,16 +415,13 @@ def reshard_load_rank(rank: int, path: str) -> str:
     return "loaded"
 
 
-def test_o2_states_refuse_another_rank_count():
+def test_o2_states_refuse_another_rank_count(tmp_path):
     """O2's states are scaled per shard, so they cannot be resharded: a distributed checkpoint of 2
     ranks refuses to load into 3, naming the per-shard scale, instead of mixing scales and codes."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as path:
-        run_on_ranks(reshard_save_rank, 2, path)
-        for message in run_on_ranks(reshard_load_rank, 3, path):
-            assert "Size mismatch between saved torch.Size([2]) and current: torch.Size([3])" in message, message
-            assert "exp_avg_scale" in message, message
+    run_on_ranks(reshard_save_rank, 2, str(tmp_path))
+    for message in run_on_ranks(reshard_load_rank, 3, str(tmp_path)):
+        assert "Size mismatch between saved torch.Size([2]) and current: torch.Size([3])" in message, message
+        assert "exp_avg_scale" in message, message
 
 
 def stale_optimizer_rank(rank: int) -> str:
