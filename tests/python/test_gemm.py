@@ -203,6 +203,20 @@ def assert_within_accumulation_bound(got, ref, a, b, sa, sb, fast_accum, added=N
     assert bool(ok.all()), f"{int((~ok).sum())} elements beyond the bound; worst err/bound {float((err / bound).max())}"
 
 
+def require_fp8_gemm() -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 GEMM below compute capability 8.9")
+
+
+def small_cuda_operands(seed: int):
+    """(a, sa, b, sb): E4M3 operands of a 64 x 32 x 128 problem on the GPU (skips below sm_89)."""
+    require_fp8_gemm()
+    g = torch.Generator().manual_seed(seed)
+    a, sa = quantized(64, 128, E4M3, 1.0, g, "cuda")
+    b, sb = quantized(32, 128, E4M3, 0.1, g, "cuda")
+    return a, sa, b, sb
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fa,fb", FORMATS)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
@@ -236,8 +250,7 @@ def test_cuda_matches_reference(fa, fb, out_dtype, fast_accum):
 def test_cuda_against_scaled_mm(fa, fb, out_dtype, fast_accum):
     """The same cuBLASLt problem as torch._scaled_mm(a, b.t(), ...): the same result up to the
     accumulation order of whichever kernel each heuristic picks (usually bit for bit)."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 GEMM below compute capability 8.9")
+    require_fp8_gemm()
     g = torch.Generator().manual_seed(5)
     m, n, k = 256, 512, 1024
     a, sa = quantized(m, k, fa, 1.0, g, "cuda")
@@ -254,11 +267,7 @@ def test_cuda_against_scaled_mm(fa, fb, out_dtype, fast_accum):
 def test_cuda_scales_inside_a_larger_tensor():
     """Scales at 16-byte boundaries of one buffer work as separate tensors do; one 4 bytes further
     (cuBLASLt refuses every FP8 algorithm for it) is refused by name before any launch."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 GEMM below compute capability 8.9")
-    g = torch.Generator().manual_seed(8)
-    a, sa = quantized(64, 128, E4M3, 1.0, g, "cuda")
-    b, sb = quantized(32, 128, E4M3, 0.1, g, "cuda")
+    a, sa, b, sb = small_cuda_operands(8)
     separate = ops.gemm(a, b, sa, sb, torch.bfloat16)
     packed = torch.cat([sa, sb, sa, sa, sb, sb, sb, sb, sb])  # sb at elements 1, 4..8
     assert torch.equal(ops.gemm(a, b, packed[0:1], packed[4:5], torch.bfloat16), separate)
@@ -273,11 +282,7 @@ def test_cuda_scales_inside_a_larger_tensor():
 
 @pytest.mark.gpu
 def test_cuda_compiled_and_on_a_side_stream():
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 GEMM below compute capability 8.9")
-    g = torch.Generator().manual_seed(6)
-    a, sa = quantized(64, 128, E4M3, 1.0, g, "cuda")
-    b, sb = quantized(32, 128, E4M3, 0.1, g, "cuda")
+    a, sa, b, sb = small_cuda_operands(6)
     eager = ops.gemm(a, b, sa, sb, torch.bfloat16)
     compiled = torch.compile(lambda *t: ops.gemm(*t, torch.bfloat16), fullgraph=True)
     assert_same_bits(compiled(a, b, sa, sb), eager)
@@ -323,8 +328,7 @@ def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(autotune, 
     """With autotuning on, a new problem's calls run the heuristic's candidates in turn (each
     result within the accumulation bound of the reference, accumulating ones too), until it
     decides; from then on every call runs one algorithm: the same bits each time."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 GEMM below compute capability 8.9")
+    require_fp8_gemm()
     g = torch.Generator().manual_seed(9)
     m, n, k = 272, 528 + 16 * accumulate, 1024  # a problem no other test has tuned
     a, sa = quantized(m, k, E4M3, 1.0, g, "cuda")
@@ -357,8 +361,7 @@ def test_cuda_autotune_under_graph_capture(autotune):
     """A problem still tuning when a CUDA graph captures it: the capture records the best choice so
     far, untimed (no event work during capture), and the replays are within the bound; eager calls
     afterwards finish the tuning."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 GEMM below compute capability 8.9")
+    require_fp8_gemm()
     g = torch.Generator().manual_seed(10)
     m, n, k = 208, 560, 768  # a problem no other test has tuned
     a, sa = quantized(m, k, E4M3, 1.0, g, "cuda")
