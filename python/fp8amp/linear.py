@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cast, report
+from ._inductor_config import apply_inductor_config
 from .gemm import bias_dtype, gemm
 from .formats import E4M3, E5M2, FP16
 from .scaled_tensor import ScaledTensor
@@ -209,6 +210,7 @@ class Fp8Linear(nn.Linear):
             )
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
+        apply_inductor_config()
 
     def _add_scaling_states(self, recipe: Optional[ScalingRecipe], device) -> None:
         self.input_scaling = ScalingState(1, E4M3, recipe, device=device)
@@ -234,6 +236,7 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new._add_scaling_states(recipe, linear.weight.device)
         new.train(linear.training)
+        apply_inductor_config()
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -170,3 +170,15 @@ def test_compiled_multi_dequantize_into_views_of_one_buffer():
     compiled = torch.compile(dequantize_rows, backend="aot_eager", fullgraph=True)
     for a, b in zip(compiled(codes, scale_inv), dequantize_rows(codes, scale_inv), strict=True):
         assert_bits_equal(a, b)
+
+
+def test_fp8_linear_turns_off_inductor_loop_reordering():
+    """torch 2.11's Inductor miscompiles a LayerNorm feeding an Fp8Linear with this reordering on
+    (docs/compile.md): making an Fp8Linear turns it off, unless FP8AMP_KEEP_INDUCTOR_CONFIG=1."""
+    import os
+
+    from torch._inductor import config
+
+    fp8amp.Fp8Linear(16, 16)
+    expected = os.environ.get("FP8AMP_KEEP_INDUCTOR_CONFIG") == "1"
+    assert config.loop_ordering_after_fusion is expected
