@@ -106,22 +106,22 @@ def scaling_args(current: bool) -> dict:
 
 def ours_quantize(current: bool) -> Callable:
     kwargs = scaling_args(current)
-    return lambda x: fp8amp.quantize(x, **kwargs)
+    return lambda x: fp8amp.ops.quantize(x, **kwargs)
 
 
 def ours_cast_transpose(current: bool) -> Callable:
     kwargs = scaling_args(current)
-    return lambda x: fp8amp.cast_transpose(x, **kwargs)
+    return lambda x: fp8amp.ops.cast_transpose(x, **kwargs)
 
 
 def ours_cast_transpose_dbias(current: bool) -> Callable:
     kwargs = scaling_args(current)
-    return lambda x: fp8amp.cast_transpose_dbias(x, **kwargs)
+    return lambda x: fp8amp.ops.cast_transpose_dbias(x, **kwargs)
 
 
 def ours_dequantize(args):
     x8, scale_inv = args
-    return fp8amp.dequantize(x8, scale_inv, torch.bfloat16)
+    return fp8amp.ops.dequantize(x8, scale_inv, torch.bfloat16)
 
 
 # ---- the table -----------------------------------------------------------------------------

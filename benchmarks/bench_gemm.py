@@ -2,7 +2,7 @@
 
 For each shape (M tokens x K in -> N out, i.e. y[M, N] = x[M, K] · W[N, K]ᵀ) it times
 
-    fp8amp:       torch.ops.fp8amp.gemm(x8, w8, sx, sw, bfloat16, fast_accum=...)   (cuBLASLt)
+    fp8amp:       fp8amp.ops.fast.gemm(x8, w8, sx, sw, bfloat16, fast_accum=...)   (cuBLASLt)
     _scaled_mm:   torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=bfloat16,
                                    use_fast_accum=...)                                (the same FP8
                                    operands and flag)
@@ -69,7 +69,7 @@ def bench_shape(m: int, k: int, n: int, samples: int) -> list[dict]:
     for fast in (False, True):
         def ours(i, fast=fast):
             (x, sx), (w, sw) = x8[i % sets], w8[i % sets]
-            return fp8amp.ops.gemm(x, w, sx, sw, torch.bfloat16, fast_accum=fast)
+            return fp8amp.ops.fast.gemm(x, w, sx, sw, torch.bfloat16, fast_accum=fast)
 
         def theirs(i, fast=fast):
             (x, sx), (w, sw) = x8[i % sets], w8[i % sets]

@@ -271,10 +271,10 @@ def main() -> None:
                         default="default", help="torch.compile's mode for the compiled modes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gemm-autotune", action="store_true",
-                        help="fp8amp.gemm.set_autotune(True) for the run (the fp8amp modes' GEMMs)")
+                        help="fp8amp.ops.set_gemm_autotune(True) for the run (the fp8amp modes' GEMMs)")
     args = parser.parse_args()
     require_gpu("bench_train", min_capability=(8, 9))
-    fp8amp.gemm.set_autotune(args.gemm_autotune)
+    fp8amp.ops.set_gemm_autotune(args.gemm_autotune)
 
     preset = PRESETS[args.preset]
     cfg: GPTConfig = preset["model"]
@@ -319,7 +319,7 @@ def main() -> None:
               file=sys.stderr, flush=True)
 
     if args.gemm_autotune:
-        print(f"  GEMM autotuning: {fp8amp.gemm.autotune_stats()}", file=sys.stderr, flush=True)
+        print(f"  GEMM autotuning: {fp8amp.ops.gemm_autotune_stats()}", file=sys.stderr, flush=True)
     text = (f"GPT training on {torch.cuda.get_device_name()}, torch {torch.__version__}, {torchao_note}: "
             f"{n_params / 1e6:,.0f}M parameters (n_layer {cfg.n_layer}, d_model {cfg.d_model}, n_head {cfg.n_head}), "
             f"batch {args.batch} x seq {cfg.seq_len} = {tokens_per_step:,} tokens/step, AdamW(fused) lr {args.lr:g}, "

@@ -30,7 +30,7 @@ def main() -> None:
     one = torch.ones(1, device="cuda")
 
     def gemm():
-        return fp8amp.ops.gemm(x, w, one, one, torch.bfloat16, fast_accum=True)
+        return fp8amp.ops.fast.gemm(x, w, one, one, torch.bfloat16, fast_accum=True)
 
     for _ in range(50):
         gemm()

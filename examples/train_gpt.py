@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
                    help="run the forward inside fp8amp.save_activations_in_fp8(): what attention, GELU and the "
                         "LayerNorms save for backward is stored in FP8 (less memory; in eager mode only)")
     p.add_argument("--gemm-autotune", action="store_true",
-                   help="fp8amp.gemm.set_autotune(True): each FP8 GEMM keeps the fastest of cuBLASLt's first 8 "
+                   help="fp8amp.ops.set_gemm_autotune(True): each FP8 GEMM keeps the fastest of cuBLASLt's first 8 "
                         "algorithms (timed on its first calls; results may differ in the last bits between runs)")
     p.add_argument("--numerics-report", action="store_true",
                    help="after training, one more batch (forward and backward, eager, no optimizer step) inside "
@@ -103,7 +103,7 @@ def main() -> None:
     batch = args.batch or preset["batch"]
     lr = args.lr or preset["lr"]
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    fp8amp.gemm.set_autotune(args.gemm_autotune)
+    fp8amp.ops.set_gemm_autotune(args.gemm_autotune)
 
     data = load_text_bytes(args.data)
     split = int(0.95 * data.numel())

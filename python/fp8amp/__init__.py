@@ -1,33 +1,34 @@
-"""fp8amp: FP8 automatic mixed-precision training for PyTorch, with a C++/CUDA core."""
+"""fp8amp: FP8 automatic mixed-precision training for PyTorch, with a C++/CUDA core.
 
-from ._library import ops
-from .cast import (
-    amax,
-    cast_transpose,
-    cast_transpose_dbias,
-    compute_scale,
-    dequantize,
-    multi_amax,
-    multi_dequantize,
-    multi_quantize,
-    multi_update_delayed_scaling,
-    quantize,
-    quantize_current,
-    update_delayed_scaling,
-)
+The top level is the training API. The low-level ops (casts, the FP8 GEMM, the fused Adam step)
+live in :mod:`fp8amp.ops`.
+"""
+
+import warnings as _warnings
+
+from . import ops
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState
-from .accumulate import scaled_accumulate
 from .scaled_tensor import ScaledTensor
 from .linear import Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from .report import NumericsReport, TensorStats, numerics_report
-from . import distributed, fsdp, gemm, optim
+from . import distributed, fsdp, optim
 
 __all__ = [
-    "ops",
+    "initialize",
+    "OPT_LEVELS",
+    "convert",
+    "conversion_report",
+    "ConversionReport",
+    "LayerDecision",
+    "update_scaling",
+    "Fp8Linear",
+    "ScaledTensor",
+    "ScalingRecipe",
+    "ScalingState",
     "E4M3",
     "E5M2",
     "FP16",
@@ -35,30 +36,7 @@ __all__ = [
     "E5M2_MAX",
     "FP16_MAX",
     "format_max",
-    "quantize",
-    "quantize_current",
-    "cast_transpose",
-    "cast_transpose_dbias",
-    "dequantize",
-    "amax",
-    "multi_amax",
-    "multi_quantize",
-    "multi_dequantize",
-    "compute_scale",
-    "update_delayed_scaling",
-    "multi_update_delayed_scaling",
-    "scaled_accumulate",
-    "ScalingRecipe",
-    "ScalingState",
-    "ScaledTensor",
-    "Fp8Linear",
-    "convert",
-    "conversion_report",
-    "ConversionReport",
-    "LayerDecision",
-    "update_scaling",
-    "initialize",
-    "OPT_LEVELS",
+    "optim",
     "save_activations_in_fp8",
     "ACTIVATION_FORMATS",
     "numerics_report",
@@ -66,7 +44,25 @@ __all__ = [
     "TensorStats",
     "distributed",
     "fsdp",
-    "gemm",
-    "optim",
+    "ops",
 ]
 __version__ = "0.1.0"
+
+# The low-level ops were top-level names before 0.2; kept for one release.
+_MOVED_TO_OPS = frozenset(ops.__all__) - {"fast", "gemm"}
+
+
+def __getattr__(name: str):
+    if name == "gemm":  # the old module, with its old names
+        import importlib
+
+        return importlib.import_module(".gemm", __name__)
+    if name in ("cast", "accumulate"):  # old modules whose functions fp8amp.ops now holds
+        _warnings.warn(f"fp8amp.{name} moved to fp8amp.ops; the old name goes in the next release",
+                       DeprecationWarning, stacklevel=2)
+        return ops
+    if name in _MOVED_TO_OPS:
+        _warnings.warn(f"fp8amp.{name} moved to fp8amp.ops.{name}; the old name goes in the next release",
+                       DeprecationWarning, stacklevel=2)
+        return getattr(ops, name)
+    raise AttributeError(f"module 'fp8amp' has no attribute {name!r}")

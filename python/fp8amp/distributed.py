@@ -105,8 +105,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import cast
-from ._library import ops
+from . import ops
+from .ops import fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, format_max
 from .scaled_tensor import ScaledTensor
 
@@ -123,9 +123,8 @@ NATIVE_BACKENDS = ("nccl",)
 UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 HALF_MIN_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 
-_multi_quantize = ops.multi_quantize.default
-_multi_dequantize = ops.multi_dequantize.default
-
+# The segments are quantized with the scale computed just before (no warm-up counter).
+_DELAYED = dict(warmup_counter=None, warmup_steps=0, margin=0, pow2_scale=True)
 
 @dataclass
 class FP8CommState:
@@ -257,13 +256,13 @@ def _shared_scales(state, segs, fmax_eff, group):
     """Steps 1-3: per-gradient amax, MAX all-reduce, power-of-two scales; and the non-finite flag."""
     device = segs[0].device
     amax = torch.zeros(len(segs), dtype=torch.float32, device=device)
-    cast.multi_amax(segs, amax)
+    ops.multi_amax(segs, amax)
     amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     bad = torch.isinf(amax).any()
     scale = torch.ones_like(amax)
     scale_inv = torch.ones_like(amax)
-    cast.compute_scale(amax, scale, scale_inv, fmax_eff)
+    ops.compute_scale(amax, scale, scale_inv, fmax_eff)
     return amax, scale, scale_inv, bad
 
 
@@ -297,7 +296,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
         amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax_eff, group)
         codes = torch.empty(layout.n, dtype=fmt, device=buf.device)
         code_segs = [codes[o:o + c] for o, c in layout.segments]
-        _multi_quantize(segs, code_segs, scale, amax, None, 0, 0, True)
+        fast.multi_quantize(segs, code_segs, scale, amax, **_DELAYED)
         try:
             _native_fp8_all_reduce(codes, group)
         except RuntimeError as e:
@@ -305,7 +304,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
                              f"method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
         scale_inv = torch.where(bad, torch.nan, scale_inv)
         total = torch.empty(layout.n, dtype=torch.float32, device=buf.device)
-        _multi_dequantize(code_segs, scale_inv, [total[o:o + c] for o, c in layout.segments])
+        fast.multi_dequantize(code_segs, scale_inv, [total[o:o + c] for o, c in layout.segments])
         if buf.dtype == torch.float32:
             return total.div_(world)
         # The float32 quotient rounded into the bucket's dtype as the division writes it (on CUDA, in
@@ -323,7 +322,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     send = torch.empty(world * L, dtype=torch.uint8, device=buf.device)
     send[layout.n:].zero_()
     send8 = send.view(fmt)
-    _multi_quantize(segs, [send8[o:o + c] for o, c in layout.segments], scale, amax, None, 0, 0, True)
+    fast.multi_quantize(segs, [send8[o:o + c] for o, c in layout.segments], scale, amax, **_DELAYED)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
 
@@ -339,7 +338,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
         # Copy j of the shard into row j. Rows of L elements, as the copies lie in recv: a piece's
         # codes and its row are then aligned alike, for the kernel's vector loads and stores.
         copies = torch.empty(world, L, dtype=torch.float32, device=buf.device)
-        _multi_dequantize([recv8[j * L + a:j * L + b] for j in range(world) for a, b, _ in mine],
+        fast.multi_dequantize([recv8[j * L + a:j * L + b] for j in range(world) for a, b, _ in mine],
                           piece_scale_inv.repeat(world), [copies[j, a:b] for j in range(world) for a, b, _ in mine])
         shard_mean = copies[0, :shard_len]  # rank 0's copy, + rank 1's, ...: the sum in rank order
         for j in range(1, world):
@@ -348,13 +347,13 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
         # Requantize each piece with its own current scale; the scales travel after the codes.
         mean_pieces = [shard_mean[a:b] for a, b, _ in mine]
         amax2 = torch.zeros(len(mine), dtype=torch.float32, device=buf.device)
-        cast.multi_amax(mean_pieces, amax2)
+        ops.multi_amax(mean_pieces, amax2)
         scale2 = torch.ones_like(amax2)
         scale_inv2 = torch.ones_like(amax2)
-        cast.compute_scale(amax2, scale2, scale_inv2, fmax)
+        ops.compute_scale(amax2, scale2, scale_inv2, fmax)
         payload8 = payload[:L].view(fmt)
-        scale_inv2 = _multi_quantize(mean_pieces, [payload8[a:b] for a, b, _ in mine], scale2, amax2,
-                                     None, 0, 0, True)
+        scale_inv2 = fast.multi_quantize(mean_pieces, [payload8[a:b] for a, b, _ in mine], scale2, amax2,
+                                         **_DELAYED)
         payload[L:L + 4 * len(mine)].copy_(scale_inv2.view(torch.uint8))
     gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=buf.device)
     dist.all_gather_into_tensor(gathered, payload, group=group)
@@ -370,7 +369,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
             outs.extend(mean[k * L + a:k * L + b] for a, b, _ in layout.pieces[k])
             sinv.append(scales[k, :len(layout.pieces[k])])
     sinv = torch.where(bad, torch.nan, torch.cat(sinv))
-    _multi_dequantize(xs, sinv, outs)
+    fast.multi_dequantize(xs, sinv, outs)
     return mean
 
 

@@ -28,7 +28,7 @@ def check_dtype(dtype: object, accepted, arg: str, where: str) -> torch.dtype:
     """Returns ``dtype`` if it is one of ``accepted``.
 
     Raises TypeError when ``dtype`` is not a ``torch.dtype`` and ValueError when it is not
-    accepted; both messages name ``where`` (e.g. ``fp8amp.quantize``), the argument and the
+    accepted; both messages name ``where`` (e.g. ``fp8amp.ops.quantize``), the argument and the
     accepted values.
     """
     names = ", ".join(str(d) for d in accepted)

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cast, report
+from . import report
 from ._inductor_config import apply_inductor_config
-from .gemm import bias_dtype, gemm
+from .ops import bias_dtype, fast, gemm
 from .formats import E4M3, E5M2, FP16
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe, ScalingState
@@ -81,7 +81,7 @@ def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_s
     quantize((code * master_scale_inv) * copy_scale) and both scales are powers of two, so
     quantize(code * (master_scale_inv * copy_scale)) rounds the same exact product."""
     amax = torch.zeros(1, dtype=torch.float32, device=codes.device)  # required output, unused
-    _, transposed, _ = cast.cast_transpose(codes, master_scale_inv * copy_scale, amax, E4M3)
+    _, transposed, _ = fast.cast_transpose(codes, master_scale_inv * copy_scale, amax, E4M3)
     return transposed
 
 

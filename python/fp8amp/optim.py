@@ -67,7 +67,7 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = Shard = ()
 
-from .cast import multi_amax
+from .ops import fast, multi_amax
 from .formats import E4M3, FP16
 from .scaled_tensor import ScaledTensor
 
@@ -327,7 +327,7 @@ class Adam(torch.optim.Optimizer):
             grad_scale_invs.append(g._scale_inv if isinstance(g, ScaledTensor) else None)
         steps = [s["step"] for s in states]
         beta1, beta2 = group["betas"]
-        torch.ops.fp8amp.adam_step(
+        fast.adam_step(
             data, grads, [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
             _or_empty(param_scales), _or_empty(param_scale_invs), _or_empty(grad_scale_invs),
             *scale_lists,

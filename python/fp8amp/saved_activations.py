@@ -71,8 +71,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import cast
-from ._args import has_row_runs
+from . import ops
+from .ops._args import has_row_runs
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, check_dtype, format_max
 from .scaled_tensor import ScaledTensor
 
@@ -370,7 +370,7 @@ def _amax_in_graph(x: torch.Tensor) -> torch.Tensor:
     GEMM output). Other layouts keep Inductor's reduction (the kernel would read a copy)."""
     if has_row_runs(x):
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        cast.amax(x, amax)
+        ops.amax(x, amax)
         return amax
     return x.to(torch.float32).abs().amax().reshape(1)
 

@@ -82,8 +82,8 @@ from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
-from . import cast
-from .accumulate import scaled_accumulate
+from . import ops
+from .ops import scaled_accumulate
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor"]
@@ -96,10 +96,10 @@ _STORAGE_FORMATS = tuple(SCALED_FORMATS)
 def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
                       nan_if_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host
-    sync; one op (cast.quantize_current)."""
+    sync; one op (ops.quantize_current)."""
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
-    return cast.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
+    return ops.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
 
 
 def _is_scalar(s: object) -> bool:
@@ -210,7 +210,7 @@ class ScaledTensor(torch.Tensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The real values ``_data * _scale_inv`` as a plain tensor of ``dtype`` (default: the logical
         dtype), via :func:`fp8amp.dequantize`."""
-        return cast.dequantize(self._data, self._scale_inv, self.dtype if dtype is None else dtype)
+        return ops.dequantize(self._data, self._scale_inv, self.dtype if dtype is None else dtype)
 
     to_tensor = dequantize
 
@@ -483,7 +483,7 @@ def _norm_of(x: "ScaledTensor", ord, dtype) -> torch.Tensor:
     so a list of gradients is never dequantized all at once."""
     codes = x._data
     if codes.dtype != torch.float16:  # FP8 codes are FP16 values exactly; our kernel widens them fast
-        codes = cast.dequantize(codes, torch.ones(1, dtype=torch.float32, device=codes.device), torch.float16)
+        codes = ops.dequantize(codes, torch.ones(1, dtype=torch.float32, device=codes.device), torch.float16)
     norm = torch.linalg.vector_norm(codes, ord, dtype=torch.float32) * x._scale_inv.abs().reshape(())
     return norm.to(dtype or x.dtype)
 
@@ -503,7 +503,7 @@ def _norms_of(xs: list["ScaledTensor"], ord, dtype) -> list[torch.Tensor]:
     def flush() -> None:
         codes = [x._data for x in chunk]
         if codes[0].dtype != torch.float16:  # FP8 codes are FP16 values exactly
-            codes = cast.multi_dequantize(codes, torch.ones(len(codes), device=codes[0].device), torch.float16)
+            codes = ops.multi_dequantize(codes, torch.ones(len(codes), device=codes[0].device), torch.float16)
         chunk_norms = torch._foreach_norm(codes, ord, torch.float32)
         chunk_norms = torch._foreach_mul(chunk_norms, torch._foreach_abs([x._scale_inv.reshape(()) for x in chunk]))
         norms.extend(n.to(dtype or x.dtype) for n, x in zip(chunk_norms, chunk))

@@ -19,17 +19,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import cast
-from ._args import _input
-from .cast import (
-    _amax,
-    _cast_transpose,
-    _cast_transpose_dbias,
-    _multi_update_delayed_scaling,
-    _quantize,
-    _update_delayed_scaling,
-)
 from .formats import E4M3, SCALED_FORMATS, check_dtype
+from .ops import fast
+from .ops._args import _input
 
 __all__ = ["ScalingRecipe", "ScalingState", "update_states"]
 
@@ -106,97 +98,48 @@ class ScalingState(torch.nn.Module):
         self.register_buffer("counter", torch.zeros(n, dtype=torch.int32, device=device))
         # A counter that is always in warm-up: current scaling on every call (weights).
         self.register_buffer("_always_current", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
-        self._view_cache = None  # see _views
 
-    def _row(self, index: int) -> slice:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"ScalingState: index must be an int, got {type(index).__name__}")
-        if not 0 <= index < self.num_tensors:
-            raise ValueError(f"ScalingState: index must be in [0, {self.num_tensors}), got {index}")
-        return slice(index, index + 1)
-
-    def _scaling(self, index: int) -> dict:
-        """Keyword arguments of the quantizing ops for tensor ``index``: views of its rows (the
-        traced path, under ``torch.compile``)."""
-        row = self._row(index)
-        return dict(
-            scale=self.scale[row],
-            amax=self.amax_history[row],
-            dtype=self.dtype,
-            warmup_counter=self.counter[row],
-            warmup_steps=self.recipe.history_len,
-            margin=self.recipe.margin,
-            pow2_scale=self.recipe.pow2_scale,
-        )
-
-    # The eager hot path. Every argument but x was checked once, here (dtype) and by
-    # ScalingRecipe, so the ops are called directly; the per-tensor views of the buffers are made
-    # once and reused. They are keyed on the buffer objects: .to(device), load_state_dict(...,
-    # assign=True) or an assignment replace a buffer and the views are made anew; in-place writes
-    # (load_state_dict, DDP's broadcast) keep them valid. With one tensor (every Fp8Linear state)
-    # the "views" are the buffers themselves.
-
-    def _views(self, index: int) -> tuple:
-        """``(scale, amax, counter, amax_now)`` of tensor ``index``: its rows of ``scale``,
-        ``amax_history`` and ``counter`` and column 0 of its history row."""
+    def _buffers_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scale, amax, counter)`` of tensor ``index``: its rows of ``scale``, ``amax_history`` and
+        ``counter`` (the buffers themselves for a state of one tensor, every Fp8Linear's)."""
         if type(index) is not int or not 0 <= index < self.num_tensors:
-            self._row(index)  # raises the TypeError / ValueError naming index
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise TypeError(f"ScalingState: index must be an int, got {type(index).__name__}")
+            raise ValueError(f"ScalingState: index must be in [0, {self.num_tensors}), got {index}")
         buffers = self._buffers
         scale, amax, counter = buffers["scale"], buffers["amax_history"], buffers["counter"]
-        cache = self._view_cache
-        if cache is None or cache[0] is not scale or cache[1] is not amax or cache[2] is not counter:
-            if self.num_tensors == 1:
-                views = ((scale, amax, counter, amax[:, 0]),)
-            else:
-                views = tuple(
-                    (scale[i : i + 1], amax[i : i + 1], counter[i : i + 1], amax[i : i + 1, 0])
-                    for i in range(self.num_tensors)
-                )
-            cache = (scale, amax, counter, views)
-            self.__dict__["_view_cache"] = cache
-        return cache[3][index]
+        if self.num_tensors == 1:
+            return scale, amax, counter
+        row = slice(index, index + 1)
+        return scale[row], amax[row], counter[row]
 
-    def __getstate__(self):
-        # Copies and pickles make their views anew, from their own buffers.
-        state = super().__getstate__()
-        state = dict(state)
-        state["_view_cache"] = None
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.__dict__.setdefault("_view_cache", None)
-
-    def _delayed(self, wrapper, raw_op, op: str, x: torch.Tensor, index: int):
-        """x through one cast op as tensor ``index`` (delayed scaling; current during warm-up): in
-        compiled code the public wrapper, whose argument checks Dynamo traces; in eager code the
-        raw op on the cached buffer views (host time on every Linear call)."""
-        if torch.compiler.is_compiling():
-            return wrapper(x, **self._scaling(index))
-        scale, amax, counter, _ = self._views(index)
+    def _delayed(self, op, name: str, x: torch.Tensor, index: int):
+        """x through one cast op as tensor ``index`` (delayed scaling; current during warm-up). The
+        recipe and dtype were checked when the state was made, so the op is called unchecked."""
+        scale, amax, counter = self._buffers_of(index)
         r = self.recipe
-        return raw_op(_input(x, "x", op), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale)
+        return op(_input(x, "x", name), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale)
 
     def quantize(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` as tensor ``index`` of this state; records its amax.
 
         Returns ``(out, scale_inv)``, ``scale_inv`` float32 ``[1]`` being 1 / the scale used.
         """
-        return self._delayed(cast.quantize, _quantize, "quantize", x, index)
+        return self._delayed(fast.quantize, "quantize", x, index)
 
     def cast_transpose(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` ``[..., N]`` as tensor ``index`` and transposes it; records its amax.
 
         Returns ``(out, out_t, scale_inv)``: ``out`` of ``x``'s shape, ``out_t`` ``[N, M]``.
         """
-        return self._delayed(cast.cast_transpose, _cast_transpose, "cast_transpose", x, index)
+        return self._delayed(fast.cast_transpose, "cast_transpose", x, index)
 
     def cast_transpose_dbias(
         self, x: torch.Tensor, index: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like :meth:`cast_transpose`, also returning the column sums of ``x`` (float32 ``[N]``,
-        :func:`fp8amp.cast_transpose_dbias`): ``(out, out_t, scale_inv, dbias)``."""
-        return self._delayed(cast.cast_transpose_dbias, _cast_transpose_dbias, "cast_transpose_dbias", x, index)
+        :func:`fp8amp.ops.cast_transpose_dbias`): ``(out, out_t, scale_inv, dbias)``."""
+        return self._delayed(fast.cast_transpose_dbias, "cast_transpose_dbias", x, index)
 
     def cast_transpose_current(
         self, x: torch.Tensor, index: int = 0
@@ -204,16 +147,12 @@ class ScalingState(torch.nn.Module):
         """Like :meth:`cast_transpose`, with current scaling on every call: the scale comes from
         ``x``'s own amax (kept in column 0 of row ``index``'s history, which this resets first;
         the stored scale is the fallback for an all-zero or non-finite ``x``). For weights."""
-        if torch.compiler.is_compiling():
-            scaling = self._scaling(index)
-            scaling["amax"][:, 0].zero_()
-            scaling.update(warmup_counter=self._always_current, warmup_steps=1)
-            return cast.cast_transpose(x, **scaling)
-        scale, amax, _, amax_now = self._views(index)
+        scale, amax, _ = self._buffers_of(index)
         x = _input(x, "x", "cast_transpose")
-        amax_now.zero_()
+        amax.select(1, 0).zero_()
         r = self.recipe
-        return _cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin, r.pow2_scale)
+        return fast.cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin,
+                                   r.pow2_scale)
 
     def quantize_shard(self, shard: torch.Tensor, group, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes one rank's shard of a tensor sharded over the process group ``group`` with the
@@ -222,25 +161,24 @@ class ScalingState(torch.nn.Module):
         scale and the gathered codes equal a cast of the whole tensor. Returns ``(codes,
         scale_inv)``. A NaN amax is all-reduced as +inf (a reduction's MAX need not propagate NaN):
         every rank then keeps the stored scale, as the whole tensor's cast would."""
-        scale, amax, _, amax_now = self._views(index)
+        scale, amax, _ = self._buffers_of(index)
         shard = _input(shard, "shard", "quantize_shard")
+        amax_now = amax.select(1, 0)
         amax_now.zero_()
-        _amax(shard, amax_now, None, 0)
+        fast.amax(shard, amax_now, None, 0)
         torch.nan_to_num_(amax_now, nan=float("inf"))
         dist.all_reduce(amax_now, op=dist.ReduceOp.MAX, group=group)
         r = self.recipe
-        return _quantize(shard, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin, r.pow2_scale)
+        return fast.quantize(shard, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin,
+                             r.pow2_scale)
 
     def update(self) -> None:
         """The delayed update of all n tensors, after the optimizer step: new scales from the
         amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
         r = self.recipe
-        if torch.compiler.is_compiling():
-            amax, scale, scale_inv, counter = self.amax_history, self.scale, self.scale_inv, self.counter
-        else:
-            b = self._buffers
-            amax, scale, scale_inv, counter = b["amax_history"], b["scale"], b["scale_inv"], b["counter"]
-        _update_delayed_scaling(amax, scale, scale_inv, counter, self.fmax, r.margin, r.pow2_scale)
+        b = self._buffers
+        fast.update_delayed_scaling(b["amax_history"], b["scale"], b["scale_inv"], b["counter"], self.fmax, r.margin,
+                                    r.pow2_scale)
 
     def reset(self) -> None:
         """Back to the initial state: empty histories, unit scales, warm-up from the start."""
@@ -283,6 +221,6 @@ def update_states(states: Iterable[ScalingState]) -> None:
         groups.setdefault((state.amax_history.device, state.fmax, r.margin, r.pow2_scale), []).append(state)
     for (_, fmax, margin, pow2_scale), group in groups.items():
         buffers = [st._buffers for st in group]
-        _multi_update_delayed_scaling([b["amax_history"] for b in buffers], [b["scale"] for b in buffers],
-                                      [b["scale_inv"] for b in buffers], [b["counter"] for b in buffers],
-                                      fmax, margin, pow2_scale)
+        fast.multi_update_delayed_scaling([b["amax_history"] for b in buffers], [b["scale"] for b in buffers],
+                                          [b["scale_inv"] for b in buffers], [b["counter"] for b in buffers],
+                                          fmax, margin, pow2_scale)

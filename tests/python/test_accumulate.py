@@ -1,4 +1,4 @@
-"""fp8amp.accumulate.scaled_accumulate (dequantize-add-requantize, DESIGN §5) against a plain torch
+"""fp8amp.ops.scaled_accumulate (dequantize-add-requantize, DESIGN §5) against a plain torch
 model of its semantics, its special cases, its schema / fake kernel under opcheck and torch.compile,
 and (marked gpu) CUDA against CPU bit for bit. Its bad-input errors are cases of test_errors.py."""
 
@@ -19,9 +19,9 @@ from cast_reference import (
     assert_same_float,
     bits,
 )
-from fp8amp.accumulate import scaled_accumulate
+from fp8amp.ops import scaled_accumulate
 
-ops = fp8amp.ops
+ops = torch.ops.fp8amp
 E4M3, E5M2, FP16 = fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16
 # (src dtype, scaled?): high-precision sources, then scaled ones (with src_scale_inv).
 SOURCES = [(d, False) for d in HIGH_PRECISION] + [(d, True) for d in SCALED_FORMATS]

@@ -37,7 +37,7 @@ def fresh_scaling(scale: float = 1.0):
 def test_quantize_boundary_values(dtype, scale):
     x = boundary_values(dtype)
     scale_t, amax = fresh_scaling(scale)
-    out, scale_inv = fp8amp.quantize(x, scale_t, amax, dtype)
+    out, scale_inv = fp8amp.ops.quantize(x, scale_t, amax, dtype)
     assert out.dtype == dtype and out.shape == x.shape
     assert_quantized(out, scaled(x, scale_t), dtype)
     assert_bits_equal(scale_inv, 1.0 / scale_t)
@@ -50,7 +50,7 @@ def test_quantize_boundary_values(dtype, scale):
 def test_quantize_every_16bit_input(dtype, in_dtype, scale):
     x = all_bit_patterns(in_dtype)
     scale_t, amax = fresh_scaling(scale)
-    out, _ = fp8amp.quantize(x, scale_t, amax, dtype)
+    out, _ = fp8amp.ops.quantize(x, scale_t, amax, dtype)
     assert_quantized(out, scaled(x, scale_t), dtype)
 
 
@@ -61,7 +61,7 @@ def test_quantize_random_float32(dtype, scale):
     normal = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-30, 30, (50_000,), generator=g).float())
     for x in (normal, random_float32_bits(50_000, g)):
         scale_t, amax = fresh_scaling(scale)
-        out, _ = fp8amp.quantize(x, scale_t, amax, dtype)
+        out, _ = fp8amp.ops.quantize(x, scale_t, amax, dtype)
         assert_quantized(out, scaled(x, scale_t), dtype)
         assert_same_float(amax, torch_amax(x))
 
@@ -76,7 +76,7 @@ def test_quantize_random_float32(dtype, scale):
 def test_quantize_shapes(shape, in_dtype):
     x = (torch.randn(shape) * 100).to(in_dtype)
     scale_t, amax = fresh_scaling(2.0)
-    out, scale_inv = fp8amp.quantize(x, scale_t, amax, fp8amp.E4M3)
+    out, scale_inv = fp8amp.ops.quantize(x, scale_t, amax, fp8amp.E4M3)
     assert out.shape == x.shape and out.dtype == fp8amp.E4M3
     assert_quantized(out, scaled(x, scale_t), fp8amp.E4M3)
     assert_bits_equal(scale_inv, torch.tensor([0.5]))
@@ -87,7 +87,7 @@ def test_quantize_makes_non_contiguous_input_contiguous():
     x = torch.randn(16, 24)[:, 1::3].t()
     assert not x.is_contiguous()
     scale_t, amax = fresh_scaling(4.0)
-    out, _ = fp8amp.quantize(x, scale_t, amax, fp8amp.E5M2)
+    out, _ = fp8amp.ops.quantize(x, scale_t, amax, fp8amp.E5M2)
     assert_quantized(out, scaled(x, scale_t), fp8amp.E5M2)
 
 
@@ -95,7 +95,7 @@ def test_quantize_delayed_uses_given_scale_and_folds_amax():
     x = torch.tensor([1.5, -3.0, 0.25])
     scale = torch.tensor([8.0])
     history = torch.tensor([[2.0, 100.0, 7.0]])
-    out, scale_inv = fp8amp.quantize(x, scale, history, fp8amp.E4M3, warmup_counter=torch.tensor([4], dtype=torch.int32),
+    out, scale_inv = fp8amp.ops.quantize(x, scale, history, fp8amp.E4M3, warmup_counter=torch.tensor([4], dtype=torch.int32),
                                      warmup_steps=4)
     assert_quantized(out, scaled(x, scale), fp8amp.E4M3)
     assert_bits_equal(scale_inv, torch.tensor([0.125]))
@@ -107,11 +107,11 @@ def test_quantize_current_scaling_while_warming_up():
     counter = torch.tensor([0], dtype=torch.int32)
     x = torch.tensor([10.0, -2.0])
     history = torch.zeros(1, 4)
-    out, scale_inv = fp8amp.quantize(x, torch.ones(1), history, fp8amp.E4M3, warmup_counter=counter, warmup_steps=4)
+    out, scale_inv = fp8amp.ops.quantize(x, torch.ones(1), history, fp8amp.E4M3, warmup_counter=counter, warmup_steps=4)
     assert_bits_equal(scale_inv, torch.tensor([1 / 32]))
     assert_quantized(out, scaled(x, torch.tensor([32.0])), fp8amp.E4M3)
     history[0, 0] = 1e4  # a larger amax seen earlier in this step: scale 1/32
-    out, scale_inv = fp8amp.quantize(x, torch.ones(1), history, fp8amp.E4M3, warmup_counter=counter, warmup_steps=4)
+    out, scale_inv = fp8amp.ops.quantize(x, torch.ones(1), history, fp8amp.E4M3, warmup_counter=counter, warmup_steps=4)
     assert_bits_equal(scale_inv, torch.tensor([32.0]))
     assert_quantized(out, scaled(x, torch.tensor([1 / 32])), fp8amp.E4M3)
 
@@ -121,7 +121,7 @@ def test_quantize_warm_up_keeps_given_scale_without_a_usable_amax(amax_now):
     x = torch.tensor([amax_now, 0.0, -0.0])
     counter = torch.tensor([0], dtype=torch.int32)
     history = torch.zeros(1, 2)
-    out, scale_inv = fp8amp.quantize(x, torch.tensor([4.0]), history, fp8amp.E4M3, warmup_counter=counter,
+    out, scale_inv = fp8amp.ops.quantize(x, torch.tensor([4.0]), history, fp8amp.E4M3, warmup_counter=counter,
                                      warmup_steps=2)
     assert_bits_equal(scale_inv, torch.tensor([0.25]))
     assert_quantized(out, scaled(x, torch.tensor([4.0])), fp8amp.E4M3)
@@ -138,7 +138,7 @@ def test_quantize_warm_up_keeps_given_scale_without_a_usable_amax(amax_now):
 def test_cast_transpose_layout(shape, in_dtype, dtype):
     x = (torch.randn(shape) * 300).to(in_dtype)
     scale, amax = fresh_scaling(0.5)
-    out, out_t, scale_inv = fp8amp.cast_transpose(x, scale, amax, dtype)
+    out, out_t, scale_inv = fp8amp.ops.cast_transpose(x, scale, amax, dtype)
     cols = shape[-1]
     rows = math.prod(shape[:-1])
     assert out.shape == x.shape and out_t.shape == (cols, rows)
@@ -151,7 +151,7 @@ def test_cast_transpose_layout(shape, in_dtype, dtype):
 
 def test_cast_transpose_of_zero_columns_is_zero_by_rows():
     x = torch.empty(4, 0).contiguous()
-    out_t = fp8amp.ops.cast_transpose.default(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[1]
+    out_t = torch.ops.fp8amp.cast_transpose.default(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[1]
     assert out_t.shape == (0, 4)
 
 
@@ -160,8 +160,8 @@ def test_cast_transpose_equals_quantize_with_warm_up():
     for counter in (0, 3):
         kwargs = dict(warmup_counter=torch.tensor([counter], dtype=torch.int32), warmup_steps=3)
         history_q, history_t = torch.zeros(1, 3), torch.zeros(1, 3)
-        out_q, scale_inv_q = fp8amp.quantize(x, torch.tensor([4.0]), history_q, fp8amp.E4M3, **kwargs)
-        out, out_t, scale_inv = fp8amp.cast_transpose(x, torch.tensor([4.0]), history_t, fp8amp.E4M3, **kwargs)
+        out_q, scale_inv_q = fp8amp.ops.quantize(x, torch.tensor([4.0]), history_q, fp8amp.E4M3, **kwargs)
+        out, out_t, scale_inv = fp8amp.ops.cast_transpose(x, torch.tensor([4.0]), history_t, fp8amp.E4M3, **kwargs)
         assert_bits_equal(out, out_q)
         assert_bits_equal(out_t, out_q.t().contiguous())
         assert_bits_equal(scale_inv, scale_inv_q)
@@ -247,8 +247,8 @@ def test_cast_transpose_dbias_equals_cast_transpose(shape, in_dtype, dtype):
     x = (torch.randn(shape, generator=g) * 300).to(in_dtype)
     history = torch.rand(1, 3, generator=g) * 100  # folded into, like cast_transpose's
     history_ct, history_ctd = history.clone(), history.clone()
-    out, out_t, scale_inv = fp8amp.cast_transpose(x, torch.tensor([0.5]), history_ct, dtype)
-    out_d, out_t_d, scale_inv_d, dbias = fp8amp.cast_transpose_dbias(x, torch.tensor([0.5]), history_ctd, dtype)
+    out, out_t, scale_inv = fp8amp.ops.cast_transpose(x, torch.tensor([0.5]), history_ct, dtype)
+    out_d, out_t_d, scale_inv_d, dbias = fp8amp.ops.cast_transpose_dbias(x, torch.tensor([0.5]), history_ctd, dtype)
     assert_bits_equal(out_d, out)
     assert_bits_equal(out_t_d, out_t)
     assert_bits_equal(scale_inv_d, scale_inv)
@@ -268,8 +268,8 @@ def test_cast_transpose_dbias_equals_cast_transpose_with_warm_up(in_dtype, dtype
                       pow2_scale=pow2)
         history_t, history_d = torch.zeros(1, 3), torch.zeros(1, 3)
         history_t[0, 0] = history_d[0, 0] = 50.0  # an amax seen earlier in the step: current scaling uses it
-        expected = fp8amp.cast_transpose(x, torch.tensor([4.0]), history_t, dtype, **kwargs)
-        *got, dbias = fp8amp.cast_transpose_dbias(x, torch.tensor([4.0]), history_d, dtype, **kwargs)
+        expected = fp8amp.ops.cast_transpose(x, torch.tensor([4.0]), history_t, dtype, **kwargs)
+        *got, dbias = fp8amp.ops.cast_transpose_dbias(x, torch.tensor([4.0]), history_d, dtype, **kwargs)
         for a, b in zip(got, expected, strict=True):
             assert_bits_equal(a, b)
         assert_bits_equal(history_d, history_t)
@@ -280,8 +280,8 @@ def test_cast_transpose_dbias_equals_cast_transpose_with_warm_up(in_dtype, dtype
 def test_cast_transpose_dbias_makes_non_contiguous_input_contiguous():
     x = torch.randn(40, 600)[:, 1::2].t()  # [300, 40], not contiguous
     assert not x.is_contiguous()
-    *outs, dbias = fp8amp.cast_transpose_dbias(x, torch.tensor([2.0]), torch.zeros(1), fp8amp.E5M2)
-    expected = fp8amp.cast_transpose(x.contiguous(), torch.tensor([2.0]), torch.zeros(1), fp8amp.E5M2)
+    *outs, dbias = fp8amp.ops.cast_transpose_dbias(x, torch.tensor([2.0]), torch.zeros(1), fp8amp.E5M2)
+    expected = fp8amp.ops.cast_transpose(x.contiguous(), torch.tensor([2.0]), torch.zeros(1), fp8amp.E5M2)
     for a, b in zip(outs, expected, strict=True):
         assert_bits_equal(a, b)
     assert_bits_equal(dbias, documented_column_sums(x.contiguous()))
@@ -291,8 +291,8 @@ def test_cast_transpose_dbias_makes_non_contiguous_input_contiguous():
 def test_cast_transpose_dbias_op_equals_wrapper():
     x = torch.randn(257, 9, dtype=torch.bfloat16)
     amax_w, amax_op = torch.zeros(1, 2), torch.zeros(1, 2)
-    wrapped = fp8amp.cast_transpose_dbias(x, torch.ones(1), amax_w, fp8amp.E4M3)
-    raw = fp8amp.ops.cast_transpose_dbias.default(x, torch.ones(1), amax_op, fp8amp.E4M3)
+    wrapped = fp8amp.ops.cast_transpose_dbias(x, torch.ones(1), amax_w, fp8amp.E4M3)
+    raw = torch.ops.fp8amp.cast_transpose_dbias.default(x, torch.ones(1), amax_op, fp8amp.E4M3)
     assert isinstance(raw, tuple) and len(raw) == 4
     for a, b in zip(raw, wrapped, strict=True):
         assert_bits_equal(a, b)
@@ -304,7 +304,7 @@ def test_cast_transpose_dbias_of_no_rows_is_positive_zeros(cols):
     for shape in ((0, cols), (2, 0, cols)):
         x = torch.empty(shape)
         amax = torch.full((1, 2), 3.0)
-        out, out_t, scale_inv, dbias = fp8amp.cast_transpose_dbias(x, torch.tensor([4.0]), amax, fp8amp.E4M3)
+        out, out_t, scale_inv, dbias = fp8amp.ops.cast_transpose_dbias(x, torch.tensor([4.0]), amax, fp8amp.E4M3)
         assert out.shape == shape and out_t.shape == (cols, 0)
         assert_bits_equal(dbias, torch.zeros(cols))  # +0, bit for bit
         assert_bits_equal(scale_inv, torch.tensor([0.25]))
@@ -312,7 +312,7 @@ def test_cast_transpose_dbias_of_no_rows_is_positive_zeros(cols):
 
 
 def test_cast_transpose_dbias_of_no_columns():
-    out, out_t, scale_inv, dbias = fp8amp.cast_transpose_dbias(torch.empty(7, 0), torch.ones(1), torch.zeros(1),
+    out, out_t, scale_inv, dbias = fp8amp.ops.cast_transpose_dbias(torch.empty(7, 0), torch.ones(1), torch.zeros(1),
                                                                 fp8amp.E5M2)
     assert out.shape == (7, 0) and out_t.shape == (0, 7) and dbias.shape == (0,) and dbias.dtype == torch.float32
 
@@ -323,7 +323,7 @@ def test_cast_transpose_dbias_sums_start_from_positive_zero(in_dtype):
     x = torch.full((600, 3), -0.0, dtype=in_dtype)
     x[:, 1] = torch.tensor([1.0, -1.0], dtype=in_dtype).repeat(300)
     x[0, 2] = -2.0
-    dbias = fp8amp.cast_transpose_dbias(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[3]
+    dbias = fp8amp.ops.cast_transpose_dbias(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[3]
     assert_bits_equal(dbias, torch.tensor([0.0, 0.0, -2.0]))
 
 
@@ -338,7 +338,7 @@ def test_cast_transpose_dbias_nan_and_inf_stay_in_their_columns(in_dtype, dtype)
     x[5, 4], x[400, 4] = float("inf"), -float("inf")  # inf - inf: NaN
     x[7, 5], x[8, 5] = float("inf"), float("inf")
     scale, amax = fresh_scaling(1.0)
-    out, out_t, scale_inv, dbias = fp8amp.cast_transpose_dbias(x, scale, amax, dtype)
+    out, out_t, scale_inv, dbias = fp8amp.ops.cast_transpose_dbias(x, scale, amax, dtype)
     nan = torch.tensor([False, True, False, False, True, False, False])
     assert torch.equal(dbias.isnan(), nan), dbias
     assert dbias[2].item() == float("inf") and dbias[3].item() == -float("inf") and dbias[5].item() == float("inf")
@@ -348,7 +348,7 @@ def test_cast_transpose_dbias_nan_and_inf_stay_in_their_columns(in_dtype, dtype)
     assert_same_float(dbias, documented_column_sums(x))
     assert amax.isnan().item()
     scale_t, amax_t = fresh_scaling(1.0)
-    expected = fp8amp.cast_transpose(x, scale_t, amax_t, dtype)
+    expected = fp8amp.ops.cast_transpose(x, scale_t, amax_t, dtype)
     for a, b in zip((out, out_t, scale_inv), expected, strict=True):
         assert_bits_equal(a, b)
     assert_bits_equal(amax, amax_t)
@@ -377,11 +377,11 @@ def test_cast_transpose_dbias_adds_in_the_documented_order(in_dtype, rows):
             pairs = bands[: bands.shape[0] // 2 * 2].view(-1, 2, bands.shape[1])
             bands = torch.cat([pairs[:, 0] + pairs[:, 1], bands[bands.shape[0] // 2 * 2:]])
         assert not torch.equal(bits(expected), bits(bands[0]))
-    dbias = fp8amp.cast_transpose_dbias(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[3]
+    dbias = fp8amp.ops.cast_transpose_dbias(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[3]
     assert_bits_equal(dbias, expected, expected)
     # The 3-D view of the same matrix sums the same way.
     if rows % 3 == 0:
-        dbias_3d = fp8amp.cast_transpose_dbias(x.view(3, rows // 3, 16), torch.ones(1), torch.zeros(1), fp8amp.E5M2)[3]
+        dbias_3d = fp8amp.ops.cast_transpose_dbias(x.view(3, rows // 3, 16), torch.ones(1), torch.zeros(1), fp8amp.E5M2)[3]
         assert_bits_equal(dbias_3d, expected)
 
 
@@ -389,7 +389,7 @@ def test_cast_transpose_dbias_subnormal_sums_are_exact():
     # Multiples of 2^-149 whose every partial sum stays subnormal add exactly: no flush to zero.
     k = torch.randint(-1000, 1000, (3000, 33), generator=torch.Generator().manual_seed(11))
     x = k.float() * 2.0**-149
-    dbias = fp8amp.cast_transpose_dbias(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[3]
+    dbias = fp8amp.ops.cast_transpose_dbias(x, torch.ones(1), torch.zeros(1), fp8amp.E4M3)[3]
     assert_bits_equal(dbias, k.sum(0).float() * 2.0**-149)
     assert dbias.ne(0).any()
 
@@ -418,7 +418,7 @@ def test_scaling_state_cast_transpose_dbias_equals_cast_transpose():
 def test_dequantize_every_code(dtype, out_dtype, scale_inv):
     x = all_bit_patterns(dtype)
     scale_inv_t = torch.tensor([scale_inv], dtype=torch.float32)
-    out = fp8amp.dequantize(x, scale_inv_t, out_dtype)
+    out = fp8amp.ops.dequantize(x, scale_inv_t, out_dtype)
     assert out.dtype == out_dtype and out.shape == x.shape
     assert_dequantized(out, x, scale_inv_t, out_dtype)
 
@@ -426,7 +426,7 @@ def test_dequantize_every_code(dtype, out_dtype, scale_inv):
 @pytest.mark.parametrize("shape", [(), (0,), (3, 1, 5, 1, 2), (31, 17)])
 def test_dequantize_shapes(shape):
     x = torch.randn(shape).to(fp8amp.E5M2)
-    out = fp8amp.dequantize(x, torch.tensor([0.125]), torch.bfloat16)
+    out = fp8amp.ops.dequantize(x, torch.tensor([0.125]), torch.bfloat16)
     assert out.shape == x.shape
     assert_dequantized(out, x, torch.tensor([0.125]), torch.bfloat16)
 
@@ -435,38 +435,38 @@ def test_dequantize_shapes(shape):
 def test_quantize_dequantize_round_trip_of_every_code(dtype):
     codes = all_bit_patterns(dtype)
     x = codes.float()
-    out, scale_inv = fp8amp.quantize(x, torch.ones(1), torch.zeros(1), dtype)
+    out, scale_inv = fp8amp.ops.quantize(x, torch.ones(1), torch.zeros(1), dtype)
     finite = x.isfinite()
     assert_bits_equal(out[finite], codes[finite])
     assert (bits(out[x.isnan()]) == NAN_CODE[dtype]).all()
-    back = fp8amp.dequantize(out, scale_inv, torch.float32)
+    back = fp8amp.ops.dequantize(out, scale_inv, torch.float32)
     assert_bits_equal(back[finite], x[finite])
 
 
 def test_amax_accumulates_max_of_magnitudes():
     amax = torch.tensor([3.0])
-    fp8amp.amax(torch.tensor([-2.0, 1.0]), amax)
+    fp8amp.ops.amax(torch.tensor([-2.0, 1.0]), amax)
     assert_bits_equal(amax, torch.tensor([3.0]))
-    fp8amp.amax(torch.tensor([[0.5, -5.0]], dtype=torch.bfloat16), amax)
+    fp8amp.ops.amax(torch.tensor([[0.5, -5.0]], dtype=torch.bfloat16), amax)
     assert_bits_equal(amax, torch.tensor([5.0]))
-    fp8amp.amax(torch.tensor([-float("inf")], dtype=torch.float16), amax)
+    fp8amp.ops.amax(torch.tensor([-float("inf")], dtype=torch.float16), amax)
     assert_bits_equal(amax, torch.tensor([float("inf")]))
-    fp8amp.amax(torch.tensor([float("nan"), 1.0]), amax)
+    fp8amp.ops.amax(torch.tensor([float("nan"), 1.0]), amax)
     assert amax.isnan().item()
-    fp8amp.amax(torch.tensor([1e9]), amax)  # NaN stays
+    fp8amp.ops.amax(torch.tensor([1e9]), amax)  # NaN stays
     assert amax.isnan().item()
 
 
 def test_amax_of_zeros_and_empty_keeps_value():
     amax = torch.tensor([0.0])
-    fp8amp.amax(torch.tensor([0.0, -0.0]), amax)
-    fp8amp.amax(torch.empty(0), amax)
+    fp8amp.ops.amax(torch.tensor([0.0, -0.0]), amax)
+    fp8amp.ops.amax(torch.empty(0), amax)
     assert_bits_equal(amax, torch.tensor([0.0]))
 
 
 def test_amax_writes_column_zero_of_a_history():
     history = torch.tensor([[1.0, 50.0, 60.0]])
-    fp8amp.amax(torch.tensor([-7.0, 2.0]), history)
+    fp8amp.ops.amax(torch.tensor([-7.0, 2.0]), history)
     assert_bits_equal(history, torch.tensor([[7.0, 50.0, 60.0]]))
 
 
@@ -475,7 +475,7 @@ def test_amax_random(in_dtype):
     x = (torch.randn(1001, 7) * 1e3).to(in_dtype)
     x[500, 3] = -1e4
     amax = torch.zeros(1)
-    fp8amp.amax(x, amax)
+    fp8amp.ops.amax(x, amax)
     assert_bits_equal(amax, torch_amax(x))
 
 
@@ -499,10 +499,10 @@ def test_amax_of_strided_views(in_dtype):
     """Row runs are read in place (the raw op takes them; a NaN or a larger value outside the view
     is not seen); other layouts through a contiguous copy (the raw op refuses them)."""
     for name, (x, runs) in strided_views(in_dtype).items():
-        assert fp8amp._args.has_row_runs(x) == runs, name
+        assert fp8amp.ops._args.has_row_runs(x) == runs, name
         expected = torch_amax(x.contiguous()) if x.numel() else torch.zeros(1)
         amax = torch.zeros(1)
-        fp8amp.amax(x, amax)
+        fp8amp.ops.amax(x, amax)
         assert_bits_equal(amax, expected)
         raw = torch.zeros(1)
         if runs:
@@ -514,7 +514,7 @@ def test_amax_of_strided_views(in_dtype):
     m = torch.full((6, 10), float("nan"), dtype=in_dtype)
     m[:, 3:8] = torch.arange(30, dtype=torch.float32).reshape(6, 5).to(in_dtype)
     amax = torch.zeros(1)
-    fp8amp.amax(m[:, 3:8], amax)
+    fp8amp.ops.amax(m[:, 3:8], amax)
     assert_bits_equal(amax, torch.tensor([29.0]))
 
 
@@ -532,7 +532,7 @@ def test_has_row_runs_agrees_with_the_core():
             stop = int(torch.randint(start + 1, n + 1, (1,), generator=g))
             step = 1 if torch.rand(1, generator=g) < 0.7 else 2
             v = v.narrow(d, start, stop - start)[(slice(None),) * d + (slice(None, None, step),)]
-        runs = fp8amp._args.has_row_runs(v)
+        runs = fp8amp.ops._args.has_row_runs(v)
         seen.add(runs)
         amax = torch.zeros(1)
         if runs:
@@ -547,9 +547,9 @@ def test_has_row_runs_agrees_with_the_core():
 def test_amax_with_warmup_counter_only_while_warming_up():
     amax = torch.zeros(1)
     x = torch.tensor([2.0])
-    fp8amp.amax(x, amax, warmup_counter=torch.tensor([3], dtype=torch.int32), warmup_steps=3)
+    fp8amp.ops.amax(x, amax, warmup_counter=torch.tensor([3], dtype=torch.int32), warmup_steps=3)
     assert_bits_equal(amax, torch.zeros(1))
-    fp8amp.amax(x, amax, warmup_counter=torch.tensor([2], dtype=torch.int32), warmup_steps=3)
+    fp8amp.ops.amax(x, amax, warmup_counter=torch.tensor([2], dtype=torch.int32), warmup_steps=3)
     assert_bits_equal(amax, torch.tensor([2.0]))
 
 
@@ -571,11 +571,11 @@ def test_multi_quantize_equals_single(in_dtype, dtype):
     counter = torch.tensor([0, 5, 1, 9, 0, 2, 8], dtype=torch.int32)
     kwargs = dict(warmup_steps=4, margin=1, pow2_scale=dtype != fp8amp.E5M2)
     multi_history = history.clone()
-    outs, scale_inv = fp8amp.multi_quantize(xs, scale, multi_history, dtype, warmup_counter=counter, **kwargs)
+    outs, scale_inv = fp8amp.ops.multi_quantize(xs, scale, multi_history, dtype, warmup_counter=counter, **kwargs)
     assert scale_inv.shape == (n,)
     for i, x in enumerate(xs):
         h = history[i : i + 1].clone()
-        out, si = fp8amp.quantize(x, scale[i : i + 1], h, dtype, warmup_counter=counter[i : i + 1], **kwargs)
+        out, si = fp8amp.ops.quantize(x, scale[i : i + 1], h, dtype, warmup_counter=counter[i : i + 1], **kwargs)
         assert_bits_equal(outs[i], out)
         assert_bits_equal(scale_inv[i : i + 1], si)
         assert_same_float(multi_history[i], h[0])
@@ -586,9 +586,9 @@ def test_multi_quantize_equals_single(in_dtype, dtype):
 def test_multi_dequantize_equals_single(dtype, out_dtype):
     xs = [x.to(dtype) for x in multi_inputs(torch.float32)]
     scale_inv = torch.tensor([1.0, 0.5, 3.0, 2.0**-20, 2.0**20, 0.1, 7.0])
-    outs = fp8amp.multi_dequantize(xs, scale_inv, out_dtype)
+    outs = fp8amp.ops.multi_dequantize(xs, scale_inv, out_dtype)
     for i, x in enumerate(xs):
-        assert_bits_equal(outs[i], fp8amp.dequantize(x, scale_inv[i : i + 1], out_dtype))
+        assert_bits_equal(outs[i], fp8amp.ops.dequantize(x, scale_inv[i : i + 1], out_dtype))
 
 
 @pytest.mark.parametrize("dtype", SCALED_FORMATS)
@@ -603,9 +603,9 @@ def test_multi_dequantize_into_views_of_one_buffer(dtype, out_dtype):
     for x in xs:
         views.append(buf[offset:offset + x.numel()].view(x.shape))
         offset += x.numel() + 1
-    outs = fp8amp.multi_dequantize(xs, scale_inv, out_dtype, outs=tuple(views))
+    outs = fp8amp.ops.multi_dequantize(xs, scale_inv, out_dtype, outs=tuple(views))
     assert outs == views
-    for out, expected in zip(outs, fp8amp.multi_dequantize(xs, scale_inv, out_dtype)):
+    for out, expected in zip(outs, fp8amp.ops.multi_dequantize(xs, scale_inv, out_dtype)):
         assert out.data_ptr() in {v.data_ptr() for v in views}
         assert_bits_equal(out, expected)
     gaps = torch.tensor([sum(x.numel() + 1 for x in xs[:i + 1]) - 1 for i in range(len(xs))])
@@ -617,13 +617,13 @@ def test_multi_amax_equals_single(in_dtype):
     xs = multi_inputs(in_dtype)
     history = torch.rand(len(xs), 2) * 50
     multi_history = history.clone()
-    fp8amp.multi_amax(xs, multi_history)
+    fp8amp.ops.multi_amax(xs, multi_history)
     for i, x in enumerate(xs):
         h = history[i : i + 1].clone()
-        fp8amp.amax(x, h)
+        fp8amp.ops.amax(x, h)
         assert_same_float(multi_history[i], h[0])
     flat = torch.zeros(len(xs))  # a [n] buffer works too
-    fp8amp.multi_amax(xs, flat)
+    fp8amp.ops.multi_amax(xs, flat)
     assert_same_float(flat, torch.cat([torch_amax(x) for x in xs]))
 
 
@@ -647,11 +647,11 @@ def test_quantize_current_is_amax_compute_scale_quantize(dtype, special, margin)
     for in_dtype in (torch.float32, torch.bfloat16, torch.float16):
         xi = x.to(in_dtype)
         amax, scale, scale_inv = torch.zeros(1), torch.ones(1), torch.ones(1)
-        fp8amp.amax(xi, amax)
-        fp8amp.compute_scale(amax, scale, scale_inv, fp8amp.format_max(dtype), margin=margin)
-        want, want_scale_inv = fp8amp.quantize(xi, scale, amax.clone(), dtype)
+        fp8amp.ops.amax(xi, amax)
+        fp8amp.ops.compute_scale(amax, scale, scale_inv, fp8amp.format_max(dtype), margin=margin)
+        want, want_scale_inv = fp8amp.ops.quantize(xi, scale, amax.clone(), dtype)
         for nan_if_nonfinite in (False, True):
-            out, got_scale_inv, got_amax = fp8amp.quantize_current(xi, dtype, margin=margin,
+            out, got_scale_inv, got_amax = fp8amp.ops.quantize_current(xi, dtype, margin=margin,
                                                                    nan_if_nonfinite=nan_if_nonfinite)
             assert_bits_equal(out, want)
             assert_bits_equal(got_amax, amax)

@@ -10,7 +10,7 @@ import torch
 import fp8amp
 from cast_reference import assert_bits_equal
 
-ops = fp8amp.ops
+ops = torch.ops.fp8amp
 
 # Present in torch 2.11 and later.
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -60,13 +60,13 @@ def training_step(state: fp8amp.ScalingState, x: torch.Tensor, grad: torch.Tenso
     """Everything the front end does per step with the single-tensor ops, in one function."""
     x8, x_scale_inv = state.quantize(x, 0)
     g8, g8_t, g_scale_inv = state.cast_transpose(grad, 1)
-    x_back = fp8amp.dequantize(x8, x_scale_inv, torch.bfloat16)
+    x_back = fp8amp.ops.dequantize(x8, x_scale_inv, torch.bfloat16)
     weight_amax = torch.zeros(len(weights), 2)
-    fp8amp.multi_amax(weights, weight_amax)
-    fp8amp.amax(x, weight_amax[0])
+    fp8amp.ops.multi_amax(weights, weight_amax)
+    fp8amp.ops.amax(x, weight_amax[0])
     weight_scale, weight_scale_inv = torch.ones(len(weights)), torch.ones(len(weights))
-    fp8amp.compute_scale(weight_amax, weight_scale, weight_scale_inv, fp8amp.E4M3_MAX)
-    w_back = fp8amp.multi_dequantize([w.half() for w in weights], weight_scale_inv, torch.float32)
+    fp8amp.ops.compute_scale(weight_amax, weight_scale, weight_scale_inv, fp8amp.E4M3_MAX)
+    w_back = fp8amp.ops.multi_dequantize([w.half() for w in weights], weight_scale_inv, torch.float32)
     state.update()
     return [x8, x_scale_inv, g8, g8_t, g_scale_inv, x_back, weight_amax, weight_scale, weight_scale_inv, *w_back]
 
@@ -133,7 +133,7 @@ def test_compiled_cast_transpose_dbias_equals_eager():
 
 def test_compiled_cast_transpose_dbias_with_changing_shapes():
     def cast(x, scale, amax):
-        return fp8amp.cast_transpose_dbias(x, scale, amax, fp8amp.E4M3)
+        return fp8amp.ops.cast_transpose_dbias(x, scale, amax, fp8amp.E4M3)
 
     compiled = torch.compile(cast, backend="aot_eager", fullgraph=True)
     for shape in ((8, 16), (12, 16), (20, 24), (2, 300, 24)):  # the second makes dynamo go dynamic
@@ -148,13 +148,13 @@ def test_compiled_cast_transpose_dbias_with_changing_shapes():
 
 def test_compiled_multi_quantize():
     def quantize_all(xs, scale, amax):
-        return fp8amp.multi_quantize(xs, scale, amax, fp8amp.E4M3)
+        return fp8amp.ops.multi_quantize(xs, scale, amax, fp8amp.E4M3)
 
     xs = [torch.randn(4, 4), torch.randn(3)]
     compiled = torch.compile(quantize_all, backend="aot_eager", fullgraph=True)
     amax = torch.zeros(2)
     outs, _ = compiled(xs, torch.ones(2), amax)
-    assert_bits_equal(outs[1], fp8amp.quantize(xs[1], torch.ones(1), torch.zeros(1), fp8amp.E4M3)[0])
+    assert_bits_equal(outs[1], fp8amp.ops.quantize(xs[1], torch.ones(1), torch.zeros(1), fp8amp.E4M3)[0])
 
 
 def test_compiled_multi_dequantize_into_views_of_one_buffer():
@@ -162,8 +162,8 @@ def test_compiled_multi_dequantize_into_views_of_one_buffer():
     it; and without outs, new outputs."""
     def dequantize_rows(codes, scale_inv):
         rows = torch.empty(len(codes), codes[0].numel())
-        fp8amp.multi_dequantize(codes, scale_inv, torch.float32, outs=rows.unbind())
-        return rows.sum(0), *fp8amp.multi_dequantize(codes, scale_inv, torch.bfloat16)
+        fp8amp.ops.multi_dequantize(codes, scale_inv, torch.float32, outs=rows.unbind())
+        return rows.sum(0), *fp8amp.ops.multi_dequantize(codes, scale_inv, torch.bfloat16)
 
     codes = [torch.randn(6).half() for _ in range(3)]
     scale_inv = torch.tensor([0.5, 2.0, 3.0])

@@ -59,17 +59,17 @@ def check_cuda_equals_cpu(fn, *tensors, **kwargs):
 
 
 def quantize_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, pow2=True):
-    return fp8amp.quantize(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps, margin=margin,
+    return fp8amp.ops.quantize(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps, margin=margin,
                            pow2_scale=pow2)
 
 
 def cast_transpose_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, pow2=True):
-    return fp8amp.cast_transpose(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps, margin=margin,
+    return fp8amp.ops.cast_transpose(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps, margin=margin,
                                  pow2_scale=pow2)
 
 
 def cast_transpose_dbias_with(x, scale, amax, dtype, counter=None, steps=0, margin=0, pow2=True):
-    return fp8amp.cast_transpose_dbias(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps,
+    return fp8amp.ops.cast_transpose_dbias(x, scale, amax, dtype, warmup_counter=counter, warmup_steps=steps,
                                        margin=margin, pow2_scale=pow2)
 
 
@@ -144,7 +144,7 @@ def test_quantize_current(in_dtype, dtype, special):
         x[700, 3] = special
     for margin in (0, 1):
         for nan_if_nonfinite in (False, True):
-            check_cuda_equals_cpu(fp8amp.quantize_current, x, dtype, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
+            check_cuda_equals_cpu(fp8amp.ops.quantize_current, x, dtype, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
 
 
 def test_cast_transpose_misaligned_rows():
@@ -195,8 +195,8 @@ def test_cast_transpose_dbias_equals_cast_transpose_on_cuda():
     x = wide_range((3000, 72), torch.bfloat16, 1).to(CUDA)
     amax_t, amax_d = torch.zeros(1, 2, device=CUDA), torch.zeros(1, 2, device=CUDA)
     scale = torch.tensor([0.75], device=CUDA)
-    expected = fp8amp.cast_transpose(x, scale, amax_t, fp8amp.E4M3)
-    *got, dbias = fp8amp.cast_transpose_dbias(x, scale, amax_d, fp8amp.E4M3)
+    expected = fp8amp.ops.cast_transpose(x, scale, amax_t, fp8amp.E4M3)
+    *got, dbias = fp8amp.ops.cast_transpose_dbias(x, scale, amax_d, fp8amp.E4M3)
     for a, b in zip(got, expected, strict=True):
         assert_bits_equal(a, b)
     assert_bits_equal(amax_d, amax_t)
@@ -259,15 +259,15 @@ def test_cast_transpose_dbias_subnormal_sums_are_exact():
 def test_dequantize_every_code(dtype, out_dtype):
     x = all_bit_patterns(dtype)
     for scale_inv in (1.0, 2.0**-5, 2.0**7, 0.3, 1e-30, 1e30):
-        check_cuda_equals_cpu(fp8amp.dequantize, x, torch.tensor([scale_inv]), out_dtype)
-        check_cuda_equals_cpu(fp8amp.dequantize, x[1:], torch.tensor([scale_inv]), out_dtype)
+        check_cuda_equals_cpu(fp8amp.ops.dequantize, x, torch.tensor([scale_inv]), out_dtype)
+        check_cuda_equals_cpu(fp8amp.ops.dequantize, x[1:], torch.tensor([scale_inv]), out_dtype)
 
 
 @pytest.mark.parametrize("shape", ODD_SHAPES)
 def test_dequantize_odd_shapes(shape):
     x = torch.randn(shape).to(fp8amp.E5M2)
     for out_dtype in HIGH_PRECISION:
-        check_cuda_equals_cpu(fp8amp.dequantize, x, torch.tensor([0.125]), out_dtype)
+        check_cuda_equals_cpu(fp8amp.ops.dequantize, x, torch.tensor([0.125]), out_dtype)
 
 
 @pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
@@ -286,14 +286,14 @@ def test_amax_of_row_runs(in_dtype):
     for name, view in views.items():
         cpu, cuda = torch.zeros(1), torch.zeros(1, device=CUDA)
         x = view(qkv)
-        fp8amp.amax(x, cpu)
-        fp8amp.amax(view(qkv.to(CUDA)), cuda)
+        fp8amp.ops.amax(x, cpu)
+        fp8amp.ops.amax(view(qkv.to(CUDA)), cuda)
         assert_bits_equal(cuda.cpu(), cpu)
         assert cpu.isnan().item() == (name == "v"), name
     for view in (lambda t: t[:, 1:1000], lambda t: t[3:, :999], lambda t: t[::2, 5:6]):
         cpu, cuda = torch.zeros(1), torch.zeros(1, device=CUDA)
-        fp8amp.amax(view(odd), cpu)
-        fp8amp.amax(view(odd.to(CUDA)), cuda)
+        fp8amp.ops.amax(view(odd), cpu)
+        fp8amp.ops.amax(view(odd.to(CUDA)), cuda)
         assert_bits_equal(cuda.cpu(), cpu)
         assert cpu.isfinite().item()
 
@@ -303,13 +303,13 @@ def test_amax(in_dtype):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(3_000_001, generator=g) * 10).to(in_dtype)
     x[2_345_678] = -7e3
-    check_cuda_equals_cpu(fp8amp.amax, x, torch.tensor([5.0, 9e9]))
-    check_cuda_equals_cpu(fp8amp.amax, x, torch.tensor([8e3]))
+    check_cuda_equals_cpu(fp8amp.ops.amax, x, torch.tensor([5.0, 9e9]))
+    check_cuda_equals_cpu(fp8amp.ops.amax, x, torch.tensor([8e3]))
     x[17] = float("nan")
-    check_cuda_equals_cpu(fp8amp.amax, x, torch.tensor([5.0]))
-    check_cuda_equals_cpu(fp8amp.amax, x, torch.zeros(1), warmup_counter=torch.tensor([2], dtype=torch.int32),
+    check_cuda_equals_cpu(fp8amp.ops.amax, x, torch.tensor([5.0]))
+    check_cuda_equals_cpu(fp8amp.ops.amax, x, torch.zeros(1), warmup_counter=torch.tensor([2], dtype=torch.int32),
                           warmup_steps=2)
-    check_cuda_equals_cpu(fp8amp.amax, x, torch.zeros(1), warmup_counter=torch.tensor([1], dtype=torch.int32),
+    check_cuda_equals_cpu(fp8amp.ops.amax, x, torch.zeros(1), warmup_counter=torch.tensor([1], dtype=torch.int32),
                           warmup_steps=2)
 
 
@@ -331,7 +331,7 @@ def dequantize_into_one_buffer(codes, scale_inv, buf):
     for c in codes:
         outs.append(buf[offset:offset + c.numel()])
         offset += c.numel()
-    fp8amp.multi_dequantize(codes, scale_inv, buf.dtype, outs=outs)
+    fp8amp.ops.multi_dequantize(codes, scale_inv, buf.dtype, outs=outs)
     return buf
 
 
@@ -344,16 +344,16 @@ def test_multi_tensor_ops(n, in_dtype):
     counter = torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
     for dtype in SCALED_FORMATS:
         history = torch.rand(n, 4, generator=g) * 100
-        check_cuda_equals_cpu(fp8amp.multi_quantize, xs, scale, history, dtype)
-        check_cuda_equals_cpu(fp8amp.multi_quantize, xs, scale, history, dtype, warmup_counter=counter,
+        check_cuda_equals_cpu(fp8amp.ops.multi_quantize, xs, scale, history, dtype)
+        check_cuda_equals_cpu(fp8amp.ops.multi_quantize, xs, scale, history, dtype, warmup_counter=counter,
                               warmup_steps=4, margin=1, pow2_scale=dtype != fp8amp.E5M2)
         codes = [x.float().to(dtype) for x in xs]
         for out_dtype in HIGH_PRECISION:
-            check_cuda_equals_cpu(fp8amp.multi_dequantize, codes, scale, out_dtype)
+            check_cuda_equals_cpu(fp8amp.ops.multi_dequantize, codes, scale, out_dtype)
             buf = torch.full((sum(c.numel() for c in codes) + 2,), 5.0, dtype=out_dtype)
             check_cuda_equals_cpu(dequantize_into_one_buffer, codes, scale, buf)
-    check_cuda_equals_cpu(fp8amp.multi_amax, xs, torch.rand(n, 2, generator=g))
-    check_cuda_equals_cpu(fp8amp.multi_amax, xs, torch.zeros(n))
+    check_cuda_equals_cpu(fp8amp.ops.multi_amax, xs, torch.rand(n, 2, generator=g))
+    check_cuda_equals_cpu(fp8amp.ops.multi_amax, xs, torch.zeros(n))
 
 
 def random_histories(n, h, seed):
@@ -376,8 +376,8 @@ def test_scale_updates(pow2, margin, dtype):
     scale_inv = 1 / scale
     counter = torch.randint(0, h + 1, (n,), generator=g, dtype=torch.int32)
     history = random_histories(n, h, margin)
-    check_cuda_equals_cpu(fp8amp.compute_scale, history, scale, scale_inv, fmax, margin=margin, pow2_scale=pow2)
-    check_cuda_equals_cpu(fp8amp.update_delayed_scaling, history, scale, scale_inv, counter, fmax, margin=margin,
+    check_cuda_equals_cpu(fp8amp.ops.compute_scale, history, scale, scale_inv, fmax, margin=margin, pow2_scale=pow2)
+    check_cuda_equals_cpu(fp8amp.ops.update_delayed_scaling, history, scale, scale_inv, counter, fmax, margin=margin,
                           pow2_scale=pow2)
 
 
@@ -415,13 +415,13 @@ def test_scaling_state_20_steps(dtype, recipe):
 def compiled_step(state, x, grad, weights):
     x8, x_scale_inv = state.quantize(x, 0)
     g8, g8_t, g_scale_inv = state.cast_transpose(grad, 1)
-    x_back = fp8amp.dequantize(x8, x_scale_inv, torch.bfloat16)
+    x_back = fp8amp.ops.dequantize(x8, x_scale_inv, torch.bfloat16)
     weight_amax = torch.zeros(len(weights), 2, device=x.device)
-    fp8amp.multi_amax(weights, weight_amax)
+    fp8amp.ops.multi_amax(weights, weight_amax)
     weight_scale = torch.ones(len(weights), device=x.device)
     weight_scale_inv = torch.ones(len(weights), device=x.device)
-    fp8amp.compute_scale(weight_amax, weight_scale, weight_scale_inv, fp8amp.E4M3_MAX)
-    w_back = fp8amp.multi_dequantize([w.half() for w in weights], weight_scale_inv, torch.float32)
+    fp8amp.ops.compute_scale(weight_amax, weight_scale, weight_scale_inv, fp8amp.E4M3_MAX)
+    w_back = fp8amp.ops.multi_dequantize([w.half() for w in weights], weight_scale_inv, torch.float32)
     state.update()
     return [x8, x_scale_inv, g8, g8_t, g_scale_inv, x_back * 2, weight_amax, weight_scale, *w_back]
 
@@ -453,12 +453,12 @@ def test_no_host_sync():
         for _ in range(3):
             x8, x_scale_inv = state.quantize(x, 0)
             state.cast_transpose(x.t(), 1)  # non-contiguous: made contiguous on the device
-            fp8amp.dequantize(x8, x_scale_inv, torch.bfloat16)
-            fp8amp.amax(x, amax[:1])
-            fp8amp.multi_amax(xs, amax)
-            fp8amp.compute_scale(amax, scale, scale_inv, fp8amp.E5M2_MAX)
-            outs, scale_invs = fp8amp.multi_quantize(xs, scale, amax, fp8amp.E5M2)
-            fp8amp.multi_dequantize(outs, scale_invs, torch.float32)
+            fp8amp.ops.dequantize(x8, x_scale_inv, torch.bfloat16)
+            fp8amp.ops.amax(x, amax[:1])
+            fp8amp.ops.multi_amax(xs, amax)
+            fp8amp.ops.compute_scale(amax, scale, scale_inv, fp8amp.E5M2_MAX)
+            outs, scale_invs = fp8amp.ops.multi_quantize(xs, scale, amax, fp8amp.E5M2)
+            fp8amp.ops.multi_dequantize(outs, scale_invs, torch.float32)
             state.update()
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -469,11 +469,11 @@ def test_no_host_sync():
 
 def test_cuda_quantize_on_another_stream():
     x = torch.randn(4096, 1024, device=CUDA)
-    expected = fp8amp.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
+    expected = fp8amp.ops.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out = fp8amp.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
+        out = fp8amp.ops.quantize(x, torch.ones(1, device=CUDA), torch.zeros(1, device=CUDA), fp8amp.E4M3)[0]
     torch.cuda.current_stream().wait_stream(stream)
     assert_bits_equal(out, expected)
 
@@ -525,7 +525,7 @@ def test_cast_transpose_dbias_no_host_sync():
         for _ in range(3):
             state.cast_transpose_dbias(x)
             state.cast_transpose_dbias(x.t())  # non-contiguous: made contiguous on the device
-            fp8amp.cast_transpose_dbias(x, scale, amax, fp8amp.E4M3)
+            fp8amp.ops.cast_transpose_dbias(x, scale, amax, fp8amp.E4M3)
             state.update()
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -545,7 +545,7 @@ def test_multi_update_delayed_scaling():
     cpu = [[t.clone() for t in ts] for ts in (hists, scales, scale_invs, counters)]
     cuda = [[t.to(CUDA) for t in ts] for ts in (hists, scales, scale_invs, counters)]
     for _ in range(3):
-        fp8amp.multi_update_delayed_scaling(*cpu, 57344.0, margin=1)
-        fp8amp.multi_update_delayed_scaling(*cuda, 57344.0, margin=1)
+        fp8amp.ops.multi_update_delayed_scaling(*cpu, 57344.0, margin=1)
+        fp8amp.ops.multi_update_delayed_scaling(*cuda, 57344.0, margin=1)
         for a_list, b_list in zip(cpu, cuda):
             assert_all_same(a_list, [b.cpu() for b in b_list])

@@ -181,14 +181,14 @@ def reference_mean(xs: list, sizes, fmt, method: str) -> torch.Tensor:
     for a, b in segments:  # steps 1-4: the gradient's amax over all ranks, its scale, every rank's codes
         amax, scale, scale_inv = torch.zeros(1), torch.ones(1), torch.ones(1)
         for x in xs:
-            fp8amp.amax(x[a:b], amax)
-        fp8amp.compute_scale(amax, scale, scale_inv, shared_fmax)
+            fp8amp.ops.amax(x[a:b], amax)
+        fp8amp.ops.compute_scale(amax, scale, scale_inv, shared_fmax)
         scale_invs.append(scale_inv)
         for rank_codes, x in zip(codes, xs):
-            rank_codes.append(fp8amp.quantize(x[a:b], scale, torch.zeros(1), fmt)[0])
+            rank_codes.append(fp8amp.ops.quantize(x[a:b], scale, torch.zeros(1), fmt)[0])
     if method == "native":
         total = fp8_ring_sum([torch.cat(c) for c in codes])
-        mean = torch.cat([fp8amp.dequantize(total[a:b], si, torch.float32) for (a, b), si in zip(segments, scale_invs)])
+        mean = torch.cat([fp8amp.ops.dequantize(total[a:b], si, torch.float32) for (a, b), si in zip(segments, scale_invs)])
         return (mean / world).to(dtype)
     codes = [torch.cat(c) for c in codes]
     shard_len = -(-n // world)
@@ -198,15 +198,15 @@ def reference_mean(xs: list, sizes, fmt, method: str) -> torch.Tensor:
             a, b = max(a, k * shard_len), min(b, (k + 1) * shard_len)
             if a >= b:
                 continue
-            acc = fp8amp.dequantize(codes[0][a:b], si, torch.float32)
+            acc = fp8amp.ops.dequantize(codes[0][a:b], si, torch.float32)
             for rank_codes in codes[1:]:
-                acc = acc + fp8amp.dequantize(rank_codes[a:b], si, torch.float32)
+                acc = acc + fp8amp.ops.dequantize(rank_codes[a:b], si, torch.float32)
             acc = acc / world
             amax, scale, scale_inv = torch.zeros(1), torch.ones(1), torch.ones(1)
-            fp8amp.amax(acc, amax)
-            fp8amp.compute_scale(amax, scale, scale_inv, FMAX[fmt])
-            piece, piece_scale_inv = fp8amp.quantize(acc, scale, torch.zeros(1), fmt)
-            out[a:b] = fp8amp.dequantize(piece, piece_scale_inv, dtype)
+            fp8amp.ops.amax(acc, amax)
+            fp8amp.ops.compute_scale(amax, scale, scale_inv, FMAX[fmt])
+            piece, piece_scale_inv = fp8amp.ops.quantize(acc, scale, torch.zeros(1), fmt)
+            out[a:b] = fp8amp.ops.dequantize(piece, piece_scale_inv, dtype)
     return out
 
 

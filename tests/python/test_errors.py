@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fp8amp
-from fp8amp.accumulate import scaled_accumulate
+from fp8amp.ops import scaled_accumulate
 
 E4M3 = fp8amp.E4M3
 
@@ -33,146 +33,146 @@ def e4m3(n=4):
 def dequantize_over_codes():
     """multi_dequantize into float16 values that occupy the codes' own bytes."""
     buf = torch.zeros(64, dtype=torch.uint8)
-    return fp8amp.multi_dequantize([buf[:32].view(E4M3).view(4, 8)], one(), torch.float16,
+    return fp8amp.ops.multi_dequantize([buf[:32].view(E4M3).view(4, 8)], one(), torch.float16,
                                    outs=[buf.view(torch.float16).view(4, 8)])
 
 
 CASES = {
     # quantize / cast_transpose: Python types and dtype arguments
-    "quantize x not a tensor": (lambda: fp8amp.quantize([1.0], one(), one(), E4M3), TypeError, ["x", "Tensor"]),
-    "quantize scale a float": (lambda: fp8amp.quantize(x(), 1.0, one(), E4M3), TypeError, ["scale"]),
-    "quantize amax None": (lambda: fp8amp.quantize(x(), one(), None, E4M3), TypeError, ["amax"]),
-    "quantize dtype int8": (lambda: fp8amp.quantize(x(), one(), one(), torch.int8), ValueError,
+    "quantize x not a tensor": (lambda: fp8amp.ops.quantize([1.0], one(), one(), E4M3), TypeError, ["x", "Tensor"]),
+    "quantize scale a float": (lambda: fp8amp.ops.quantize(x(), 1.0, one(), E4M3), TypeError, ["scale"]),
+    "quantize amax None": (lambda: fp8amp.ops.quantize(x(), one(), None, E4M3), TypeError, ["amax"]),
+    "quantize dtype int8": (lambda: fp8amp.ops.quantize(x(), one(), one(), torch.int8), ValueError,
                             ["dtype", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float16", "torch.int8"]),
-    "quantize dtype bfloat16": (lambda: fp8amp.quantize(x(), one(), one(), torch.bfloat16), ValueError, ["dtype"]),
-    "quantize dtype a string": (lambda: fp8amp.quantize(x(), one(), one(), "e4m3"), TypeError, ["dtype"]),
-    "quantize margin a float": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, margin=1.0), TypeError, ["margin"]),
-    "quantize pow2_scale an int": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, pow2_scale=1), TypeError,
+    "quantize dtype bfloat16": (lambda: fp8amp.ops.quantize(x(), one(), one(), torch.bfloat16), ValueError, ["dtype"]),
+    "quantize dtype a string": (lambda: fp8amp.ops.quantize(x(), one(), one(), "e4m3"), TypeError, ["dtype"]),
+    "quantize margin a float": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, margin=1.0), TypeError, ["margin"]),
+    "quantize pow2_scale an int": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, pow2_scale=1), TypeError,
                                    ["pow2_scale"]),
-    "quantize warmup_steps a bool": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_steps=True), TypeError,
+    "quantize warmup_steps a bool": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, warmup_steps=True), TypeError,
                                      ["warmup_steps"]),
-    "quantize warmup_counter a list": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=[0]),
+    "quantize warmup_counter a list": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, warmup_counter=[0]),
                                        TypeError, ["warmup_counter"]),
-    "quantize positional options": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, None), TypeError, []),
-    "quantize_current dtype bfloat16": (lambda: fp8amp.quantize_current(x(), torch.bfloat16), ValueError, ["dtype"]),
-    "quantize_current margin a float": (lambda: fp8amp.quantize_current(x(), E4M3, margin=1.0), TypeError,
+    "quantize positional options": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, None), TypeError, []),
+    "quantize_current dtype bfloat16": (lambda: fp8amp.ops.quantize_current(x(), torch.bfloat16), ValueError, ["dtype"]),
+    "quantize_current margin a float": (lambda: fp8amp.ops.quantize_current(x(), E4M3, margin=1.0), TypeError,
                                         ["margin"]),
-    "quantize_current margin -1": (lambda: fp8amp.quantize_current(x(), E4M3, margin=-1), ValueError, ["margin"]),
-    "quantize_current nan_if_nonfinite an int": (lambda: fp8amp.quantize_current(x(), E4M3, nan_if_nonfinite=1),
+    "quantize_current margin -1": (lambda: fp8amp.ops.quantize_current(x(), E4M3, margin=-1), ValueError, ["margin"]),
+    "quantize_current nan_if_nonfinite an int": (lambda: fp8amp.ops.quantize_current(x(), E4M3, nan_if_nonfinite=1),
                                                  TypeError, ["nan_if_nonfinite"]),
-    "quantize_current x float64": (lambda: fp8amp.quantize_current(x().double(), E4M3), ValueError, ["x"]),
+    "quantize_current x float64": (lambda: fp8amp.ops.quantize_current(x().double(), E4M3), ValueError, ["x"]),
     # quantize / cast_transpose: checks of the core
-    "quantize x float64": (lambda: fp8amp.quantize(x().double(), one(), one(), E4M3), ValueError, ["x"]),
-    "quantize x int32": (lambda: fp8amp.quantize(counter(), one(), one(), E4M3), ValueError, ["x"]),
-    "quantize scale [2]": (lambda: fp8amp.quantize(x(), torch.ones(2), one(), E4M3), ValueError, ["scale"]),
-    "quantize scale float16": (lambda: fp8amp.quantize(x(), one().half(), one(), E4M3), ValueError, ["scale"]),
-    "quantize amax [2, 3]": (lambda: fp8amp.quantize(x(), one(), torch.zeros(2, 3), E4M3), ValueError, ["amax"]),
-    "quantize amax empty": (lambda: fp8amp.quantize(x(), one(), torch.zeros(0), E4M3), ValueError, ["amax"]),
-    "quantize amax not contiguous": (lambda: fp8amp.quantize(x(), one(), torch.zeros(1, 8)[:, ::2], E4M3), ValueError,
+    "quantize x float64": (lambda: fp8amp.ops.quantize(x().double(), one(), one(), E4M3), ValueError, ["x"]),
+    "quantize x int32": (lambda: fp8amp.ops.quantize(counter(), one(), one(), E4M3), ValueError, ["x"]),
+    "quantize scale [2]": (lambda: fp8amp.ops.quantize(x(), torch.ones(2), one(), E4M3), ValueError, ["scale"]),
+    "quantize scale float16": (lambda: fp8amp.ops.quantize(x(), one().half(), one(), E4M3), ValueError, ["scale"]),
+    "quantize amax [2, 3]": (lambda: fp8amp.ops.quantize(x(), one(), torch.zeros(2, 3), E4M3), ValueError, ["amax"]),
+    "quantize amax empty": (lambda: fp8amp.ops.quantize(x(), one(), torch.zeros(0), E4M3), ValueError, ["amax"]),
+    "quantize amax not contiguous": (lambda: fp8amp.ops.quantize(x(), one(), torch.zeros(1, 8)[:, ::2], E4M3), ValueError,
                                      ["amax"]),
-    "quantize warmup_counter float": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=one()),
+    "quantize warmup_counter float": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, warmup_counter=one()),
                                       ValueError, ["warmup_counter", "int32"]),
-    "quantize warmup_counter [2]": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=counter(0, 2)),
+    "quantize warmup_counter [2]": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, warmup_counter=counter(0, 2)),
                                     ValueError, ["warmup_counter"]),
-    "quantize warmup_steps negative": (lambda: fp8amp.quantize(x(), one(), one(), E4M3, warmup_counter=counter(),
+    "quantize warmup_steps negative": (lambda: fp8amp.ops.quantize(x(), one(), one(), E4M3, warmup_counter=counter(),
                                                                warmup_steps=-1), ValueError, ["warmup_steps"]),
-    "cast_transpose 0-d x": (lambda: fp8amp.cast_transpose(torch.tensor(1.0), one(), one(), E4M3), ValueError,
+    "cast_transpose 0-d x": (lambda: fp8amp.ops.cast_transpose(torch.tensor(1.0), one(), one(), E4M3), ValueError,
                              ["x"]),
-    "cast_transpose x float64": (lambda: fp8amp.cast_transpose(x().double(), one(), one(), E4M3), ValueError, ["x"]),
-    "cast_transpose dtype float32": (lambda: fp8amp.cast_transpose(x(), one(), one(), torch.float32), ValueError,
+    "cast_transpose x float64": (lambda: fp8amp.ops.cast_transpose(x().double(), one(), one(), E4M3), ValueError, ["x"]),
+    "cast_transpose dtype float32": (lambda: fp8amp.ops.cast_transpose(x(), one(), one(), torch.float32), ValueError,
                                      ["dtype", "torch.float8_e4m3fn"]),
-    "cast_transpose scale_inv-like scale [3]": (lambda: fp8amp.cast_transpose(x(), torch.ones(3), one(), E4M3),
+    "cast_transpose scale_inv-like scale [3]": (lambda: fp8amp.ops.cast_transpose(x(), torch.ones(3), one(), E4M3),
                                                 ValueError, ["scale"]),
     # cast_transpose_dbias: the same checks, naming its own op
-    "cast_transpose_dbias x not a tensor": (lambda: fp8amp.cast_transpose_dbias([1.0], one(), one(), E4M3),
+    "cast_transpose_dbias x not a tensor": (lambda: fp8amp.ops.cast_transpose_dbias([1.0], one(), one(), E4M3),
                                             TypeError, ["cast_transpose_dbias", "x", "Tensor"]),
-    "cast_transpose_dbias 0-d x": (lambda: fp8amp.cast_transpose_dbias(torch.tensor(1.0), one(), one(), E4M3),
+    "cast_transpose_dbias 0-d x": (lambda: fp8amp.ops.cast_transpose_dbias(torch.tensor(1.0), one(), one(), E4M3),
                                    ValueError, ["cast_transpose_dbias", "x", "at least 1 dimension"]),
-    "cast_transpose_dbias x float64": (lambda: fp8amp.cast_transpose_dbias(x().double(), one(), one(), E4M3),
+    "cast_transpose_dbias x float64": (lambda: fp8amp.ops.cast_transpose_dbias(x().double(), one(), one(), E4M3),
                                        ValueError, ["cast_transpose_dbias", "x"]),
-    "cast_transpose_dbias x int32": (lambda: fp8amp.cast_transpose_dbias(counter(0, 8), one(), one(), E4M3),
+    "cast_transpose_dbias x int32": (lambda: fp8amp.ops.cast_transpose_dbias(counter(0, 8), one(), one(), E4M3),
                                      ValueError, ["cast_transpose_dbias", "x", "float32"]),
-    "cast_transpose_dbias x fp8": (lambda: fp8amp.cast_transpose_dbias(codes(), one(), one(), E4M3), ValueError,
+    "cast_transpose_dbias x fp8": (lambda: fp8amp.ops.cast_transpose_dbias(codes(), one(), one(), E4M3), ValueError,
                                    ["cast_transpose_dbias", "x", "float32"]),
-    "cast_transpose_dbias dtype float32": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), torch.float32),
+    "cast_transpose_dbias dtype float32": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), one(), torch.float32),
                                            ValueError, ["cast_transpose_dbias", "dtype", "torch.float8_e4m3fn",
                                                         "torch.float32"]),
-    "cast_transpose_dbias dtype a string": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), "e5m2"),
+    "cast_transpose_dbias dtype a string": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), one(), "e5m2"),
                                             TypeError, ["cast_transpose_dbias", "dtype"]),
-    "cast_transpose_dbias scale [3]": (lambda: fp8amp.cast_transpose_dbias(x(), torch.ones(3), one(), E4M3),
+    "cast_transpose_dbias scale [3]": (lambda: fp8amp.ops.cast_transpose_dbias(x(), torch.ones(3), one(), E4M3),
                                        ValueError, ["cast_transpose_dbias", "scale", "1 element"]),
-    "cast_transpose_dbias scale a float": (lambda: fp8amp.cast_transpose_dbias(x(), 1.0, one(), E4M3), TypeError,
+    "cast_transpose_dbias scale a float": (lambda: fp8amp.ops.cast_transpose_dbias(x(), 1.0, one(), E4M3), TypeError,
                                            ["cast_transpose_dbias", "scale"]),
-    "cast_transpose_dbias scale float16": (lambda: fp8amp.cast_transpose_dbias(x(), one().half(), one(), E4M3),
+    "cast_transpose_dbias scale float16": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one().half(), one(), E4M3),
                                            ValueError, ["cast_transpose_dbias", "scale", "float32"]),
-    "cast_transpose_dbias amax None": (lambda: fp8amp.cast_transpose_dbias(x(), one(), None, E4M3), TypeError,
+    "cast_transpose_dbias amax None": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), None, E4M3), TypeError,
                                        ["cast_transpose_dbias", "amax"]),
-    "cast_transpose_dbias amax [2, 3]": (lambda: fp8amp.cast_transpose_dbias(x(), one(), torch.zeros(2, 3), E4M3),
+    "cast_transpose_dbias amax [2, 3]": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), torch.zeros(2, 3), E4M3),
                                          ValueError, ["cast_transpose_dbias", "amax"]),
     "cast_transpose_dbias warmup_counter float": (
-        lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), E4M3, warmup_counter=one(), warmup_steps=1),
+        lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), one(), E4M3, warmup_counter=one(), warmup_steps=1),
         ValueError, ["cast_transpose_dbias", "warmup_counter", "int32"]),
-    "cast_transpose_dbias margin a float": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), E4M3, margin=1.0),
+    "cast_transpose_dbias margin a float": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), one(), E4M3, margin=1.0),
                                             TypeError, ["cast_transpose_dbias", "margin"]),
-    "cast_transpose_dbias positional options": (lambda: fp8amp.cast_transpose_dbias(x(), one(), one(), E4M3, None),
+    "cast_transpose_dbias positional options": (lambda: fp8amp.ops.cast_transpose_dbias(x(), one(), one(), E4M3, None),
                                                 TypeError, []),
     "cast_transpose_dbias op dtype bfloat16": (
-        lambda: fp8amp.ops.cast_transpose_dbias.default(x(), one(), one(), torch.bfloat16),
+        lambda: torch.ops.fp8amp.cast_transpose_dbias.default(x(), one(), one(), torch.bfloat16),
         ValueError, ["cast_transpose_dbias", "dtype", "bfloat16"]),
     "cast_transpose_dbias op x not contiguous": (
-        lambda: fp8amp.ops.cast_transpose_dbias.default(x().t(), one(), one(), E4M3),
+        lambda: torch.ops.fp8amp.cast_transpose_dbias.default(x().t(), one(), one(), E4M3),
         ValueError, ["cast_transpose_dbias", "x", "contiguous"]),
     # dequantize
-    "dequantize x float32": (lambda: fp8amp.dequantize(x(), one(), torch.float32), ValueError, ["x"]),
-    "dequantize dtype fp8": (lambda: fp8amp.dequantize(x().to(E4M3), one(), E4M3), ValueError,
+    "dequantize x float32": (lambda: fp8amp.ops.dequantize(x(), one(), torch.float32), ValueError, ["x"]),
+    "dequantize dtype fp8": (lambda: fp8amp.ops.dequantize(x().to(E4M3), one(), E4M3), ValueError,
                              ["dtype", "torch.float32", "torch.bfloat16", "torch.float16"]),
-    "dequantize scale_inv [2]": (lambda: fp8amp.dequantize(x().to(E4M3), torch.ones(2), torch.float32), ValueError,
+    "dequantize scale_inv [2]": (lambda: fp8amp.ops.dequantize(x().to(E4M3), torch.ones(2), torch.float32), ValueError,
                                  ["scale_inv"]),
-    "dequantize scale_inv a float": (lambda: fp8amp.dequantize(x().to(E4M3), 1.0, torch.float32), TypeError,
+    "dequantize scale_inv a float": (lambda: fp8amp.ops.dequantize(x().to(E4M3), 1.0, torch.float32), TypeError,
                                      ["scale_inv"]),
     # amax and the multi-tensor ops
-    "amax buffer int32": (lambda: fp8amp.amax(x(), counter()), ValueError, ["amax"]),
-    "amax buffer empty": (lambda: fp8amp.amax(x(), torch.zeros(0)), ValueError, ["amax"]),
-    "amax warmup_counter float": (lambda: fp8amp.amax(x(), one(), warmup_counter=one(), warmup_steps=1), ValueError,
+    "amax buffer int32": (lambda: fp8amp.ops.amax(x(), counter()), ValueError, ["amax"]),
+    "amax buffer empty": (lambda: fp8amp.ops.amax(x(), torch.zeros(0)), ValueError, ["amax"]),
+    "amax warmup_counter float": (lambda: fp8amp.ops.amax(x(), one(), warmup_counter=one(), warmup_steps=1), ValueError,
                                   ["warmup_counter"]),
-    "multi_amax xs a tensor": (lambda: fp8amp.multi_amax(x(), torch.zeros(4)), TypeError, ["xs"]),
-    "multi_amax xs[1] a float": (lambda: fp8amp.multi_amax([x(), 1.0], torch.zeros(2)), TypeError, ["xs[1]"]),
-    "multi_amax xs empty": (lambda: fp8amp.multi_amax([], torch.zeros(1)), ValueError, ["xs"]),
-    "multi_amax xs mixed dtypes": (lambda: fp8amp.multi_amax([x(), x().half()], torch.zeros(2)), ValueError, ["xs"]),
-    "multi_amax amax [3] for 2": (lambda: fp8amp.multi_amax([x(), x()], torch.zeros(3)), ValueError, ["amax"]),
-    "multi_quantize scale [1] for 2": (lambda: fp8amp.multi_quantize([x(), x()], one(), torch.zeros(2), E4M3),
+    "multi_amax xs a tensor": (lambda: fp8amp.ops.multi_amax(x(), torch.zeros(4)), TypeError, ["xs"]),
+    "multi_amax xs[1] a float": (lambda: fp8amp.ops.multi_amax([x(), 1.0], torch.zeros(2)), TypeError, ["xs[1]"]),
+    "multi_amax xs empty": (lambda: fp8amp.ops.multi_amax([], torch.zeros(1)), ValueError, ["xs"]),
+    "multi_amax xs mixed dtypes": (lambda: fp8amp.ops.multi_amax([x(), x().half()], torch.zeros(2)), ValueError, ["xs"]),
+    "multi_amax amax [3] for 2": (lambda: fp8amp.ops.multi_amax([x(), x()], torch.zeros(3)), ValueError, ["amax"]),
+    "multi_quantize scale [1] for 2": (lambda: fp8amp.ops.multi_quantize([x(), x()], one(), torch.zeros(2), E4M3),
                                        ValueError, ["scale"]),
     "multi_quantize warmup_counter [1] for 2": (
-        lambda: fp8amp.multi_quantize([x(), x()], torch.ones(2), torch.zeros(2), E4M3, warmup_counter=counter()),
+        lambda: fp8amp.ops.multi_quantize([x(), x()], torch.ones(2), torch.zeros(2), E4M3, warmup_counter=counter()),
         ValueError, ["warmup_counter"]),
-    "multi_quantize dtype bad": (lambda: fp8amp.multi_quantize([x()], one(), one(), torch.uint8), ValueError,
+    "multi_quantize dtype bad": (lambda: fp8amp.ops.multi_quantize([x()], one(), one(), torch.uint8), ValueError,
                                  ["dtype"]),
     "multi_dequantize scale_inv [1] for 2": (
-        lambda: fp8amp.multi_dequantize([x().to(E4M3), x().to(E4M3)], one(), torch.float32), ValueError,
+        lambda: fp8amp.ops.multi_dequantize([x().to(E4M3), x().to(E4M3)], one(), torch.float32), ValueError,
         ["scale_inv"]),
-    "multi_dequantize xs a tuple of non-tensors": (lambda: fp8amp.multi_dequantize((1, 2), one(), torch.float32),
+    "multi_dequantize xs a tuple of non-tensors": (lambda: fp8amp.ops.multi_dequantize((1, 2), one(), torch.float32),
                                                    TypeError, ["xs[0]"]),
     # multi_dequantize's outs: the Python types and the dtype in the wrapper, the rest in the core
-    "multi_dequantize outs a tensor": (lambda: fp8amp.multi_dequantize([codes()], one(), torch.float32, outs=x()),
+    "multi_dequantize outs a tensor": (lambda: fp8amp.ops.multi_dequantize([codes()], one(), torch.float32, outs=x()),
                                        TypeError, ["outs", "list or tuple"]),
     "multi_dequantize outs[1] None": (
-        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), None]),
+        lambda: fp8amp.ops.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), None]),
         TypeError, ["outs[1]", "Tensor"]),
     "multi_dequantize outs[1] bfloat16": (
-        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), x().bfloat16()]),
+        lambda: fp8amp.ops.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), x().bfloat16()]),
         ValueError, ["outs[1] must be torch.float32", "dtype", "torch.bfloat16"]),
     "multi_dequantize outs 1 for 2": (
-        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x()]),
+        lambda: fp8amp.ops.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x()]),
         ValueError, ["outs must hold as many tensors as xs (2), got 1"]),
     "multi_dequantize outs[1] shape": (
-        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), x().T]),
+        lambda: fp8amp.ops.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32, outs=[x(), x().T]),
         ValueError, ["xs[1] and outs[1] must have the same shape"]),
     "multi_dequantize outs[1] not contiguous": (
-        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
+        lambda: fp8amp.ops.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
                                         outs=[x(), torch.zeros(4, 16)[:, ::2]]),
         ValueError, ["outs[1] must be contiguous"]),
     "multi_dequantize outs overlapping": (
-        lambda: fp8amp.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
+        lambda: fp8amp.ops.multi_dequantize([codes(), codes()], torch.ones(2), torch.float32,
                                         outs=list(torch.zeros(48).unfold(0, 32, 16).view(2, 4, 8))),
         ValueError, ["outs[0] and outs[1] must not share memory"]),
     "multi_dequantize out over the codes": (lambda: dequantize_over_codes(), ValueError,
@@ -250,32 +250,32 @@ CASES = {
         lambda: scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), margin=127),
         ValueError, ["scaled_accumulate", "margin"]),
     "scaled_accumulate op amax [2]": (
-        lambda: fp8amp.ops.scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 1.0, torch.zeros(2)),
+        lambda: torch.ops.fp8amp.scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 1.0, torch.zeros(2)),
         ValueError, ["scaled_accumulate", "amax", "1 element"]),
     "scaled_accumulate op amax float16": (
-        lambda: fp8amp.ops.scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 1.0,
+        lambda: torch.ops.fp8amp.scaled_accumulate(e4m3(), torch.ones(1), torch.ones(4), None, 1.0,
                                              torch.zeros(1, dtype=torch.float16)),
         ValueError, ["scaled_accumulate", "amax"]),
     # scale updates
-    "compute_scale fmax a string": (lambda: fp8amp.compute_scale(one(), one(), one(), "448"), TypeError, ["fmax"]),
-    "compute_scale fmax negative": (lambda: fp8amp.compute_scale(one(), one(), one(), -448.0), ValueError, ["fmax"]),
-    "compute_scale fmax infinite": (lambda: fp8amp.compute_scale(one(), one(), one(), float("inf")), ValueError,
+    "compute_scale fmax a string": (lambda: fp8amp.ops.compute_scale(one(), one(), one(), "448"), TypeError, ["fmax"]),
+    "compute_scale fmax negative": (lambda: fp8amp.ops.compute_scale(one(), one(), one(), -448.0), ValueError, ["fmax"]),
+    "compute_scale fmax infinite": (lambda: fp8amp.ops.compute_scale(one(), one(), one(), float("inf")), ValueError,
                                     ["fmax"]),
-    "compute_scale scale_inv [2]": (lambda: fp8amp.compute_scale(one(), one(), torch.ones(2), 448.0), ValueError,
+    "compute_scale scale_inv [2]": (lambda: fp8amp.ops.compute_scale(one(), one(), torch.ones(2), 448.0), ValueError,
                                     ["scale_inv"]),
-    "compute_scale amax [2] for 1": (lambda: fp8amp.compute_scale(torch.zeros(2, 2), one(), one(), 448.0),
+    "compute_scale amax [2] for 1": (lambda: fp8amp.ops.compute_scale(torch.zeros(2, 2), one(), one(), 448.0),
                                      ValueError, ["amax"]),
-    "update amax_history 1-D": (lambda: fp8amp.update_delayed_scaling(torch.zeros(4), one(), one(), counter(), 448.0),
+    "update amax_history 1-D": (lambda: fp8amp.ops.update_delayed_scaling(torch.zeros(4), one(), one(), counter(), 448.0),
                                 ValueError, ["amax_history"]),
-    "update counter float": (lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), one(), one(), one(), 448.0),
+    "update counter float": (lambda: fp8amp.ops.update_delayed_scaling(torch.zeros(1, 4), one(), one(), one(), 448.0),
                              ValueError, ["counter", "int32"]),
     "update scale [2] for 1": (
-        lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), torch.ones(2), one(), counter(), 448.0),
+        lambda: fp8amp.ops.update_delayed_scaling(torch.zeros(1, 4), torch.ones(2), one(), counter(), 448.0),
         ValueError, ["scale"]),
     "update scale_inv float16": (
-        lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), one(), one().half(), counter(), 448.0),
+        lambda: fp8amp.ops.update_delayed_scaling(torch.zeros(1, 4), one(), one().half(), counter(), 448.0),
         ValueError, ["scale_inv"]),
-    "update counter None": (lambda: fp8amp.update_delayed_scaling(torch.zeros(1, 4), one(), one(), None, 448.0),
+    "update counter None": (lambda: fp8amp.ops.update_delayed_scaling(torch.zeros(1, 4), one(), one(), None, 448.0),
                             TypeError, ["counter"]),
     # formats
     "format_max int8": (lambda: fp8amp.format_max(torch.int8), ValueError,
@@ -325,20 +325,20 @@ def test_bad_input_raises_clear_error(name):
 def test_cpu_cuda_mix_names_the_argument():
     xc = torch.randn(4, 8, device="cuda")
     with pytest.raises(ValueError, match="scale"):
-        fp8amp.quantize(xc, one(), torch.zeros(1, device="cuda"), E4M3)
+        fp8amp.ops.quantize(xc, one(), torch.zeros(1, device="cuda"), E4M3)
     with pytest.raises(ValueError, match="amax"):
-        fp8amp.quantize(xc, torch.ones(1, device="cuda"), one(), E4M3)
+        fp8amp.ops.quantize(xc, torch.ones(1, device="cuda"), one(), E4M3)
     with pytest.raises(ValueError, match="warmup_counter"):
-        fp8amp.cast_transpose(xc, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), E4M3,
+        fp8amp.ops.cast_transpose(xc, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), E4M3,
                               warmup_counter=counter(), warmup_steps=1)
     with pytest.raises(ValueError, match="scale_inv"):
-        fp8amp.dequantize(xc.to(E4M3), one(), torch.float32)
+        fp8amp.ops.dequantize(xc.to(E4M3), one(), torch.float32)
     with pytest.raises(ValueError, match="xs"):
-        fp8amp.multi_amax([xc, x()], torch.zeros(2, device="cuda"))
+        fp8amp.ops.multi_amax([xc, x()], torch.zeros(2, device="cuda"))
     with pytest.raises(ValueError, match=r"xs\[0\] and outs\[0\] must be on the same device"):
-        fp8amp.multi_dequantize([codes()], one(), torch.float32, outs=[torch.empty(4, 8, device="cuda")])
+        fp8amp.ops.multi_dequantize([codes()], one(), torch.float32, outs=[torch.empty(4, 8, device="cuda")])
     with pytest.raises(ValueError, match="counter"):
-        fp8amp.update_delayed_scaling(torch.zeros(1, 4, device="cuda"), torch.ones(1, device="cuda"),
+        fp8amp.ops.update_delayed_scaling(torch.zeros(1, 4, device="cuda"), torch.ones(1, device="cuda"),
                                       torch.ones(1, device="cuda"), counter(), 448.0)
     with pytest.raises(ValueError, match="x"):
         fp8amp.ScalingState(1).quantize(xc)
@@ -348,11 +348,11 @@ def test_cpu_cuda_mix_names_the_argument():
 def test_cast_transpose_dbias_cpu_cuda_mix_names_the_argument():
     xc = torch.randn(300, 8, device="cuda")
     with pytest.raises(ValueError, match="scale"):
-        fp8amp.cast_transpose_dbias(xc, one(), torch.zeros(1, device="cuda"), E4M3)
+        fp8amp.ops.cast_transpose_dbias(xc, one(), torch.zeros(1, device="cuda"), E4M3)
     with pytest.raises(ValueError, match="amax"):
-        fp8amp.cast_transpose_dbias(xc, torch.ones(1, device="cuda"), one(), E4M3)
+        fp8amp.ops.cast_transpose_dbias(xc, torch.ones(1, device="cuda"), one(), E4M3)
     with pytest.raises(ValueError, match="warmup_counter"):
-        fp8amp.cast_transpose_dbias(xc, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), E4M3,
+        fp8amp.ops.cast_transpose_dbias(xc, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), E4M3,
                                     warmup_counter=counter(), warmup_steps=1)
     with pytest.raises(ValueError, match="x"):
         fp8amp.ScalingState(1).cast_transpose_dbias(xc)

@@ -100,7 +100,7 @@ GEMM_SHAPES = ((16, 16, 16), (48, 1536, 256), (16 * 7, 96, 32 * 5), (16, 32, 409
 @pytest.mark.parametrize("bias", (False, True))
 def test_gemm(m, k, n, out_dtype, bias):
     a, b = randn((m, k)).to(E4M3), randn((n, k), seed=1).to(E4M3)
-    bias_t = randn((n,), fp8amp.gemm.bias_dtype(out_dtype), seed=2) if bias else None
+    bias_t = randn((n,), fp8amp.ops.bias_dtype(out_dtype), seed=2) if bias else None
     args = (a, b, torch.ones(1), torch.full((1,), 0.5))
     assert_same_metadata(ops.gemm.default, (*args, out_dtype, bias_t, True))
     assert_same_metadata(ops.gemm_accumulate.default, (*args, torch.zeros(m, n, dtype=out_dtype), bias_t, False))

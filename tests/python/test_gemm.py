@@ -11,7 +11,7 @@ import torch
 
 import fp8amp
 
-ops = fp8amp.ops
+ops = torch.ops.fp8amp
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -297,22 +297,22 @@ def test_cuda_compiled_and_on_a_side_stream():
 @pytest.fixture
 def autotune():
     """Autotuning on for one test, off again after it (a process-wide setting)."""
-    fp8amp.gemm.set_autotune(True)
+    fp8amp.ops.set_gemm_autotune(True)
     yield
-    fp8amp.gemm.set_autotune(False)
+    fp8amp.ops.set_gemm_autotune(False)
 
 
 def test_autotune_setting_and_its_errors():
-    assert fp8amp.gemm.autotune_enabled() is False  # the default
-    fp8amp.gemm.set_autotune(True)
+    assert fp8amp.ops.gemm_autotune_enabled() is False  # the default
+    fp8amp.ops.set_gemm_autotune(True)
     try:
-        assert fp8amp.gemm.autotune_enabled() is True
+        assert fp8amp.ops.gemm_autotune_enabled() is True
     finally:
-        fp8amp.gemm.set_autotune(False)
-    assert fp8amp.gemm.autotune_enabled() is False
-    with pytest.raises(TypeError, match="gemm.set_autotune: enabled must be a bool, got int"):
-        fp8amp.gemm.set_autotune(1)
-    assert set(fp8amp.gemm.autotune_stats()) == {"tuning", "tuned", "changed"}
+        fp8amp.ops.set_gemm_autotune(False)
+    assert fp8amp.ops.gemm_autotune_enabled() is False
+    with pytest.raises(TypeError, match="fp8amp.ops.set_gemm_autotune: enabled must be a bool, got int"):
+        fp8amp.ops.set_gemm_autotune(1)
+    assert set(fp8amp.ops.gemm_autotune_stats()) == {"tuning", "tuned", "changed"}
 
 
 def test_autotune_leaves_the_cpu_reference_alone(autotune):
@@ -336,7 +336,7 @@ def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(autotune, 
     bias = torch.randn(n, generator=g).to(torch.bfloat16).cuda()
     old = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
     ref = reference(a, b, sa, sb, torch.bfloat16, bias=bias, old=old if accumulate else None)
-    before = fp8amp.gemm.autotune_stats()
+    before = fp8amp.ops.gemm_autotune_stats()
 
     def call():
         if accumulate:
@@ -351,7 +351,7 @@ def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(autotune, 
         got = call()
         torch.cuda.synchronize()  # the timings complete before the next call reads them
         assert_within_accumulation_bound(got, ref, a, b, sa, sb, False, added=added, result=result)
-    after = fp8amp.gemm.autotune_stats()
+    after = fp8amp.ops.gemm_autotune_stats()
     assert after["tuned"] == before["tuned"] + 1 and after["tuning"] == before["tuning"]
     assert_same_bits(call(), call())
 
@@ -369,7 +369,7 @@ def test_cuda_autotune_under_graph_capture(autotune):
     ref = reference(a, b, sa, sb, torch.bfloat16)
     ops.gemm(a, b, sa, sb, torch.bfloat16)  # the problem starts tuning
     torch.cuda.synchronize()
-    tuning = fp8amp.gemm.autotune_stats()["tuning"]
+    tuning = fp8amp.ops.gemm_autotune_stats()["tuning"]
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -383,8 +383,8 @@ def test_cuda_autotune_under_graph_capture(autotune):
         graph.replay()
         torch.cuda.synchronize()
         assert_within_accumulation_bound(out, ref, a, b, sa, sb, False)
-    assert fp8amp.gemm.autotune_stats()["tuning"] == tuning  # capture decided nothing
+    assert fp8amp.ops.gemm_autotune_stats()["tuning"] == tuning  # capture decided nothing
     for _ in range(30):
         ops.gemm(a, b, sa, sb, torch.bfloat16)
         torch.cuda.synchronize()
-    assert fp8amp.gemm.autotune_stats()["tuning"] == tuning - 1
+    assert fp8amp.ops.gemm_autotune_stats()["tuning"] == tuning - 1

@@ -225,7 +225,7 @@ def test_micro_batch_accumulation_is_one_fused_requantize():
     loss_of(model, 1).backward()
     acc = model.up.weight.grad
     expected = grads[0].clone()
-    fp8amp.scaled_accumulate(expected._data, expected._scale_inv, grads[1]._data, grads[1]._scale_inv)
+    fp8amp.ops.scaled_accumulate(expected._data, expected._scale_inv, grads[1]._data, grads[1]._scale_inv)
     assert isinstance(acc, ScaledTensor) and acc.storage_format == E4M3
     assert torch.equal(acc._data.view(torch.uint8), expected._data.view(torch.uint8))
     assert torch.equal(acc._scale_inv, expected._scale_inv)

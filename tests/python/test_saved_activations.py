@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8amp
 from fp8amp import E4M3, E5M2, ScaledTensor, saved_activations
-from fp8amp._args import has_row_runs
+from fp8amp.ops._args import has_row_runs
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
 SQNR_FLOOR_DB = {E4M3: 25.8, E5M2: 19.8}

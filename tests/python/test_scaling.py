@@ -95,7 +95,7 @@ class DelayedScalingModel:
 
 def test_design_examples():
     scale, scale_inv = torch.ones(2), torch.ones(2)
-    fp8amp.compute_scale(torch.tensor([10.0, 1e4]), scale, scale_inv, fp8amp.E4M3_MAX)
+    fp8amp.ops.compute_scale(torch.tensor([10.0, 1e4]), scale, scale_inv, fp8amp.E4M3_MAX)
     assert scale.tolist() == [32.0, 1 / 32] and scale_inv.tolist() == [1 / 32, 32.0]
 
 
@@ -114,7 +114,7 @@ def test_compute_scale_matches_model(dtype, pow2, margin):
     previous = (torch.full((n,), 3.0), torch.full((n,), 1 / 3))
     scale, scale_inv = previous[0].clone(), previous[1].clone()
     history = torch.stack([amax, torch.full((n,), 1e6)], dim=1)  # [n, 2]: column 0 counts
-    fp8amp.compute_scale(history, scale, scale_inv, fmax, margin=margin, pow2_scale=pow2)
+    fp8amp.ops.compute_scale(history, scale, scale_inv, fmax, margin=margin, pow2_scale=pow2)
     expected = [model_scale(a, fmax, margin, pow2, (F32(3.0), F32(1 / 3))) for a in amax.tolist()]
     assert_bits_equal(scale, torch.tensor(np.array([e[0] for e in expected], dtype=np.float32)))
     assert_bits_equal(scale_inv, torch.tensor(np.array([e[1] for e in expected], dtype=np.float32)))
@@ -451,9 +451,9 @@ def test_multi_update_delayed_scaling_refuses_overlaps_and_mismatched_lists():
     si = [s.scale_inv for s in states]
     c = [s.counter for s in states]
     with pytest.raises(ValueError, match="as many tensors each"):
-        fp8amp.multi_update_delayed_scaling(h, sc, si, c[:2], 448.0)
+        fp8amp.ops.multi_update_delayed_scaling(h, sc, si, c[:2], 448.0)
     with pytest.raises(ValueError, match="must not share memory"):
-        fp8amp.multi_update_delayed_scaling(h, sc, [si[0], si[1], si[1]], c, 448.0)
+        fp8amp.ops.multi_update_delayed_scaling(h, sc, [si[0], si[1], si[1]], c, 448.0)
     with pytest.raises(TypeError, match="scales"):
-        fp8amp.multi_update_delayed_scaling(h, sc[0], si, c, 448.0)
-    fp8amp.multi_update_delayed_scaling([], [], [], [], 448.0)  # nothing to do
+        fp8amp.ops.multi_update_delayed_scaling(h, sc[0], si, c, 448.0)
+    fp8amp.ops.multi_update_delayed_scaling([], [], [], [], 448.0)  # nothing to do

@@ -1,11 +1,14 @@
-"""Loads the compiled extension, which registers the ``torch.ops.fp8amp`` operators."""
+"""Loads the compiled extension, which registers the ``torch.ops.fp8amp`` operators.
+
+``lib`` is the operator namespace; only the op layer (this package) uses it."""
 
 import glob
 import os
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# The extension is installed beside the package's top-level modules.
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load() -> None:
@@ -19,4 +22,4 @@ def _load() -> None:
 
 
 _load()
-ops = torch.ops.fp8amp
+lib = torch.ops.fp8amp

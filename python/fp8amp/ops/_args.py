@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .formats import check_dtype
+from ..formats import check_dtype
 
 _Tensor = torch.Tensor
 
 
 def _type_error(op: str, arg: str, what: str, value: object) -> TypeError:
-    return TypeError(f"fp8amp.{op}: {arg} must be {what}, got {type(value).__name__}")
+    return TypeError(f"fp8amp.ops.{op}: {arg} must be {what}, got {type(value).__name__}")
 
 
 def _tensor(value: object, arg: str, op: str) -> torch.Tensor:
@@ -79,25 +79,33 @@ def _optional_input(value: object, arg: str, op: str) -> torch.Tensor | None:
 
 def _inputs(values: object, arg: str, op: str) -> list[torch.Tensor]:
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
+        raise TypeError(f"fp8amp.ops.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
     return [_input(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
 
 
 def _tensors(values: object, arg: str, op: str) -> list[torch.Tensor]:
     """A list of tensors the op writes in place, passed as they are; the core checks the rest."""
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
+        raise TypeError(f"fp8amp.ops.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
     return [_tensor(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
+
+
+def _optional_tensors(values: object, arg: str, op: str) -> list:
+    """A list of tensors or Nones (one per tensor of the call, or empty for none), passed as they are."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"fp8amp.ops.{op}: {arg} must be a list or tuple of tensors or None, got "
+                        f"{type(values).__name__}")
+    return [v if v is None else _tensor(v, f"{arg}[{i}]", op) for i, v in enumerate(values)]
 
 
 def _outputs(values: object, dtype: torch.dtype, arg: str, op: str) -> list[torch.Tensor]:
     """Tensors of ``dtype`` the op writes in place, as a list: passed as they are (a contiguous copy
     would not receive the write); the core checks their count, shapes, devices and layout."""
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"fp8amp.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
+        raise TypeError(f"fp8amp.ops.{op}: {arg} must be a list or tuple of tensors, got {type(values).__name__}")
     for i, v in enumerate(values):
         if _tensor(v, f"{arg}[{i}]", op).dtype != dtype:
-            raise ValueError(f"fp8amp.{op}: {arg}[{i}] must be {dtype} (the dtype argument), got {v.dtype}")
+            raise ValueError(f"fp8amp.ops.{op}: {arg}[{i}] must be {dtype} (the dtype argument), got {v.dtype}")
     return list(values)
 
 
@@ -124,4 +132,4 @@ def _dtype(value: object, accepted: tuple, arg: str, op: str) -> torch.dtype:
     :func:`fp8amp.formats.check_dtype`, which names the accepted values."""
     if isinstance(value, torch.dtype) and value in accepted:
         return value
-    return check_dtype(value, accepted, arg, f"fp8amp.{op}")
+    return check_dtype(value, accepted, arg, f"fp8amp.ops.{op}")

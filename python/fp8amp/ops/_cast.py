@@ -1,4 +1,4 @@
-"""Typed wrappers over the cast ops of the core (``torch.ops.fp8amp``), DESIGN §3.
+"""Typed wrappers over the core's cast ops: quantize, cast + transpose, dequantize, amax (DESIGN §3).
 
 ``scale`` multiplies high precision into a scaled format (stored = real * scale) and
 ``scale_inv`` brings it back (real = stored * scale_inv); both are float32 device tensors, one
@@ -19,10 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ._args import (_bool, _dtype, _float, _input, _inputs, _int, _optional_input, _outputs, _reduction_input,
-                    _tensor, _tensors)
-from ._library import ops
-from .formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
+from ..formats import HIGH_PRECISION_DTYPES, SCALED_FORMATS
+from . import fast
+from ._args import _bool, _dtype, _input, _inputs, _int, _optional_input, _outputs, _reduction_input, _tensor
 
 __all__ = [
     "quantize",
@@ -34,27 +33,9 @@ __all__ = [
     "multi_amax",
     "multi_quantize",
     "multi_dequantize",
-    "compute_scale",
-    "update_delayed_scaling",
-    "multi_update_delayed_scaling",
 ]
 
 _SCALED_FORMATS = tuple(SCALED_FORMATS)
-
-# The op overloads, resolved once (a torch.ops attribute lookup and overload resolution per call
-# is host time on every step). Each op has a single overload.
-_quantize = ops.quantize.default
-_quantize_current = ops.quantize_current.default
-_cast_transpose = ops.cast_transpose.default
-_cast_transpose_dbias = ops.cast_transpose_dbias.default
-_dequantize = ops.dequantize.default
-_amax = ops.amax.default
-_multi_amax = ops.multi_amax.default
-_multi_quantize = ops.multi_quantize.default
-_multi_dequantize = ops.multi_dequantize.default
-_compute_scale = ops.compute_scale.default
-_update_delayed_scaling = ops.update_delayed_scaling.default
-_multi_update_delayed_scaling = ops.multi_update_delayed_scaling.default
 
 
 def _scaling_args(
@@ -101,7 +82,7 @@ def quantize(
     (current scaling), or stays ``scale[0]`` if that amax is 0 or not finite.
     """
     op = "quantize"
-    return _quantize(
+    return fast.quantize(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
     )
@@ -120,7 +101,7 @@ def quantize_current(
     ``torch.compile`` to clone).
     """
     op = "quantize_current"
-    return _quantize_current(
+    return fast.quantize_current(
         _input(x, "x", op),
         _dtype(dtype, _SCALED_FORMATS, "dtype", op),
         _int(margin, "margin", op),
@@ -146,7 +127,7 @@ def cast_transpose(
     GEMMs need) and holds the same codes.
     """
     op = "cast_transpose"
-    return _cast_transpose(
+    return fast.cast_transpose(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
     )
@@ -172,7 +153,7 @@ def cast_transpose_dbias(
     rounding.
     """
     op = "cast_transpose_dbias"
-    return _cast_transpose_dbias(
+    return fast.cast_transpose_dbias(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
     )
@@ -182,7 +163,7 @@ def dequantize(x: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> 
     """Returns ``x * scale_inv`` (x in E4M3, E5M2 or FP16; scale_inv float32 ``[1]``) in ``dtype``
     (float32, bfloat16 or float16), rounded to nearest even."""
     op = "dequantize"
-    return _dequantize(
+    return fast.dequantize(
         _input(x, "x", op),
         _input(scale_inv, "scale_inv", op),
         _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op),
@@ -204,7 +185,7 @@ def amax(
     contiguous tensor, a slice of a matrix's columns), else from a contiguous copy.
     """
     op = "amax"
-    _amax(
+    fast.amax(
         _reduction_input(x, "x", op),
         _tensor(amax, "amax", op),
         _optional_input(warmup_counter, "warmup_counter", op),
@@ -216,7 +197,7 @@ def multi_amax(xs: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     """:func:`amax` of many tensors of one dtype in one launch: ``xs[i]`` folds into ``amax[i, 0]``
     (``amax`` float32 ``[n]`` or ``[n, H]``)."""
     op = "multi_amax"
-    _multi_amax(_inputs(xs, "xs", op), _tensor(amax, "amax", op))
+    fast.multi_amax(_inputs(xs, "xs", op), _tensor(amax, "amax", op))
 
 
 def multi_quantize(
@@ -239,7 +220,7 @@ def multi_quantize(
     inputs = _inputs(xs, "xs", op)
     scale, amax, dtype, *rest = _scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale)
     outs = [torch.empty_like(x, dtype=dtype) for x in inputs]
-    scale_inv = _multi_quantize(inputs, outs, scale, amax, *rest)
+    scale_inv = fast.multi_quantize(inputs, outs, scale, amax, *rest)
     return outs, scale_inv
 
 
@@ -261,88 +242,5 @@ def multi_dequantize(
     inputs = _inputs(xs, "xs", op)
     dtype = _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op)
     outs = [torch.empty_like(x, dtype=dtype) for x in inputs] if outs is None else _outputs(outs, dtype, "outs", op)
-    _multi_dequantize(inputs, _input(scale_inv, "scale_inv", op), outs)
+    fast.multi_dequantize(inputs, _input(scale_inv, "scale_inv", op), outs)
     return outs
-
-
-def compute_scale(
-    amax: torch.Tensor,
-    scale: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fmax: float,
-    *,
-    margin: int = 0,
-    pow2_scale: bool = True,
-) -> None:
-    """Sets ``scale[i]`` and ``scale_inv[i]`` in place from ``amax[i, 0]`` (DESIGN §3).
-
-    ``pow2_scale=True``: ``scale = 2^(floor(log2(fmax / amax)) - margin)`` (exponent kept within
-    +-126), so ``scale_inv`` is exact; ``False``: ``scale = fmax / amax / 2^margin`` (TE's rule).
-    An amax of 0 or not finite keeps the previous pair. ``fmax`` comes from
-    :func:`fp8amp.formats.format_max`.
-    """
-    op = "compute_scale"
-    _compute_scale(
-        _input(amax, "amax", op),
-        _tensor(scale, "scale", op),
-        _tensor(scale_inv, "scale_inv", op),
-        _float(fmax, "fmax", op),
-        _int(margin, "margin", op),
-        _bool(pow2_scale, "pow2_scale", op),
-    )
-
-
-def update_delayed_scaling(
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    scale_inv: torch.Tensor,
-    counter: torch.Tensor,
-    fmax: float,
-    *,
-    margin: int = 0,
-    pow2_scale: bool = True,
-) -> None:
-    """The delayed-scaling update after an optimizer step, for n tensors at once, in place.
-
-    With ``amax_history`` float32 ``[n, H]``, ``scale`` / ``scale_inv`` float32 ``[n]`` and
-    ``counter`` int32 ``[n]``, for each i: a non-finite ``amax_history[i, 0]`` is zeroed and sets
-    ``counter[i] = 0``, otherwise ``counter[i] += 1`` (at most H); the scale pair is recomputed as
-    in :func:`compute_scale` from the max of the row (kept if that max is 0); then the row rolls
-    by one and ``amax_history[i, 0] = 0``.
-    """
-    op = "update_delayed_scaling"
-    _update_delayed_scaling(
-        _tensor(amax_history, "amax_history", op),
-        _tensor(scale, "scale", op),
-        _tensor(scale_inv, "scale_inv", op),
-        _tensor(counter, "counter", op),
-        _float(fmax, "fmax", op),
-        _int(margin, "margin", op),
-        _bool(pow2_scale, "pow2_scale", op),
-    )
-
-
-def multi_update_delayed_scaling(
-    amax_histories: Sequence[torch.Tensor],
-    scales: Sequence[torch.Tensor],
-    scale_invs: Sequence[torch.Tensor],
-    counters: Sequence[torch.Tensor],
-    fmax: float,
-    *,
-    margin: int = 0,
-    pow2_scale: bool = True,
-) -> None:
-    """:func:`update_delayed_scaling` of many states with one ``fmax`` and recipe in one launch:
-    state i is ``amax_histories[i]`` ``[n_i, H_i]``, ``scales[i]``, ``scale_invs[i]`` and
-    ``counters[i]`` ``[n_i]``, all on one device, no two sharing memory."""
-    op = "multi_update_delayed_scaling"
-    lists = (_tensors(amax_histories, "amax_histories", op), _tensors(scales, "scales", op),
-             _tensors(scale_invs, "scale_invs", op), _tensors(counters, "counters", op))
-    if not any(lists):
-        return  # no state (and no tensor for torch to dispatch on)
-    _multi_update_delayed_scaling(
-        *lists,
-        _float(fmax, "fmax", op),
-        _int(margin, "margin", op),
-        _bool(pow2_scale, "pow2_scale", op),
-    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fast
 from ._args import _bool, _float, _input, _int, _optional_input, _tensor
-from ._library import ops
 
 __all__ = ["scaled_accumulate"]
 
@@ -41,8 +41,8 @@ def scaled_accumulate(
 
     Returns ``amax`` (float32 ``[1]``, on ``dst``'s device) ``= max |s|`` (NaN if any ``s`` is
     NaN, 0 for empty tensors). The new scale comes from that amax with ``dst``'s format max by
-    the rule of ``margin`` and ``pow2_scale`` (see :func:`fp8amp.compute_scale`); ``dst`` becomes
-    ``saturate(round(s * scale))`` as :func:`fp8amp.quantize` writes it, and ``dst_scale_inv``
+    the rule of ``margin`` and ``pow2_scale`` (see :func:`fp8amp.ops.compute_scale`); ``dst`` becomes
+    ``saturate(round(s * scale))`` as :func:`fp8amp.ops.quantize` writes it, and ``dst_scale_inv``
     becomes ``1 / scale``. Special cases:
 
     - amax 0 (all sums zero, or no element): ``scale = dst_scale_inv = 1``, codes zero;
@@ -56,7 +56,7 @@ def scaled_accumulate(
     op = "scaled_accumulate"
     dst = _tensor(dst, "dst", op)
     amax = torch.empty(1, dtype=torch.float32, device=dst.device)
-    ops.scaled_accumulate(
+    fast.scaled_accumulate(
         dst,
         _tensor(dst_scale_inv, "dst_scale_inv", op),
         _input(src, "src", op),

@@ -1,0 +1,65 @@
+"""Typed wrapper over the core's fused Adam / AdamW step (``include/fp8amp/optim.h`` has the
+element math, the scaled formats each buffer may hold and the non-finite rule)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import fast
+from ._args import _bool, _float, _int, _optional_tensors, _tensor, _tensors
+
+__all__ = ["adam_step"]
+
+_SCALE_LISTS = ("param_scales", "param_scale_invs", "grad_scale_invs", "exp_avg_scales", "exp_avg_scale_invs",
+                "exp_avg_sq_scales", "exp_avg_sq_scale_invs", "weights_fp8", "weight_scales", "weight_scale_invs")
+
+
+def adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    maximize: bool = False,
+    step: int = 0,
+    step_tensor: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    margin: int = 0,
+    **scale_lists: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """One Adam (``adamw=False``) or AdamW step over the tensors of one param group, in place.
+
+    ``params[i]``, ``grads[i]``, ``exp_avgs[i]`` and ``exp_avg_sqs[i]`` are tensor i's buffers.
+    Scaled buffers come with their scales through the keyword lists ``param_scales``,
+    ``param_scale_invs``, ``grad_scale_invs``, ``exp_avg_scales``, ``exp_avg_scale_invs``,
+    ``exp_avg_sq_scales``, ``exp_avg_sq_scale_invs`` and the optional E4M3 copy of each new master
+    ``weights_fp8``, ``weight_scales``, ``weight_scale_invs``: each list is empty (no tensor has
+    one) or holds one tensor or None per tensor. The step number is ``step`` (a host count >= 1)
+    or, with ``step=0``, ``step_tensor`` (float32 [1], incremented on the device).
+    ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
+    the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
+    ``[n, 4]`` (grad, exp_avg, exp_avg_sq, param).
+    """
+    op = "adam_step"
+    unknown = sorted(set(scale_lists) - set(_SCALE_LISTS))
+    if unknown:
+        raise TypeError(f"fp8amp.ops.{op}: unknown keyword argument(s) {unknown}; accepted: {list(_SCALE_LISTS)}")
+    lists = [_optional_tensors(scale_lists.get(name, ()), name, op) for name in _SCALE_LISTS]
+    return fast.adam_step(
+        _tensors(params, "params", op), _tensors(grads, "grads", op), _tensors(exp_avgs, "exp_avgs", op),
+        _tensors(exp_avg_sqs, "exp_avg_sqs", op), *lists,
+        lr=_float(lr, "lr", op), beta1=_float(beta1, "beta1", op), beta2=_float(beta2, "beta2", op),
+        eps=_float(eps, "eps", op), weight_decay=_float(weight_decay, "weight_decay", op),
+        adamw=_bool(adamw, "adamw", op), maximize=_bool(maximize, "maximize", op), step=_int(step, "step", op),
+        step_tensor=None if step_tensor is None else _tensor(step_tensor, "step_tensor", op),
+        found_inf=None if found_inf is None else _tensor(found_inf, "found_inf", op),
+        margin=_int(margin, "margin", op),
+    )

@@ -1,0 +1,31 @@
+"""The trusted fast path: the core's op overloads, resolved once.
+
+For fp8amp's own hot loops (the scaling state, Fp8Linear, the optimizer, the FP8 all-reduce),
+whose arguments are checked where they enter fp8amp: a ``torch.ops`` attribute lookup and
+overload resolution per call would be host time on every step. Each takes the schema's
+positional arguments (``torch.ops.fp8amp.<name>`` documents them) and checks nothing in Python;
+the core still refuses bad values with a ValueError naming the argument. Everyone else calls the
+typed wrappers of :mod:`fp8amp.ops`.
+"""
+
+from ._library import lib
+
+quantize = lib.quantize.default
+quantize_current = lib.quantize_current.default
+cast_transpose = lib.cast_transpose.default
+cast_transpose_dbias = lib.cast_transpose_dbias.default
+dequantize = lib.dequantize.default
+amax = lib.amax.default
+multi_amax = lib.multi_amax.default
+multi_quantize = lib.multi_quantize.default
+multi_dequantize = lib.multi_dequantize.default
+compute_scale = lib.compute_scale.default
+update_delayed_scaling = lib.update_delayed_scaling.default
+multi_update_delayed_scaling = lib.multi_update_delayed_scaling.default
+gemm = lib.gemm.default
+gemm_accumulate = lib.gemm_accumulate.default
+scaled_accumulate = lib.scaled_accumulate.default
+adam_step = lib.adam_step.default
+set_gemm_autotune = lib.set_gemm_autotune.default
+gemm_autotune = lib.gemm_autotune.default
+gemm_autotune_stats = lib.gemm_autotune_stats.default
