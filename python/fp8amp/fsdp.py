@@ -16,8 +16,9 @@ parameter that FSDP2 shards, the optimizer updates and checkpoints save) and def
 :class:`~fp8amp.ScaledTensor` that the layer's forward takes as it is.
 
 O1/O2 masters (:class:`~fp8amp.ScaledTensor`) take the same all-gather through ScaledTensor's own
-``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, which call :func:`pre_all_gather` and
-:func:`post_all_gather` below (docs/distributed.md, "FSDP2").
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: both kinds of weight share
+:func:`fp8amp.scaled_tensor.pre_all_gather` and :func:`~fp8amp.scaled_tensor.post_all_gather`
+(docs/distributed.md, "FSDP2").
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .formats import E4M3
 from .linear import Fp8Linear
-from .scaled_tensor import ScaledTensor
+from .scaled_tensor import ScaledTensor, post_all_gather, pre_all_gather
 
 __all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather"]
 
@@ -104,34 +104,6 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
-
-
-def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module) -> tuple:
-    """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear): this rank's shard
-    (real values) as E4M3 codes with the whole weight's scale, padded to the first rank's shard
-    size, and that scale's inverse."""
-    if not isinstance(module, Fp8Linear):
-        raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
-                        f"{type(module).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
-    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
-    codes = codes.view(torch.uint8)
-    # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
-    padded_rows = -(-outer_size[0] // mesh.size())
-    if codes.size(0) < padded_rows:
-        codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
-    return (codes,), scale_inv
-
-
-def post_all_gather(all_gather_outputs, scale_inv: torch.Tensor, param_dtype: torch.dtype, out=None):
-    """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
-    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are."""
-    (data,) = all_gather_outputs
-    if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
-        out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
-        return None
-    return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
 
 
 def enable_fp8_all_gather(model: nn.Module) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import report
+from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast, gemm
 from .formats import E4M3, E5M2, FP16
@@ -66,10 +66,9 @@ def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
     from (see _transposed_copy); an E4M3 weight (FSDP2's FP8 all-gather, fp8amp.fsdp) gives its
     codes and their transpose; otherwise both layouts come from one current-scaling cast."""
     if isinstance(weight, ScaledTensor):
-        if weight._fp8 is not None:
-            return weight._fp8, None, weight._fp8_scale_inv, (weight._data, weight._scale_inv, weight._fp8_scale)
-        if weight.storage_format == E4M3:
-            return weight._data, weight._data.t().contiguous(), weight._scale_inv, None
+        operands = weight.fp8_operands()
+        if operands is not None:
+            return operands
         weight = weight.dequantize()
     return (*weight_scaling.cast_transpose_current(weight), None)
 
@@ -113,10 +112,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
-        if report.recording():
-            report.record(input_scaling, "input", x2d, x_fp8[:rows], x_scale_inv)
+        if cast_recorder.recording():
+            cast_recorder.record(input_scaling, "input", x2d, x_fp8[:rows], x_scale_inv)
             w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
-            report.record(input_scaling, "weight", w_real, w_fp8, w_scale_inv)
+            cast_recorder.record(input_scaling, "weight", w_real, w_fp8, w_scale_inv)
         # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
         ctx.w_transpose_from = transpose_from
@@ -148,9 +147,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_bias = dbias.to(ctx.weight_dtype)
         else:
             dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(dy_in)
-        recording = report.recording()
+        recording = cast_recorder.recording()
         if recording:
-            report.record(ctx.grad_output_scaling, "grad_output", dy2d, dy_fp8[: ctx.rows], dy_scale_inv)
+            cast_recorder.record(ctx.grad_output_scaling, "grad_output", dy2d, dy_fp8[: ctx.rows], dy_scale_inv)
         if ctx.needs_input_grad[0]:
             grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
             if padded:
@@ -164,7 +163,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.output_dtype)
             real, grad_weight = grad_weight, _fp8_weight_grad(grad_weight, ctx.weight_dtype)
             if recording:
-                report.record(ctx.grad_output_scaling, "weight_grad", real, grad_weight._data, grad_weight._scale_inv)
+                cast_recorder.record(ctx.grad_output_scaling, "weight_grad", real, grad_weight.codes, grad_weight.scale_inv)
         elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None

@@ -292,7 +292,7 @@ class Adam(torch.optim.Optimizer):
                     # scaled_accumulate, an unscale by inf): checking it costs no pass over the codes.
                     # (NaN codes under a finite scale, from elsewhere, still skip the op call that
                     # meets them.)
-                    by_dtype[torch.float32].append(g._scale_inv)
+                    by_dtype[torch.float32].append(g.scale_inv)
                 else:
                     by_dtype[g.dtype].append(g)
             amaxes = []
@@ -314,17 +314,17 @@ class Adam(torch.optim.Optimizer):
         masters = [p for p in params if isinstance(p, ScaledTensor)]
         # The op writes each master's new scale as well as its scale_inv; the scale is derived
         # here (exactly: powers of two) rather than stored, so it can never go stale.
-        master_scales = iter(torch._foreach_reciprocal([p._scale_inv for p in masters]) if masters else [])
+        master_scales = iter(torch._foreach_reciprocal([p.scale_inv for p in masters]) if masters else [])
         copies = [p.fp8_copy if isinstance(p, ScaledTensor) else None for p in params]
         data, param_scales, param_scale_invs, grads, grad_scale_invs = [], [], [], [], []
         for p in params:
             scaled = isinstance(p, ScaledTensor)
-            data.append(p._data if scaled else p)
+            data.append(p.codes if scaled else p)
             param_scales.append(next(master_scales) if scaled else None)
-            param_scale_invs.append(p._scale_inv if scaled else None)
+            param_scale_invs.append(p.scale_inv if scaled else None)
             g = grads_of[id(p)]
-            grads.append(g._data if isinstance(g, ScaledTensor) else g.contiguous())
-            grad_scale_invs.append(g._scale_inv if isinstance(g, ScaledTensor) else None)
+            grads.append(g.codes if isinstance(g, ScaledTensor) else g.contiguous())
+            grad_scale_invs.append(g.scale_inv if isinstance(g, ScaledTensor) else None)
         steps = [s["step"] for s in states]
         beta1, beta2 = group["betas"]
         fast.adam_step(

@@ -45,7 +45,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import cast_recorder
 from .formats import format_max
+from .linear import Fp8Linear
 
 __all__ = ["NumericsReport", "TensorStats", "numerics_report"]
 
@@ -53,9 +55,6 @@ ROLES = ("input", "weight", "grad_output", "weight_grad")
 
 # Accumulator slots (float64 on the tensor's device).
 _NUMEL, _NONZERO, _UNDERFLOW, _SATURATED, _NONFINITE, _SIGNAL, _NOISE, _AMAX = range(8)
-
-_active: Optional["NumericsReport"] = None
-
 
 @dataclass(frozen=True)
 class TensorStats:
@@ -90,11 +89,6 @@ class NumericsReport:
         self.note = ""
 
     def __enter__(self) -> "NumericsReport":
-        from .linear import Fp8Linear  # linear records into this module
-
-        global _active
-        if _active is not None:
-            raise RuntimeError("numerics_report: another report is recording; exit it first (they do not nest)")
         # The model as it is now (converted or not); a report can be entered again, and starts afresh.
         self._layers = [(name, m) for name, m in self._model.named_modules() if isinstance(m, Fp8Linear)]
         self._layer_of_state = {}
@@ -105,15 +99,14 @@ class NumericsReport:
         self._last.clear()
         self.rows = []
         self.note = ""
-        _active = self
+        cast_recorder.start(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active
-        _active = None
+        cast_recorder.stop()
         self._finish()
 
-    def _record(self, state: nn.Module, role: str, x: torch.Tensor, codes: torch.Tensor,
+    def record(self, state: nn.Module, role: str, x: torch.Tensor, codes: torch.Tensor,
                 scale_inv: torch.Tensor) -> None:
         layer = self._layer_of_state.get(id(state))
         if layer is None:  # an Fp8Linear outside the reported model
@@ -196,21 +189,6 @@ def numerics_report(model: nn.Module) -> NumericsReport:
     represents its tensor while the block runs (saturation, underflow, SQNR: see
     :mod:`fp8amp.report`). Eager code only; the statistics are read back when the block exits."""
     return NumericsReport(model)
-
-
-def recording() -> bool:
-    """Whether a report is recording here (never inside code being compiled, so Dynamo neither
-    traces the statistics nor guards on a report's being active)."""
-    if torch.compiler.is_compiling():
-        return False
-    return _active is not None
-
-
-def record(state: nn.Module, role: str, x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """Adds one cast's statistics: ``x`` high precision, ``codes`` its FP8 cast (same shape) with
-    ``scale_inv``; ``state`` the Fp8Linear's input or output-gradient ScalingState (names the layer)."""
-    if _active is not None:
-        _active._record(state, role, x, codes, scale_inv)
 
 
 def _quantization_stats(x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

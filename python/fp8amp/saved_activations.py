@@ -169,7 +169,7 @@ def _pack_eager(x: torch.Tensor, fmt: torch.dtype, min_numel: int) -> object:
     if ctx is not None:
         ctx.stored_tensors += 1
         ctx.stored_bytes += x.numel() * x.element_size()
-        ctx.fp8_bytes += scaled._data.numel() * scaled._data.element_size() + scaled._scale_inv.element_size()
+        ctx.fp8_bytes += scaled.codes.numel() * scaled.codes.element_size() + scaled.scale_inv.element_size()
     return _StoredInFp8(scaled)
 
 

@@ -9,55 +9,7 @@ an optimizer state, and it can be traced by ``torch.compile`` (``__tensor_flatte
 weight gradients (issue 4). MS-AMP's ``ScalingTensor`` is not a ``torch.Tensor``, which breaks
 GradScaler, clip_grad_norm_, DDP, FSDP2 and compile; this one is.
 
-Semantics of ops (``__torch_dispatch__``):
-
-* Kept in the subclass (no data pass unless stated):
-  ``detach``, ``alias``, ``view`` (contiguous reshape; shares ``_data`` storage *and* the
-  ``_scale_inv`` tensor, so in-place ops through the view reach the base, as for any view),
-  ``clone`` (copies both), ``_to_copy`` that only changes the device (``.to(device)``, ``.cpu()``,
-  ``.cuda()``: moves both inner tensors; the codes are not touched); row views (slicing or
-  ``split``/``chunk``/``narrow`` along dim 0, step 1): views of the codes at the tensor's scale
-  (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's scale. (FSDP2 shards an
-  O1/O2 master with these: fp8amp.fsdp.)
-* In place, supported:
-  ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
-  (amax -> pow2 scale -> quantize, no host sync); ``copy_(ScaledTensor)`` of the same storage
-  format and shape: copies ``_data`` and ``_scale_inv`` bit for bit (another format: re-quantizes
-  its real values). Into a row view, which shares its scale with the rest of the tensor, ``copy_``
-  writes ``src``'s real values into the whole tensor's and re-quantizes the whole tensor with a
-  fresh scale (the other rows' values are kept exactly unless the new amax is larger);
-  ``mul_(s)`` / ``div_(s)`` with ``s`` a Python number or a 0-dim real tensor (e.g. the clip
-  coefficient of ``clip_grad_norm_``): O(1), only ``_scale_inv`` changes, the codes are untouched
-  (what MS-AMP does for unscale and world-size averaging). ``_scale_inv * s`` is computed in float32,
-  so it is exact when ``s`` is a power of two (and nothing under/overflows); otherwise the new
-  ``_scale_inv`` is rounded once (a Python float is first rounded to float32 by PyTorch's scalar
-  handling, a second rounding), i.e. a relative error of at most ~2^-23 on every real value, shared
-  by all elements, and ``_scale_inv`` stops being a power of two until the next re-quantize.
-  Unlike a plain FP16 tensor, a large ``s`` cannot overflow the codes;
-  ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
-  ``add_(other, alpha=a)`` with ``other`` of the same shape (a ScaledTensor or a plain
-  float32/bfloat16/float16 tensor): one fused dequantize-add-requantize
-  (:func:`fp8amp.scaled_accumulate`, a fresh current scale from the sums' amax; a non-finite sum
-  makes ``_scale_inv`` NaN so the whole tensor reads NaN). It is how autograd accumulates FP8
-  weight gradients across micro-batches (``param.grad += new_grad``);
-  ``_foreach_mul_`` / ``_foreach_div_`` / ``_foreach_zero_`` over lists that contain ScaledTensors
-  (the plain tensors in one call of the aten op; by one scalar, the ScaledTensors' ``_scale_inv``
-  in one foreach call too; else element by element, through the above);
-  ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
-  check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
-* Norms from the codes: ``linalg.vector_norm`` over all elements and ``_foreach_norm`` (what
-  ``clip_grad_norm_(..., foreach=True)`` calls) compute ``||codes|| * |scale_inv|`` (any order
-  but 0). ``vector_norm`` widens one tensor's codes to FP16; ``_foreach_norm`` widens them a chunk
-  of at most 2^27 elements at a time (one launch), takes the chunk's norms in one foreach call,
-  and never holds more FP16 copies at once.
-* Any other op that would write into a ScaledTensor (``sub_``, ``fill_``, ``lerp_``, ``out=`` ...)
-  raises ``NotImplementedError`` naming the op: data is never silently dropped.
-* Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
-  plain tensors, returning plain tensors: printing, arithmetic, comparisons, norms over some
-  dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
-  than those above (``t()``, ``transpose``, column slices, steps) go through this path too, so
-  they return a dequantized *copy*, not an alias: writing into that copy does not reach the
-  ScaledTensor.
+What each aten op does to a ScaledTensor is its op table's business: :mod:`fp8amp.scaled_tensor_ops`.
 
 ``x.float()`` / ``x.to(torch.float32)`` on a ScaledTensor whose logical dtype is already float32
 return ``x`` itself, as for any float32 tensor (``aten::to`` short-circuits before dispatch); call
@@ -75,18 +27,21 @@ from the same values.
 
 from __future__ import annotations
 
-import numbers
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from . import ops
-from .ops import scaled_accumulate
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
+from .scaling import ScalingState
 
-__all__ = ["ScaledTensor"]
+__all__ = ["ScaledTensor", "OP_TABLE", "pre_all_gather", "post_all_gather"]
+
+#: aten op -> handler(func, args, kwargs): the ops ScaledTensor keeps in the subclass or does in
+#: place (filled by fp8amp.scaled_tensor_ops); a handler may return NotImplemented to decline.
+OP_TABLE: dict = {}
 
 aten = torch.ops.aten
 
@@ -100,15 +55,6 @@ def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
     return ops.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
-
-
-def _is_scalar(s: object) -> bool:
-    if isinstance(s, bool):
-        return False
-    if isinstance(s, numbers.Real):
-        return True
-    return (isinstance(s, torch.Tensor) and not isinstance(s, ScaledTensor) and s.dim() == 0
-            and not s.dtype.is_complex and s.dtype != torch.bool)
 
 
 def _written_args(func, args, kwargs):
@@ -248,6 +194,30 @@ class ScaledTensor(torch.Tensor):
         torch.reciprocal(scale_inv, out=self._fp8_scale)
 
     @property
+    def codes(self) -> torch.Tensor:
+        """The stored codes (read them; write through the tensor's own ops)."""
+        return self._data
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """float32 ``[1]``: what the codes multiply by to give the real values."""
+        return self._scale_inv
+
+    def fp8_operands(self) -> tuple | None:
+        """What an FP8 GEMM reads for this weight: ``(codes, codes_t, scale_inv, transpose_from)``.
+
+        With an E4M3 copy (an O1/O2 master): the copy's codes, ``codes_t`` None and
+        ``transpose_from = (codes, scale_inv, copy_scale)`` of the master, from which the backward
+        casts the transpose (bit-identical to the copy's). An E4M3 tensor (FSDP2's gathered
+        weight): its codes and their transpose, ``transpose_from`` None. Otherwise None: the
+        caller casts the real values."""
+        if self._fp8 is not None:
+            return self._fp8, None, self._fp8_scale_inv, (self._data, self._scale_inv, self._fp8_scale)
+        if self._data.dtype == E4M3:
+            return self._data, self._data.t().contiguous(), self._scale_inv, None
+        return None
+
+    @property
     def fp8_copy(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(codes, scale, scale_inv)`` of the E4M3 copy, or None."""
         return None if self._fp8 is None else (self._fp8, self._fp8_scale, self._fp8_scale_inv)
@@ -275,14 +245,10 @@ class ScaledTensor(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2's all-gather extension for an O1/O2 master sharded by ``fully_shard``: this rank's
         shard of real values goes out as E4M3 codes with the whole weight's scale (fp8amp.fsdp)."""
-        from . import fsdp
-
-        return fsdp.pre_all_gather(self.dequantize(torch.float32), mesh, outer_size, module)
+        return pre_all_gather(self.dequantize(torch.float32), mesh, outer_size, module)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        from . import fsdp
-
-        return fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
 
     # ------------------------------------------------------------------ torch.compile support
 
@@ -303,7 +269,7 @@ class ScaledTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
+        handler = OP_TABLE.get(func)
         if handler is not None:
             result = handler(func, args, kwargs)
             if result is not NotImplemented:
@@ -318,326 +284,36 @@ class ScaledTensor(torch.Tensor):
         return func(*args, **kwargs)
 
 
-# ---------------------------------------------------------------------- special cases
+# ---------------------------------------------------------------------- FSDP2 all-gather in E4M3
+# Shared by O1/O2 masters (the hooks above) and fp8amp.fsdp.Fp8AllGatherWeight.
 
 
-def _detach(func, args, kwargs):
-    (x,) = args
-    out = ScaledTensor(func(x._data), func(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(func))
-    out._base_rows = x._base_rows
-    return out
+def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module) -> tuple:
+    """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear, whose
+    ``weight_scaling`` gives the scale): this rank's shard (real values) as E4M3 codes with the
+    whole weight's scale, padded to the first rank's shard size, and that scale's inverse."""
+    if not isinstance(getattr(module, "weight_scaling", None), ScalingState):
+        raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
+                        f"{type(module).__name__}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
+    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
+    codes = codes.view(torch.uint8)
+    # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
+    padded_rows = -(-outer_size[0] // mesh.size())
+    if codes.size(0) < padded_rows:
+        codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
+    return (codes,), scale_inv
 
 
-def _clone(func, args, kwargs):
-    x = args[0]
-    fmt = kwargs.get("memory_format", None)
-    if fmt not in (None, torch.preserve_format, torch.contiguous_format):
-        return NotImplemented
-    return ScaledTensor(x._data.clone(), x._scale_inv.clone(), x.dtype, fp8_copy=x._fp8_copy_with(torch.clone))
-
-
-def _view(func, args, kwargs):
-    x, size = args
-    copy = None if x._fp8 is None else (x._fp8.view(size), x._fp8_scale, x._fp8_scale_inv)
-    out = ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
-    out._base_rows = x._base_rows
-    return out
-
-
-def _as_strided(func, args, kwargs):
-    """A contiguous view from the tensor's first element (what FSDP2 makes of a gathered
-    parameter): a row view; any other striding dequantizes (the fallback)."""
-    x, size, stride = args[:3]
-    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
-    if offset not in (None, 0) or tuple(stride) != tuple(make_contiguous_strides_for(size)):
-        return NotImplemented
-
-    return _row_view(x, lambda t: t.as_strided(size, stride, t.storage_offset()))  # from t's first element
-
-
-def _row_view(x: "ScaledTensor", fn) -> "ScaledTensor":
-    """fn (a view of whole rows, contiguous) of the codes and of the E4M3 copy's codes, sharing the
-    scales; unless it covers all of x, it remembers the tensor it is part of (see _copy_)."""
-    copy = None if x._fp8 is None else (fn(x._fp8), x._fp8_scale, x._fp8_scale_inv)
-    view = ScaledTensor(fn(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
-    view._base_rows = x._base_rows if x._base_rows is not None or view.shape == x.shape else x
-    return view
-
-
-def _split(func, args, kwargs):
-    x, size = args[0], args[1]
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if dim != 0 or size <= 0:
-        return NotImplemented  # torch's own op (and its error for a size of 0)
-    starts = range(0, x.shape[0], size) if x.shape[0] else [0]  # split of no rows: one empty part
-    return [_row_view(x, lambda t, i=i: t[i : i + size]) for i in starts]
-
-
-def _slice(func, args, kwargs):
-    x = args[0]
-    defaults = (0, None, None, 1)  # aten.slice's dim, start, end, step
-    dim, start, end, step = tuple(args[1:]) + defaults[len(args) - 1 :]
-    if dim != 0 or step != 1 or kwargs:
-        return NotImplemented
-    return _row_view(x, lambda t: t[start:end])
-
-
-def _new_zeros(func, args, kwargs):
-    """Zeros of another shape with this tensor's scale (FSDP2's padded shard), without an E4M3 copy."""
-    x, size = args[0], args[1]
-    if set(kwargs) - {"device", "dtype", "layout", "pin_memory"} or kwargs.get("dtype") not in (None, x.dtype):
-        return NotImplemented
-    device = kwargs.get("device") or x.device
-    return ScaledTensor(torch.zeros(size, dtype=x._data.dtype, device=device), x._scale_inv.clone().to(device), x.dtype)
-
-
-def _to_copy(func, args, kwargs):
-    x = args[0]
-    kw = dict(kwargs)
-    device = kw.pop("device", None)
-    dtype = kw.pop("dtype", None)
-    layout = kw.pop("layout", None)
-    kw.pop("non_blocking", None)
-    kw.pop("pin_memory", None)
-    memory_format = kw.pop("memory_format", None)
-    if (kw or dtype not in (None, x.dtype) or layout not in (None, torch.strided)
-            or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
-        return NotImplemented  # a dtype change: the dequantizing fallback gives a plain tensor
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=kwargs.get("non_blocking", False))
-
-    return ScaledTensor(move(x._data), move(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(move))
-
-
-def _copy_(func, args, kwargs):
-    dst, src = args[0], args[1]
-    if not isinstance(dst, ScaledTensor):
-        return NotImplemented  # plain destination: dequantize src, ordinary copy_
-    base = dst._base_rows
-    if base is not None:
-        # The scale is the whole tensor's: write the rows into its real values and re-quantize it
-        # all with a fresh scale. The other rows keep their values exactly unless the new amax
-        # is larger (then they round at the coarser scale, as any per-tensor-scaled write does).
-        src_real = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src
-        real = base.dequantize(torch.float32)
-        offset = (dst._data.data_ptr() - base._data.data_ptr()) // dst._data.element_size()
-        real.view(-1)[offset : offset + dst.numel()].copy_(
-            src_real.to(device=dst.device, dtype=torch.float32).expand(dst.shape).reshape(-1))
-        _copy_(func, (base, real), {})
-        return dst
-    if isinstance(src, ScaledTensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
-        dst._data.copy_(src._data)
-        dst._scale_inv.copy_(src._scale_inv)
-        if dst._fp8 is not None and src._fp8 is not None:
-            for d, s_ in zip(dst.fp8_copy, src.fp8_copy):
-                d.copy_(s_)
-        else:
-            dst._refresh_fp8_copy()
-        return dst
-    if isinstance(src, ScaledTensor):
-        src = src.dequantize()
-    if not isinstance(src, torch.Tensor):
-        return NotImplemented
-    src = src.to(device=dst.device).expand(dst.shape)
-    if src.dtype not in HIGH_PRECISION_DTYPES:
-        src = src.to(dst.dtype)
-    data, scale_inv, _ = _quantize_current(src, dst._data.dtype, 0)
-    dst._data.copy_(data)
-    dst._scale_inv.copy_(scale_inv)
-    dst._refresh_fp8_copy()
-    return dst
-
-
-def _scale_op(func, args, kwargs):
-    x, s = args[0], args[1]
-    if not isinstance(x, ScaledTensor) or kwargs or not _is_scalar(s):
-        return NotImplemented  # e.g. div_ with rounding_mode, or by a full tensor: raises below
-    if isinstance(s, torch.Tensor):
-        s = s.to(device=x.device, dtype=torch.float32)
-    if func in (aten.mul_.Tensor, aten.mul_.Scalar):
-        x._scale_inv.mul_(s)
-    else:
-        x._scale_inv.div_(s)
-    x._refresh_fp8_copy()
-    return x
-
-
-def _add_(func, args, kwargs):
-    dst, src = args[0], args[1]
-    alpha = kwargs.get("alpha", 1)
-    if (not isinstance(dst, ScaledTensor) or not isinstance(src, torch.Tensor) or src.shape != dst.shape
-            or set(kwargs) - {"alpha"} or isinstance(alpha, torch.Tensor)):
-        return NotImplemented  # broadcasting, a tensor alpha: raises below
-    if isinstance(src, ScaledTensor):
-        codes, scale_inv = src._data, src._scale_inv
-    else:
-        codes, scale_inv = src.contiguous(), None
-    scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
-    dst._refresh_fp8_copy()
-    return dst
-
-
-def _norm_of(x: "ScaledTensor", ord, dtype) -> torch.Tensor:
-    """||codes * scale_inv||_ord = ||codes||_ord * |scale_inv| for any ord but 0 (a count), reading
-    the codes as FP16 (2 bytes an element; the norm accumulates in float32), one tensor at a time,
-    so a list of gradients is never dequantized all at once."""
-    codes = x._data
-    if codes.dtype != torch.float16:  # FP8 codes are FP16 values exactly; our kernel widens them fast
-        codes = ops.dequantize(codes, torch.ones(1, dtype=torch.float32, device=codes.device), torch.float16)
-    norm = torch.linalg.vector_norm(codes, ord, dtype=torch.float32) * x._scale_inv.abs().reshape(())
-    return norm.to(dtype or x.dtype)
-
-
-# _foreach_norm widens the FP8 codes of its ScaledTensors to FP16 a chunk at a time, at most this
-# many elements (256 MiB of FP16) alive at once; a larger tensor forms a chunk of its own.
-_NORM_CHUNK_ELEMENTS = 1 << 27
-
-
-def _norms_of(xs: list["ScaledTensor"], ord, dtype) -> list[torch.Tensor]:
-    """_norm_of of many ScaledTensors in a few launches a chunk (one device and code dtype each):
-    one multi_dequantize widens the codes, one torch._foreach_norm takes their norms, one foreach
-    multiply applies |scale_inv|; instead of four launches a tensor."""
-    norms: list[torch.Tensor] = []
-    chunk: list[ScaledTensor] = []
-
-    def flush() -> None:
-        codes = [x._data for x in chunk]
-        if codes[0].dtype != torch.float16:  # FP8 codes are FP16 values exactly
-            codes = ops.multi_dequantize(codes, torch.ones(len(codes), device=codes[0].device), torch.float16)
-        chunk_norms = torch._foreach_norm(codes, ord, torch.float32)
-        chunk_norms = torch._foreach_mul(chunk_norms, torch._foreach_abs([x._scale_inv.reshape(()) for x in chunk]))
-        norms.extend(n.to(dtype or x.dtype) for n, x in zip(chunk_norms, chunk))
-        chunk.clear()
-
-    elements = 0
-    for x in xs:
-        if chunk and (elements + x.numel() > _NORM_CHUNK_ELEMENTS or x.device != chunk[0].device
-                      or x._data.dtype != chunk[0]._data.dtype):
-            flush()
-            elements = 0
-        chunk.append(x)
-        elements += x.numel()
-    if chunk:
-        flush()
-    return norms
-
-
-def _vector_norm(func, args, kwargs):
-    x = args[0]
-    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
-    if not isinstance(x, ScaledTensor) or ord == 0 or dim is not None or keepdim:
-        return NotImplemented
-    return _norm_of(x, ord, kwargs.get("dtype"))
-
-
-def _foreach_norm(func, args, kwargs):
-    tensors = args[0]
-    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-    if ord == 0 or not any(isinstance(t, ScaledTensor) for t in tensors):
-        return NotImplemented
-    plain = [t for t in tensors if not isinstance(t, ScaledTensor)]
-    plain_norms = iter(func(plain, ord, dtype) if plain else [])
-    scaled_norms = iter(_norms_of([t for t in tensors if isinstance(t, ScaledTensor)], ord, dtype))
-    return [next(scaled_norms) if isinstance(t, ScaledTensor) else next(plain_norms) for t in tensors]
-
-
-def _zero_(func, args, kwargs):
-    (x,) = args
-    x._data.zero_()
-    x._scale_inv.fill_(1.0)
-    x._refresh_fp8_copy()
-    return x
-
-
-def _foreach(method):
-    """_foreach_mul_ / _foreach_div_ / _foreach_zero_ over a list holding ScaledTensors. The plain
-    tensors go to the aten op in one call (one fused launch, not one a tensor: clip_grad_norm_'s
-    scaling of every gradient); the ScaledTensors scale their scale_inv, all of them in one
-    foreach call when the factor is one scalar, else one at a time."""
-    def handler(func, args, kwargs):
-        tensors = args[0]
-        if not any(isinstance(t, ScaledTensor) for t in tensors):
-            return NotImplemented
-        scaled = [t for t in tensors if isinstance(t, ScaledTensor)]
-        plain = [t for t in tensors if not isinstance(t, ScaledTensor)]
-        if method == "zero_":
-            if plain:
-                func(plain)
-            for t in scaled:
-                t.zero_()
-            return None
-        other = args[1] if len(args) > 1 else kwargs.get("scalar", kwargs.get("scalars", kwargs.get("other")))
-        if isinstance(other, (list, tuple)):
-            pairs = list(zip(tensors, other, strict=True))
-            if plain:
-                func(plain, [s for t, s in pairs if not isinstance(t, ScaledTensor)])
-            for t, s in pairs:
-                if isinstance(t, ScaledTensor):
-                    getattr(t, method)(s)
-            return None
-        if plain:
-            func(plain, other)
-        devices = {t.device for t in scaled}
-        if not _is_scalar(other) or len(devices) != 1:
-            for t in scaled:
-                getattr(t, method)(other)  # raises for a factor that is not a scalar
-            return None
-        if isinstance(other, torch.Tensor):
-            other = other.to(device=devices.pop(), dtype=torch.float32)
-        scale_invs = [t._scale_inv for t in scaled]
-        (torch._foreach_mul_ if method == "mul_" else torch._foreach_div_)(scale_invs, other)
-        for t in scaled:
-            t._refresh_fp8_copy()
+def post_all_gather(all_gather_outputs, scale_inv: torch.Tensor, param_dtype: torch.dtype, out=None):
+    """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
+    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are."""
+    (data,) = all_gather_outputs
+    if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
+        out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
         return None
-    return handler
+    return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
 
-
-def _amp_unscale(func, args, kwargs):
-    """GradScaler's ``_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``:
-    plain grads go to the aten op; a ScaledTensor grad is checked on its real values (one read pass,
-    no host sync) and unscaled through ``_scale_inv`` only."""
-    grads, found_inf, inv_scale = args
-    scaled = [g for g in grads if isinstance(g, ScaledTensor)]
-    plain = [g for g in grads if not isinstance(g, ScaledTensor)]
-    if plain:
-        func(plain, found_inf, inv_scale)
-    for g in scaled:
-        bad = torch.isfinite(g.dequantize(torch.float32)).all().logical_not().to(found_inf.dtype).reshape(found_inf.shape)
-        found_inf.copy_(torch.maximum(found_inf, bad))
-        g._scale_inv.mul_(inv_scale)
-    return None
-
-
-_HANDLERS = {
-    aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
-    aten.detach.default: _detach,
-    aten.alias.default: _detach,
-    aten.clone.default: _clone,
-    aten.view.default: _view,
-    aten.as_strided.default: _as_strided,
-    aten.split.Tensor: _split,
-    aten.slice.Tensor: _slice,
-    aten.new_zeros.default: _new_zeros,
-    aten._to_copy.default: _to_copy,
-    aten.copy_.default: _copy_,
-    aten.mul_.Tensor: _scale_op,
-    aten.mul_.Scalar: _scale_op,
-    aten.div_.Tensor: _scale_op,
-    aten.div_.Scalar: _scale_op,
-    aten.zero_.default: _zero_,
-    aten.add_.Tensor: _add_,
-    aten.linalg_vector_norm.default: _vector_norm,
-    aten._foreach_norm.Scalar: _foreach_norm,
-    aten._foreach_mul_.Scalar: _foreach("mul_"),
-    aten._foreach_mul_.Tensor: _foreach("mul_"),
-    aten._foreach_mul_.ScalarList: _foreach("mul_"),
-    aten._foreach_div_.Scalar: _foreach("div_"),
-    aten._foreach_div_.Tensor: _foreach("div_"),
-    aten._foreach_div_.ScalarList: _foreach("div_"),
-    aten._foreach_zero_.default: _foreach("zero_"),
-}
 
 torch.serialization.add_safe_globals([ScaledTensor])

@@ -196,7 +196,7 @@ def test_foreach_norm_in_chunks_equals_one_tensor_at_a_time(monkeypatch):
     """_foreach_norm of ScaledTensors widens the codes a chunk at a time (here 300 elements, so
     the list spans several chunks, split by size and by code dtype): each norm bit for bit what
     vector_norm of that tensor alone gives, in the list's order, plain tensors in between."""
-    monkeypatch.setattr(fp8amp.scaled_tensor, "_NORM_CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr(fp8amp.scaled_tensor_ops, "_NORM_CHUNK_ELEMENTS", 300)
     torch.manual_seed(1)
     xs = [ScaledTensor.from_tensor(torch.randn(*shape) * 10.0**k, fmt)
           for shape, k, fmt in [((8, 16), 0, fp8amp.E4M3), ((100,), -3, fp8amp.E4M3), ((400,), 2, fp8amp.E4M3),
