@@ -31,8 +31,8 @@ FP8 lands at a few 1e-2, BF16 compiled near 0; NaN or ~1 means a broken path.
 
 For each shape it also prints what ``fp8amp.convert``'s default policy (``policy="auto"``, which
 keeps nn.Linear wherever FP8 is measured slower, DESIGN §9) decides for that layer at M tokens:
-its own measurement (fp8amp.convert.decide, the same timer and threshold convert uses), beside
-this benchmark's fp8amp eager / bf16 eager ratio (--no-policy skips it).
+its own measurement (fp8amp.convert_policy.decide, the same timer and threshold convert uses),
+beside this benchmark's fp8amp eager / bf16 eager ratio (--no-policy skips it).
 
 Usage: python benchmarks/bench_linear.py [--shapes 8192x4096x16384,...] [--samples 15] [--bias]
        [--modes bf16,bf16-compiled,fp8amp,fp8amp-compiled,torchao,torchao-compiled] [--no-policy]
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 import fp8amp
-from fp8amp.convert import LayerDecision, decide
+from fp8amp.convert_policy import LayerDecision, decide
 from _common import (
     BF16_PEAK_FLOPS,
     FP8_PEAK_FLOPS,

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import DEFAULT_TOKENS, ModuleFilter, convert, update_scaling
+from .convert import ModuleFilter, convert, update_scaling
+from .convert_policy import DEFAULT_TOKENS
 from .formats import FP16
 from .linear import Fp8Linear
 from .scaled_tensor import ScaledTensor
