@@ -1,4 +1,4 @@
-"""Cast kernels on the GPU against PyTorch, side by side in one run (DESIGN §8, §9).
+"""Cast kernels on the GPU against PyTorch, side by side in one run (docs/architecture.md#tests-and-evidence, docs/benchmarks.md#targets).
 
 For bf16 matrices of a few shapes it times fp8amp's quantize, cast+transpose (+amax) and
 dequantize, and the plain-PyTorch way of doing the same, eager and under torch.compile:

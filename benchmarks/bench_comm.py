@@ -1,6 +1,6 @@
-"""FP8 gradient all-reduce (fp8amp.distributed, DESIGN §7) against BF16 and FP32 all-reduce, on 2 GPUs.
+"""FP8 gradient all-reduce (fp8amp.distributed, docs/distributed.md#design) against BF16 and FP32 all-reduce, on 2 GPUs.
 
-For buckets of a few sizes (default 2^20 .. 2^29 elements; DESIGN §7 measured 537M = 2^29) it
+For buckets of a few sizes (default 2^20 .. 2^29 elements; docs/distributed.md#design measured 537M = 2^29) it
 times, per call, on every rank (the table shows the slowest rank's median):
 
     fp32 all_reduce            dist.all_reduce of the float32 bucket (DDP's default, raw)
@@ -11,8 +11,8 @@ times, per call, on every rank (the table shows the slowest rank's median):
                                quantize, uint8 all-to-all, FP32 sum, requantize, uint8 all-gather,
                                dequantize)
     fp8 native                 fp8amp's hook, method "native", end to end (NCCL only)
-    uint8 a2a + all_gather     the two uint8 collectives alone (DESIGN §7's 1.97 ms at 2^29)
-    fp8 native all_reduce      dist.all_reduce of a float8_e4m3fn tensor alone (DESIGN §7's 1.75 ms)
+    uint8 a2a + all_gather     the two uint8 collectives alone (docs/distributed.md#design's 1.97 ms at 2^29)
+    fp8 native all_reduce      dist.all_reduce of a float8_e4m3fn tensor alone (docs/distributed.md#design's 1.75 ms)
 
 "sent/rank" is the bytes one rank puts on the wire (fp8amp.distributed.wire_bytes: ring
 all-reduce 2 (N-1)/N of the payload; the FP8 methods include the amax all-reduce and the scales).

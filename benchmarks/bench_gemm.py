@@ -1,4 +1,4 @@
-"""FP8 GEMM on the GPU against PyTorch, side by side in one run (DESIGN §8, §9).
+"""FP8 GEMM on the GPU against PyTorch, side by side in one run (docs/architecture.md#tests-and-evidence, docs/benchmarks.md#targets).
 
 For each shape (M tokens x K in -> N out, i.e. y[M, N] = x[M, K] · W[N, K]ᵀ) it times
 
@@ -51,7 +51,7 @@ LINEAR = [
 
 
 def quantize(x: torch.Tensor):
-    """E4M3 with the power-of-two scale of its amax (DESIGN §3)."""
+    """E4M3 with the power-of-two scale of its amax (docs/numerics.md#numerics)."""
     scale = 2.0 ** math.floor(math.log2(448.0 / x.abs().max().item()))
     return (x * scale).to(E4M3), torch.tensor([1.0 / scale], device=x.device)
 

@@ -1,4 +1,4 @@
-"""Fp8Linear forward + backward on the GPU against BF16 and torchao float8, side by side (DESIGN §8, §9).
+"""Fp8Linear forward + backward on the GPU against BF16 and torchao float8, side by side (docs/architecture.md#tests-and-evidence, docs/benchmarks.md#targets).
 
 One training micro-step of one Linear layer,
 
@@ -12,7 +12,7 @@ bfloat16 output gradient, timed for six layers made from one nn.Linear (copies o
 
     bf16 eager          nn.Linear; autocast runs its three GEMMs in bfloat16
     bf16 compiled       the same, torch.compile(layer, dynamic=False)
-    fp8amp eager        fp8amp.Fp8Linear.from_linear (DESIGN §5): E4M3 input and weight, E5M2
+    fp8amp eager        fp8amp.Fp8Linear.from_linear (docs/architecture.md#fp8linear-dataflow): E4M3 input and weight, E5M2
                         output gradient, delayed scaling; the scaling states are advanced past their
                         current-scaling warm-up first, so the steady state of training is timed
     fp8amp compiled     the same under torch.compile
@@ -30,9 +30,9 @@ marked so. "err" is ‖out − ref‖ / ‖ref‖ of y, dx and dW against bf16 e
 FP8 lands at a few 1e-2, BF16 compiled near 0; NaN or ~1 means a broken path.
 
 For each shape it also prints what ``fp8amp.convert``'s default policy (``policy="auto"``, which
-keeps nn.Linear wherever FP8 is measured slower, DESIGN §9) decides for that layer at M tokens:
-its own measurement (fp8amp.convert.decide, the same timer and threshold convert uses), beside
-this benchmark's fp8amp eager / bf16 eager ratio (--no-policy skips it).
+keeps nn.Linear wherever FP8 is measured slower, docs/benchmarks.md#targets) decides for that layer at M tokens:
+its own measurement (fp8amp.convert_policy.decide, the same timer and threshold convert uses),
+beside this benchmark's fp8amp eager / bf16 eager ratio (--no-policy skips it).
 
 Usage: python benchmarks/bench_linear.py [--shapes 8192x4096x16384,...] [--samples 15] [--bias]
        [--modes bf16,bf16-compiled,fp8amp,fp8amp-compiled,torchao,torchao-compiled] [--no-policy]
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 import fp8amp
-from fp8amp.convert import LayerDecision, decide
+from fp8amp.convert_policy import LayerDecision, decide
 from _common import (
     BF16_PEAK_FLOPS,
     FP8_PEAK_FLOPS,

@@ -1,4 +1,4 @@
-"""Optimizer step time and model-state bytes per parameter: fp8amp O1/O2 against torch AdamW (DESIGN §9).
+"""Optimizer step time and model-state bytes per parameter: fp8amp O1/O2 against torch AdamW (docs/benchmarks.md#targets).
 
 The parameters are the Linear weights of a ~1B-parameter GPT (20 layers, d_model 2048: per layer
 2048->6144, 2048->2048, 2048->8192, 8192->2048; 1.007B parameters), each with a gradient, stepped
@@ -8,7 +8,7 @@ by AdamW (lr 1e-4, weight decay 0.1). Modes:
     torch foreach       torch.optim.AdamW(foreach=True), the same tensors
     fp8amp fp32         fp8amp.optim.AdamW(state_dtypes="O1") on the same float32 params and grads
     fp8amp O1           FP16 ScaledTensor masters, E4M3 ScaledTensor grads, float32 m and v
-    fp8amp O2           FP16 masters, E4M3 grads, E4M3 m, FP16 v (DESIGN §1's 6 bytes per parameter)
+    fp8amp O2           FP16 masters, E4M3 grads, E4M3 m, FP16 v (docs/o1_o2.md#optimization-levels's 6 bytes per parameter)
     fp8amp O2 + copy    O2 also rewriting each weight's E4M3 copy for the forward GEMM (what an
                         Fp8Linear training step does: its forward reads that copy instead of
                         re-casting the weight)

@@ -1,10 +1,10 @@
-"""End-to-end GPT training on one GPU: fp8amp against BF16 and torchao float8, side by side (DESIGN §9).
+"""End-to-end GPT training on one GPU: fp8amp against BF16 and torchao float8, side by side (docs/benchmarks.md#targets).
 
 A plain pre-norm GPT (fp8amp.testing.GPT) trains on the built-in data (the Python standard
 library's sources as bytes, vocabulary 256) with float32 parameters, torch.autocast(bfloat16),
 gradient clipping and torch.optim.AdamW(fused=True), in these modes:
 
-    bf16 eager                 the baseline of DESIGN §9's memory target (BF16 autocast)
+    bf16 eager                 the baseline of docs/benchmarks.md#targets's memory target (BF16 autocast)
     bf16 + compile             the baseline of its speed target
     torchao float8 + compile   torchao.float8.convert_to_float8_training (default recipe: dynamic
                                tensorwise scaling), compiled as torchao recommends
@@ -13,7 +13,7 @@ gradient clipping and torch.optim.AdamW(fused=True), in these modes:
     fp8amp + compile           the same, compiled
     fp8amp O1 / O2 (+ compile) fp8amp.initialize(model, optimizer, "O1" | "O2"): the same Fp8Linear
                                layers with FP16 ScaledTensor master weights, FP8 weight gradients and
-                               fp8amp's fused AdamW (O1: FP32 m, v; O2: E4M3 m, FP16 v), DESIGN §1
+                               fp8amp's fused AdamW (O1: FP32 m, v; O2: E4M3 m, FP16 v), docs/o1_o2.md#optimization-levels
     fp8amp O2 + FP8 activations (+ compile)
                                O2 with the forward inside fp8amp.save_activations_in_fp8(): what
                                attention, GELU and the LayerNorms save for backward is stored in E4M3
@@ -45,7 +45,7 @@ steps it shows that training runs and agrees, not convergence (tests/python/test
 test_small_gpt_loss_matches_bf16 checks that).
 
 "fp8amp eager / + compile" is Fp8Linear with PyTorch's AdamW on float32 parameters (FP8 compute
-only); the O1/O2 modes add the memory formats that DESIGN §9's ≤ 0.5x memory target needs.
+only); the O1/O2 modes add the memory formats that docs/benchmarks.md#targets's ≤ 0.5x memory target needs.
 
 Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
        [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,

@@ -1,4 +1,4 @@
-"""FP8 gradient all-reduce on stock ``torch.distributed`` (DESIGN §7): a DDP comm hook and
+"""FP8 gradient all-reduce on stock ``torch.distributed`` (docs/distributed.md#design): a DDP comm hook and
 :func:`all_reduce_grads` for training loops without DDP.
 
 Usage::
@@ -17,10 +17,10 @@ Scaling (per tensor, every scale a power of two, computed on the device)
 A DDP bucket is the flat concatenation of several gradients, whose magnitudes can differ by orders
 of magnitude, so each gradient ``i`` of the bucket gets its own scale:
 
-1. ``a_i`` = the local amax of gradient ``i`` (:func:`fp8amp.multi_amax`, one launch per bucket);
+1. ``a_i`` = the local amax of gradient ``i`` (:func:`fp8amp.ops.multi_amax`, one launch per bucket);
    a non-finite local amax is replaced by ``+inf``.
 2. One ``all_reduce(MAX)`` of the vector ``a`` gives ``A_i = max_r a_i^(r)``, the same on every rank.
-3. ``s_i = 2^floor(log2(F / A_i))`` (:func:`fp8amp.compute_scale`; ``A_i = 0`` gives ``s_i = 1``),
+3. ``s_i = 2^floor(log2(F / A_i))`` (:func:`fp8amp.ops.compute_scale`; ``A_i = 0`` gives ``s_i = 1``),
    with ``F`` chosen per method so that nothing saturates:
 
    * ``"all_to_all"``: ``F = fmax``. Every rank's contribution satisfies ``|x| s_i <= A_i s_i <= fmax``,
@@ -81,7 +81,7 @@ with ``q_r`` the dequantized contributions; the last two terms are the rounding 
 piece scale ``t`` (exact into float32 and bfloat16 buckets; a float16 bucket may round values below
 float16's normal range once more, ``2^-25`` absolute). So: two FP8 roundings, independent of N.
 
-Method ``"native"`` (NCCL; DESIGN §7 measured it on torch 2.11 / NCCL 2.28)
+Method ``"native"`` (NCCL; docs/distributed.md#design measured it on torch 2.11 / NCCL 2.28)
 ---------------------------------------------------------------------------
 4'. Quantize at the headroom scale above, ``dist.all_reduce(SUM)`` on the ``float8_e4m3fn`` /
 ``float8_e5m2`` tensor itself, dequantize, divide by N (FP32), cast to the bucket's dtype. Fewer

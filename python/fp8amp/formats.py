@@ -1,4 +1,4 @@
-"""The scaled storage formats of fp8amp (DESIGN §3) and the high-precision dtypes they come from.
+"""The scaled storage formats of fp8amp (docs/numerics.md#numerics) and the high-precision dtypes they come from.
 
 A scaled format stores ``real * scale``; its largest finite magnitude, ``fmax``, is what the
 scale rules aim amaxes at. ``E4M3`` has no infinities (NaN is 0x7F/0xFF), ``E5M2`` does; FP16 is

@@ -1,4 +1,4 @@
-"""``initialize``: the one call that turns a model and its Adam/AdamW optimizer into O1/O2 (DESIGN §1).
+"""``initialize``: the one call that turns a model and its Adam/AdamW optimizer into O1/O2 (docs/o1_o2.md#optimization-levels).
 
 What it does, in place on ``model`` and with a new optimizer:
 
@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import DEFAULT_TOKENS, ModuleFilter, convert, update_scaling
+from .convert import ModuleFilter, convert, update_scaling
+from .convert_policy import DEFAULT_TOKENS
 from .formats import FP16
 from .linear import Fp8Linear
 from .scaled_tensor import ScaledTensor
@@ -62,10 +63,10 @@ def initialize(
         optimizer: ``torch.optim.Adam`` / ``AdamW`` (or fp8amp's) over ``model``'s parameters,
             before its first step; ``None`` converts the model only (the returned optimizer is
             ``None``; build an :class:`fp8amp.optim.AdamW` over ``model.parameters()`` later).
-        opt_level: ``"O1"`` or ``"O2"`` (DESIGN §1's table).
+        opt_level: ``"O1"`` or ``"O2"`` (docs/o1_o2.md#optimization-levels's table).
         module_filter_fn: ``(module, fully_qualified_name) -> bool``, which Linears to convert.
         recipe: the delayed-scaling recipe of the Fp8Linear layers.
-        weight_grad: ``"fp8"`` (DESIGN §1: E4M3 ScaledTensor gradients, 1 byte per element,
+        weight_grad: ``"fp8"`` (docs/o1_o2.md#optimization-levels: E4M3 ScaledTensor gradients, 1 byte per element,
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
             (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
         policy, tokens: which Linears FP8 takes, as :func:`fp8amp.convert` decides: ``"auto"``

@@ -1,4 +1,4 @@
-"""``Fp8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 (DESIGN §5).
+"""``Fp8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 (docs/architecture.md#fp8linear-dataflow).
 
 Forward: the input is cast to E4M3 with delayed scaling and, in the same pass, transposed (the
 transpose is what the weight-gradient GEMM needs, and it is all that is saved for backward:
@@ -15,7 +15,7 @@ every other write re-casts: the forward GEMM reads it (no per-forward cast, in e
 compiled graphs alike), the backward casts its transpose from the master's codes (bit-identical),
 and the weight gradient is an E4M3 ``ScaledTensor`` with a current scale, accumulated across
 micro-batches by
-:func:`fp8amp.scaled_accumulate` (one fused dequantize-add-requantize).
+:func:`fp8amp.ops.scaled_accumulate` (one fused dequantize-add-requantize).
 
 cuBLASLt's FP8 GEMMs take only K-major operands whose inner dimensions are multiples of 16:
 in_features and out_features must be (``convert`` leaves other Linears alone), and the token
@@ -85,7 +85,7 @@ def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_s
 
 
 def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
-    """The weight gradient as an E4M3 ScaledTensor with a current scale (DESIGN §5): an amax pass
+    """The weight gradient as an E4M3 ScaledTensor with a current scale (docs/architecture.md#fp8linear-dataflow): an amax pass
     and a quantize pass; a non-finite gradient reads as NaN (an E4M3 code cannot hold inf), so
     GradScaler and the optimizer see it."""
     return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)
@@ -157,7 +157,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if not two_d:
                 grad_x = grad_x.view(*grad_output.shape[:-1], grad_x.shape[-1])
         if ctx.needs_input_grad[1] and ctx.fp8_weight_grad:
-            # In the autocast dtype, as the forward's output (DESIGN §3; MS-AMP does the same): under
+            # In the autocast dtype, as the forward's output (docs/numerics.md#numerics; MS-AMP does the same): under
             # bf16 autocast half the bytes of float32 for the GEMM to write and for the current
             # scaling to read twice, before the E4M3 rounding (2^-4) that dwarfs bf16's (2^-9).
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.output_dtype)

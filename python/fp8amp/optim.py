@@ -1,4 +1,4 @@
-"""Fused low-precision Adam / AdamW (DESIGN §6) over the core op ``torch.ops.fp8amp.adam_step``.
+"""Fused low-precision Adam / AdamW (docs/o1_o2.md#optimizer) over the core op ``torch.ops.fp8amp.adam_step``.
 
 :class:`Adam` and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses with the API of
 ``torch.optim.Adam`` / ``AdamW``: param groups, per-group ``lr`` / ``betas`` / ``eps`` /
@@ -12,7 +12,7 @@
     bit-identical to torch's, the updates agree to ~2^-21 relative (see
     ``include/fp8amp/optim.h``).
     ``"O2"``: ``exp_avg`` float8_e4m3fn with ``exp_avg_scale`` / ``exp_avg_scale_inv``,
-    ``exp_avg_sq`` float16 with ``exp_avg_sq_scale`` / ``exp_avg_sq_scale_inv`` (DESIGN §1): new
+    ``exp_avg_sq`` float16 with ``exp_avg_sq_scale`` / ``exp_avg_sq_scale_inv`` (docs/o1_o2.md#optimization-levels): new
     power-of-two scales are computed on the device from the new amaxes at every step.
     A group's ``state_dtypes`` decides the formats when a param's state is created.
 

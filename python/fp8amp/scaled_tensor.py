@@ -1,4 +1,4 @@
-"""``ScaledTensor``: a per-tensor-scaled low-precision tensor that *is* a ``torch.Tensor`` (DESIGN §1, §3).
+"""``ScaledTensor``: a per-tensor-scaled low-precision tensor that *is* a ``torch.Tensor`` (docs/o1_o2.md#optimization-levels, docs/numerics.md#numerics).
 
 A ``ScaledTensor`` stores ``_data`` (float16, float8_e4m3fn or float8_e5m2, contiguous) and
 ``_scale_inv`` (float32 ``[1]``, same device) and stands for ``real = _data * _scale_inv``. To
@@ -74,7 +74,7 @@ def _written_args(func, args, kwargs):
 
 
 class ScaledTensor(torch.Tensor):
-    """A tensor whose real values are ``_data * _scale_inv`` (per-tensor scale, DESIGN §3).
+    """A tensor whose real values are ``_data * _scale_inv`` (per-tensor scale, docs/numerics.md#numerics).
 
     Args:
         data: the codes, float16 / float8_e4m3fn / float8_e5m2, contiguous.
@@ -155,7 +155,7 @@ class ScaledTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The real values ``_data * _scale_inv`` as a plain tensor of ``dtype`` (default: the logical
-        dtype), via :func:`fp8amp.dequantize`."""
+        dtype), via :func:`fp8amp.ops.dequantize`."""
         return ops.dequantize(self._data, self._scale_inv, self.dtype if dtype is None else dtype)
 
     to_tensor = dequantize

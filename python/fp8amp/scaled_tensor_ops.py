@@ -29,7 +29,7 @@ Semantics of ops (``__torch_dispatch__``):
   ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
   ``add_(other, alpha=a)`` with ``other`` of the same shape (a ScaledTensor or a plain
   float32/bfloat16/float16 tensor): one fused dequantize-add-requantize
-  (:func:`fp8amp.scaled_accumulate`, a fresh current scale from the sums' amax; a non-finite sum
+  (:func:`fp8amp.ops.scaled_accumulate`, a fresh current scale from the sums' amax; a non-finite sum
   makes ``_scale_inv`` NaN so the whole tensor reads NaN). It is how autograd accumulates FP8
   weight gradients across micro-batches (``param.grad += new_grad``);
   ``_foreach_mul_`` / ``_foreach_div_`` / ``_foreach_zero_`` over lists that contain ScaledTensors

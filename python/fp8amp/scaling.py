@@ -1,4 +1,4 @@
-"""Delayed scaling with current-scaling warm-up (DESIGN §3), as module state.
+"""Delayed scaling with current-scaling warm-up (docs/numerics.md#numerics), as module state.
 
 A :class:`ScalingState` holds, for n tensors quantized into one format, an amax history, the
 scale pair and a warm-up counter, all as registered buffers: they are saved in the module's

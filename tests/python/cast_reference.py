@@ -1,7 +1,7 @@
 """Independent references and inputs for the cast tests: torch's own casts, after clamping.
 
 torch's eager float -> float8 / float16 casts round to nearest even but do not saturate, so
-``(x * scale).clamp(-fmax, fmax).to(dtype)`` is what a saturating cast must give (DESIGN §3),
+``(x * scale).clamp(-fmax, fmax).to(dtype)`` is what a saturating cast must give (docs/numerics.md#numerics),
 except for NaN, which fp8amp always encodes as the positive code 0x7F (FP16: 0x7FFF): NaN
 positions are compared separately.
 """

@@ -1,4 +1,4 @@
-"""fp8amp.ops.scaled_accumulate (dequantize-add-requantize, DESIGN §5) against a plain torch
+"""fp8amp.ops.scaled_accumulate (dequantize-add-requantize, docs/architecture.md#fp8linear-dataflow) against a plain torch
 model of its semantics, its special cases, its schema / fake kernel under opcheck and torch.compile,
 and (marked gpu) CUDA against CPU bit for bit. Its bad-input errors are cases of test_errors.py."""
 

@@ -103,7 +103,7 @@ def test_quantize_delayed_uses_given_scale_and_folds_amax():
 
 
 def test_quantize_current_scaling_while_warming_up():
-    # amax 10 -> scale 32 (DESIGN §3); the slot's earlier amax of the step counts too.
+    # amax 10 -> scale 32 (docs/numerics.md#numerics); the slot's earlier amax of the step counts too.
     counter = torch.tensor([0], dtype=torch.int32)
     x = torch.tensor([10.0, -2.0])
     history = torch.zeros(1, 4)

@@ -1,19 +1,18 @@
-"""convert(policy=...): "auto" keeps nn.Linear where FP8 is measured slower (DESIGN §9), "all"
+"""convert(policy=...): "auto" keeps nn.Linear where FP8 is measured slower (docs/benchmarks.md#targets), "all"
 converts every Linear FP8 can take. The decision logic runs on the CPU with made-up timings (an
 injected timer); the real CUDA-event timer is exercised on a GPU."""
 
 import logging
-import sys
 
 import pytest
 import torch
 from torch import nn
 
 import fp8amp
-from fp8amp.convert import ConversionReport, clear_timing_cache, conversion_report, decide
+from fp8amp import convert_policy
+from fp8amp.convert import ConversionReport, conversion_report
+from fp8amp.convert_policy import clear_timing_cache, decide
 from ranks import run_on_ranks
-
-convert_module = sys.modules["fp8amp.convert"]  # fp8amp.convert is the function
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +119,7 @@ def test_cpu_model_converts_every_legal_linear_without_timing(monkeypatch):
     def no_timing(*args, **kwargs):
         raise AssertionError("a CPU model must not be timed")
 
-    monkeypatch.setattr(convert_module, "cuda_event_timer", no_timing)
+    monkeypatch.setattr(convert_policy, "cuda_event_timer", no_timing)
     m = fp8amp.convert(model())  # policy="auto", the default, with the default timer
     assert kinds(m) == [fp8amp.Fp8Linear] * 4 + [nn.Linear]
     report = conversion_report(m)

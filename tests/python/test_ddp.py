@@ -4,7 +4,7 @@ DDP all-reduces the (high-precision) gradients of the shared parameters and broa
 buffers, the scaling state included, before each forward: every rank then quantizes with the
 same scales and the parameters stay identical. The amaxes a rank records are its own until the
 next broadcast replaces them by rank 0's, so under stock DDP the delayed scales follow rank 0's
-data (FP8 gradient communication with amaxes reduced over the ranks is DESIGN §7's work).
+data (FP8 gradient communication with amaxes reduced over the ranks is docs/distributed.md#design's work).
 """
 
 import torch
@@ -72,7 +72,7 @@ def test_ddp_with_o2_averages_fp8_gradients():
     bucket (dequantized), all-reduces and averages there, and copies the mean back, which
     re-quantizes it (ScaledTensor.copy_). So the gradient is the mean of the ranks' gradients
     rounded once to E4M3 (half an ulp: 2^-4 relative, or 2^-10 of the scale below the normal range),
-    and the replicas stay identical. (FP8 gradient communication, DESIGN §7, is not done yet: the
+    and the replicas stay identical. (FP8 gradient communication, docs/distributed.md#design, is not done yet: the
     bytes on the wire are DDP's float32.)"""
     res = run_on_ranks(o2_rank, WORLD_SIZE)
     assert res[0]["grad_type"] == "ScaledTensor"

@@ -1,4 +1,4 @@
-"""FP8 gradient all-reduce (fp8amp.distributed, DESIGN §7): 2 and 3 processes on CPU with gloo, and
+"""FP8 gradient all-reduce (fp8amp.distributed, docs/distributed.md#design): 2 and 3 processes on CPU with gloo, and
 2 processes on 2 GPUs with NCCL (rank r on cuda:r; marked gpu, skipped with fewer than 2 GPUs).
 
 Each setup spawns its processes once (a module fixture); the workers run every scenario and hand

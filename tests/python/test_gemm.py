@@ -23,7 +23,7 @@ def bias_dtype(out_dtype):
 
 
 def quantized(rows, cols, dtype, sigma, generator, device="cpu"):
-    """N(0, sigma) data quantized with the power-of-two scale of its amax (DESIGN §3)."""
+    """N(0, sigma) data quantized with the power-of-two scale of its amax (docs/numerics.md#numerics)."""
     x = torch.randn(rows, cols, generator=generator) * sigma
     fmax = torch.finfo(dtype).max
     scale = 2.0 ** math.floor(math.log2(fmax / x.abs().max().item())) if x.numel() else 1.0

@@ -186,7 +186,7 @@ def test_weight_grad_is_fp8_and_poisoned_when_nonfinite():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_weight_grad_gemm_writes_the_autocast_dtype(autocast, monkeypatch):
     """The wgrad GEMM's output, which current scaling then reads twice, is in the forward output's
-    dtype (DESIGN §3): bfloat16 under bf16 autocast, float32 without; the E4M3 gradient is exactly
+    dtype (docs/numerics.md#numerics): bfloat16 under bf16 autocast, float32 without; the E4M3 gradient is exactly
     the current-scaled quantization of that output."""
     model, _ = setup("O2")
     calls = []

@@ -1,5 +1,5 @@
 """fp8amp.numerics_report: each statistic against an independent computation in torch ops (the
-power-of-two scale of DESIGN §3, torch's own float8 casts after clamping), saturation after the
+power-of-two scale of docs/numerics.md#numerics, torch's own float8 casts after clamping), saturation after the
 delayed scale is outgrown, underflow, non-finite inputs, micro-batches, O2's weight gradient,
 compiled code (nothing recorded), errors; on CPU and GPU."""
 

@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import fp8amp
-from fp8amp import E4M3, E5M2, ScaledTensor, saved_activations
+from fp8amp import E4M3, E5M2, ScaledTensor, saved_activations, saved_activations_graph
 from fp8amp.ops._args import has_row_runs
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
@@ -244,7 +244,7 @@ def test_double_backward_raises():
 
 
 needs_graph_hooks = pytest.mark.skipif(
-    not saved_activations._graph_hooks_supported(),
+    not saved_activations_graph._graph_hooks_supported(),
     reason="this torch does not inline saved-tensor hooks into compiled graphs")
 
 
@@ -309,7 +309,7 @@ def test_quantize_in_graph_is_the_kernels_bit_for_bit(fmt, dtype):
     ordinary, tiny, huge, all-zero and non-finite tensors."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
-    compiled = torch.compile(saved_activations._quantize_in_graph, backend="inductor", fullgraph=True)
+    compiled = torch.compile(saved_activations_graph._quantize_in_graph, backend="inductor", fullgraph=True)
     cases = {"randn": torch.randn(64, 48, generator=g), "exact power of two amax": torch.ones(8, 8) * 2.0 ** -7,
              "tiny": torch.randn(64, 48, generator=g) * 1e-30, "huge": torch.randn(64, 48, generator=g) * 1e30,
              "zeros": torch.zeros(16, 16)}
@@ -323,13 +323,13 @@ def test_quantize_in_graph_is_the_kernels_bit_for_bit(fmt, dtype):
         if not torch.isfinite(x).all():
             continue  # 1e30 in float16
         expected = ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=True)
-        for codes, scale_inv in (saved_activations._quantize_in_graph(x, fmt), compiled(x, fmt)):
+        for codes, scale_inv in (saved_activations_graph._quantize_in_graph(x, fmt), compiled(x, fmt)):
             assert torch.equal(codes.view(torch.uint8), expected._data.view(torch.uint8)), name
             assert torch.equal(scale_inv, expected._scale_inv), name
     for bad in (math.inf, math.nan):
         x = torch.randn(32, 32, generator=g).to(dtype)
         x[1, 2] = bad
-        for codes, scale_inv in (saved_activations._quantize_in_graph(x, fmt), compiled(x, fmt)):
+        for codes, scale_inv in (saved_activations_graph._quantize_in_graph(x, fmt), compiled(x, fmt)):
             assert scale_inv.isnan().all() and (codes.float() * scale_inv).isnan().all()
 
 

@@ -1,4 +1,4 @@
-"""fp8amp.ScaledTensor (CPU): the per-tensor-scaled torch.Tensor subclass (DESIGN §1, §3)."""
+"""fp8amp.ScaledTensor (CPU): the per-tensor-scaled torch.Tensor subclass (docs/o1_o2.md#optimization-levels, docs/numerics.md#numerics)."""
 
 import copy
 import io
@@ -48,7 +48,7 @@ def test_round_trip_matches_cast_ops(fmt, margin):
 
 def test_pow2_scale_and_metadata():
     x = torch.full((4, 8), 10.0)
-    s = ScaledTensor.from_tensor(x, fp8amp.E4M3)  # amax 10, fmax 448 -> scale 32 (DESIGN §3)
+    s = ScaledTensor.from_tensor(x, fp8amp.E4M3)  # amax 10, fmax 448 -> scale 32 (docs/numerics.md#numerics)
     assert s._scale_inv.item() == 1 / 32
     assert isinstance(s, torch.Tensor) and isinstance(s, ScaledTensor)
     assert s.dtype == torch.float32 and s.shape == x.shape and s.stride() == x.stride()

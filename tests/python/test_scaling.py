@@ -1,4 +1,4 @@
-"""Scale rules and delayed scaling against a plain-Python model of DESIGN §3, bit for bit;
+"""Scale rules and delayed scaling against a plain-Python model of docs/numerics.md#numerics, bit for bit;
 ScalingRecipe / ScalingState behaviour and checkpointing."""
 
 import copy
@@ -22,7 +22,7 @@ F32_MIN_NORMAL = F32(np.finfo(np.float32).tiny)
 
 
 def model_scale(amax, fmax, margin, pow2, previous):
-    """(scale, scale_inv) from amax (DESIGN §3); previous pair if amax is 0 or not finite.
+    """(scale, scale_inv) from amax (docs/numerics.md#numerics); previous pair if amax is 0 or not finite.
 
     pow2: 2^(floor(log2(fmax / amax)) - margin), with fmax / amax a float32 quotient and the
     exponent kept within [-126, 126] so that scale and scale_inv are both normal floats.
@@ -53,7 +53,7 @@ def model_amax(x: torch.Tensor) -> np.float32:
 
 
 class DelayedScalingModel:
-    """n tensors with amax histories of length H, per DESIGN §3 (see cast.h for the order)."""
+    """n tensors with amax histories of length H, per docs/numerics.md#numerics (see cast.h for the order)."""
 
     def __init__(self, n, history_len, fmax, margin, pow2):
         self.h, self.fmax, self.margin, self.pow2 = history_len, fmax, margin, pow2

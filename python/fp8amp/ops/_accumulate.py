@@ -1,6 +1,6 @@
 """Fused dequantize-add-requantize of a scaled tensor (``torch.ops.fp8amp.scaled_accumulate``).
 
-It accumulates FP8 weight gradients across micro-batches (DESIGN §5) without a high-precision
+It accumulates FP8 weight gradients across micro-batches (docs/architecture.md#fp8linear-dataflow) without a high-precision
 copy: the scaled accumulator ``dst`` receives ``alpha * src`` and is re-quantized with a new
 current scale in one op. Like the cast wrappers, it checks Python types (TypeError), makes the
 read-only ``src`` and ``src_scale_inv`` contiguous, and leaves every other check to the core,

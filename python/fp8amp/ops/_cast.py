@@ -1,4 +1,4 @@
-"""Typed wrappers over the core's cast ops: quantize, cast + transpose, dequantize, amax (DESIGN §3).
+"""Typed wrappers over the core's cast ops: quantize, cast + transpose, dequantize, amax (docs/numerics.md#numerics).
 
 ``scale`` multiplies high precision into a scaled format (stored = real * scale) and
 ``scale_inv`` brings it back (real = stored * scale_inv); both are float32 device tensors, one

@@ -40,7 +40,7 @@ def gemm(
 
     ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are float8 (E4M3×E4M3, E4M3×E5M2 or E5M2×E4M3);
     the scales are float32 ``[1]``; ``bias`` ``[N]`` of :func:`bias_dtype` (out_dtype).
-    ``fast_accum`` trades accuracy for speed (forward GEMMs only, DESIGN §3).
+    ``fast_accum`` trades accuracy for speed (forward GEMMs only, docs/numerics.md#numerics).
     """
     op = "gemm"
     return fast.gemm(

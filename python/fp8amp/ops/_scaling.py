@@ -1,5 +1,5 @@
 """Typed wrappers over the core's scale computations: a scale pair from an amax, and the
-delayed-scaling update after an optimizer step (DESIGN §3).
+delayed-scaling update after an optimizer step (docs/numerics.md#numerics).
 
 Every wrapper checks Python types (TypeError) and leaves value checks to the core (ValueError
 naming the argument); the buffers they update are passed as they are, so the writes land.
@@ -26,7 +26,7 @@ def compute_scale(
     margin: int = 0,
     pow2_scale: bool = True,
 ) -> None:
-    """Sets ``scale[i]`` and ``scale_inv[i]`` in place from ``amax[i, 0]`` (DESIGN §3).
+    """Sets ``scale[i]`` and ``scale_inv[i]`` in place from ``amax[i, 0]`` (docs/numerics.md#numerics).
 
     ``pow2_scale=True``: ``scale = 2^(floor(log2(fmax / amax)) - margin)`` (exponent kept within
     +-126), so ``scale_inv`` is exact; ``False``: ``scale = fmax / amax / 2^margin`` (TE's rule).
