@@ -124,7 +124,7 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if not isinstance(module, Fp8Linear) or isinstance(module.weight, Fp8AllGatherWeight):
             continue
-        if module.fp16_master or isinstance(module.weight, ScaledTensor):
+        if module.master is not None or isinstance(module.weight, ScaledTensor):
             raise ValueError(
                 f"enable_fp8_all_gather: {name or 'model'} holds an O1/O2 FP16 master weight (fp8amp.initialize), "
                 "which fully_shard all-gathers in E4M3 without this call; it is for FP8 compute (fp8amp.convert)")

@@ -30,7 +30,7 @@ from . import optim as fp8_optim
 from .convert import ModuleFilter, convert, update_scaling
 from .convert_policy import DEFAULT_TOKENS
 from .formats import FP16
-from .linear import Fp8Linear
+from .linear import Fp8Linear, MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe
 
@@ -93,14 +93,12 @@ def initialize(
 
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens)
     masters = _make_masters(model)
+    terms = MasterWeight(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.fp8_weight_grad = weight_grad == "fp8"
+        if isinstance(module, Fp8Linear) and isinstance(module.weight, ScaledTensor):
+            module.use_master(terms)
     if optimizer is None:
         return model, None
-    for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.master_optimizer_built = True  # see Fp8Linear.forward: FSDP2 would orphan it
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
     new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
     return model, new_optimizer
@@ -133,7 +131,6 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
             setattr(module, name, master)
-            module.fp16_master = True
         masters[param] = master
     return masters
 

@@ -24,6 +24,7 @@ count is padded with zero rows to a multiple of 16 when needed (zero rows change
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,7 +38,7 @@ from .formats import E4M3, E5M2, FP16
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe, ScalingState
 
-__all__ = ["Fp8Linear", "fp8_linear_supported"]
+__all__ = ["Fp8Linear", "MasterWeight", "fp8_linear_supported"]
 
 _ALIGN = 16
 
@@ -89,6 +90,21 @@ def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
     and a quantize pass; a non-finite gradient reads as NaN (an E4M3 code cannot hold inf), so
     GradScaler and the optimizer see it."""
     return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)
+
+
+@dataclass(frozen=True)
+class MasterWeight:
+    """What :func:`fp8amp.initialize` (O1/O2) made of an Fp8Linear's weight, held by the layer.
+
+    Attributes:
+        fp8_weight_grad: the weight gradient is an E4M3 ScaledTensor (True), or a float32 tensor
+            (False: the higher-precision accumulator across micro-batches, 4 bytes per element).
+        optimizer_built: initialize also built the optimizer over the masters (FSDP2's
+            ``fully_shard`` would then replace the masters that optimizer holds: refused).
+    """
+
+    fp8_weight_grad: bool = True
+    optimizer_built: bool = False
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -179,19 +195,6 @@ class Fp8Linear(nn.Linear):
     after each optimizer step.
     """
 
-    #: With an O1/O2 ScaledTensor weight: the weight gradient is an E4M3 ScaledTensor (True), or a
-    #: float32 tensor (False: the higher-precision accumulator across micro-batches, 4 bytes per
-    #: element). Set by ``fp8amp.initialize(weight_grad=...)``; plain weights get grads of their dtype.
-    fp8_weight_grad: bool = True
-
-    #: True once :func:`fp8amp.initialize` made the weight an FP16 master (O1/O2): the weight must
-    #: stay that ScaledTensor parameter, which its optimizer updates.
-    fp16_master: bool = False
-
-    #: True when :func:`fp8amp.initialize` also built the optimizer over the masters: FSDP2's
-    #: ``fully_shard`` then replaces the masters that optimizer holds.
-    master_optimizer_built: bool = False
-
     def __init__(
         self,
         in_features: int,
@@ -210,6 +213,16 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
+
+    #: Set by :meth:`use_master` (fp8amp.initialize at O1/O2); None for FP8 compute alone.
+    master: Optional[MasterWeight] = None
+
+    def use_master(self, master: MasterWeight) -> None:
+        """Makes this layer's weight an O1/O2 FP16 master under ``master``'s terms (what
+        :func:`fp8amp.initialize` decided); the weight must already be that ScaledTensor."""
+        if not isinstance(master, MasterWeight):
+            raise TypeError(f"Fp8Linear.use_master: master must be a MasterWeight, got {type(master).__name__}")
+        self.master = master
 
     def _add_scaling_states(self, recipe: Optional[ScalingRecipe], device) -> None:
         self.input_scaling = ScalingState(1, E4M3, recipe, device=device)
@@ -243,14 +256,15 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
             )
-        if self.fp16_master:
-            self._check_master()
+        master = self.master
+        if master is not None:
+            self._check_master(master)
         return _Fp8LinearFunction.apply(
             x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
-            self.fp8_weight_grad,
+            True if master is None else master.fp8_weight_grad,
         )
 
-    def _check_master(self) -> None:
+    def _check_master(self, master: MasterWeight) -> None:
         """Refuses a forward whose O1/O2 master the optimizer no longer updates: a weight that is
         not a ScaledTensor any more (load_state_dict(..., assign=True) replaced it), or one that
         FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
@@ -262,7 +276,7 @@ class Fp8Linear(nn.Linear):
                 f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "
                 "load_state_dict(..., assign=True)). The optimizer that initialize returned would update the old "
                 "master and this layer would not train; load without assign=True")
-        if weight.storage_format == E4M3 and self.master_optimizer_built:
+        if weight.storage_format == E4M3 and master.optimizer_built:
             raise RuntimeError(
                 "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "
                 "optimizer over the unsharded masters: that optimizer would update the old masters and the model "
