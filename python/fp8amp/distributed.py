@@ -12,83 +12,23 @@ Usage::
 Both average the gradients over the ranks of the process group (as DDP does) and move FP8 codes
 on the wire: 1 byte per element each way instead of BF16's 2 or FP32's 4.
 
-Scaling (per tensor, every scale a power of two, computed on the device)
------------------------------------------------------------------------
-A DDP bucket is the flat concatenation of several gradients, whose magnitudes can differ by orders
-of magnitude, so each gradient ``i`` of the bucket gets its own scale:
+Each gradient of a bucket gets its own power-of-two scale from the MAX over the ranks of its
+amax, so every rank quantizes with the same scales. Two methods:
 
-1. ``a_i`` = the local amax of gradient ``i`` (:func:`fp8amp.ops.multi_amax`, one launch per bucket);
-   a non-finite local amax is replaced by ``+inf``.
-2. One ``all_reduce(MAX)`` of the vector ``a`` gives ``A_i = max_r a_i^(r)``, the same on every rank.
-3. ``s_i = 2^floor(log2(F / A_i))`` (:func:`fp8amp.ops.compute_scale`; ``A_i = 0`` gives ``s_i = 1``),
-   with ``F`` chosen per method so that nothing saturates:
+* ``"all_to_all"`` (default; any backend): the codes travel in an all-to-all, each rank sums its
+  shard of the N copies in FP32 (in rank order), requantizes the mean with a scale per piece and
+  all-gathers it: two FP8 roundings whatever N, and half the bytes of a BF16 ring all-reduce.
+* ``"native"`` (NCCL): ``dist.all_reduce(SUM)`` of the FP8 codes themselves, at a scale with the
+  headroom that keeps the FP8 partial sums from saturating; its error grows with N. A backend that
+  cannot reduce float8 (gloo) raises a ValueError naming the methods.
 
-   * ``"all_to_all"``: ``F = fmax``. Every rank's contribution satisfies ``|x| s_i <= A_i s_i <= fmax``,
-     and rounding is monotone and ``fmax`` is representable, so no code saturates. The FP8 codes are
-     never added in FP8 (the sum is FP32, below), so a sum over N ranks cannot saturate whatever the
-     scale: headroom would only raise the underflow threshold ``eta / s_i`` by ``2^h`` and protect
-     nothing. The reduced mean gets its own scale (step 6), so it needs none either.
-   * ``"native"``: the codes are summed in FP8 by the collective (partial sums travel in FP8 between
-     ranks, rounded at each hop), so the sum of the N codes of an element must stay within fmax:
-     ``F = fmax / (N (1 + u)^(N-2))`` for N >= 2, with ``u`` the unit roundoff of the format
-     (2^-4 for E4M3, 2^-3 for E5M2). Derivation: every code is at most ``c = A_i s_i <= F`` in
-     magnitude. In any summation tree (ring or tree) an internal node with L leaves below it has
-     been rounded at most L - 1 times, each rounding of a normal number multiplying its magnitude by
-     at most ``1 + u`` (a subnormal result is below the smallest normal, far from fmax), so a node
-     holds at most ``L c (1 + u)^(L-1)``. The root's exact input (two children, L_a + L_b = N
-     leaves, each child rounded at most N - 2 times) is at most ``N c (1 + u)^(N-2) <= fmax``, and
-     its rounding is monotone with fmax representable, so the result is at most fmax; every inner
-     node is smaller still. (For N = 2: ``F = fmax / 2``, one rounding of an exact sum.) Without the
-     ``(1 + u)`` factor a worst case already saturates at N = 8 in E4M3: ring partial sums of
-     eight codes of 56 round 56, 112, 160, 224, 288, 352, 416, 472 > 448.
+The algorithm, the headroom derivation, the error bound of each method and the measurements are
+in docs/distributed.md ("Algorithm", "Scales and headroom", "Accuracy: which method").
 
 Non-finite gradients: an inf or NaN anywhere in a bucket on any rank makes that rank's amax
 ``+inf`` before the MAX all-reduce (NaN is mapped to inf first: a MAX reduction need not propagate
 NaN; gloo's does not), so every rank sees a non-finite ``A`` and writes NaN into its whole bucket.
 GradScaler's ``unscale_`` then finds it, and fp8amp's optimizer skips the step, on every rank.
-
-Method ``"all_to_all"`` (default; any backend: NCCL, gloo)
----------------------------------------------------------
-4. Quantize each gradient at ``s_i`` into a flat uint8 buffer padded with zeros to a multiple of N
-   (``L = ceil(n / N)`` elements per shard).
-5. ``all_to_all_single`` of the uint8 buffer = a reduce-scatter without the reduction: rank k
-   receives shard k of every rank.
-6. Rank k dequantizes the N received copies of its shard to FP32 (each piece of a gradient with its
-   ``1 / s_i``, exact), sums them in rank order 0, 1, ..., N-1 (``acc = q_0; acc += q_1; ...``) and
-   divides by N. It requantizes each piece of its mean shard (a piece = the part of one gradient in
-   this shard) with a current power-of-two scale from the piece's own amax, ``t = 2^floor(log2(fmax /
-   amax))``, and appends the pieces' float32 ``1 / t`` (4 bytes each) to the shard's codes.
-   Why a scale per piece, sent along, rather than a second all-reduce(MAX): it costs no extra
-   collective (one more latency on the critical path), and it fits the mean, whose amax can be far
-   below ``A_i`` when the ranks' gradients cancel. The replicas stay identical regardless: every
-   rank dequantizes the same gathered bytes.
-7. ``all_gather_into_tensor`` of the shards (codes + scales); every rank dequantizes all shards into
-   the bucket's dtype.
-
-Bytes sent per rank and element: ``(N-1)/N`` in the all-to-all and ``(N-1)/N`` in the all-gather
-(plus 4 bytes per piece and 4 per gradient for the amaxes): half of a BF16 ring all-reduce's
-``2 (N-1)/N x 2``.
-
-Accuracy (per element, against the exact mean ``m = (1/N) sum_r x_r`` of the ranks' gradients;
-``u`` and ``eta`` are the format's unit roundoff and half its smallest subnormal, E4M3: 2^-4 and
-2^-10, E5M2: 2^-3 and 2^-17; ``u32 = 2^-24``)::
-
-    |out - m| <= e1 + e2 + u (|m| + e1 + e2) + eta / t
-    e1 = u mean_r |x_r| + eta / s_i                      (one FP8 rounding of each contribution)
-    e2 = u32 (N - 1) mean_r |q_r| + u32 (|m| + e1)      (the FP32 sum in rank order, the division)
-
-with ``q_r`` the dequantized contributions; the last two terms are the rounding of the mean at its
-piece scale ``t`` (exact into float32 and bfloat16 buckets; a float16 bucket may round values below
-float16's normal range once more, ``2^-25`` absolute). So: two FP8 roundings, independent of N.
-
-Method ``"native"`` (NCCL; docs/distributed.md#design measured it on torch 2.11 / NCCL 2.28)
----------------------------------------------------------------------------
-4'. Quantize at the headroom scale above, ``dist.all_reduce(SUM)`` on the ``float8_e4m3fn`` /
-``float8_e5m2`` tensor itself, dequantize, divide by N (FP32), cast to the bucket's dtype. Fewer
-passes and no local sum, but the FP8 partial sums round at every hop: up to N - 1 FP8 roundings
-(of partial sums, relative ``u`` each) plus the headroom's coarser underflow threshold, so its error
-grows with N; with N = 2 it is one rounding of each contribution plus one of the sum. A backend
-that cannot reduce float8 (gloo: "Invalid scalar type") raises a ValueError naming the methods.
 
 No host synchronization: amaxes, scales and the non-finite flag stay on the device; the shard
 layout of a bucket is computed on the host from the gradients' sizes. On CUDA the work runs on a
