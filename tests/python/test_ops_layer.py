@@ -79,3 +79,16 @@ def test_use_master_takes_a_master_weight():
     assert layer.master is None
     with pytest.raises(TypeError, match="master must be a MasterWeight, got dict"):
         layer.use_master({"fp8_weight_grad": True})
+
+
+@pytest.mark.parametrize("fmt", [fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16])
+def test_format_maxima_agree_with_torch_and_the_core(fmt):
+    """formats.py's maxima, torch's finfo and the core's dtype table (what a saturating quantize
+    writes) are one number."""
+    fmax = fp8amp.format_max(fmt)
+    assert fmax == torch.finfo(fmt).max
+    counter = torch.zeros(1, dtype=torch.int32)
+    # warmup_steps=0: the stored scale 1 is used, so a huge value saturates to the core's maximum.
+    out, _ = ops.quantize(torch.tensor([1e30, -1e30]), torch.ones(1), torch.zeros(1, 1), fmt,
+                          warmup_counter=counter, warmup_steps=0)
+    assert out.float().tolist() == [fmax, -fmax]
