@@ -70,23 +70,23 @@ ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const
 }
 
 // The multi-tensor ops take lists and name their elements xs[i] and outs[i]; the single-tensor
-// ops name theirs x and out, and the dtype argument their output is allocated from.
-bool is_multi_tensor_op(const char* op) { return std::strncmp(op, "multi_", 6) == 0; }
+// ops name theirs x and out, and the dtype argument their output is allocated from. Each op passes
+// its Arity; its name only appears in messages.
+enum class Arity : int8_t { kSingle, kMulti };
 
 // "x" for a single-tensor op, "xs[3]" for a multi-tensor one (short enough for std::string's
 // small-buffer storage: no allocation per tensor).
-std::string element_name(bool multi, const char* single_name, const char* list_name, size_t i) {
-  return multi ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
+std::string element_name(Arity arity, const char* single_name, const char* list_name, size_t i) {
+  return arity == Arity::kMulti ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
 }
 
 // check::disjoint_outputs's names: "xs[3]" / "outs[3]", or "x" / "out".
-std::string multi_names(const char* list, size_t i) { return element_name(true, "", list, i); }
+std::string multi_names(const char* list, size_t i) { return element_name(Arity::kMulti, "", list, i); }
 std::string single_names(const char* list, size_t) { return std::strcmp(list, "outs") == 0 ? "out" : "x"; }
 
 // Checks a list of inputs and outputs pairwise and returns them as slices.
 std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
-                                const char* op) {
-  const bool multi = is_multi_tensor_op(op);
+                                Arity arity, const char* op) {
   FP8AMP_CHECK_VALUE(!xs.empty(), op, "xs must hold at least one tensor");
   FP8AMP_CHECK_VALUE(outs.empty() || outs.size() == xs.size(), op, "outs must hold as many tensors as xs (",
                      xs.size(), "), got ", outs.size());
@@ -94,14 +94,14 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
   result.reserve(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
     const TensorView& x = xs[i];
-    const std::string x_name = element_name(multi, "x", "xs", i);
+    const std::string x_name = element_name(arity, "x", "xs", i);
     FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(), ", ",
                        x_name, " is ", x.describe());
     check::same_device(x, xs[0], op, x_name.c_str(), "xs[0]");
     check::contiguous(x, op, x_name.c_str());
     void* out = nullptr;
     if (!outs.empty()) {
-      const std::string out_name = element_name(multi, "out", "outs", i);
+      const std::string out_name = element_name(arity, "out", "outs", i);
       FP8AMP_CHECK_VALUE(outs[i].dtype == outs[0].dtype, op, "outs must share one dtype: outs[0] is ",
                          outs[0].describe(), ", ", out_name, " is ", outs[i].describe());
       check::same_shape(x, outs[i], op, x_name.c_str(), out_name.c_str());
@@ -116,18 +116,19 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
 
 // An out sharing memory with another out or an x would be a race on the GPU (and codes are
 // narrower or wider than the values: no in-place form exists). After the format checks.
-void check_outs_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const char* op) {
-  check::disjoint_outputs(outs, xs, op, is_multi_tensor_op(op) ? multi_names : single_names);
+void check_outs_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, Arity arity,
+                         const char* op) {
+  check::disjoint_outputs(outs, xs, op, arity == Arity::kMulti ? multi_names : single_names);
 }
 
 void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
-                   Stream stream, const char* op) {
-  const std::vector<TensorSlice> t = slices(xs, outs, op);
+                   Stream stream, Arity arity, const char* op) {
+  const std::vector<TensorSlice> t = slices(xs, outs, arity, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
-  const bool multi = is_multi_tensor_op(op);
+  const bool multi = arity == Arity::kMulti;
   check::high_precision(xs[0], op, multi ? "xs" : "x");
   check::scaled_format(outs[0].dtype, op, multi ? "outs" : "dtype");
-  check_outs_disjoint(xs, outs, op);
+  check_outs_disjoint(xs, outs, arity, op);
   const ScalingPtrs s = scaling_ptrs(scaling, static_cast<int64_t>(xs.size()), xs[0], op);
   run_on(
       xs[0], op, [&] { cpu::quantize(xs[0].dtype, outs[0].dtype, t, s); },
@@ -135,15 +136,15 @@ void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorVi
 }
 
 void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_inv,
-                     const std::vector<TensorView>& outs, Stream stream, const char* op) {
-  const std::vector<TensorSlice> t = slices(xs, outs, op);
+                     const std::vector<TensorView>& outs, Stream stream, Arity arity, const char* op) {
+  const std::vector<TensorSlice> t = slices(xs, outs, arity, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
-  const bool multi = is_multi_tensor_op(op);
+  const bool multi = arity == Arity::kMulti;
   check::scaled_format(xs[0].dtype, op, multi ? "xs" : "x");
   check::high_precision(outs[0], op, multi ? "outs" : "dtype");
   check_float32(scale_inv, xs[0], op, "scale_inv");
   check::numel_is(scale_inv, static_cast<int64_t>(xs.size()), op, "scale_inv");
-  check_outs_disjoint(xs, outs, op);
+  check_outs_disjoint(xs, outs, arity, op);
   const float* si = scale_inv.ptr<const float>();
   run_on(
       xs[0], op, [&] { cpu::dequantize(xs[0].dtype, outs[0].dtype, t, si); },
@@ -158,13 +159,13 @@ float format_max(DType dtype) {
 }
 
 void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream) {
-  quantize_impl({x}, {out}, scaling, stream, "quantize");
+  quantize_impl({x}, {out}, scaling, stream, Arity::kSingle, "quantize");
 }
 
 void quantize_current(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
                       const TensorView& amax_out, int margin, bool nan_if_nonfinite, Stream stream) {
   const char* op = "quantize_current";
-  const std::vector<TensorSlice> t = slices({x}, {out}, op);
+  const std::vector<TensorSlice> t = slices({x}, {out}, Arity::kSingle, op);
   check::high_precision(x, op, "x");
   check::scaled_format(out.dtype, op, "dtype");
   check_recipe(ScaleRecipe{margin, true}, op);
@@ -172,7 +173,7 @@ void quantize_current(const TensorView& x, const TensorView& out, const TensorVi
   check::numel_is(scale_inv, 1, op, "scale_inv");
   check_float32(amax_out, x, op, "amax");
   check::numel_is(amax_out, 1, op, "amax");
-  check_outs_disjoint({x}, {out}, op);
+  check_outs_disjoint({x}, {out}, Arity::kSingle, op);
   check::no_overlap(scale_inv, amax_out, op, "scale_inv", "amax");
   for (const auto& [t_out, name] : {std::pair{&scale_inv, "scale_inv"}, std::pair{&amax_out, "amax"}}) {
     check::no_overlap(x, *t_out, op, "x", name);
@@ -188,16 +189,16 @@ void quantize_current(const TensorView& x, const TensorView& out, const TensorVi
 
 void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
                     Stream stream) {
-  quantize_impl(xs, outs, scaling, stream, "multi_quantize");
+  quantize_impl(xs, outs, scaling, stream, Arity::kMulti, "multi_quantize");
 }
 
 void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorView& out, Stream stream) {
-  dequantize_impl({x}, scale_inv, {out}, stream, "dequantize");
+  dequantize_impl({x}, scale_inv, {out}, stream, Arity::kSingle, "dequantize");
 }
 
 void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale_inv,
                       const std::vector<TensorView>& outs, Stream stream) {
-  dequantize_impl(xs, scale_inv, outs, stream, "multi_dequantize");
+  dequantize_impl(xs, scale_inv, outs, stream, Arity::kMulti, "multi_dequantize");
 }
 
 namespace {
@@ -300,7 +301,7 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
 
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, Stream stream) {
   const char* op = "multi_amax";
-  const std::vector<TensorSlice> t = slices(xs, {}, op);
+  const std::vector<TensorSlice> t = slices(xs, {}, Arity::kMulti, op);
   check::high_precision(xs[0], op, "xs");
   check_float32(amax_out, xs[0], op, "amax");
   const int64_t stride = amax_stride(amax_out, static_cast<int64_t>(xs.size()), op);
@@ -334,11 +335,11 @@ namespace {
 
 // One state's checks (names: "amax_history" ... or "amax_histories[3]" ...), and its slice.
 DelayedScalingSlice delayed_state(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
-                                  const TensorView& counter, const char* op, bool multi, size_t i) {
-  const std::string hist_name = element_name(multi, "amax_history", "amax_histories", i);
-  const std::string scale_name = element_name(multi, "scale", "scales", i);
-  const std::string scale_inv_name = element_name(multi, "scale_inv", "scale_invs", i);
-  const std::string counter_name = element_name(multi, "counter", "counters", i);
+                                  const TensorView& counter, const char* op, Arity arity, size_t i) {
+  const std::string hist_name = element_name(arity, "amax_history", "amax_histories", i);
+  const std::string scale_name = element_name(arity, "scale", "scales", i);
+  const std::string scale_inv_name = element_name(arity, "scale_inv", "scale_invs", i);
+  const std::string counter_name = element_name(arity, "counter", "counters", i);
   check::dtype_is(amax_history, DType::kFloat32, op, hist_name.c_str());
   check::contiguous(amax_history, op, hist_name.c_str());
   check::dim_is(amax_history, 2, op, hist_name.c_str());
@@ -373,7 +374,7 @@ void update_delayed_impl(const std::vector<DelayedScalingSlice>& states, const T
 void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
                             const TensorView& counter, float fmax, const ScaleRecipe& recipe, Stream stream) {
   const char* op = "update_delayed_scaling";
-  update_delayed_impl({delayed_state(amax_history, scale, scale_inv, counter, op, false, 0)}, amax_history, fmax,
+  update_delayed_impl({delayed_state(amax_history, scale, scale_inv, counter, op, Arity::kSingle, 0)}, amax_history, fmax,
                       recipe, stream, op);
 }
 
@@ -389,8 +390,8 @@ void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories,
   std::vector<DelayedScalingSlice> states;
   states.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    states.push_back(delayed_state(amax_histories[i], scales[i], scale_invs[i], counters[i], op, true, i));
-    check::same_device(amax_histories[i], amax_histories[0], op, element_name(true, "", "amax_histories", i).c_str(),
+    states.push_back(delayed_state(amax_histories[i], scales[i], scale_invs[i], counters[i], op, Arity::kMulti, i));
+    check::same_device(amax_histories[i], amax_histories[0], op, element_name(Arity::kMulti, "", "amax_histories", i).c_str(),
                        "amax_histories[0]");
   }
   // Every tensor is written: two sharing memory would race on the GPU.
@@ -400,7 +401,7 @@ void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories,
   }
   check::disjoint_outputs(written, {}, op, [&](const char*, size_t k) {
     static constexpr const char* kLists[] = {"amax_histories", "scales", "scale_invs", "counters"};
-    return element_name(true, "", kLists[k / n], k % n);
+    return element_name(Arity::kMulti, "", kLists[k / n], k % n);
   });
   update_delayed_impl(states, amax_histories[0], fmax, recipe, stream, op);
 }
