@@ -10,6 +10,7 @@
 #include "binding_utils.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
+#include "fp8amp/scaling.h"
 
 namespace fp8amp::torch_binding {
 namespace {

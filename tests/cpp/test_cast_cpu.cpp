@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fp8amp/cast.h"
+#include "fp8amp/scaling.h"
 #include "expect_error.h"
 #include "host_view.h"
 #include "fp8amp/error.h"

@@ -22,6 +22,7 @@
 #include "cuda_test_util.h"
 #include "common/numerics.h"
 #include "fp8amp/cast.h"
+#include "fp8amp/scaling.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
 
