@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "fp8amp/accumulate.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
 #include "fp8amp/scaling.h"
@@ -312,7 +313,7 @@ TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_KERNELS(m, ); }
 TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { FP8AMP_REGISTER_KERNELS(m, _meta); }
 
 // ------------------------------------------------------------------------------------------------
-// scaled_accumulate (fp8amp/cast.h): dst, dst_scale_inv and amax are written in place.
+// scaled_accumulate (fp8amp/accumulate.h): dst, dst_scale_inv and amax are written in place.
 
 namespace fp8amp::torch_binding {
 namespace {

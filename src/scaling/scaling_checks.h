@@ -1,5 +1,5 @@
-// Checks of the scaling arguments, shared by the ops that take them (cast.cpp, scaling.cpp);
-// defined in scaling.cpp. Each throws a ValueError naming `op`.
+// Checks of the scaling arguments, shared by the ops that take them (cast.cpp, scaling.cpp,
+// accumulate.cpp); defined in scaling.cpp. Each throws a ValueError naming `op`.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// scaled_accumulate (cast.h) through the public core API on CPU: hand-derived sums, scales and
+// scaled_accumulate (accumulate.h) through the public core API on CPU: hand-derived sums, scales and
 // codes, the non-finite and zero rules, and clear errors for bad arguments.
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 
 #include "expect_error.h"
 #include "host_view.h"
-#include "fp8amp/cast.h"
+#include "fp8amp/accumulate.h"
 #include "fp8amp/error.h"
 
 namespace fp8amp {

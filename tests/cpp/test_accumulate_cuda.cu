@@ -1,4 +1,4 @@
-// scaled_accumulate (cast.h) on CUDA against the CPU reference, bit for bit: every dst/src dtype
+// scaled_accumulate (accumulate.h) on CUDA against the CPU reference, bit for bit: every dst/src dtype
 // combination, sizes with tails, misaligned pointers, grid-stride wrap-around, the non-finite and
 // zero rules and src aliasing dst. Every buffer, guard bytes around it included, must end up
 // byte-identical. Skips cleanly on a machine without a GPU.
@@ -17,7 +17,7 @@
 
 #include "common/numerics.h"
 #include "cuda_test_util.h"
-#include "fp8amp/cast.h"
+#include "fp8amp/accumulate.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
 

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fp8amp/accumulate.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/scaling.h"
 #include "expect_error.h"

@@ -1,4 +1,4 @@
-// CUDA twin of accumulate_cpu.cpp: scaled_accumulate (cast.h) bit for bit, without host syncs.
+// CUDA twin of accumulate_cpu.cpp: scaled_accumulate (accumulate.h) bit for bit, without host syncs.
 //
 // The new scale depends on the amax of all the sums, so the op takes three launches on the stream:
 // - the amax pass:  the sums, reduced to max amax_key per block and atomicMax'ed into amax (zeroed
@@ -21,7 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cast/cast_kernels.h"
+#include "accumulate/accumulate_kernels.h"
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"

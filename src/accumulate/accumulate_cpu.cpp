@@ -1,9 +1,9 @@
-// CPU reference of scaled_accumulate (cast.h): the readable definition of correct for
+// CPU reference of scaled_accumulate (accumulate.h): the readable definition of correct for
 // accumulate_cuda.cu. Two passes, as on the device: the sums and their amax, then the new scale
 // and the sums again, quantized with it.
 #include <algorithm>
 
-#include "cast/cast_kernels.h"
+#include "accumulate/accumulate_kernels.h"
 #include "common/dispatch.h"
 
 namespace fp8amp {
