@@ -20,7 +20,7 @@ namespace fp8amp {
 //                  memory) but must not partly overlap it, nor any of the scalar buffers.
 // - alpha:         the factor of src (1 to accumulate, 0.5 to average two, ...).
 // - amax:          float32 [1], output: overwritten (not max-folded) with max |s| below.
-// - recipe:        the scale rule (margin in [0, 126]; pow2 by default) with fmax = dst's format max.
+// - recipe:        the scale rule (margin in [0, 126]; pow2_scale by default) with fmax = dst's format max.
 //
 // Per element i, in float32, each operation rounded once to nearest even (no fma contraction;
 // decode() is exact, NaN codes decode to NaN):
@@ -43,6 +43,6 @@ namespace fp8amp {
 // the sum is -0, i.e. both terms are -0).
 void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, const TensorView& src,
                        const TensorView* src_scale_inv, float alpha, const TensorView& amax,
-                       const ScaleRecipe& recipe, Stream stream);
+                       const ScalingRecipe& recipe, Stream stream);
 
 }  // namespace fp8amp

@@ -44,9 +44,9 @@ void cast_transpose_dbias(const TensorView& x, const TensorView& out, const Tens
                           Stream stream);
 int64_t cast_transpose_dbias_workspace(int64_t rows, int64_t cols);
 
-// amax[0] = max(amax[0], max |x|). With a warmup counter, nothing is done unless
-// counter[0] < warmup_steps (the pass current scaling needs before its quantize). x may be any
-// layout with row runs (tensor.h): contiguous, a permutation of that, or rows at one stride.
+// amax[0] = max(amax[0], max |x|). With a warmup_counter, nothing is done unless
+// warmup_counter[0] < warmup_steps (the pass current scaling needs before its quantize). x may be
+// any layout with row runs (tensor.h): contiguous, a permutation of that, or rows at one stride.
 void amax(const TensorView& x, const TensorView& amax, const TensorView* warmup_counter,
           int warmup_steps, Stream stream);
 

@@ -11,9 +11,9 @@
 namespace fp8amp {
 
 // How a new scale is made from an amax. fmax comes from the target dtype.
-struct ScaleRecipe {
+struct ScalingRecipe {
   int margin = 0;
-  bool pow2 = true;  // 2^(floor(log2(fmax / amax)) - margin); false: TE's fmax / amax / 2^margin
+  bool pow2_scale = true;  // 2^(floor(log2(fmax / amax)) - margin); false: TE's fmax / amax / 2^margin
 };
 
 // The scaling of one quantize (or of n tensors in the multi-tensor ops):
@@ -21,8 +21,8 @@ struct ScaleRecipe {
 // - amax:       float32 [n] or [n, k] (an amax history): element [i, 0] receives max(itself, amax
 //               of tensor i) in the same pass that reads the tensor. NaN propagates.
 // - scale_inv:  float32 [n], written: 1 / the scale actually used.
-// - warmup_counter (optional, int32 [n]) and warmup_steps: while counter[i] < warmup_steps the
-//   tensor is quantized with current scaling: the scale comes from amax[i, 0] (after this
+// - warmup_counter (optional, int32 [n]) and warmup_steps: while warmup_counter[i] < warmup_steps
+//   the tensor is quantized with current scaling: the scale comes from amax[i, 0] (after this
 //   tensor's own amax is folded in) by `recipe`, falling back to scale[i] if that amax is 0 or
 //   non-finite. Otherwise scale[i] is used as is (delayed scaling).
 struct Scaling {
@@ -31,12 +31,12 @@ struct Scaling {
   TensorView scale_inv;
   const TensorView* warmup_counter = nullptr;
   int warmup_steps = 0;
-  ScaleRecipe recipe;
+  ScalingRecipe recipe;
 };
 
 // scale[i], scale_inv[i] = rule(amax[i, 0]); amax 0 or non-finite keeps the previous pair.
 void compute_scale(const TensorView& amax, const TensorView& scale, const TensorView& scale_inv,
-                   float fmax, const ScaleRecipe& recipe, Stream stream);
+                   float fmax, const ScalingRecipe& recipe, Stream stream);
 
 // Delayed scaling, after an optimizer step, for n tensors with amax histories [n, H]:
 //   a non-finite amax[i, 0] is zeroed and resets counter[i] to 0, else counter[i] += 1 (capped at H);
@@ -44,14 +44,14 @@ void compute_scale(const TensorView& amax, const TensorView& scale, const Tensor
 //   the history rolls: amax[i, j] = amax[i, j - 1], amax[i, 0] = 0.
 void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale,
                             const TensorView& scale_inv, const TensorView& counter, float fmax,
-                            const ScaleRecipe& recipe, Stream stream);
+                            const ScalingRecipe& recipe, Stream stream);
 
 // update_delayed_scaling of many states with one fmax and recipe in one launch (a few for very
 // many): state i is amax_histories[i] [n_i, H_i], scales[i], scale_invs[i], counters[i] [n_i].
 // All on one device; no two of the tensors may share memory.
 void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
                                   const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
-                                  float fmax, const ScaleRecipe& recipe, Stream stream);
+                                  float fmax, const ScalingRecipe& recipe, Stream stream);
 
 // Largest finite magnitude of a scaled format (E4M3 448, E5M2 57344, FP16 65504): the fmax of the
 // ops above for a tensor quantized into that format.

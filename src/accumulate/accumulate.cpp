@@ -24,7 +24,7 @@ void check_scalar_buffer(const TensorView& t, const TensorView& dst, const char*
 
 void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, const TensorView& src,
                        const TensorView* src_scale_inv, float alpha, const TensorView& amax_out,
-                       const ScaleRecipe& recipe, Stream stream) {
+                       const ScalingRecipe& recipe, Stream stream) {
   const char* op = "scaled_accumulate";
   FP8AMP_CHECK_VALUE(is_scaled_format(dst.dtype), op, "dst must be float8_e4m3fn, float8_e5m2 or float16, got ",
                      dst.describe());
@@ -63,7 +63,7 @@ void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, c
                          src.data,     src_scale_inv != nullptr ? src_scale_inv->ptr<const float>() : nullptr,
                          alpha,        amax_out.ptr<float>(),
                          dst.numel(),  recipe.margin,
-                         recipe.pow2};
+                         recipe.pow2_scale};
   run_on(
       dst, op, [&] { cpu::scaled_accumulate(dst.dtype, src.dtype, p); },
       [&] { cuda::scaled_accumulate(dst.dtype, src.dtype, p, stream); });

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) accumulate_pass(const AccumulatePtrs
   const float src_scale_inv = kScaledSrc ? *p.src_scale_inv : 1.0f;
   float scale = 0.0f;
   if constexpr (kPass == Pass::kStore) {
-    scale = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2).scale;
+    scale = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2_scale).scale;
   }
 
   uint32_t key = 0;
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) accumulate_pass(const AccumulatePtrs
 
 template <class Dst>
 __global__ void finish(const AccumulatePtrs p) {
-  *p.dst_scale_inv = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2).scale_inv;
+  *p.dst_scale_inv = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2_scale).scale_inv;
 }
 
 // Blocks for `packs` grid-stride iterations of one thread each, at most kBlocksPerSm per SM.

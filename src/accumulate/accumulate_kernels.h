@@ -21,7 +21,7 @@ struct AccumulatePtrs {
   float* amax;
   int64_t numel;
   int margin;
-  bool pow2;
+  bool pow2_scale;
 };
 
 namespace accumulate {
@@ -37,12 +37,12 @@ FP8AMP_HD float sum(Dst d, Src x, float dst_scale_inv, float src_scale_inv, floa
 
 // The new (scale, scale_inv) from the amax of the sums: the recipe's rule; 1 for amax 0; NaN for
 // a non-finite amax.
-FP8AMP_HD numerics::ScalePair new_scale(float amax, float fmax, int margin, bool pow2) {
+FP8AMP_HD numerics::ScalePair new_scale(float amax, float fmax, int margin, bool pow2_scale) {
   if (!numerics::is_finite(amax)) {
     const float nan = numerics::bits_float(numerics::kCanonicalNanBits);
     return {nan, nan};
   }
-  return numerics::scale_from_amax(amax, fmax, margin, pow2, {1.0f, 1.0f});
+  return numerics::scale_from_amax(amax, fmax, margin, pow2_scale, {1.0f, 1.0f});
 }
 
 }  // namespace accumulate

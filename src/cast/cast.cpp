@@ -101,7 +101,7 @@ void quantize_current(const TensorView& x, const TensorView& out, const TensorVi
   const std::vector<TensorSlice> t = slices({x}, {out}, Arity::kSingle, op);
   check::high_precision(x, op, "x");
   check::scaled_format(out.dtype, op, "dtype");
-  check_recipe(ScaleRecipe{margin, true}, op);
+  check_recipe(ScalingRecipe{margin, true}, op);
   check_float32(scale_inv, x, op, "scale_inv");
   check::numel_is(scale_inv, 1, op, "scale_inv");
   check_float32(amax_out, x, op, "amax");
@@ -218,18 +218,18 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
                      x.describe(), "); call .contiguous() first");
   check_float32(amax_out, x, op, "amax");
   check::numel_at_least(amax_out, 1, op, "amax");
-  const int32_t* counter = nullptr;
+  const int32_t* warmup_counter_data = nullptr;
   if (warmup_counter != nullptr) {
     check::dtype_is(*warmup_counter, DType::kInt32, op, "warmup_counter");
     check::same_device(*warmup_counter, x, op, "warmup_counter", "x");
     check::numel_is(*warmup_counter, 1, op, "warmup_counter");
     check_warmup_steps(warmup_steps, op);
-    counter = warmup_counter->ptr<const int32_t>();
+    warmup_counter_data = warmup_counter->ptr<const int32_t>();
   }
   float* a = amax_out.ptr<float>();
   run_on(
-      x, op, [&] { cpu::amax(x.dtype, x.data, *runs, a, counter, warmup_steps); },
-      [&] { cuda::amax(x.dtype, x.data, *runs, a, counter, warmup_steps, stream); });
+      x, op, [&] { cpu::amax(x.dtype, x.data, *runs, a, warmup_counter_data, warmup_steps); },
+      [&] { cuda::amax(x.dtype, x.data, *runs, a, warmup_counter_data, warmup_steps, stream); });
 }
 
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, Stream stream) {

@@ -13,7 +13,7 @@
 
 namespace fp8amp {
 
-void check_recipe(const ScaleRecipe& recipe, const char* op) {
+void check_recipe(const ScalingRecipe& recipe, const char* op) {
   FP8AMP_CHECK_VALUE(recipe.margin >= 0 && recipe.margin <= numerics::kMaxScaleExponent, op,
                      "margin must be in [0, ", numerics::kMaxScaleExponent, "], got ", recipe.margin);
 }
@@ -44,17 +44,17 @@ ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const
   check_float32(s.amax, x, op, "amax");
   check_float32(s.scale_inv, x, op, "scale_inv");
   check::numel_is(s.scale_inv, n, op, "scale_inv");
-  const int32_t* counter = nullptr;
+  const int32_t* warmup_counter = nullptr;
   if (s.warmup_counter != nullptr) {
     check::dtype_is(*s.warmup_counter, DType::kInt32, op, "warmup_counter");
     check::contiguous(*s.warmup_counter, op, "warmup_counter");
     check::same_device(*s.warmup_counter, x, op, "warmup_counter", "x");
     check::numel_is(*s.warmup_counter, n, op, "warmup_counter");
     check_warmup_steps(s.warmup_steps, op);
-    counter = s.warmup_counter->ptr<const int32_t>();
+    warmup_counter = s.warmup_counter->ptr<const int32_t>();
   }
   return ScalingPtrs{s.scale.ptr<const float>(), s.amax.ptr<float>(), amax_stride(s.amax, n, op),
-                     s.scale_inv.ptr<float>(), counter, s.warmup_steps, s.recipe.margin, s.recipe.pow2};
+                     s.scale_inv.ptr<float>(), warmup_counter, s.warmup_steps, s.recipe.margin, s.recipe.pow2_scale};
 }
 
 float format_max(DType dtype) {
@@ -63,7 +63,7 @@ float format_max(DType dtype) {
 }
 
 void compute_scale(const TensorView& amax_in, const TensorView& scale, const TensorView& scale_inv, float fmax,
-                   const ScaleRecipe& recipe, Stream stream) {
+                   const ScalingRecipe& recipe, Stream stream) {
   const char* op = "compute_scale";
   check::dtype_is(scale, DType::kFloat32, op, "scale");
   check::contiguous(scale, op, "scale");
@@ -78,8 +78,8 @@ void compute_scale(const TensorView& amax_in, const TensorView& scale, const Ten
   float* si = scale_inv.ptr<float>();
   const float* a = amax_in.ptr<const float>();
   run_on(
-      scale, op, [&] { cpu::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2); },
-      [&] { cuda::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2, stream); });
+      scale, op, [&] { cpu::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2_scale); },
+      [&] { cuda::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2_scale, stream); });
 }
 
 namespace {
@@ -112,18 +112,18 @@ DelayedScalingSlice delayed_state(const TensorView& amax_history, const TensorVi
 }
 
 void update_delayed_impl(const std::vector<DelayedScalingSlice>& states, const TensorView& device_of, float fmax,
-                         const ScaleRecipe& recipe, Stream stream, const char* op) {
+                         const ScalingRecipe& recipe, Stream stream, const char* op) {
   FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
   check_recipe(recipe, op);
   run_on(
-      device_of, op, [&] { cpu::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2); },
-      [&] { cuda::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2, stream); });
+      device_of, op, [&] { cpu::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2_scale); },
+      [&] { cuda::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2_scale, stream); });
 }
 
 }  // namespace
 
 void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
-                            const TensorView& counter, float fmax, const ScaleRecipe& recipe, Stream stream) {
+                            const TensorView& counter, float fmax, const ScalingRecipe& recipe, Stream stream) {
   const char* op = "update_delayed_scaling";
   update_delayed_impl({delayed_state(amax_history, scale, scale_inv, counter, op, Arity::kSingle, 0)}, amax_history,
                       fmax, recipe, stream, op);
@@ -131,7 +131,7 @@ void update_delayed_scaling(const TensorView& amax_history, const TensorView& sc
 
 void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
                                   const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
-                                  float fmax, const ScaleRecipe& recipe, Stream stream) {
+                                  float fmax, const ScalingRecipe& recipe, Stream stream) {
   const char* op = "multi_update_delayed_scaling";
   const size_t n = amax_histories.size();
   FP8AMP_CHECK_VALUE(scales.size() == n && scale_invs.size() == n && counters.size() == n, op,

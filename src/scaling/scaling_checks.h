@@ -11,7 +11,7 @@
 namespace fp8amp {
 
 // Scale exponents are clamped to [-126, 126], so a larger margin could change nothing.
-void check_recipe(const ScaleRecipe& recipe, const char* op);
+void check_recipe(const ScalingRecipe& recipe, const char* op);
 
 void check_warmup_steps(int warmup_steps, const char* op);
 

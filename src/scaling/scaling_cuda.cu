@@ -17,11 +17,11 @@ namespace {
 constexpr int kScaleThreads = 128;
 
 __global__ void compute_scale_kernel(const float* amax, int64_t amax_stride, float* scale, float* scale_inv,
-                                     int64_t n, float fmax, int margin, bool pow2) {
+                                     int64_t n, float fmax, int margin, bool pow2_scale) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const numerics::ScalePair pair =
-      numerics::scale_from_amax(amax[i * amax_stride], fmax, margin, pow2, {scale[i], scale_inv[i]});
+      numerics::scale_from_amax(amax[i * amax_stride], fmax, margin, pow2_scale, {scale[i], scale_inv[i]});
   scale[i] = pair.scale;
   scale_inv[i] = pair.scale_inv;
 }
@@ -37,7 +37,8 @@ struct DelayedScalingBatch {
 };
 static_assert(sizeof(DelayedScalingBatch) + 16 <= 4096, "kernel parameters are limited to 4 KB");
 
-__global__ void update_delayed_scaling_kernel(const DelayedScalingBatch batch, float fmax, int margin, bool pow2) {
+__global__ void update_delayed_scaling_kernel(const DelayedScalingBatch batch, float fmax, int margin,
+                                              bool pow2_scale) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= batch.row_begin[batch.count]) return;
   int k = 0;
@@ -45,20 +46,20 @@ __global__ void update_delayed_scaling_kernel(const DelayedScalingBatch batch, f
   const DelayedScalingSlice& st = batch.states[k];
   const int64_t i = g - batch.row_begin[k];
   update_delayed_row(st.amax_history + i * st.history_len, st.history_len, st.scale + i, st.scale_inv + i,
-                     st.counter + i, fmax, margin, pow2);
+                     st.counter + i, fmax, margin, pow2_scale);
 }
 
 }  // namespace
 
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
-                   int margin, bool pow2, Stream stream) {
+                   int margin, bool pow2_scale, Stream stream) {
   if (n == 0) return;
   compute_scale_kernel<<<grid_size(ceil_div(n, kScaleThreads), "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
-      amax, amax_stride, scale, scale_inv, n, fmax, margin, pow2);
+      amax, amax_stride, scale, scale_inv, n, fmax, margin, pow2_scale);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
-void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2,
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2_scale,
                             Stream stream) {
   for (size_t first = 0; first < states.size(); first += kMaxStatesPerLaunch) {
     DelayedScalingBatch batch{};
@@ -70,7 +71,7 @@ void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, floa
     const int64_t rows = batch.row_begin[batch.count];
     if (rows == 0) continue;
     update_delayed_scaling_kernel<<<grid_size(ceil_div(rows, kScaleThreads), "cast"), kScaleThreads, 0,
-                                    cuda_stream(stream)>>>(batch, fmax, margin, pow2);
+                                    cuda_stream(stream)>>>(batch, fmax, margin, pow2_scale);
     FP8AMP_CUDA_CHECK_LAUNCH();
   }
 }

@@ -23,7 +23,7 @@ struct ScalingPtrs {
   const int32_t* warmup_counter;  // nullptr: always delayed (use scale as is)
   int warmup_steps;
   int margin;
-  bool pow2;
+  bool pow2_scale;
   // quantize_current (cast.h): current scaling on every call, from the amax of this call with the
   // fallback scale 1 (scale and warmup_counter are not read), and with nan_if_nonfinite a scale_inv
   // of NaN for an inf or NaN amax.
@@ -31,8 +31,8 @@ struct ScalingPtrs {
   bool nan_if_nonfinite = false;
 };
 
-FP8AMP_HD bool warming_up(const int32_t* counter, int64_t i, int warmup_steps) {
-  return counter != nullptr && counter[i] < warmup_steps;
+FP8AMP_HD bool warming_up(const int32_t* warmup_counter, int64_t i, int warmup_steps) {
+  return warmup_counter != nullptr && warmup_counter[i] < warmup_steps;
 }
 
 // Whether tensor i takes its scale from the amax of this call (the amax pass runs first).
@@ -42,11 +42,11 @@ FP8AMP_HD bool current_scaling(const ScalingPtrs& s, int64_t i) {
 
 // The scale tensor i is quantized with, given the (already folded) amax of this step.
 FP8AMP_HD numerics::ScalePair select_scale(const ScalingPtrs& s, int64_t i, float amax_now, float fmax) {
-  if (s.current) return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2, {1.0f, 1.0f});
+  if (s.current) return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2_scale, {1.0f, 1.0f});
   const float scale = s.scale[i];
   const numerics::ScalePair given{scale, 1.0f / scale};
   if (!warming_up(s.warmup_counter, i, s.warmup_steps)) return given;
-  return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2, given);
+  return numerics::scale_from_amax(amax_now, fmax, s.margin, s.pow2_scale, given);
 }
 
 // torch's NaN (float("nan")), which ScaledTensor.from_tensor(nan_if_nonfinite=True) wrote before
@@ -71,13 +71,14 @@ struct DelayedScalingSlice {
 
 // The update of one row, the same on the CPU and in a CUDA thread.
 FP8AMP_HD void update_delayed_row(float* h, int64_t history_len, float* scale, float* scale_inv, int32_t* counter,
-                                  float fmax, int margin, bool pow2) {
+                                  float fmax, int margin, bool pow2_scale) {
   const bool bad = !numerics::is_finite(h[0]);
   if (bad) h[0] = 0.0f;
   float window_max = 0.0f;
   // std::max's rule: an older NaN entry never wins.
   for (int64_t j = 0; j < history_len; ++j) window_max = window_max < h[j] ? h[j] : window_max;
-  const numerics::ScalePair pair = numerics::scale_from_amax(window_max, fmax, margin, pow2, {*scale, *scale_inv});
+  const numerics::ScalePair pair =
+      numerics::scale_from_amax(window_max, fmax, margin, pow2_scale, {*scale, *scale_inv});
   *scale = pair.scale;
   *scale_inv = pair.scale_inv;
   for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
@@ -88,14 +89,14 @@ FP8AMP_HD void update_delayed_row(float* h, int64_t history_len, float* scale, f
 
 namespace cpu {
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
-                   int margin, bool pow2);
-void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2);
+                   int margin, bool pow2_scale);
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2_scale);
 }  // namespace cpu
 
 namespace cuda {
 void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
-                   int margin, bool pow2, Stream stream);
-void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2,
+                   int margin, bool pow2_scale, Stream stream);
+void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2_scale,
                             Stream stream);
 }  // namespace cuda
 
