@@ -119,9 +119,8 @@ constexpr int kPackSize = static_cast<int>(
 
 
 // Packs a thread loads before it converts any: 16 bytes of input. One for quantize and amax; 2 or 4
-// for dequantize, whose input is narrower than its output. (One pack at a time, dequantize had 8
-// bytes of FP8 codes in flight a thread and reached 86 % of copy bandwidth, 0.93x torch.compile's
-// kernel; loading one 16-byte pack of codes instead would make each warp store half-sectors.)
+// for dequantize, whose input is narrower than its output: one pack at a time leaves too few bytes
+// of codes in flight, and a single 16-byte pack of codes would make each warp store half-sectors.
 template <class Op>
 constexpr int kPacksInFlight = static_cast<int>(16 / (kPackSize<Op> * sizeof(typename Op::In)));
 
@@ -167,8 +166,8 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
     const int64_t end = min(batch.numel[t], begin + kChunkSize<Op>);
     // Pack u of this thread starts at element begin + (u * kThreads + threadIdx.x) * N, so a warp
     // reads 32 consecutive packs. kPacksInFlight packs in registers at a time: for quantize and amax
-    // one (16 bytes) measured fastest on H200: holding 2 or 4 (to have more loads in flight) cost
-    // more in occupancy than it gained.
+    // one (16 bytes), as holding 2 or 4 (to have more loads in flight) costs more in occupancy than
+    // it gains.
     constexpr int G = kPacksInFlight<Op>;
     for (int u0 = 0; u0 < kPacksPerThread<Op>; u0 += G) {
       if (begin + (u0 * kThreads + static_cast<int>(threadIdx.x)) * N >= end) break;
@@ -236,8 +235,8 @@ void launch_multi_tensor(const std::vector<TensorSlice>& tensors, const Op& op, 
 
 // amax of a tensor of several row runs (tensor.h: row_runs; one run takes multi_tensor_kernel).
 // A block takes kRunsInFlight consecutive runs at a time, blockIdx.x's first, and every thread the
-// same packs of each, loading them all before it folds any. (Inductor's reduction over SDPA's
-// strided q, k and v ran at about half of copy bandwidth on the H200.)
+// same packs of each, loading them all before it folds any, so that short runs (SDPA's strided q,
+// k and v) still keep several loads in flight.
 constexpr int kRunsInFlight = 4;
 
 template <class In>

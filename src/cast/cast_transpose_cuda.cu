@@ -57,9 +57,7 @@ __device__ void store_matrix_pack(T* p, const uint32_t (&w)[kWords<T, N>], int v
 //   permutes) into one 4-row piece per column and writes each piece to a shared code tile with
 //   one 4- or 8-byte store;
 // - after one barrier, copies 16-byte chunks of the code tile's columns to out_t, 8 (FP8) or 16
-//   (FP16) threads per column: a warp writes whole 128-byte lines of out_t rows. (The previous
-//   version went through shared memory byte by byte and wrote each out_t row in 16-byte pieces
-//   from different warps: 64-67 % of copy bandwidth from bf16.)
+//   (FP16) threads per column: a warp writes whole 128-byte lines of out_t rows.
 // The code tile is double-buffered: tile k + 1 writes the buffer whose last reads (the out_t stores
 // of tile k - 1) every thread finished before the barrier of tile k, so one barrier a tile suffices.
 // Bank conflicts: the chunks of column c are stored in the order chunk ^ (c / NI), NI the columns of
