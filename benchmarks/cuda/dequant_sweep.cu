@@ -23,8 +23,8 @@
 //
 // Rows: "lib" is the library's configuration in this template (static_asserts below tie it to
 // cast_cuda.cu's constants); "lib_real" is the library itself, fp8amp::cuda::dequantize, whose
-// source this file includes with common/dtype.cpp (so a difference between the single-tensor
-// template and the library's multi-tensor kernel shows).
+// source this file includes (so a difference between the single-tensor template and the library's
+// multi-tensor kernel shows).
 // Rows marked TRAFFIC ONLY are the memory roof: the same loads and stores without the conversion.
 //
 // Checks, before any timing, per size: "lib"'s output equals numerics.h's reference on the host,
@@ -53,10 +53,8 @@
 #include <type_traits>
 #include <vector>
 
-// The library's dequantize (row lib_real) and, through it, word_pack.cuh and numerics.h; dtype.cpp
-// for the one out-of-line function cast_cuda.cu calls (dtype_info, in its dispatch error path).
+// The library's dequantize (row lib_real) and, through it, word_pack.cuh and numerics.h.
 #include "cast/cast_cuda.cu"
-#include "common/dtype.cpp"
 
 #define CUDA_CHECK(expr)                                                                               \
   do {                                                                                                 \

@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "fp8amp/accumulate.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
+#include "fp8amp/scaling.h"
 
 namespace fp8amp::torch_binding {
 namespace {
@@ -22,12 +24,12 @@ std::vector<TensorView> views(at::TensorList ts, const char* op, const char* arg
 }
 
 Scaling scaling(const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& scale_inv,
-                const std::optional<TensorView>& counter, int64_t warmup_steps, int64_t margin, bool pow2,
-                const char* op) {
+                const std::optional<TensorView>& warmup_counter, int64_t warmup_steps, int64_t margin,
+                bool pow2_scale, const char* op) {
   Scaling s{view(scale, op, "scale"), view(amax, op, "amax"), view(scale_inv, op, "scale_inv")};
-  s.warmup_counter = counter ? &*counter : nullptr;
+  s.warmup_counter = warmup_counter ? &*warmup_counter : nullptr;
   s.warmup_steps = narrow_int(warmup_steps, op, "warmup_steps");
-  s.recipe = ScaleRecipe{narrow_int(margin, op, "margin"), pow2};
+  s.recipe = ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale};
   return s;
 }
 
@@ -59,9 +61,10 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
   at::Tensor out = empty_as(x, dtype);
   at::Tensor scale_inv = scale_inv_like(scale);
   call(x, [&](Stream stream) {
-    const auto counter = optional_view(warmup_counter, "quantize", "warmup_counter");
+    const auto counter_view = optional_view(warmup_counter, "quantize", "warmup_counter");
     fp8amp::quantize(view(x, "quantize", "x"), view(out, "quantize", "dtype"),
-                     scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, "quantize"), stream);
+                     scaling(scale, amax, scale_inv, counter_view, warmup_steps, margin, pow2_scale, "quantize"),
+                     stream);
   });
   return {out, scale_inv};
 }
@@ -88,9 +91,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   at::Tensor out_t = empty_transposed(x, dtype);
   at::Tensor scale_inv = scale_inv_like(scale);
   call(x, [&](Stream stream) {
-    const auto counter = optional_view(warmup_counter, op, "warmup_counter");
+    const auto counter_view = optional_view(warmup_counter, op, "warmup_counter");
     fp8amp::cast_transpose(view(x, op, "x"), view(out, op, "dtype"), view(out_t, op, "dtype"),
-                           scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op), stream);
+                           scaling(scale, amax, scale_inv, counter_view, warmup_steps, margin, pow2_scale, op), stream);
   });
   return {out, out_t, scale_inv};
 }
@@ -107,10 +110,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias(
       {fp8amp::cast_transpose_dbias_workspace(matrix_rows(x).expect_int(), columns(x).expect_int())},
       x.options().dtype(at::kFloat));
   call(x, [&](Stream stream) {
-    const auto counter = optional_view(warmup_counter, op, "warmup_counter");
+    const auto counter_view = optional_view(warmup_counter, op, "warmup_counter");
     fp8amp::cast_transpose_dbias(view(x, op, "x"), view(out, op, "dtype"), view(out_t, op, "dtype"),
                                  view(dbias, op, "dbias"), view(workspace, op, "workspace"),
-                                 scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op),
+                                 scaling(scale, amax, scale_inv, counter_view, warmup_steps, margin, pow2_scale, op),
                                  stream);
   });
   return {out, out_t, scale_inv, dbias};
@@ -128,8 +131,8 @@ at::Tensor dequantize(const at::Tensor& x, const at::Tensor& scale_inv, at::Scal
 void amax(const at::Tensor& x, const at::Tensor& amax_out, const std::optional<at::Tensor>& warmup_counter,
           int64_t warmup_steps) {
   call(x, [&](Stream stream) {
-    const auto counter = optional_view(warmup_counter, "amax", "warmup_counter");
-    fp8amp::amax(view(x, "amax", "x"), view(amax_out, "amax", "amax"), counter ? &*counter : nullptr,
+    const auto counter_view = optional_view(warmup_counter, "amax", "warmup_counter");
+    fp8amp::amax(view(x, "amax", "x"), view(amax_out, "amax", "amax"), counter_view ? &*counter_view : nullptr,
                  narrow_int(warmup_steps, "amax", "warmup_steps"), stream);
   });
 }
@@ -151,9 +154,9 @@ at::Tensor multi_quantize(at::TensorList xs, at::TensorList outs, const at::Tens
   const char* op = "multi_quantize";
   at::Tensor scale_inv = scale_inv_like(scale);
   call(first_or(xs, scale), [&](Stream stream) {
-    const auto counter = optional_view(warmup_counter, op, "warmup_counter");
+    const auto counter_view = optional_view(warmup_counter, op, "warmup_counter");
     fp8amp::multi_quantize(views(xs, op, "xs"), views(outs, op, "outs"),
-                           scaling(scale, amax, scale_inv, counter, warmup_steps, margin, pow2_scale, op), stream);
+                           scaling(scale, amax, scale_inv, counter_view, warmup_steps, margin, pow2_scale, op), stream);
   });
   return scale_inv;
 }
@@ -174,7 +177,7 @@ void compute_scale(const at::Tensor& amax_in, const at::Tensor& scale, const at:
   const char* op = "compute_scale";
   call(scale, [&](Stream stream) {
     fp8amp::compute_scale(view(amax_in, op, "amax"), view(scale, op, "scale"), view(scale_inv, op, "scale_inv"),
-                          static_cast<float>(fmax), ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale},
+                          static_cast<float>(fmax), ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale},
                           stream);
   });
 }
@@ -185,8 +188,8 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& sc
   call(amax_history, [&](Stream stream) {
     fp8amp::update_delayed_scaling(view(amax_history, op, "amax_history"), view(scale, op, "scale"),
                                    view(scale_inv, op, "scale_inv"), view(counter, op, "counter"),
-                                   static_cast<float>(fmax), ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale},
-                                   stream);
+                                   static_cast<float>(fmax),
+                                   ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
   });
 }
 
@@ -206,7 +209,7 @@ void multi_update_delayed_scaling(at::TensorList amax_histories, at::TensorList 
     fp8amp::multi_update_delayed_scaling(views(amax_histories, op, "amax_histories"), views(scales, op, "scales"),
                                          views(scale_invs, op, "scale_invs"), views(counters, op, "counters"),
                                          static_cast<float>(fmax),
-                                         ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
+                                         ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
   });
 }
 
@@ -311,7 +314,7 @@ TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_KERNELS(m, ); }
 TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { FP8AMP_REGISTER_KERNELS(m, _meta); }
 
 // ------------------------------------------------------------------------------------------------
-// scaled_accumulate (fp8amp/cast.h): dst, dst_scale_inv and amax are written in place.
+// scaled_accumulate (fp8amp/accumulate.h): dst, dst_scale_inv and amax are written in place.
 
 namespace fp8amp::torch_binding {
 namespace {
@@ -324,7 +327,7 @@ void scaled_accumulate(const at::Tensor& dst, const at::Tensor& dst_scale_inv, c
     const auto src_si = optional_view(src_scale_inv, op, "src_scale_inv");
     fp8amp::scaled_accumulate(view(dst, op, "dst"), view(dst_scale_inv, op, "dst_scale_inv"), view(src, op, "src"),
                               src_si ? &*src_si : nullptr, static_cast<float>(alpha), view(amax_out, op, "amax"),
-                              ScaleRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
+                              ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
   });
 }
 

@@ -1,39 +1,17 @@
-// Cast op family: quantize, dequantize, cast+transpose, amax, scale updates (DESIGN §3).
-// Every op runs on the device of its tensors (CPU reference or CUDA kernel) and never syncs
-// with the host. Scales, amaxes and counters are device tensors, never host scalars. An output
-// never shares memory with an input or another output (ValueError naming both): there is no
-// in-place form of a cast, and on the GPU the overlap would be a race.
+// Cast op family: quantize, dequantize, cast+transpose, amax (docs/numerics.md#numerics); their Scaling argument
+// and the scale updates are in scaling.h. Every op runs on the device of its tensors (CPU
+// reference or CUDA kernel) and never syncs with the host. Scales, amaxes and counters are device
+// tensors, never host scalars. An output never shares memory with an input or another output
+// (ValueError naming both): there is no in-place form of a cast, and on the GPU the overlap would
+// be a race.
 #pragma once
 
 #include <vector>
 
+#include "fp8amp/scaling.h"
 #include "fp8amp/tensor.h"
 
 namespace fp8amp {
-
-// How a new scale is made from an amax. fmax comes from the target dtype.
-struct ScaleRecipe {
-  int margin = 0;
-  bool pow2 = true;  // 2^(floor(log2(fmax / amax)) - margin); false: TE's fmax / amax / 2^margin
-};
-
-// The scaling of one quantize (or of n tensors in the multi-tensor ops):
-// - scale:      float32 [n]; the scale to use (stored = real * scale).
-// - amax:       float32 [n] or [n, k] (an amax history): element [i, 0] receives max(itself, amax
-//               of tensor i) in the same pass that reads the tensor. NaN propagates.
-// - scale_inv:  float32 [n], written: 1 / the scale actually used.
-// - warmup_counter (optional, int32 [n]) and warmup_steps: while counter[i] < warmup_steps the
-//   tensor is quantized with current scaling: the scale comes from amax[i, 0] (after this
-//   tensor's own amax is folded in) by `recipe`, falling back to scale[i] if that amax is 0 or
-//   non-finite. Otherwise scale[i] is used as is (delayed scaling).
-struct Scaling {
-  TensorView scale;
-  TensorView amax;
-  TensorView scale_inv;
-  const TensorView* warmup_counter = nullptr;
-  int warmup_steps = 0;
-  ScaleRecipe recipe;
-};
 
 // out = encode(x * scale) in out.dtype (E4M3, E5M2, or FP16 with saturation); x fp32/bf16/fp16.
 void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream);
@@ -66,9 +44,9 @@ void cast_transpose_dbias(const TensorView& x, const TensorView& out, const Tens
                           Stream stream);
 int64_t cast_transpose_dbias_workspace(int64_t rows, int64_t cols);
 
-// amax[0] = max(amax[0], max |x|). With a warmup counter, nothing is done unless
-// counter[0] < warmup_steps (the pass current scaling needs before its quantize). x may be any
-// layout with row runs (tensor.h): contiguous, a permutation of that, or rows at one stride.
+// amax[0] = max(amax[0], max |x|). With a warmup_counter, nothing is done unless
+// warmup_counter[0] < warmup_steps (the pass current scaling needs before its quantize). x may be
+// any layout with row runs (tensor.h): contiguous, a permutation of that, or rows at one stride.
 void amax(const TensorView& x, const TensorView& amax, const TensorView* warmup_counter,
           int warmup_steps, Stream stream);
 
@@ -80,67 +58,5 @@ void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorV
                     const Scaling& scaling, Stream stream);
 void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale_inv,
                       const std::vector<TensorView>& outs, Stream stream);
-
-// scale[i], scale_inv[i] = rule(amax[i, 0]); amax 0 or non-finite keeps the previous pair.
-void compute_scale(const TensorView& amax, const TensorView& scale, const TensorView& scale_inv,
-                   float fmax, const ScaleRecipe& recipe, Stream stream);
-
-// Delayed scaling, after an optimizer step, for n tensors with amax histories [n, H]:
-//   a non-finite amax[i, 0] is zeroed and resets counter[i] to 0, else counter[i] += 1 (capped at H);
-//   scale[i] = rule(max_j amax[i, j]) (previous kept if that max is 0);
-//   the history rolls: amax[i, j] = amax[i, j - 1], amax[i, 0] = 0.
-void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale,
-                            const TensorView& scale_inv, const TensorView& counter, float fmax,
-                            const ScaleRecipe& recipe, Stream stream);
-
-// update_delayed_scaling of many states with one fmax and recipe in one launch (a few for very
-// many): state i is amax_histories[i] [n_i, H_i], scales[i], scale_invs[i], counters[i] [n_i].
-// All on one device; no two of the tensors may share memory.
-void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
-                                  const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
-                                  float fmax, const ScaleRecipe& recipe, Stream stream);
-
-// Largest finite magnitude of a scaled format (E4M3 448, E5M2 57344, FP16 65504).
-float format_max(DType dtype);
-
-// ------------------------------------------------------------------------------------------------
-// scaled_accumulate: dequantize-add-requantize, for accumulating FP8 weight gradients across
-// micro-batches (DESIGN §5) in one fused op.
-//
-// Arguments (all on one device; the op never syncs with the host):
-// - dst:           the scaled accumulator: codes float8_e4m3fn, float8_e5m2 or float16,
-//                  contiguous; read and rewritten in place.
-// - dst_scale_inv: float32 [1]; read (real = code * dst_scale_inv), then rewritten.
-// - src:           contiguous, dst's numel (any shape). Without src_scale_inv (nullptr) it holds
-//                  high-precision values: float32, bfloat16 or float16. With src_scale_inv
-//                  (float32 [1]) it is a scaled tensor: codes float8_e4m3fn, float8_e5m2 or
-//                  float16, real = code * src_scale_inv. src may be dst itself (the same
-//                  memory) but must not partly overlap it, nor any of the scalar buffers.
-// - alpha:         the factor of src (1 to accumulate, 0.5 to average two, ...).
-// - amax:          float32 [1], output: overwritten (not max-folded) with max |s| below.
-// - recipe:        the scale rule (margin in [0, 126]; pow2 by default) with fmax = dst's format max.
-//
-// Per element i, in float32, each operation rounded once to nearest even (no fma contraction;
-// decode() is exact, NaN codes decode to NaN):
-//   a    = fl(decode(dst[i]) * dst_scale_inv)
-//   v    = decode(src[i])                        (the value itself for float32/bfloat16/float16)
-//   v    = fl(v * src_scale_inv)                 (scaled src only)
-//   s[i] = fl(a + fl(alpha * v))
-// amax = max_i |s[i]|, with NaN above everything (numerics::amax_key; one NaN makes it NaN);
-// 0 for an empty tensor. The new pair (scale, scale_inv) is:
-//   - amax finite and > 0: numerics::scale_from_amax(amax, fmax, recipe) (pow2: 2^(floor(log2(
-//     fl(fmax / amax))) - margin), exponent clamped to [-126, 126]; TE: fmax / amax / 2^margin);
-//   - amax == 0 (all sums zero, or no element): scale = scale_inv = 1;
-//   - amax inf or NaN (some s[i] is non-finite): scale = scale_inv = NaN.
-// Then dst[i] = quantize(fl(s[i] * scale)) exactly as quantize() encodes (round to nearest even,
-// saturating to +-fmax, NaN -> the NaN code) and dst_scale_inv[0] = scale_inv.
-// Consequences: a non-finite sum anywhere turns the whole accumulator into NaN (every code the
-// NaN code and scale_inv NaN), so GradScaler's and the optimizer's non-finite checks see it (an
-// E4M3 code cannot hold inf, and saturating would hide the overflow); a NaN dst_scale_inv on
-// entry therefore stays NaN (for a non-empty dst). With amax 0 every code is a zero (-0 where
-// the sum is -0, i.e. both terms are -0).
-void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, const TensorView& src,
-                       const TensorView* src_scale_inv, float alpha, const TensorView& amax,
-                       const ScaleRecipe& recipe, Stream stream);
 
 }  // namespace fp8amp

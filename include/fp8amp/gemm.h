@@ -1,4 +1,4 @@
-// FP8 GEMM op family (DESIGN §3 "GEMMs"): cuBLASLt on CUDA, a reference on CPU.
+// FP8 GEMM op family (docs/numerics.md#numerics "GEMMs"): cuBLASLt on CUDA, a reference on CPU.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +15,7 @@ struct GemmOptions {
   // out += result (beta = 1) instead of out = result.
   bool accumulate = false;
   // cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM): the tensor cores'
-  // partial sums are not promoted to full FP32 along K. Faster, less accurate; DESIGN §3 allows
+  // partial sums are not promoted to full FP32 along K. Faster, less accurate; docs/numerics.md#numerics allows
   // it for the forward GEMM only. The CPU reference ignores it.
   bool fast_accum = false;
   // Device memory cuBLASLt may use for this call. The core never allocates device memory: the

@@ -1,4 +1,4 @@
-// Optimizer op family (DESIGN §6): the fused multi-tensor Adam / AdamW step of the O1/O2
+// Optimizer op family (docs/o1_o2.md#optimizer): the fused multi-tensor Adam / AdamW step of the O1/O2
 // optimizers, with FP32 or low-precision (scaled) master weights and moments.
 //
 // One call updates a list of parameter tensors with one set of hyperparameters (a param group).
@@ -37,7 +37,7 @@
 //                                                                                .addcmul_(grad, grad, 1-beta2)
 //   den = fma(sqrt(v'), inv_bc2_sqrt, eps32)                              torch: (v.sqrt() / bc2_sqrt).add_(eps)
 //   p' = p + (neg_step * m') / den                                        torch: param.addcdiv_(m, den, -step_size)
-// (= DESIGN §6's m' = β1·m + (1−β1)·g, v' = β2·v + (1−β2)·g², p' = p·(1 − lr·wd) − lr/bc1 · m' /
+// (= docs/o1_o2.md#optimizer's m' = β1·m + (1−β1)·g, v' = β2·v + (1−β2)·g², p' = p·(1 − lr·wd) − lr/bc1 · m' /
 // (sqrt(v')/sqrt(bc2) + eps), in the order torch rounds it but for den.) sqrt is the correctly rounded IEEE
 // square root; the division is IEEE. The update uses the full-precision m' and v', not their
 // stored (rounded) forms, as MS-AMP does.
@@ -47,7 +47,7 @@
 // exp_avg_scale_inv; a float16 v is code * exp_avg_sq_scale_inv (one float32 product each).
 //
 // ------------------------------------------------------------------------------------------------
-// New scales (DESIGN §3). Each low-precision output gets a power-of-two scale from the amax of its
+// New scales (docs/numerics.md#numerics). Each low-precision output gets a power-of-two scale from the amax of its
 // NEW values: scale = 2^(floor(log2(fmax / amax)) - margin) (numerics::scale_from_amax, fmax 448
 // for E4M3 m, 65504 for float16 v and master), an amax of 0 keeping the previous pair. Stored =
 // quantize(x' * scale) with saturation and round-to-nearest-even, as quantize() does.
@@ -99,7 +99,7 @@ namespace fp8amp {
 // The buffers of one parameter tensor. All contiguous, same shape (the scales: float32 with one
 // element), on one device (every tensor of the call on the same device). A scale is given iff
 // its tensor is in a scaled format:
-//   param:       float32, or float16 with param_scale + param_scale_inv (FP16 master, DESIGN §1)
+//   param:       float32, or float16 with param_scale + param_scale_inv (FP16 master, docs/o1_o2.md#optimization-levels)
 //   grad:        float32, bfloat16 or float16; or float8_e4m3fn / float8_e5m2 with grad_scale_inv
 //   exp_avg:     float32, or float8_e4m3fn with exp_avg_scale + exp_avg_scale_inv
 //   exp_avg_sq:  float32, or float16 with exp_avg_sq_scale + exp_avg_sq_scale_inv

@@ -9,84 +9,22 @@
 
 #include "cast/cast_kernels.h"
 #include "common/dispatch.h"
+#include "common/op_args.h"
 #include "common/run_on.h"
 #include "fp8amp/error.h"
+#include "scaling/scaling_checks.h"
 
 namespace fp8amp {
 
 namespace {
 
-void check_float32(const TensorView& t, const TensorView& like, const char* op, const char* arg) {
-  check::dtype_is(t, DType::kFloat32, op, arg);
-  check::contiguous(t, op, arg);
-  check::same_device(t, like, op, arg, "x");
-}
-
-// Row stride of an amax buffer for n tensors: [n] -> 1, [n, k] -> k; one tensor also takes any
-// 0-D or 1-D buffer (a single amax history).
-int64_t amax_stride(const TensorView& amax, int64_t n, const char* op) {
-  if (amax.dim() == 2) {
-    FP8AMP_CHECK_VALUE(amax.shape[0] == n && amax.shape[1] >= 1, op, "amax must be [", n,
-                       "] or [", n, ", k>=1], got ", amax.describe());
-    return amax.shape[1];
-  }
-  FP8AMP_CHECK_VALUE(amax.dim() <= 1, op, "amax must be [", n, "] or [", n, ", k], got ", amax.describe());
-  if (n == 1) {
-    check::numel_at_least(amax, 1, op, "amax");
-    return 0;
-  }
-  check::numel_is(amax, n, op, "amax");
-  return 1;
-}
-
-// Scale exponents are clamped to [-126, 126], so a larger margin could change nothing.
-void check_recipe(const ScaleRecipe& recipe, const char* op) {
-  FP8AMP_CHECK_VALUE(recipe.margin >= 0 && recipe.margin <= numerics::kMaxScaleExponent, op,
-                     "margin must be in [0, ", numerics::kMaxScaleExponent, "], got ", recipe.margin);
-}
-
-void check_warmup_steps(int warmup_steps, const char* op) {
-  FP8AMP_CHECK_VALUE(warmup_steps >= 0, op, "warmup_steps must be >= 0, got ", warmup_steps);
-}
-
-ScalingPtrs scaling_ptrs(const Scaling& s, int64_t n, const TensorView& x, const char* op) {
-  check_recipe(s.recipe, op);
-  check_float32(s.scale, x, op, "scale");
-  check::numel_is(s.scale, n, op, "scale");
-  check_float32(s.amax, x, op, "amax");
-  check_float32(s.scale_inv, x, op, "scale_inv");
-  check::numel_is(s.scale_inv, n, op, "scale_inv");
-  const int32_t* counter = nullptr;
-  if (s.warmup_counter != nullptr) {
-    check::dtype_is(*s.warmup_counter, DType::kInt32, op, "warmup_counter");
-    check::contiguous(*s.warmup_counter, op, "warmup_counter");
-    check::same_device(*s.warmup_counter, x, op, "warmup_counter", "x");
-    check::numel_is(*s.warmup_counter, n, op, "warmup_counter");
-    check_warmup_steps(s.warmup_steps, op);
-    counter = s.warmup_counter->ptr<const int32_t>();
-  }
-  return ScalingPtrs{s.scale.ptr<const float>(), s.amax.ptr<float>(), amax_stride(s.amax, n, op),
-                     s.scale_inv.ptr<float>(), counter, s.warmup_steps, s.recipe.margin, s.recipe.pow2};
-}
-
-// The multi-tensor ops take lists and name their elements xs[i] and outs[i]; the single-tensor
-// ops name theirs x and out, and the dtype argument their output is allocated from.
-bool is_multi_tensor_op(const char* op) { return std::strncmp(op, "multi_", 6) == 0; }
-
-// "x" for a single-tensor op, "xs[3]" for a multi-tensor one (short enough for std::string's
-// small-buffer storage: no allocation per tensor).
-std::string element_name(bool multi, const char* single_name, const char* list_name, size_t i) {
-  return multi ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
-}
-
 // check::disjoint_outputs's names: "xs[3]" / "outs[3]", or "x" / "out".
-std::string multi_names(const char* list, size_t i) { return element_name(true, "", list, i); }
+std::string multi_names(const char* list, size_t i) { return element_name(Arity::kMulti, "", list, i); }
 std::string single_names(const char* list, size_t) { return std::strcmp(list, "outs") == 0 ? "out" : "x"; }
 
 // Checks a list of inputs and outputs pairwise and returns them as slices.
 std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
-                                const char* op) {
-  const bool multi = is_multi_tensor_op(op);
+                                Arity arity, const char* op) {
   FP8AMP_CHECK_VALUE(!xs.empty(), op, "xs must hold at least one tensor");
   FP8AMP_CHECK_VALUE(outs.empty() || outs.size() == xs.size(), op, "outs must hold as many tensors as xs (",
                      xs.size(), "), got ", outs.size());
@@ -94,14 +32,14 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
   result.reserve(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
     const TensorView& x = xs[i];
-    const std::string x_name = element_name(multi, "x", "xs", i);
+    const std::string x_name = element_name(arity, "x", "xs", i);
     FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(), ", ",
                        x_name, " is ", x.describe());
     check::same_device(x, xs[0], op, x_name.c_str(), "xs[0]");
     check::contiguous(x, op, x_name.c_str());
     void* out = nullptr;
     if (!outs.empty()) {
-      const std::string out_name = element_name(multi, "out", "outs", i);
+      const std::string out_name = element_name(arity, "out", "outs", i);
       FP8AMP_CHECK_VALUE(outs[i].dtype == outs[0].dtype, op, "outs must share one dtype: outs[0] is ",
                          outs[0].describe(), ", ", out_name, " is ", outs[i].describe());
       check::same_shape(x, outs[i], op, x_name.c_str(), out_name.c_str());
@@ -116,18 +54,19 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
 
 // An out sharing memory with another out or an x would be a race on the GPU (and codes are
 // narrower or wider than the values: no in-place form exists). After the format checks.
-void check_outs_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const char* op) {
-  check::disjoint_outputs(outs, xs, op, is_multi_tensor_op(op) ? multi_names : single_names);
+void check_outs_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, Arity arity,
+                         const char* op) {
+  check::disjoint_outputs(outs, xs, op, arity == Arity::kMulti ? multi_names : single_names);
 }
 
 void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
-                   Stream stream, const char* op) {
-  const std::vector<TensorSlice> t = slices(xs, outs, op);
+                   Stream stream, Arity arity, const char* op) {
+  const std::vector<TensorSlice> t = slices(xs, outs, arity, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
-  const bool multi = is_multi_tensor_op(op);
+  const bool multi = arity == Arity::kMulti;
   check::high_precision(xs[0], op, multi ? "xs" : "x");
   check::scaled_format(outs[0].dtype, op, multi ? "outs" : "dtype");
-  check_outs_disjoint(xs, outs, op);
+  check_outs_disjoint(xs, outs, arity, op);
   const ScalingPtrs s = scaling_ptrs(scaling, static_cast<int64_t>(xs.size()), xs[0], op);
   run_on(
       xs[0], op, [&] { cpu::quantize(xs[0].dtype, outs[0].dtype, t, s); },
@@ -135,15 +74,15 @@ void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorVi
 }
 
 void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_inv,
-                     const std::vector<TensorView>& outs, Stream stream, const char* op) {
-  const std::vector<TensorSlice> t = slices(xs, outs, op);
+                     const std::vector<TensorView>& outs, Stream stream, Arity arity, const char* op) {
+  const std::vector<TensorSlice> t = slices(xs, outs, arity, op);
   FP8AMP_CHECK_VALUE(!outs.empty(), op, "outs must hold as many tensors as xs");
-  const bool multi = is_multi_tensor_op(op);
+  const bool multi = arity == Arity::kMulti;
   check::scaled_format(xs[0].dtype, op, multi ? "xs" : "x");
   check::high_precision(outs[0], op, multi ? "outs" : "dtype");
   check_float32(scale_inv, xs[0], op, "scale_inv");
   check::numel_is(scale_inv, static_cast<int64_t>(xs.size()), op, "scale_inv");
-  check_outs_disjoint(xs, outs, op);
+  check_outs_disjoint(xs, outs, arity, op);
   const float* si = scale_inv.ptr<const float>();
   run_on(
       xs[0], op, [&] { cpu::dequantize(xs[0].dtype, outs[0].dtype, t, si); },
@@ -152,27 +91,22 @@ void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_
 
 }  // namespace
 
-float format_max(DType dtype) {
-  check::scaled_format(dtype, "format_max", "dtype");
-  return dtype_info(dtype).max_finite;
-}
-
 void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream) {
-  quantize_impl({x}, {out}, scaling, stream, "quantize");
+  quantize_impl({x}, {out}, scaling, stream, Arity::kSingle, "quantize");
 }
 
 void quantize_current(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
                       const TensorView& amax_out, int margin, bool nan_if_nonfinite, Stream stream) {
   const char* op = "quantize_current";
-  const std::vector<TensorSlice> t = slices({x}, {out}, op);
+  const std::vector<TensorSlice> t = slices({x}, {out}, Arity::kSingle, op);
   check::high_precision(x, op, "x");
   check::scaled_format(out.dtype, op, "dtype");
-  check_recipe(ScaleRecipe{margin, true}, op);
+  check_recipe(ScalingRecipe{margin, true}, op);
   check_float32(scale_inv, x, op, "scale_inv");
   check::numel_is(scale_inv, 1, op, "scale_inv");
   check_float32(amax_out, x, op, "amax");
   check::numel_is(amax_out, 1, op, "amax");
-  check_outs_disjoint({x}, {out}, op);
+  check_outs_disjoint({x}, {out}, Arity::kSingle, op);
   check::no_overlap(scale_inv, amax_out, op, "scale_inv", "amax");
   for (const auto& [t_out, name] : {std::pair{&scale_inv, "scale_inv"}, std::pair{&amax_out, "amax"}}) {
     check::no_overlap(x, *t_out, op, "x", name);
@@ -188,16 +122,16 @@ void quantize_current(const TensorView& x, const TensorView& out, const TensorVi
 
 void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
                     Stream stream) {
-  quantize_impl(xs, outs, scaling, stream, "multi_quantize");
+  quantize_impl(xs, outs, scaling, stream, Arity::kMulti, "multi_quantize");
 }
 
 void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorView& out, Stream stream) {
-  dequantize_impl({x}, scale_inv, {out}, stream, "dequantize");
+  dequantize_impl({x}, scale_inv, {out}, stream, Arity::kSingle, "dequantize");
 }
 
 void multi_dequantize(const std::vector<TensorView>& xs, const TensorView& scale_inv,
                       const std::vector<TensorView>& outs, Stream stream) {
-  dequantize_impl(xs, scale_inv, outs, stream, "multi_dequantize");
+  dequantize_impl(xs, scale_inv, outs, stream, Arity::kMulti, "multi_dequantize");
 }
 
 namespace {
@@ -284,23 +218,23 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
                      x.describe(), "); call .contiguous() first");
   check_float32(amax_out, x, op, "amax");
   check::numel_at_least(amax_out, 1, op, "amax");
-  const int32_t* counter = nullptr;
+  const int32_t* warmup_counter_data = nullptr;
   if (warmup_counter != nullptr) {
     check::dtype_is(*warmup_counter, DType::kInt32, op, "warmup_counter");
     check::same_device(*warmup_counter, x, op, "warmup_counter", "x");
     check::numel_is(*warmup_counter, 1, op, "warmup_counter");
     check_warmup_steps(warmup_steps, op);
-    counter = warmup_counter->ptr<const int32_t>();
+    warmup_counter_data = warmup_counter->ptr<const int32_t>();
   }
   float* a = amax_out.ptr<float>();
   run_on(
-      x, op, [&] { cpu::amax(x.dtype, x.data, *runs, a, counter, warmup_steps); },
-      [&] { cuda::amax(x.dtype, x.data, *runs, a, counter, warmup_steps, stream); });
+      x, op, [&] { cpu::amax(x.dtype, x.data, *runs, a, warmup_counter_data, warmup_steps); },
+      [&] { cuda::amax(x.dtype, x.data, *runs, a, warmup_counter_data, warmup_steps, stream); });
 }
 
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, Stream stream) {
   const char* op = "multi_amax";
-  const std::vector<TensorSlice> t = slices(xs, {}, op);
+  const std::vector<TensorSlice> t = slices(xs, {}, Arity::kMulti, op);
   check::high_precision(xs[0], op, "xs");
   check_float32(amax_out, xs[0], op, "amax");
   const int64_t stride = amax_stride(amax_out, static_cast<int64_t>(xs.size()), op);
@@ -308,162 +242,6 @@ void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, S
   run_on(
       xs[0], op, [&] { cpu::multi_amax(xs[0].dtype, t, a, stride); },
       [&] { cuda::multi_amax(xs[0].dtype, t, a, stride, stream); });
-}
-
-void compute_scale(const TensorView& amax_in, const TensorView& scale, const TensorView& scale_inv, float fmax,
-                   const ScaleRecipe& recipe, Stream stream) {
-  const char* op = "compute_scale";
-  check::dtype_is(scale, DType::kFloat32, op, "scale");
-  check::contiguous(scale, op, "scale");
-  const int64_t n = scale.numel();
-  check_float32(amax_in, scale, op, "amax");
-  check_float32(scale_inv, scale, op, "scale_inv");
-  check::numel_is(scale_inv, n, op, "scale_inv");
-  const int64_t stride = amax_stride(amax_in, n, op);
-  FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
-  check_recipe(recipe, op);
-  float* sc = scale.ptr<float>();
-  float* si = scale_inv.ptr<float>();
-  const float* a = amax_in.ptr<const float>();
-  run_on(
-      scale, op, [&] { cpu::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2); },
-      [&] { cuda::compute_scale(a, stride, sc, si, n, fmax, recipe.margin, recipe.pow2, stream); });
-}
-
-namespace {
-
-// One state's checks (names: "amax_history" ... or "amax_histories[3]" ...), and its slice.
-DelayedScalingSlice delayed_state(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
-                                  const TensorView& counter, const char* op, bool multi, size_t i) {
-  const std::string hist_name = element_name(multi, "amax_history", "amax_histories", i);
-  const std::string scale_name = element_name(multi, "scale", "scales", i);
-  const std::string scale_inv_name = element_name(multi, "scale_inv", "scale_invs", i);
-  const std::string counter_name = element_name(multi, "counter", "counters", i);
-  check::dtype_is(amax_history, DType::kFloat32, op, hist_name.c_str());
-  check::contiguous(amax_history, op, hist_name.c_str());
-  check::dim_is(amax_history, 2, op, hist_name.c_str());
-  const int64_t n = amax_history.shape[0];
-  const int64_t h = amax_history.shape[1];
-  FP8AMP_CHECK_VALUE(h >= 1, op, hist_name, " must be [n, H] with H >= 1, got ", amax_history.describe());
-  for (const auto& [t, arg] : {std::pair{&scale, scale_name.c_str()}, std::pair{&scale_inv, scale_inv_name.c_str()}}) {
-    check::dtype_is(*t, DType::kFloat32, op, arg);
-    check::contiguous(*t, op, arg);
-    check::numel_is(*t, n, op, arg);
-    check::same_device(*t, amax_history, op, arg, hist_name.c_str());
-  }
-  check::dtype_is(counter, DType::kInt32, op, counter_name.c_str());
-  check::contiguous(counter, op, counter_name.c_str());
-  check::numel_is(counter, n, op, counter_name.c_str());
-  check::same_device(counter, amax_history, op, counter_name.c_str(), hist_name.c_str());
-  return DelayedScalingSlice{amax_history.ptr<float>(), scale.ptr<float>(), scale_inv.ptr<float>(),
-                             counter.ptr<int32_t>(), n, h};
-}
-
-void update_delayed_impl(const std::vector<DelayedScalingSlice>& states, const TensorView& device_of, float fmax,
-                         const ScaleRecipe& recipe, Stream stream, const char* op) {
-  FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
-  check_recipe(recipe, op);
-  run_on(
-      device_of, op, [&] { cpu::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2); },
-      [&] { cuda::update_delayed_scaling(states, fmax, recipe.margin, recipe.pow2, stream); });
-}
-
-}  // namespace
-
-void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
-                            const TensorView& counter, float fmax, const ScaleRecipe& recipe, Stream stream) {
-  const char* op = "update_delayed_scaling";
-  update_delayed_impl({delayed_state(amax_history, scale, scale_inv, counter, op, false, 0)}, amax_history, fmax,
-                      recipe, stream, op);
-}
-
-void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
-                                  const std::vector<TensorView>& scale_invs, const std::vector<TensorView>& counters,
-                                  float fmax, const ScaleRecipe& recipe, Stream stream) {
-  const char* op = "multi_update_delayed_scaling";
-  const size_t n = amax_histories.size();
-  FP8AMP_CHECK_VALUE(scales.size() == n && scale_invs.size() == n && counters.size() == n, op,
-                     "amax_histories, scales, scale_invs and counters must hold as many tensors each, got ", n, ", ",
-                     scales.size(), ", ", scale_invs.size(), " and ", counters.size());
-  if (n == 0) return;
-  std::vector<DelayedScalingSlice> states;
-  states.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    states.push_back(delayed_state(amax_histories[i], scales[i], scale_invs[i], counters[i], op, true, i));
-    check::same_device(amax_histories[i], amax_histories[0], op, element_name(true, "", "amax_histories", i).c_str(),
-                       "amax_histories[0]");
-  }
-  // Every tensor is written: two sharing memory would race on the GPU.
-  std::vector<TensorView> written;
-  for (const auto* list : {&amax_histories, &scales, &scale_invs, &counters}) {
-    written.insert(written.end(), list->begin(), list->end());
-  }
-  check::disjoint_outputs(written, {}, op, [&](const char*, size_t k) {
-    static constexpr const char* kLists[] = {"amax_histories", "scales", "scale_invs", "counters"};
-    return element_name(true, "", kLists[k / n], k % n);
-  });
-  update_delayed_impl(states, amax_histories[0], fmax, recipe, stream, op);
-}
-
-// ------------------------------------------------------------------------------------------------
-// scaled_accumulate
-
-namespace {
-
-// A float32 [1] buffer on dst's device.
-void check_scalar_buffer(const TensorView& t, const TensorView& dst, const char* op, const char* arg) {
-  check::dtype_is(t, DType::kFloat32, op, arg);
-  check::numel_is(t, 1, op, arg);
-  check::same_device(t, dst, op, arg, "dst");
-}
-
-}  // namespace
-
-void scaled_accumulate(const TensorView& dst, const TensorView& dst_scale_inv, const TensorView& src,
-                       const TensorView* src_scale_inv, float alpha, const TensorView& amax_out,
-                       const ScaleRecipe& recipe, Stream stream) {
-  const char* op = "scaled_accumulate";
-  FP8AMP_CHECK_VALUE(is_scaled_format(dst.dtype), op, "dst must be float8_e4m3fn, float8_e5m2 or float16, got ",
-                     dst.describe());
-  check::contiguous(dst, op, "dst");
-  check_scalar_buffer(dst_scale_inv, dst, op, "dst_scale_inv");
-  if (src_scale_inv == nullptr) {
-    FP8AMP_CHECK_VALUE(is_high_precision(src.dtype), op,
-                       "src must be float32, bfloat16 or float16 when src_scale_inv is None (a scaled src, "
-                       "float8_e4m3fn, float8_e5m2 or float16, comes with src_scale_inv), got ",
-                       src.describe());
-  } else {
-    FP8AMP_CHECK_VALUE(is_scaled_format(src.dtype), op,
-                       "src must be float8_e4m3fn, float8_e5m2 or float16 when src_scale_inv is given (a "
-                       "high-precision src, float32 or bfloat16, takes src_scale_inv=None), got ",
-                       src.describe());
-    check_scalar_buffer(*src_scale_inv, dst, op, "src_scale_inv");
-  }
-  check::same_device(src, dst, op, "src", "dst");
-  check::contiguous(src, op, "src");
-  FP8AMP_CHECK_VALUE(src.numel() == dst.numel(), op, "src must have as many elements as dst (", dst.numel(),
-                     "), got ", src.describe());
-  check_scalar_buffer(amax_out, dst, op, "amax");
-  check_recipe(recipe, op);
-  // dst is rewritten in place, element by element: src may be dst itself (same memory, same
-  // format), never part of it; the scalars must be their own memory (amax is zeroed first and
-  // dst_scale_inv rewritten last; src_scale_inv may be dst_scale_inv, read before that).
-  if (!(src.data == dst.data && src.dtype == dst.dtype)) check::no_overlap(dst, src, op, "dst", "src");
-  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&dst, "dst"}, {&src, "src"}}) {
-    check::no_overlap(*t, dst_scale_inv, op, name, "dst_scale_inv");
-    check::no_overlap(*t, amax_out, op, name, "amax");
-    if (src_scale_inv != nullptr) check::no_overlap(*t, *src_scale_inv, op, name, "src_scale_inv");
-  }
-  check::no_overlap(amax_out, dst_scale_inv, op, "amax", "dst_scale_inv");
-  if (src_scale_inv != nullptr) check::no_overlap(amax_out, *src_scale_inv, op, "amax", "src_scale_inv");
-  const AccumulatePtrs p{dst.data,     dst_scale_inv.ptr<float>(),
-                         src.data,     src_scale_inv != nullptr ? src_scale_inv->ptr<const float>() : nullptr,
-                         alpha,        amax_out.ptr<float>(),
-                         dst.numel(),  recipe.margin,
-                         recipe.pow2};
-  run_on(
-      dst, op, [&] { cpu::scaled_accumulate(dst.dtype, src.dtype, p); },
-      [&] { cuda::scaled_accumulate(dst.dtype, src.dtype, p, stream); });
 }
 
 }  // namespace fp8amp

@@ -1,14 +1,13 @@
-// CUDA twin of cast_cpu.cpp: the same ops, bit for bit, as kernels that never sync with the host.
+// CUDA twin of cast_cpu.cpp's quantize, dequantize and amax: the same ops, bit for bit, as kernels
+// that never sync with the host (cast+transpose: cast_transpose_cuda.cu; the scale updates:
+// scaling_cuda.cu).
 //
-// Three kernel families:
-// - multi_tensor_kernel<Op>: element-wise work over a list of tensors in one launch (quantize,
-//   dequantize, amax); a block owns one chunk of one tensor (an amax block possibly several) and
-//   folds its amax once.
-// - cast_transpose_kernel: quantize a [rows, cols] matrix into out and out_t through a shared tile.
-// - compute_scale_kernel / update_delayed_scaling_kernel: one thread per tensor (per row of a state).
-// Current scaling (warm-up) needs a tensor's whole amax before its first element is quantized, so
-// quantize and cast_transpose then run an amax pre-pass first; its blocks read the warm-up counter
-// on the device and skip tensors that are past warm-up.
+// multi_tensor_kernel<Op> does element-wise work over a list of tensors in one launch (quantize,
+// dequantize, amax); a block owns one chunk of one tensor (an amax block possibly several) and
+// folds its amax once. Current scaling (warm-up) needs a tensor's whole amax before its first
+// element is quantized, so quantize and cast_transpose then run an amax pre-pass first
+// (warmup_amax); its blocks read the warm-up counter on the device and skip tensors that are past
+// warm-up.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cast/cast_cuda.cuh"
 #include "cast/cast_kernels.h"
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
@@ -26,82 +26,6 @@
 namespace fp8amp {
 namespace cuda {
 namespace {
-
-using numerics::amax_key;
-using numerics::to_float;
-
-constexpr int kThreads = 256;  // the block size of the cast kernels
-
-// ----------------------------------------------------------------------------------------------
-// Packs (common/word_pack.cuh) of a matrix whose every pack the caller knows to be aligned and
-// wholly inside or wholly outside it (kWhole): then valid is 0 or N, and no element-wise code is
-// compiled.
-
-template <bool kWhole, int N, class T>
-__device__ void load_matrix_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
-  if constexpr (kWhole) {
-    if (valid == N) {
-      load_words(p, w);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
-    }
-  } else {
-    load_pack<N>(p, valid, vector_ok, w);
-  }
-}
-
-template <bool kWhole, int N, class T>
-__device__ void store_matrix_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
-  if constexpr (kWhole) {
-    if (valid == N) store_words(p, w);
-  } else {
-    store_pack<N>(p, w, valid, vector_ok);
-  }
-}
-
-template <class T>
-__device__ uint32_t amax_key_from(uint32_t acc) {
-  if constexpr (sizeof(T) == 2) acc = max(acc & 0xFFFFu, acc >> 16);
-  return amax_key(to_float(from_bits<T>(acc)));
-}
-
-// ----------------------------------------------------------------------------------------------
-// Amax and scale.
-
-// cpu::fold_amax on the device: slot = amax_from_key(max(amax_key(slot), key)). A compare-and-swap
-// loop instead of an integer atomicMax on the bits, because the slot may hold what amax_key
-// normalizes (-0, a NaN of another payload, a negative value) and the CPU rewrites it canonical.
-// It writes only when the value changes, so once the slot has settled a block just reads it.
-__device__ void fold_amax(float* slot, uint32_t key) {
-  unsigned int* bits = reinterpret_cast<unsigned int*>(slot);
-  unsigned int seen = *reinterpret_cast<volatile unsigned int*>(bits);
-  while (true) {
-    const unsigned int want = max(amax_key(numerics::bits_float(seen)), key);
-    if (want == seen) return;
-    const unsigned int before = atomicCAS(bits, seen, want);
-    if (before == seen) return;
-    seen = before;
-  }
-}
-
-// Every thread brings its key; one fold per block. Called by all threads of the block.
-__device__ void fold_block_amax(float* slot, uint32_t key) {
-  key = block_max_key<kThreads>(key);
-  if (threadIdx.x == 0) fold_amax(slot, key);
-}
-
-// The scale tensor i is quantized with. While it warms up, its amax slot already holds this
-// step's amax (the pre-pass folded it), and the quantize kernel's own folds leave it unchanged,
-// so every block reads the same value. The tensor's first block writes scale_inv[i].
-template <class Out>
-__device__ float quantize_scale(const ScalingPtrs& s, int64_t i, bool first_block) {
-  const float* slot = s.amax + i * s.amax_stride;
-  const float amax_now = current_scaling(s, i) ? *static_cast<const volatile float*>(slot) : 0.0f;
-  const numerics::ScalePair pair = select_scale(s, i, amax_now, numerics::format_max<Out>());
-  if (first_block && threadIdx.x == 0) s.scale_inv[i] = scale_inv_to_write(s, pair, amax_now);
-  return pair.scale;
-}
 
 // ----------------------------------------------------------------------------------------------
 // Multi-tensor element-wise kernel.
@@ -195,9 +119,8 @@ constexpr int kPackSize = static_cast<int>(
 
 
 // Packs a thread loads before it converts any: 16 bytes of input. One for quantize and amax; 2 or 4
-// for dequantize, whose input is narrower than its output. (One pack at a time, dequantize had 8
-// bytes of FP8 codes in flight a thread and reached 86 % of copy bandwidth, 0.93x torch.compile's
-// kernel; loading one 16-byte pack of codes instead would make each warp store half-sectors.)
+// for dequantize, whose input is narrower than its output: one pack at a time leaves too few bytes
+// of codes in flight, and a single 16-byte pack of codes would make each warp store half-sectors.
 template <class Op>
 constexpr int kPacksInFlight = static_cast<int>(16 / (kPackSize<Op> * sizeof(typename Op::In)));
 
@@ -243,8 +166,8 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
     const int64_t end = min(batch.numel[t], begin + kChunkSize<Op>);
     // Pack u of this thread starts at element begin + (u * kThreads + threadIdx.x) * N, so a warp
     // reads 32 consecutive packs. kPacksInFlight packs in registers at a time: for quantize and amax
-    // one (16 bytes) measured fastest on H200: holding 2 or 4 (to have more loads in flight) cost
-    // more in occupancy than it gained.
+    // one (16 bytes), as holding 2 or 4 (to have more loads in flight) costs more in occupancy than
+    // it gains.
     constexpr int G = kPacksInFlight<Op>;
     for (int u0 = 0; u0 < kPacksPerThread<Op>; u0 += G) {
       if (begin + (u0 * kThreads + static_cast<int>(threadIdx.x)) * N >= end) break;
@@ -312,8 +235,8 @@ void launch_multi_tensor(const std::vector<TensorSlice>& tensors, const Op& op, 
 
 // amax of a tensor of several row runs (tensor.h: row_runs; one run takes multi_tensor_kernel).
 // A block takes kRunsInFlight consecutive runs at a time, blockIdx.x's first, and every thread the
-// same packs of each, loading them all before it folds any. (Inductor's reduction over SDPA's
-// strided q, k and v ran at about half of copy bandwidth on the H200.)
+// same packs of each, loading them all before it folds any, so that short runs (SDPA's strided q,
+// k and v) still keep several loads in flight.
 constexpr int kRunsInFlight = 4;
 
 template <class In>
@@ -338,280 +261,21 @@ __global__ void __launch_bounds__(kThreads) row_runs_amax_kernel(const In* x, co
   fold_block_amax(amax, amax_key_from<In>(abs_max));
 }
 
-// The pre-pass of current scaling: folds the amax of every tensor that is warming up (of every
-// tensor, with s.current).
-template <class In>
-void warmup_amax(const std::vector<TensorSlice>& tensors, const ScalingPtrs& s, cudaStream_t stream) {
-  if (s.current) {
-    launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, nullptr, 0}, stream);
-  } else if (s.warmup_counter != nullptr) {
-    launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, s.warmup_counter, s.warmup_steps}, stream);
-  }
-}
-
-// ----------------------------------------------------------------------------------------------
-// Cast + transpose.
-//
-// A tile is kTileRows rows x 128 bytes of x (64 columns of bf16/fp16, 32 of fp32). A block
-// quantizes kTilesPerBlock tiles stacked down one column of tiles, and consecutive blocks take
-// consecutive columns of tiles, so the blocks resident at one time read whole rows of x. Each
-// thread owns the same 4-row x 16-byte block of every tile and per tile:
-// - loads its 4 rows at once (16 bytes each; a warp reads 4 x 128 bytes per load instruction),
-//   quantizes them and stores them into out, then transposes the codes in registers (byte
-//   permutes) into one 4-row piece per column and writes each piece to a shared code tile with
-//   one 4- or 8-byte store;
-// - after one barrier, copies 16-byte chunks of the code tile's columns to out_t, 8 (FP8) or 16
-//   (FP16) threads per column: a warp writes whole 128-byte lines of out_t rows. (The previous
-//   version went through shared memory byte by byte and wrote each out_t row in 16-byte pieces
-//   from different warps: 64-67 % of copy bandwidth from bf16.)
-// The code tile is double-buffered: tile k + 1 writes the buffer whose last reads (the out_t stores
-// of tile k - 1) every thread finished before the barrier of tile k, so one barrier a tile suffices.
-// Bank conflicts: the chunks of column c are stored in the order chunk ^ (c / NI), NI the columns of
-// a thread's block. A warp's piece stores hit 8 columns with different c / NI at one chunk index,
-// which the swizzle spreads over all 32 banks; a quarter-warp reads 8 consecutive chunks of one
-// column, a permutation of one 128-byte row of banks. Both are conflict-free.
-
-constexpr int kTileRows = 128;
-constexpr int kTileBytes = 128;  // of an x row
-constexpr int kTilesPerBlock = 2;
-// Blocks of cast_transpose_kernel resident per SM, which sets its register budget: with FP8 codes,
-// 64 registers (4 blocks) let a thread issue its 4 loads of a tile at once (at 48, for 5 blocks,
-// the compiler split them into two round trips); FP16 codes need 3 blocks' worth to avoid spills.
-template <class Out>
-constexpr int kTransposeBlocksPerSm = sizeof(Out) == 1 ? 4 : 3;
-constexpr int kThreadsPerTileRow = kTileBytes / 16;  // one 16-byte load each
-constexpr int kThreadRows = kTileRows * kThreadsPerTileRow / kThreads;
-static_assert(kThreadRows == 4, "the register transpose takes 4 rows (FP8) or 2 x 2 rows (FP16)");
-
-// The shared code tile of cast_transpose_kernel<In, Out, ...>: kCols columns (rows of out_t) of
-// kTileRows codes each, as words, swizzled as described above.
-template <class In, class Out>
-struct CodeTile {
-  static constexpr int kCols = kTileBytes / sizeof(In);
-  static constexpr int kChunks = kTileRows * sizeof(Out) / 16;  // 16-byte chunks in a column
-  static_assert(kChunks >= kThreadsPerTileRow, "the swizzle permutes chunks within a column");
-  uint32_t words[2][kCols][kChunks * 4];
-
-  // Word w of column c in buffer b.
-  __device__ uint32_t* at(int b, int c, int w) {
-    const int swizzle = c / (16 / static_cast<int>(sizeof(In)));
-    return &words[b][c][((w / 4) ^ swizzle) * 4 + w % 4];
-  }
-};
-
-// Transposes a square block of codes held in words: w[i] holds row i, its code j at bit
-// 8 * sizeof(Out) * j; afterwards w[j] holds column j, its code i at the same place.
-// __byte_perm(a, b, s): result byte n is byte (s >> 4n) & 7 of the 8 bytes of (b:a).
-template <class Out>
-__device__ void transpose_words(uint32_t (&w)[4 / sizeof(Out)]) {
-  if constexpr (sizeof(Out) == 1) {
-    const uint32_t r01_c01 = __byte_perm(w[0], w[1], 0x5140);  // bytes: r0c0 r1c0 r0c1 r1c1
-    const uint32_t r01_c23 = __byte_perm(w[0], w[1], 0x7362);  //        r0c2 r1c2 r0c3 r1c3
-    const uint32_t r23_c01 = __byte_perm(w[2], w[3], 0x5140);
-    const uint32_t r23_c23 = __byte_perm(w[2], w[3], 0x7362);
-    w[0] = __byte_perm(r01_c01, r23_c01, 0x5410);
-    w[1] = __byte_perm(r01_c01, r23_c01, 0x7632);
-    w[2] = __byte_perm(r01_c23, r23_c23, 0x5410);
-    w[3] = __byte_perm(r01_c23, r23_c23, 0x7632);
-  } else {
-    static_assert(sizeof(Out) == 2, "codes are 1 or 2 bytes");
-    const uint32_t c0 = __byte_perm(w[0], w[1], 0x5410);  // the low halves: column 0
-    w[1] = __byte_perm(w[0], w[1], 0x7632);
-    w[0] = c0;
-  }
-}
-
-static_assert(kSumTileRows == kTileRows && kSumTiles == kTilesPerBlock && kSumGroupRows == kThreadRows,
-              "cast_kernels.h's column-sum order is this kernel's thread layout");
-
-// kWholePacks: the launcher found x, out and out_t aligned to their packs and both dimensions whole
-// numbers of packs, so no element-wise code is compiled (the vector_ok flags are then all true).
-// kColumnSums: also this block's column sums of x (its band, its columns) into band_sums [bands, cols].
-template <class In, class Out, bool kWholePacks, bool kColumnSums>
-__global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
-    cast_transpose_kernel(const In* __restrict__ x, Out* __restrict__ out, Out* __restrict__ out_t, int64_t rows,
-                          int64_t cols, bool x_vector_ok, bool out_vector_ok, bool out_t_vector_ok,
-                          float* __restrict__ band_sums, const ScalingPtrs s) {
-  using Tile = CodeTile<In, Out>;
-  constexpr int NI = 16 / sizeof(In);   // columns of a thread's block: one 16-byte load per row
-  constexpr int NT = 16 / sizeof(Out);  // codes in a 16-byte chunk of an out_t row
-  constexpr int kPerWord = 4 / sizeof(Out);
-  constexpr int kPieceWords = kThreadRows / kPerWord;  // a thread's piece of a code-tile column
-  __shared__ alignas(16) Tile codes;
-
-  // This block's tiles: up to kTilesPerBlock tile rows from `band`, at column tile blockIdx.x % col_tiles.
-  const int64_t col_tiles = ceil_div(cols, Tile::kCols);
-  const int64_t band = static_cast<int64_t>(blockIdx.x) / col_tiles * kTilesPerBlock;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) % col_tiles * Tile::kCols;
-  const int n = static_cast<int>(min(int64_t{kTilesPerBlock}, ceil_div(rows, kTileRows) - band));
-
-  // This thread's block of each tile: rows tr + [0, kThreadRows), columns tc + [0, NI).
-  const int tc = static_cast<int>(threadIdx.x) % kThreadsPerTileRow * NI;
-  const int tr = static_cast<int>(threadIdx.x) / kThreadsPerTileRow * kThreadRows;
-  const int64_t c = c0 + tc;
-  const int row_valid = valid_count<NI>(c, cols);  // of each of its rows inside the matrix
-
-  // The rows of this thread's block of tile k, 16 bytes each, zeros outside the matrix (which change
-  // no amax). Held as words, not elements, so that a 16-bit row takes 4 registers rather than 8.
-  uint32_t xs[kThreadRows][4];
-  const auto load = [&](int k) {
-    const int64_t r = (band + k) * kTileRows + tr;
-#pragma unroll
-    for (int i = 0; i < kThreadRows; ++i) {
-      const int valid = r + i < rows ? row_valid : 0;
-      load_matrix_pack<kWholePacks, NI>(x + (r + i) * cols + c, valid, x_vector_ok, xs[i]);
-    }
-  };
-  load(0);  // first, so that these loads are in flight while the scale is read
-  const float scale = quantize_scale<Out>(s, 0, blockIdx.x == 0);
-
-  uint32_t abs_max = 0;
-  float group_sum[kColumnSums ? NI : 1] = {};  // this thread's row group, its NI columns
-#pragma unroll 1
-  for (int k = 0; k < n; ++k) {
-    if (k > 0) load(k);
-    const int64_t r0 = (band + k) * kTileRows;
-    uint32_t row_words[kThreadRows][NI / kPerWord];  // the codes of each row
-#pragma unroll
-    for (int i = 0; i < kThreadRows; ++i) {
-      abs_max = abs_max_pack<In, NI>(xs[i], abs_max);
-      float v[NI];
-      decode_pack<In>(xs[i], v);
-      if constexpr (kColumnSums) {
-#pragma unroll
-        for (int e = 0; e < NI; ++e) group_sum[e] = rn::add(group_sum[e], v[e]);
-      }
-#pragma unroll
-      for (int e = 0; e < NI; ++e) v[e] *= scale;
-      encode_pack<Out>(v, row_words[i]);
-      const int64_t r = r0 + tr + i;
-      store_matrix_pack<kWholePacks, NI>(out + r * cols + c, row_words[i], r < rows ? row_valid : 0, out_vector_ok);
-    }
-
-    uint32_t col_words[NI][kPieceWords];  // the codes of each column, rows tr + [0, kThreadRows)
-#pragma unroll
-    for (int i0 = 0; i0 < kThreadRows; i0 += kPerWord) {
-#pragma unroll
-      for (int jw = 0; jw < NI / kPerWord; ++jw) {
-        uint32_t block[kPerWord];
-#pragma unroll
-        for (int t = 0; t < kPerWord; ++t) block[t] = row_words[i0 + t][jw];
-        transpose_words<Out>(block);
-#pragma unroll
-        for (int t = 0; t < kPerWord; ++t) col_words[jw * kPerWord + t][i0 / kPerWord] = block[t];
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NI; ++j) {
-      uint32_t* piece = codes.at(k % 2, tc + j, tr / kPerWord);
-      if constexpr (kPieceWords == 2) {
-        *reinterpret_cast<uint2*>(piece) = make_uint2(col_words[j][0], col_words[j][1]);
-      } else {
-        *piece = col_words[j][0];
-      }
-    }
-    __syncthreads();
-
-    // Chunk p: column p / kChunks of the code tile, rows (p % kChunks) * NT + [0, NT) of the tile.
-#pragma unroll
-    for (int u = 0; u < Tile::kCols * Tile::kChunks / kThreads; ++u) {
-      const int p = u * kThreads + static_cast<int>(threadIdx.x);
-      const int col = p / Tile::kChunks, chunk = p % Tile::kChunks;
-      const uint4 w4 = *reinterpret_cast<const uint4*>(codes.at(k % 2, col, chunk * 4));
-      const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
-      const int64_t r = r0 + chunk * NT, cc = c0 + col;
-      store_matrix_pack<kWholePacks, NT>(out_t + cc * rows + r, w, cc < cols ? valid_count<NT>(r, rows) : 0,
-                                         out_t_vector_ok);
-    }
-  }
-  fold_block_amax(s.amax, amax_key_from<In>(abs_max));
-  if constexpr (kColumnSums) {
-    // The band's sum of each column: its row groups' sums, added in group order by one thread.
-    __shared__ float group_sums[kTileRows / kThreadRows][Tile::kCols];
-#pragma unroll
-    for (int e = 0; e < NI; ++e) group_sums[tr / kThreadRows][tc + e] = group_sum[e];
-    __syncthreads();
-    const int col = static_cast<int>(threadIdx.x);
-    if (col < Tile::kCols && c0 + col < cols) {
-      float band_sum = 0.0f;
-#pragma unroll 8
-      for (int g = 0; g < kTileRows / kThreadRows; ++g) band_sum = rn::add(band_sum, group_sums[g][col]);
-      band_sums[band / kTilesPerBlock * cols + c0 + col] = band_sum;
-    }
-  }
-}
-
-// dbias[c] = the sum of band_sums[b, c] over bands b, in band order (cast_kernels.h). A few
-// thousand threads each add tens of values: latency-bound, so each thread has kSumLoads loads in
-// flight before it adds them in order, and the blocks are small so that more SMs take part.
-constexpr int kSumThreads = 128;
-constexpr int kSumLoads = 8;
-
-__global__ void sum_bands_kernel(const float* __restrict__ band_sums, int64_t bands, int64_t cols,
-                                 float* __restrict__ dbias) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  float sum = 0.0f;
-  int64_t b = 0;
-  for (; b + kSumLoads <= bands; b += kSumLoads) {
-    float v[kSumLoads];
-#pragma unroll
-    for (int j = 0; j < kSumLoads; ++j) v[j] = band_sums[(b + j) * cols + c];
-#pragma unroll
-    for (int j = 0; j < kSumLoads; ++j) sum = rn::add(sum, v[j]);
-  }
-  for (; b < bands; ++b) sum = rn::add(sum, band_sums[b * cols + c]);
-  dbias[c] = sum;
-}
-
-void sum_bands(const float* band_sums, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream) {
-  if (cols == 0) return;
-  sum_bands_kernel<<<grid_size(ceil_div(cols, kSumThreads), "cast"), kSumThreads, 0, stream>>>(
-      band_sums, column_sum_bands(rows), cols, dbias);
-  FP8AMP_CUDA_CHECK_LAUNCH();
-}
-
-// ----------------------------------------------------------------------------------------------
-// Scale updates: one thread per tensor, the CPU loop body as is.
-
-constexpr int kScaleThreads = 128;
-
-__global__ void compute_scale_kernel(const float* amax, int64_t amax_stride, float* scale, float* scale_inv,
-                                     int64_t n, float fmax, int margin, bool pow2) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const numerics::ScalePair pair =
-      numerics::scale_from_amax(amax[i * amax_stride], fmax, margin, pow2, {scale[i], scale_inv[i]});
-  scale[i] = pair.scale;
-  scale_inv[i] = pair.scale_inv;
-}
-
-// Up to kMaxStatesPerLaunch states a launch, by value (under the 4 KB of kernel parameters);
-// thread g updates row g of the rows of all of them, in order.
-constexpr int kMaxStatesPerLaunch = 64;
-
-struct DelayedScalingBatch {
-  DelayedScalingSlice states[kMaxStatesPerLaunch];
-  int64_t row_begin[kMaxStatesPerLaunch + 1];
-  int32_t count;
-};
-static_assert(sizeof(DelayedScalingBatch) + 16 <= 4096, "kernel parameters are limited to 4 KB");
-
-__global__ void update_delayed_scaling_kernel(const DelayedScalingBatch batch, float fmax, int margin, bool pow2) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= batch.row_begin[batch.count]) return;
-  int k = 0;
-  while (g >= batch.row_begin[k + 1]) ++k;
-  const DelayedScalingSlice& st = batch.states[k];
-  const int64_t i = g - batch.row_begin[k];
-  update_delayed_row(st.amax_history + i * st.history_len, st.history_len, st.scale + i, st.scale_inv + i,
-                     st.counter + i, fmax, margin, pow2);
-}
-
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
 // Launchers, in the order of cast_kernels.h.
+
+void warmup_amax(DType in_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s, cudaStream_t stream) {
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    using In = decltype(in);
+    if (s.current) {
+      launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, nullptr, 0}, stream);
+    } else if (s.warmup_counter != nullptr) {
+      launch_multi_tensor(tensors, AmaxOp<In>{s.amax, s.amax_stride, s.warmup_counter, s.warmup_steps}, stream);
+    }
+  });
+}
 
 void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const int32_t* warmup_counter,
           int warmup_steps, Stream stream) {
@@ -631,9 +295,9 @@ void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const in
 
 void quantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>& tensors, const ScalingPtrs& s,
               Stream stream) {
+  warmup_amax(in_dtype, tensors, s, cuda_stream(stream));
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     using In = decltype(in);
-    warmup_amax<In>(tensors, s, cuda_stream(stream));
     visit(ScaledFormatTypes{}, out_dtype, [&](auto out) {
       using Out = decltype(out);
       launch_multi_tensor(tensors, QuantizeOp<In, Out>{s}, cuda_stream(stream));
@@ -658,75 +322,12 @@ void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>&
   });
 }
 
-void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
-                    int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace, Stream stream) {
-  if (rows * cols == 0) {
-    // No tile to launch, but scale_inv is still written and the amax slot folded (with nothing):
-    // exactly what quantizing an empty tensor does; the column sums of no rows are zeros.
-    quantize(in_dtype, out_dtype, {TensorSlice{x, out, 0}}, s, stream);
-    if (dbias != nullptr) sum_bands(workspace, rows, cols, dbias, cuda_stream(stream));
-    return;
-  }
-  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
-    using In = decltype(in);
-    warmup_amax<In>({TensorSlice{x, nullptr, rows * cols}}, s, cuda_stream(stream));
-    visit(ScaledFormatTypes{}, out_dtype, [&](auto o) {
-      using Out = decltype(o);
-      const In* xi = static_cast<const In*>(x);
-      Out* y = static_cast<Out*>(out);
-      Out* yt = static_cast<Out*>(out_t);
-      // Packs are used only where every pack of the matrix is whole and aligned; when all three
-      // are, the kernel without element-wise code (and its registers) runs.
-      constexpr int NI = 16 / sizeof(In), NT = 16 / sizeof(Out);
-      const bool x_vector_ok = cols % NI == 0 && is_aligned(xi, 16);
-      const bool out_vector_ok = cols % NI == 0 && is_aligned(y, NI * sizeof(Out));
-      const bool out_t_vector_ok = rows % NT == 0 && is_aligned(yt, 16);
-      const int64_t blocks =
-          ceil_div(ceil_div(rows, kTileRows), kTilesPerBlock) * ceil_div(cols, CodeTile<In, Out>::kCols);
-      const bool whole = x_vector_ok && out_vector_ok && out_t_vector_ok;
-      const auto kernel = dbias != nullptr ? (whole ? cast_transpose_kernel<In, Out, true, true>
-                                                    : cast_transpose_kernel<In, Out, false, true>)
-                                           : (whole ? cast_transpose_kernel<In, Out, true, false>
-                                                    : cast_transpose_kernel<In, Out, false, false>);
-      kernel<<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(
-          xi, y, yt, rows, cols, x_vector_ok, out_vector_ok, out_t_vector_ok, workspace, s);
-      FP8AMP_CUDA_CHECK_LAUNCH();
-      if (dbias != nullptr) sum_bands(workspace, rows, cols, dbias, cuda_stream(stream));
-    });
-  });
-}
-
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride,
                 Stream stream) {
   visit(HighPrecisionTypes{}, dtype, [&](auto in) {
     using In = decltype(in);
     launch_multi_tensor(tensors, AmaxOp<In>{amax, amax_stride, nullptr, 0}, cuda_stream(stream));
   });
-}
-
-void compute_scale(const float* amax, int64_t amax_stride, float* scale, float* scale_inv, int64_t n, float fmax,
-                   int margin, bool pow2, Stream stream) {
-  if (n == 0) return;
-  compute_scale_kernel<<<grid_size(ceil_div(n, kScaleThreads), "cast"), kScaleThreads, 0, cuda_stream(stream)>>>(
-      amax, amax_stride, scale, scale_inv, n, fmax, margin, pow2);
-  FP8AMP_CUDA_CHECK_LAUNCH();
-}
-
-void update_delayed_scaling(const std::vector<DelayedScalingSlice>& states, float fmax, int margin, bool pow2,
-                            Stream stream) {
-  for (size_t first = 0; first < states.size(); first += kMaxStatesPerLaunch) {
-    DelayedScalingBatch batch{};
-    batch.count = static_cast<int32_t>(std::min<size_t>(kMaxStatesPerLaunch, states.size() - first));
-    for (int k = 0; k < batch.count; ++k) {
-      batch.states[k] = states[first + k];
-      batch.row_begin[k + 1] = batch.row_begin[k] + batch.states[k].rows;
-    }
-    const int64_t rows = batch.row_begin[batch.count];
-    if (rows == 0) continue;
-    update_delayed_scaling_kernel<<<grid_size(ceil_div(rows, kScaleThreads), "cast"), kScaleThreads, 0,
-                                    cuda_stream(stream)>>>(batch, fmax, margin, pow2);
-    FP8AMP_CUDA_CHECK_LAUNCH();
-  }
 }
 
 }  // namespace cuda

@@ -65,8 +65,8 @@ __device__ __forceinline__ T from_bits(uint32_t b) {
 //
 // kStreaming is for data a kernel touches once: loads through the non-coherent path without an L1
 // line (ld.global.nc.L1::no_allocate; the kernel must not write what it reads), stores marked
-// evict-first (st.global.cs). Measured on dequantize only (benchmarks/cuda/dequant_sweep.cu, H200):
-// 1.3-4 % faster with both, slower with either alone.
+// evict-first (st.global.cs): together they keep streamed data from displacing reused lines
+// (docs/benchmarks_history.md has the dequantize measurements: either hint alone was slower).
 enum class Access { kDefault, kStreaming };
 
 template <Access A = Access::kDefault, int Words>

@@ -22,6 +22,20 @@ template <> constexpr DType dtype_of<numerics::fp16>() { return DType::kFloat16;
 template <> constexpr DType dtype_of<numerics::fp8_e4m3>() { return DType::kFloat8E4M3; }
 template <> constexpr DType dtype_of<numerics::fp8_e5m2>() { return DType::kFloat8E5M2; }
 
+// The storage types agree with the dtype table: each has its dtype's size, and a scaled one the
+// format (numerics.h) of its dtype.
+template <class... Ts>
+constexpr bool sizes_match_table(TypeSet<Ts...>) {
+  return ((sizeof(Ts) == dtype_info(dtype_of<Ts>()).size) && ...);
+}
+template <class... Ts>
+constexpr bool formats_match_table(TypeSet<Ts...>) {
+  return ((numerics::FormatOf<Ts>::type::dtype == dtype_of<Ts>()) && ...);
+}
+static_assert(sizes_match_table(HighPrecisionTypes{}) && sizes_match_table(ScaledFormatTypes{}),
+              "a storage type's size disagrees with the dtype table");
+static_assert(formats_match_table(ScaledFormatTypes{}), "a storage type's format is not its dtype's");
+
 // Calls f(T{}) for the T in the set whose dtype is `dtype`. Arguments are validated before any
 // visit, so a miss is an internal error, reported rather than ignored.
 template <class... Ts, class F>

@@ -1,4 +1,4 @@
-// Scalar numerics shared bit for bit by the CPU reference and the CUDA kernels (DESIGN §3):
+// Scalar numerics shared bit for bit by the CPU reference and the CUDA kernels (docs/numerics.md#numerics):
 // the FP8/FP16 codecs, bf16 conversion, amax ordering and the scale rules.
 // Everything here is plain integer and IEEE fp32 arithmetic, so host and device agree exactly;
 // the rn:: helpers at the end are how kernels' element math spells an IEEE operation.
@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "fp8amp/dtype.h"
 
 #if defined(__CUDACC__)
 #define FP8AMP_HD __host__ __device__ __forceinline__
@@ -43,26 +45,45 @@ FP8AMP_HD bool is_finite(float f) { return (float_bits(f) & 0x7FFFFFFFu) < 0x7F8
 constexpr uint32_t kCanonicalNanBits = 0x7FFFFFFFu;
 
 // Small binary floating-point storage formats, as types so device code can read the constants.
-// E4M3 (fn) has no infinities: its all-ones exponent still holds normals except the NaN 0x7F.
-// nan_code is what a NaN encodes to (sign discarded, as CUDA's converters do).
-struct E4M3 {
-  static constexpr int exp_bits = 4, man_bits = 3, bias = 7;
+// Widths, infinities and max come from the dtype table (fp8amp/dtype.h); the codes are tied to
+// them by the static_asserts below. E4M3 (fn) has no infinities: its all-ones exponent still
+// holds normals except the NaN 0x7F. nan_code is what a NaN encodes to (sign discarded, as CUDA's
+// converters do).
+template <DType kDType>
+struct TableFormat {
+  static constexpr DType dtype = kDType;
+  static constexpr int exp_bits = dtype_info(kDType).exponent_bits;
+  static constexpr int man_bits = dtype_info(kDType).mantissa_bits;
+  static constexpr int bias = (1 << (exp_bits - 1)) - 1;
+  static constexpr bool has_inf = dtype_info(kDType).has_inf;
+  static constexpr float max = dtype_info(kDType).max_finite;
+};
+struct E4M3 : TableFormat<DType::kFloat8E4M3> {
   static constexpr uint32_t max_code = 0x7Eu, nan_code = 0x7Fu;
-  static constexpr bool has_inf = false;
-  static constexpr float max = 448.0f;
 };
-struct E5M2 {
-  static constexpr int exp_bits = 5, man_bits = 2, bias = 15;
+struct E5M2 : TableFormat<DType::kFloat8E5M2> {
   static constexpr uint32_t max_code = 0x7Bu, nan_code = 0x7Fu;
-  static constexpr bool has_inf = true;
-  static constexpr float max = 57344.0f;
 };
-struct FP16 {
-  static constexpr int exp_bits = 5, man_bits = 10, bias = 15;
+struct FP16 : TableFormat<DType::kFloat16> {
   static constexpr uint32_t max_code = 0x7BFFu, nan_code = 0x7FFFu;
-  static constexpr bool has_inf = true;
-  static constexpr float max = 65504.0f;
 };
+
+namespace detail {
+// max_code is the largest finite code and has the table's max_finite as its value; nan_code is
+// the all-ones code.
+template <class F>
+constexpr bool codes_match_table() {
+  const uint32_t man_mask = (1u << F::man_bits) - 1u;
+  const uint32_t exp_all_ones = ((1u << F::exp_bits) - 1u) << F::man_bits;
+  const uint32_t largest = F::has_inf ? exp_all_ones - 1u : exp_all_ones | (man_mask - 1u);
+  const float value = ::fp8amp::detail::times_pow2(
+      1.0f + static_cast<float>(F::max_code & man_mask) / static_cast<float>(man_mask + 1u),
+      static_cast<int>(F::max_code >> F::man_bits) - F::bias);
+  return F::max_code == largest && value == F::max && F::nan_code == (exp_all_ones | man_mask);
+}
+static_assert(codes_match_table<E4M3>() && codes_match_table<E5M2>() && codes_match_table<FP16>(),
+              "a format's max_code or nan_code disagrees with the dtype table");
+}  // namespace detail
 
 // float -> format, round to nearest even. saturate=true: magnitudes above max (infinities
 // included) become +-max, as __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...). saturate=false:
@@ -159,7 +180,7 @@ struct ScalePair {
   float scale_inv;
 };
 
-// New scale from amax (DESIGN §3). pow2 (default, MS-AMP compatible):
+// New scale from amax (docs/numerics.md#numerics). pow2 (default, MS-AMP compatible):
 // scale = 2^(floor(log2(fmax / amax)) - margin), clamped to 2^+-126, so scale_inv is exact.
 // Otherwise TE's rule: scale = fmax / amax / 2^margin (FLT_MAX if that overflows),
 // scale_inv = 1 / scale. amax = 0 or non-finite: the previous pair is kept.
@@ -181,7 +202,7 @@ FP8AMP_HD ScalePair scale_from_amax(float amax, float fmax, int margin, bool pow
 }
 
 // Storage types. Each knows how to become a float exactly; the scaled formats are written by
-// quantize_to (saturating, DESIGN §3), the high-precision ones by round_to (IEEE).
+// quantize_to (saturating, docs/numerics.md#numerics), the high-precision ones by round_to (IEEE).
 struct bf16 { uint16_t bits; };
 struct fp16 { uint16_t bits; };
 struct fp8_e4m3 { uint8_t bits; };

@@ -1,4 +1,4 @@
-// scaled_accumulate (cast.h) through the public core API on CPU: hand-derived sums, scales and
+// scaled_accumulate (accumulate.h) through the public core API on CPU: hand-derived sums, scales and
 // codes, the non-finite and zero rules, and clear errors for bad arguments.
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 
 #include "expect_error.h"
 #include "host_view.h"
-#include "fp8amp/cast.h"
+#include "fp8amp/accumulate.h"
 #include "fp8amp/error.h"
 
 namespace fp8amp {
@@ -29,7 +29,7 @@ struct Acc {
 
   template <class D, class S>
   void run(std::vector<D>& dst, DType dst_dtype, std::vector<S>& src, DType src_dtype, bool scaled_src, float alpha,
-           ScaleRecipe recipe = {}) {
+           ScalingRecipe recipe = {}) {
     TensorView ssi = view(src_scale_inv, DType::kFloat32);
     scaled_accumulate(view(dst, dst_dtype), view(scale_inv, DType::kFloat32), view(src, src_dtype),
                       scaled_src ? &ssi : nullptr, alpha, view(amax, DType::kFloat32), recipe, nullptr);
@@ -69,7 +69,7 @@ TEST(ScaledAccumulate, Fp16PlusScaledE5M2WithMargin) {
   Acc a;
   a.scale_inv[0] = 2.0f;
   a.src_scale_inv[0] = 4.0f;
-  a.run(dst, DType::kFloat16, src, DType::kFloat8E5M2, true, -1.0f, ScaleRecipe{1, true});
+  a.run(dst, DType::kFloat16, src, DType::kFloat8E5M2, true, -1.0f, ScalingRecipe{1, true});
   // sum -6; 65504 / 6 = 10917.3 -> 2^13, margin 1 -> scale 2^12; -6 * 4096 = -24576 = FP16 0xF600.
   EXPECT_EQ(a.amax[0], 6.0f);
   EXPECT_EQ(a.scale_inv[0], std::ldexp(1.0f, -12));
@@ -82,7 +82,7 @@ TEST(ScaledAccumulate, BFloat16SrcAndTeRule) {
   std::vector<uint16_t> src{0x3FC0, 0x0000};
   Acc a;
   a.scale_inv[0] = 0.5f;
-  a.run(dst, DType::kFloat8E5M2, src, DType::kBFloat16, false, 1.0f, ScaleRecipe{0, false});
+  a.run(dst, DType::kFloat8E5M2, src, DType::kBFloat16, false, 1.0f, ScalingRecipe{0, false});
   // TE: scale = fl(57344 / 3), scale_inv = fl(1 / scale); 3 * scale rounds to 57344 or just above:
   // either way the code saturates to the max, 0x7B.
   const float scale = 57344.0f / 3.0f;
@@ -197,7 +197,7 @@ TEST(ScaledAccumulate, Errors) {
   std::vector<uint16_t> h1{0};
   std::vector<int32_t> i4(4);
   const auto run = [&](const TensorView& d, const TensorView& si, const TensorView& s, const TensorView* ssi,
-                       const TensorView& a, ScaleRecipe r = {}) {
+                       const TensorView& a, ScalingRecipe r = {}) {
     return [=] { scaled_accumulate(d, si, s, ssi, 1.0f, a, r, nullptr); };
   };
   const TensorView d = view(dst, DType::kFloat8E4M3), si = view(f1, DType::kFloat32);
@@ -213,7 +213,7 @@ TEST(ScaledAccumulate, Errors) {
   TensorView bad_ssi = view(f2, DType::kFloat32);
   expect_value_error(run(d, si, view(dst, DType::kFloat8E5M2), &bad_ssi, a), "src_scale_inv must have 1 element");
   expect_value_error(run(d, si, s, nullptr, view(f2, DType::kFloat32)), "amax must have 1 element");
-  expect_value_error(run(d, si, s, nullptr, a, ScaleRecipe{-1, true}), "margin");
+  expect_value_error(run(d, si, s, nullptr, a, ScalingRecipe{-1, true}), "margin");
   TensorView strided = view(dst, DType::kFloat8E4M3, {2});
   strided.strides = {2};
   expect_value_error(run(strided, si, view(f2, DType::kFloat32), nullptr, a), "dst must be contiguous");

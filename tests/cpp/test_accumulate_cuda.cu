@@ -1,4 +1,4 @@
-// scaled_accumulate (cast.h) on CUDA against the CPU reference, bit for bit: every dst/src dtype
+// scaled_accumulate (accumulate.h) on CUDA against the CPU reference, bit for bit: every dst/src dtype
 // combination, sizes with tails, misaligned pointers, grid-stride wrap-around, the non-finite and
 // zero rules and src aliasing dst. Every buffer, guard bytes around it included, must end up
 // byte-identical. Skips cleanly on a machine without a GPU.
@@ -17,7 +17,7 @@
 
 #include "common/numerics.h"
 #include "cuda_test_util.h"
-#include "fp8amp/cast.h"
+#include "fp8amp/accumulate.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
 
@@ -35,7 +35,7 @@ struct Case {
   int64_t numel;
   int64_t dst_offset = 0, src_offset = 0;
   float alpha = 1.0f;
-  ScaleRecipe recipe;
+  ScalingRecipe recipe;
   float dst_scale_inv = 0.25f, src_scale_inv = 3.0f;
   uint32_t seed = 1;
 };
@@ -45,7 +45,7 @@ std::string describe(const Case& c) {
   s << dtype_name(c.dst_dtype) << " += " << c.alpha << " * " << dtype_name(c.src_dtype)
     << (c.scaled_src ? " (scaled)" : "") << ", numel " << c.numel << ", offsets " << c.dst_offset << "/"
     << c.src_offset << ", scale_invs " << c.dst_scale_inv << "/" << c.src_scale_inv << ", margin "
-    << c.recipe.margin << ", pow2 " << c.recipe.pow2;
+    << c.recipe.margin << ", pow2_scale " << c.recipe.pow2_scale;
   return s.str();
 }
 
@@ -122,7 +122,7 @@ TEST(AccumulateCuda, EveryDtypeTailsAndMisalignedPointers) {
           c.src_offset = src_offset;
           c.seed = ++seed;
           c.alpha = seed % 3 == 0 ? 1.0f : (seed % 3 == 1 ? 0.5f : -1.3f);
-          c.recipe = seed % 2 ? ScaleRecipe{0, true} : ScaleRecipe{2, false};
+          c.recipe = seed % 2 ? ScalingRecipe{0, true} : ScalingRecipe{2, false};
           c.dst_scale_inv = seed % 5 == 0 ? 0.3f : std::ldexp(1.0f, static_cast<int>(seed % 13) - 6);
           c.src_scale_inv = seed % 7 == 0 ? 1.7f : std::ldexp(1.0f, static_cast<int>(seed % 11) - 5);
           check(c);
@@ -142,7 +142,7 @@ TEST(AccumulateCuda, GridStrideWrapsAround) {
   Case d(DType::kFloat16, DType::kBFloat16, false, (int64_t{5} << 20) + 2);
   d.dst_offset = d.src_offset = 1;  // misaligned: element by element, many sweeps
   d.alpha = -1.0f;
-  d.recipe = ScaleRecipe{1, true};
+  d.recipe = ScalingRecipe{1, true};
   check(d);
 }
 
@@ -205,12 +205,12 @@ TEST(AccumulateCuda, ZeroSumsAndExtremeAmaxes) {
       });
       // Tiny and huge scale_invs: scale exponents at the clamp, subnormal sums, TE's rule.
       for (float si : {0x1p-140f, 0x1p-120f, 0x1p+100f}) {
-        for (bool pow2 : {true, false}) {
+        for (bool pow2_scale : {true, false}) {
           Case c(dst, src, scaled, n);
           c.dst_scale_inv = si;
           c.src_scale_inv = si;
           c.alpha = si > 1.0f ? 1.0f : 0x1p-30f;
-          c.recipe = ScaleRecipe{pow2 ? 0 : 3, pow2};
+          c.recipe = ScalingRecipe{pow2_scale ? 0 : 3, pow2_scale};
           check(c);
         }
       }
@@ -231,7 +231,7 @@ TEST(AccumulateCuda, SrcIsDst) {
           {&dst, &si, &amax},
           [&](Device d) {
             const TensorView s = si.view(d);
-            scaled_accumulate(dst.view(d), s, dst.view(d), &s, -0.75f, amax.view(d), ScaleRecipe{}, nullptr);
+            scaled_accumulate(dst.view(d), s, dst.view(d), &s, -0.75f, amax.view(d), ScalingRecipe{}, nullptr);
           },
           std::string(dtype_name(dtype)) + " numel " + std::to_string(n));
     }
@@ -262,9 +262,9 @@ TEST(AccumulateCuda, MicroBatchSequence) {
     for (Device d : {Device::kCPU, Device::kCUDA}) {
       const TensorView ssi = src_si.view(d);
       if (step < 8) {
-        scaled_accumulate(dst.view(d), si.view(d), src.view(d), nullptr, 0.125f, amax.view(d), ScaleRecipe{}, nullptr);
+        scaled_accumulate(dst.view(d), si.view(d), src.view(d), nullptr, 0.125f, amax.view(d), ScalingRecipe{}, nullptr);
       } else {
-        scaled_accumulate(dst.view(d), si.view(d), src8.view(d), &ssi, 1.0f, amax.view(d), ScaleRecipe{}, nullptr);
+        scaled_accumulate(dst.view(d), si.view(d), src8.view(d), &ssi, 1.0f, amax.view(d), ScalingRecipe{}, nullptr);
       }
     }
     cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");

@@ -13,7 +13,9 @@
 #include <tuple>
 #include <vector>
 
+#include "fp8amp/accumulate.h"
 #include "fp8amp/cast.h"
+#include "fp8amp/scaling.h"
 #include "expect_error.h"
 #include "host_view.h"
 #include "fp8amp/error.h"
@@ -131,7 +133,7 @@ void expect_quantize_current_is_the_composition(std::vector<float> x, DType out_
     std::vector<float> ref_amax{0.0f}, scale{1.0f}, ref_scale_inv{1.0f};
     fp8amp::amax(view(x, DType::kFloat32, {n}), view(ref_amax, DType::kFloat32, {1}), nullptr, 0, nullptr);
     compute_scale(view(ref_amax, DType::kFloat32, {1}), view(scale, DType::kFloat32, {1}),
-                  view(ref_scale_inv, DType::kFloat32, {1}), format_max(out_dtype), ScaleRecipe{margin, true}, nullptr);
+                  view(ref_scale_inv, DType::kFloat32, {1}), format_max(out_dtype), ScalingRecipe{margin, true}, nullptr);
     Scaling s{view(scale, DType::kFloat32, {1}), view(ref_amax, DType::kFloat32, {1}),
               view(ref_scale_inv, DType::kFloat32, {1})};
     quantize(view(x, DType::kFloat32, {n}), view(want, out_dtype, {n}), s, nullptr);
@@ -391,11 +393,11 @@ TEST(DelayedScaling, MultiUpdateIsEachStatesUpdate) {
   };
   for (int step = 0; step < 3; ++step) {
     auto [h, s, si, c] = views(states);
-    multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{1, true}, nullptr);
+    multi_update_delayed_scaling(h, s, si, c, 448.0f, ScalingRecipe{1, true}, nullptr);
     for (State& r : refs) {
       update_delayed_scaling(view(r.hist, DType::kFloat32, {r.n, r.h}), view(r.scale, DType::kFloat32, {r.n}),
                              view(r.scale_inv, DType::kFloat32, {r.n}), view(r.counter, DType::kInt32, {r.n}), 448.0f,
-                             ScaleRecipe{1, true}, nullptr);
+                             ScalingRecipe{1, true}, nullptr);
     }
     for (size_t i = 0; i < states.size(); ++i) {
       EXPECT_EQ(states[i].hist, refs[i].hist);
@@ -405,18 +407,18 @@ TEST(DelayedScaling, MultiUpdateIsEachStatesUpdate) {
     }
   }
   auto [h, s, si, c] = views(states);
-  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, {c[0]}, 448.0f, ScaleRecipe{}, nullptr); },
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, {c[0]}, 448.0f, ScalingRecipe{}, nullptr); },
                      "as many tensors each");
   si[2] = s[0];  // state 2's scale_inv is state 0's scale
-  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScalingRecipe{}, nullptr); },
                      "must not share memory");
-  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScalingRecipe{}, nullptr); },
                      "scales[0]");
-  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScalingRecipe{}, nullptr); },
                      "scale_invs[2]");
   si = std::get<2>(views(states));
   c[4] = view(states[4].hist, DType::kFloat32, {states[4].n});
-  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScaleRecipe{}, nullptr); },
+  expect_value_error([&] { multi_update_delayed_scaling(h, s, si, c, 448.0f, ScalingRecipe{}, nullptr); },
                      "counters[4]");
 }
 
@@ -428,7 +430,7 @@ TEST(DelayedScaling, HistoryRollCounterAndNonFinite) {
   auto step = [&] {
     update_delayed_scaling(view(hist, DType::kFloat32, {1, h}), view(scale, DType::kFloat32, {1}),
                            view(scale_inv, DType::kFloat32, {1}), view(counter, DType::kInt32, {1}), 448.0f,
-                           ScaleRecipe{}, nullptr);
+                           ScalingRecipe{}, nullptr);
   };
   step();
   EXPECT_EQ(hist, (std::vector<float>{0.0f, 10.0f, 0.0f}));
@@ -547,12 +549,12 @@ TEST(Errors, OutputsMustNotShareMemory) {
   const TensorView dst = at(0, DType::kFloat8E4M3, 8);
   const TensorView src_si = view(scale_inv, DType::kFloat32, {1});
   expect_value_error([&] { scaled_accumulate(dst, view(dst_si, DType::kFloat32), at(1, DType::kFloat8E4M3, 8), &src_si, 1.0f,
-                                             view(acc_amax, DType::kFloat32), ScaleRecipe{}, nullptr); },
+                                             view(acc_amax, DType::kFloat32), ScalingRecipe{}, nullptr); },
                      "scaled_accumulate: dst and src must not share memory");
-  scaled_accumulate(dst, view(dst_si, DType::kFloat32), dst, &src_si, 1.0f, view(acc_amax, DType::kFloat32), ScaleRecipe{},
+  scaled_accumulate(dst, view(dst_si, DType::kFloat32), dst, &src_si, 1.0f, view(acc_amax, DType::kFloat32), ScalingRecipe{},
                     nullptr);
   expect_value_error([&] { scaled_accumulate(dst, view(dst_si, DType::kFloat32), at(64, DType::kFloat32, 8), nullptr, 1.0f,
-                                             view(dst_si, DType::kFloat32), ScaleRecipe{}, nullptr); },
+                                             view(dst_si, DType::kFloat32), ScalingRecipe{}, nullptr); },
                      "scaled_accumulate: amax and dst_scale_inv must not share memory");
 }
 

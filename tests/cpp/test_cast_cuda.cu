@@ -22,6 +22,7 @@
 #include "cuda_test_util.h"
 #include "common/numerics.h"
 #include "fp8amp/cast.h"
+#include "fp8amp/scaling.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
 
@@ -51,10 +52,10 @@ std::vector<MirroredTensor*> pointers(const std::vector<std::unique_ptr<Mirrored
 // The scaling buffers of n tensors, on both sides.
 struct ScalingTensors {
   MirroredTensor scale, amax, scale_inv;
-  std::unique_ptr<MirroredTensor> counter;
+  std::unique_ptr<MirroredTensor> warmup_counter;
   int warmup_steps = 0;
-  ScaleRecipe recipe;
-  TensorView counter_view[2];
+  ScalingRecipe recipe;
+  TensorView warmup_counter_view[2];
 
   ScalingTensors(int64_t n, int64_t history)
       : scale(DType::kFloat32, {n}),
@@ -67,10 +68,10 @@ struct ScalingTensors {
     for (int64_t i = 0; i < amax.numel(); ++i) amax.set_float(i, 0.0f);
   }
 
-  void with_counter(std::vector<int32_t> values, int steps) {
-    counter =
+  void with_warmup_counter(std::vector<int32_t> values, int steps) {
+    warmup_counter =
         std::make_unique<MirroredTensor>(DType::kInt32, std::vector<int64_t>{static_cast<int64_t>(values.size())});
-    for (size_t i = 0; i < values.size(); ++i) counter->set_int(static_cast<int64_t>(i), values[i]);
+    for (size_t i = 0; i < values.size(); ++i) warmup_counter->set_int(static_cast<int64_t>(i), values[i]);
     warmup_steps = steps;
   }
 
@@ -79,9 +80,9 @@ struct ScalingTensors {
     s.scale = scale.view(d);
     s.amax = amax.view(d);
     s.scale_inv = scale_inv.view(d);
-    if (counter) {
-      counter_view[static_cast<int>(d)] = counter->view(d);
-      s.warmup_counter = &counter_view[static_cast<int>(d)];
+    if (warmup_counter) {
+      warmup_counter_view[static_cast<int>(d)] = warmup_counter->view(d);
+      s.warmup_counter = &warmup_counter_view[static_cast<int>(d)];
     }
     s.warmup_steps = warmup_steps;
     s.recipe = recipe;
@@ -90,7 +91,7 @@ struct ScalingTensors {
 
   std::vector<MirroredTensor*> all() {
     std::vector<MirroredTensor*> r{&scale, &amax, &scale_inv};
-    if (counter) r.push_back(counter.get());
+    if (warmup_counter) r.push_back(warmup_counter.get());
     return r;
   }
 };
@@ -307,19 +308,19 @@ TEST(CastCuda, QuantizeWarmupBelowAndAboveSteps) {
     fill(x, values);
     for (DType out : kScaled) {
       for (int counter : {0, 3, 4, 9}) {
-        for (bool pow2 : {true, false}) {
+        for (bool pow2_scale : {true, false}) {
           for (float a : start_amax) {
             MirroredTensor y(out, {x.numel()});
             ScalingTensors s(1, 4);
             s.scale.set_float(0, 0.5f);
             s.amax.set_float(0, a);
             s.amax.set_float(1, 123.0f);  // older history: never read here
-            s.with_counter({counter}, 4);
-            s.recipe.pow2 = pow2;
-            s.recipe.margin = pow2 ? 1 : 2;
+            s.with_warmup_counter({counter}, 4);
+            s.recipe.pow2_scale = pow2_scale;
+            s.recipe.margin = pow2_scale ? 1 : 2;
             expect_cuda_matches_cpu(std::vector<MirroredTensor*>{&x, &y} + s.all(), [&](Device d) { quantize(x.view(d), y.view(d), s.on(d), nullptr); },
-                                    label(in, out, "counter " + std::to_string(counter) + " of 4, pow2 " +
-                                                       std::to_string(pow2) + ", amax " + std::to_string(a)));
+                                    label(in, out, "counter " + std::to_string(counter) + " of 4, pow2_scale " +
+                                                       std::to_string(pow2_scale) + ", amax " + std::to_string(a)));
           }
         }
       }
@@ -506,7 +507,7 @@ void check_cast_transpose(DType in, DType out, int64_t rows, int64_t cols, int64
   ScalingTensors s(1, 0);
   s.scale.set_float(0, 0x1p-4f);
   s.amax.set_float(0, 1.0f);
-  if (counter >= 0) s.with_counter({counter}, 2);
+  if (counter >= 0) s.with_warmup_counter({counter}, 2);
   std::vector<MirroredTensor*> tensors{&x, &y, &yt};
   if (column_sums) tensors.insert(tensors.end(), {&dbias, &workspace});
   expect_cuda_matches_cpu(
@@ -601,7 +602,7 @@ TEST(CastCuda, MultiTensorOps) {
         s.amax.set_float(i * 3, i % 4 == 0 ? 0.0f : 0.5f * static_cast<float>(i));
         counters.push_back(static_cast<int32_t>(i % 7));
       }
-      s.with_counter(counters, 4);
+      s.with_warmup_counter(counters, 4);
       expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + s.all(),
                               [&](Device d) { multi_quantize(views(xs, d), views(ys, d), s.on(d), nullptr); },
                               label(in, out, "multi_quantize of 300 tensors"));
@@ -652,7 +653,7 @@ TEST(CastCuda, ComputeScale) {
   const int64_t n = 1000;
   for (int64_t history : {int64_t{0}, int64_t{4}}) {
     for (float fmax : {448.0f, 57344.0f, 65504.0f}) {
-      for (bool pow2 : {true, false}) {
+      for (bool pow2_scale : {true, false}) {
         for (int margin : {0, 3, 126}) {  // the accepted range is [0, 126]
           MirroredTensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
           for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, awkward_amax(rng));
@@ -661,11 +662,11 @@ TEST(CastCuda, ComputeScale) {
             scale.set_float(i, std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
             scale_inv.set_float(i, 1.0f / std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
           }
-          const ScaleRecipe recipe{margin, pow2};
+          const ScalingRecipe recipe{margin, pow2_scale};
           expect_cuda_matches_cpu(
               {&a, &scale, &scale_inv},
               [&](Device d) { compute_scale(a.view(d), scale.view(d), scale_inv.view(d), fmax, recipe, nullptr); },
-              "fmax " + std::to_string(fmax) + " pow2 " + std::to_string(pow2) + " margin " + std::to_string(margin));
+              "fmax " + std::to_string(fmax) + " pow2_scale " + std::to_string(pow2_scale) + " margin " + std::to_string(margin));
         }
       }
     }
@@ -677,7 +678,7 @@ TEST(CastCuda, UpdateDelayedScaling) {
   std::mt19937 rng(19);
   for (int64_t n : {int64_t{1}, int64_t{1000}}) {
     for (int64_t history : {int64_t{1}, int64_t{16}, int64_t{33}}) {
-      for (bool pow2 : {true, false}) {
+      for (bool pow2_scale : {true, false}) {
         MirroredTensor h(DType::kFloat32, {n, history});
         for (int64_t i = 0; i < h.numel(); ++i) h.set_float(i, awkward_amax(rng));
         MirroredTensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n}), counter(DType::kInt32, {n});
@@ -687,7 +688,7 @@ TEST(CastCuda, UpdateDelayedScaling) {
           scale_inv.set_float(i, 0.5f);
           counter.set_int(i, i == 0 ? INT32_MAX : count(rng));
         }
-        const ScaleRecipe recipe{1, pow2};
+        const ScalingRecipe recipe{1, pow2_scale};
         // Several steps in a row, so rolled histories and counters feed the next update.
         for (int step = 0; step < 3; ++step) {
           expect_cuda_matches_cpu({&h, &scale, &scale_inv, &counter},
@@ -695,8 +696,8 @@ TEST(CastCuda, UpdateDelayedScaling) {
                                     update_delayed_scaling(h.view(d), scale.view(d), scale_inv.view(d),
                                                            counter.view(d), 448.0f, recipe, nullptr);
                                   },
-                                  "n " + std::to_string(n) + " H " + std::to_string(history) + " pow2 " +
-                                      std::to_string(pow2) + " step " + std::to_string(step));
+                                  "n " + std::to_string(n) + " H " + std::to_string(history) + " pow2_scale " +
+                                      std::to_string(pow2_scale) + " step " + std::to_string(step));
         }
       }
     }
@@ -731,7 +732,7 @@ TEST(CastCuda, MultiUpdateDelayedScaling) {
                             [&](Device d) {
                               multi_update_delayed_scaling(views_on(hs, d), views_on(scales, d),
                                                            views_on(scale_invs, d), views_on(counters, d), 57344.0f,
-                                                           ScaleRecipe{0, true}, nullptr);
+                                                           ScalingRecipe{0, true}, nullptr);
                             },
                             "step " + std::to_string(step));
   }

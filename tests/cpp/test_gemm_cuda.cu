@@ -197,7 +197,7 @@ void run_case(const Case& c, Errors* errors) {
   Matrix bias(c.out_dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16, 1, c.n, c.n);
 
   // Operands as the quantizer makes them: N(0, sigma) data times the power-of-two scale that maps
-  // its amax near the format's max (DESIGN §3); sigma differs per side.
+  // its amax near the format's max (docs/numerics.md#numerics); sigma differs per side.
   auto quantize = [&](Matrix& m, Matrix& scale_inv, float sigma) {
     std::vector<float> x(m.rows() * m.cols());
     float amax = 0.0f;

@@ -53,7 +53,7 @@ def model_amax(x: torch.Tensor) -> np.float32:
 
 
 class DelayedScalingModel:
-    """n tensors with amax histories of length H, per docs/numerics.md#numerics (see cast.h for the order)."""
+    """n tensors with amax histories of length H, per docs/numerics.md#numerics (see scaling.h for the order)."""
 
     def __init__(self, n, history_len, fmax, margin, pow2):
         self.h, self.fmax, self.margin, self.pow2 = history_len, fmax, margin, pow2

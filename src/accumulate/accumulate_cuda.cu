@@ -1,4 +1,4 @@
-// CUDA twin of accumulate_cpu.cpp: scaled_accumulate (cast.h) bit for bit, without host syncs.
+// CUDA twin of accumulate_cpu.cpp: scaled_accumulate (accumulate.h) bit for bit, without host syncs.
 //
 // The new scale depends on the amax of all the sums, so the op takes three launches on the stream:
 // - the amax pass:  the sums, reduced to max amax_key per block and atomicMax'ed into amax (zeroed
@@ -21,7 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cast/cast_kernels.h"
+#include "accumulate/accumulate_kernels.h"
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) accumulate_pass(const AccumulatePtrs
   const float src_scale_inv = kScaledSrc ? *p.src_scale_inv : 1.0f;
   float scale = 0.0f;
   if constexpr (kPass == Pass::kStore) {
-    scale = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2).scale;
+    scale = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2_scale).scale;
   }
 
   uint32_t key = 0;
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) accumulate_pass(const AccumulatePtrs
 
 template <class Dst>
 __global__ void finish(const AccumulatePtrs p) {
-  *p.dst_scale_inv = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2).scale_inv;
+  *p.dst_scale_inv = accumulate::new_scale(*p.amax, numerics::format_max<Dst>(), p.margin, p.pow2_scale).scale_inv;
 }
 
 // Blocks for `packs` grid-stride iterations of one thread each, at most kBlocksPerSm per SM.

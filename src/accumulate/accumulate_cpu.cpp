@@ -1,9 +1,9 @@
-// CPU reference of scaled_accumulate (cast.h): the readable definition of correct for
+// CPU reference of scaled_accumulate (accumulate.h): the readable definition of correct for
 // accumulate_cuda.cu. Two passes, as on the device: the sums and their amax, then the new scale
 // and the sums again, quantized with it.
 #include <algorithm>
 
-#include "cast/cast_kernels.h"
+#include "accumulate/accumulate_kernels.h"
 #include "common/dispatch.h"
 
 namespace fp8amp {
@@ -24,7 +24,7 @@ void accumulate(const AccumulatePtrs& p) {
   uint32_t key = 0;
   for (int64_t i = 0; i < p.numel; ++i) key = std::max(key, numerics::amax_key(sum(i)));
   const float amax = numerics::amax_from_key(key);
-  const numerics::ScalePair pair = accumulate::new_scale(amax, numerics::format_max<Dst>(), p.margin, p.pow2);
+  const numerics::ScalePair pair = accumulate::new_scale(amax, numerics::format_max<Dst>(), p.margin, p.pow2_scale);
 
   // dst[i] is read (by sum(i)) before it is written, so src may be dst itself.
   for (int64_t i = 0; i < p.numel; ++i) dst[i] = numerics::quantize_to<Dst>(rn::mul(sum(i), pair.scale));

@@ -1,0 +1,31 @@
+// Argument helpers shared by the ops' checks (cast.cpp, scaling.cpp): how an element of a list
+// argument is named in messages, and the float32 buffers that scales and amaxes live in.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// The multi-tensor ops take lists and name their elements xs[i] and outs[i]; the single-tensor
+// ops name theirs x and out, and the dtype argument their output is allocated from. Each op passes
+// its Arity; its name only appears in messages.
+enum class Arity : int8_t { kSingle, kMulti };
+
+// "x" for a single-tensor op, "xs[3]" for a multi-tensor one (short enough for std::string's
+// small-buffer storage: no allocation per tensor).
+inline std::string element_name(Arity arity, const char* single_name, const char* list_name, size_t i) {
+  return arity == Arity::kMulti ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
+}
+
+// t is float32, contiguous and on like's device (like is named "x" in the message).
+inline void check_float32(const TensorView& t, const TensorView& like, const char* op, const char* arg) {
+  check::dtype_is(t, DType::kFloat32, op, arg);
+  check::contiguous(t, op, arg);
+  check::same_device(t, like, op, arg, "x");
+}
+
+}  // namespace fp8amp
