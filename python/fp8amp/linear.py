@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
@@ -118,13 +119,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         weight_scaling: ScalingState,
         grad_output_scaling: ScalingState,
         fp8_weight_grad: bool,
+        record_amax: bool,
     ) -> torch.Tensor:
         out_dtype = _output_dtype(x)
         # Host time: no reshape / pad / slice ops where the input is 2-D with aligned rows.
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
         padded = rows % _ALIGN != 0
-        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d) if padded else x2d)
+        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d) if padded else x2d,
+                                                                   record=record_amax)
         w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
         y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
@@ -148,6 +151,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable  # its GEMMs are not differentiable again: double backward raises, never returns 0
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
         if ctx.w_transpose_from is not None:
@@ -182,7 +186,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 cast_recorder.record(ctx.grad_output_scaling, "weight_grad", real, grad_weight.codes, grad_weight.scale_inv)
         elif ctx.needs_input_grad[1]:
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -213,6 +217,11 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
+
+    #: Whether forwards in ``eval()`` or without grad (validation, generation) record their input's
+    #: amax into the delayed-scaling history. Off: only training forwards shape the training scales;
+    #: such a forward still casts with the delayed scale (during the warm-up, with its own amax's).
+    record_amax_outside_training: bool = False
 
     #: Set by :meth:`use_master` (fp8amp.initialize at O1/O2); None for FP8 compute alone.
     master: Optional[MasterWeight] = None
@@ -262,6 +271,7 @@ class Fp8Linear(nn.Linear):
         return _Fp8LinearFunction.apply(
             x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
             True if master is None else master.fp8_weight_grad,
+            self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
 
     def _check_master(self, master: MasterWeight) -> None:

@@ -113,33 +113,40 @@ class ScalingState(torch.nn.Module):
         row = slice(index, index + 1)
         return scale[row], amax[row], counter[row]
 
-    def _delayed(self, op, name: str, x: torch.Tensor, index: int):
+    def _delayed(self, op, name: str, x: torch.Tensor, index: int, record: bool):
         """x through one cast op as tensor ``index`` (delayed scaling; current during warm-up). The
-        recipe and dtype were checked when the state was made, so the op is called unchecked."""
+        recipe and dtype were checked when the state was made, so the op is called unchecked.
+        Without ``record`` the op folds x's amax into a scratch row, so the history is left alone
+        (and a warm-up scale comes from x's amax alone)."""
         scale, amax, counter = self._buffers_of(index)
+        if not record:
+            amax = torch.zeros_like(amax)
         r = self.recipe
         return op(_input(x, "x", name), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale)
 
-    def quantize(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantizes ``x`` as tensor ``index`` of this state; records its amax.
+    def quantize(self, x: torch.Tensor, index: int = 0, *, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantizes ``x`` as tensor ``index`` of this state; records its amax (unless ``record`` is
+        False: then the history is left as it is).
 
         Returns ``(out, scale_inv)``, ``scale_inv`` float32 ``[1]`` being 1 / the scale used.
         """
-        return self._delayed(fast.quantize, "quantize", x, index)
+        return self._delayed(fast.quantize, "quantize", x, index, record)
 
-    def cast_transpose(self, x: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Quantizes ``x`` ``[..., N]`` as tensor ``index`` and transposes it; records its amax.
+    def cast_transpose(self, x: torch.Tensor, index: int = 0, *,
+                       record: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantizes ``x`` ``[..., N]`` as tensor ``index`` and transposes it; records its amax
+        (``record`` as in :meth:`quantize`).
 
         Returns ``(out, out_t, scale_inv)``: ``out`` of ``x``'s shape, ``out_t`` ``[N, M]``.
         """
-        return self._delayed(fast.cast_transpose, "cast_transpose", x, index)
+        return self._delayed(fast.cast_transpose, "cast_transpose", x, index, record)
 
     def cast_transpose_dbias(
-        self, x: torch.Tensor, index: int = 0
+        self, x: torch.Tensor, index: int = 0, *, record: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like :meth:`cast_transpose`, also returning the column sums of ``x`` (float32 ``[N]``,
         :func:`fp8amp.ops.cast_transpose_dbias`): ``(out, out_t, scale_inv, dbias)``."""
-        return self._delayed(fast.cast_transpose_dbias, "cast_transpose_dbias", x, index)
+        return self._delayed(fast.cast_transpose_dbias, "cast_transpose_dbias", x, index, record)
 
     def cast_transpose_current(
         self, x: torch.Tensor, index: int = 0

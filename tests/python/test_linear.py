@@ -184,3 +184,48 @@ def test_cuda_matches_cpu_emulation():
     # Same quantized operands; only the GEMM's summation order (and fast accumulation) differ.
     assert sqnr_db(y_g.cpu(), y) > 40 and sqnr_db(dx_g.cpu(), dx) > 40
     assert torch.equal(fp8_gpu.input_scaling.amax_history.cpu(), fp8_cpu.input_scaling.amax_history)
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "inference_mode"])
+def test_forwards_outside_training_leave_the_scaling_history_alone(mode):
+    """A validation batch 100x larger must not coarsen the next training step's input scale."""
+    torch.manual_seed(0)
+    layer = fp8amp.Fp8Linear(32, 16, recipe=fp8amp.ScalingRecipe(history_len=2))
+    x = torch.randn(48, 32)
+    layer(x).sum().backward()
+    layer.update_scaling()
+    history = layer.input_scaling.amax_history.clone()
+    big = 100 * x
+    if mode == "eval":
+        layer.eval()
+        y = layer(big)
+        layer.train()
+    else:
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+            y = layer(big)
+    assert torch.equal(layer.input_scaling.amax_history, history)
+    # The batch itself was cast with a scale that fits it (warm-up: its own amax), not saturated.
+    reference = torch.nn.functional.linear(big, layer.weight.detach(), layer.bias.detach())
+    assert ((y - reference).norm() / reference.norm()).item() < 0.1
+
+
+def test_recording_outside_training_is_an_option():
+    layer = fp8amp.Fp8Linear(32, 16)
+    layer.record_amax_outside_training = True
+    layer.eval()
+    layer(torch.full((16, 32), 3.0))
+    assert layer.input_scaling.amax_history[0, 0].item() == 3.0
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+def test_double_backward_is_refused(level):
+    """A gradient penalty through an Fp8Linear used to give a weight gradient of 0 silently."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    if level == "fp8":
+        fp8amp.convert(model, policy="all")
+    else:
+        model, _ = fp8amp.initialize(model, opt_level=level, policy="all")
+    x = torch.randn(32, 16, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_x.norm().backward()
