@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "meta_kernel.h"
 #include "fp8amp/gemm.h"
 
 namespace fp8amp::torch_binding {
@@ -72,6 +73,9 @@ at::Tensor gemm_meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 void gemm_accumulate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const std::optional<at::Tensor>&, bool) {}
 
+constexpr char kGemm[] = "gemm";
+constexpr char kGemmAccumulate[] = "gemm_accumulate";
+
 void set_gemm_autotune(bool enabled) { fp8amp::set_gemm_autotune(enabled); }
 
 bool gemm_autotune() { return fp8amp::gemm_autotune(); }
@@ -107,6 +111,7 @@ TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) {
   m.impl("gemm_accumulate", fp8amp::torch_binding::gemm_accumulate);
 }
 TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
-  m.impl("gemm", fp8amp::torch_binding::gemm_meta);
-  m.impl("gemm_accumulate", fp8amp::torch_binding::gemm_accumulate_meta);
+  m.impl("gemm", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kGemm, fp8amp::torch_binding::gemm_meta>::run);
+  m.impl("gemm_accumulate", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kGemmAccumulate,
+                                                             fp8amp::torch_binding::gemm_accumulate_meta>::run);
 }

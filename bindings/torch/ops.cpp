@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "meta_kernel.h"
 #include "fp8amp/accumulate.h"
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
@@ -213,7 +214,20 @@ void multi_update_delayed_scaling(at::TensorList amax_histories, at::TensorList 
   });
 }
 
-// Meta kernels: shapes and dtypes only, for torch.compile's fake tensors.
+// Meta kernels: shapes and dtypes only (registered through MetaKernel, which checks devices).
+constexpr char kQuantize[] = "quantize";
+constexpr char kQuantizeCurrent[] = "quantize_current";
+constexpr char kCastTranspose[] = "cast_transpose";
+constexpr char kCastTransposeDbias[] = "cast_transpose_dbias";
+constexpr char kDequantize[] = "dequantize";
+constexpr char kAmax[] = "amax";
+constexpr char kMultiAmax[] = "multi_amax";
+constexpr char kMultiQuantize[] = "multi_quantize";
+constexpr char kMultiDequantize[] = "multi_dequantize";
+constexpr char kComputeScale[] = "compute_scale";
+constexpr char kUpdateDelayedScaling[] = "update_delayed_scaling";
+constexpr char kMultiUpdateDelayedScaling[] = "multi_update_delayed_scaling";
+
 std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x, const at::Tensor& scale, const at::Tensor&,
                                                  at::ScalarType dtype, const std::optional<at::Tensor>&, int64_t,
                                                  int64_t, bool) {
@@ -311,7 +325,20 @@ TORCH_LIBRARY(fp8amp, m) {
 // The same functions serve CPU and CUDA: the core dispatches on the tensors' device.
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_KERNELS(m, ); }
 TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_KERNELS(m, ); }
-TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { FP8AMP_REGISTER_KERNELS(m, _meta); }
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
+  m.impl("quantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kQuantize, fp8amp::torch_binding::quantize_meta>::run);
+  m.impl("quantize_current", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kQuantizeCurrent, fp8amp::torch_binding::quantize_current_meta>::run);
+  m.impl("cast_transpose", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCastTranspose, fp8amp::torch_binding::cast_transpose_meta>::run);
+  m.impl("cast_transpose_dbias", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCastTransposeDbias, fp8amp::torch_binding::cast_transpose_dbias_meta>::run);
+  m.impl("dequantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kDequantize, fp8amp::torch_binding::dequantize_meta>::run);
+  m.impl("amax", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kAmax, fp8amp::torch_binding::amax_meta>::run);
+  m.impl("multi_amax", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiAmax, fp8amp::torch_binding::multi_amax_meta>::run);
+  m.impl("multi_quantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiQuantize, fp8amp::torch_binding::multi_quantize_meta>::run);
+  m.impl("multi_dequantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiDequantize, fp8amp::torch_binding::multi_dequantize_meta>::run);
+  m.impl("compute_scale", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kComputeScale, fp8amp::torch_binding::compute_scale_meta>::run);
+  m.impl("update_delayed_scaling", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kUpdateDelayedScaling, fp8amp::torch_binding::update_delayed_scaling_meta>::run);
+  m.impl("multi_update_delayed_scaling", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiUpdateDelayedScaling, fp8amp::torch_binding::multi_update_delayed_scaling_meta>::run);
+}
 
 // ------------------------------------------------------------------------------------------------
 // scaled_accumulate (fp8amp/accumulate.h): dst, dst_scale_inv and amax are written in place.
@@ -333,6 +360,7 @@ void scaled_accumulate(const at::Tensor& dst, const at::Tensor& dst_scale_inv, c
 
 void scaled_accumulate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             double, const at::Tensor&, int64_t, bool) {}
+constexpr char kScaledAccumulate[] = "scaled_accumulate";
 
 }  // namespace
 }  // namespace fp8amp::torch_binding
@@ -345,4 +373,7 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
 
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { m.impl("scaled_accumulate", fp8amp::torch_binding::scaled_accumulate); }
 TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { m.impl("scaled_accumulate", fp8amp::torch_binding::scaled_accumulate); }
-TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { m.impl("scaled_accumulate", fp8amp::torch_binding::scaled_accumulate_meta); }
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
+  m.impl("scaled_accumulate", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kScaledAccumulate,
+                                                               fp8amp::torch_binding::scaled_accumulate_meta>::run);
+}

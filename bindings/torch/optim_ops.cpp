@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "meta_kernel.h"
 #include "fp8amp/optim.h"
 
 namespace fp8amp::torch_binding {
@@ -108,6 +109,8 @@ at::Tensor adam_step_meta(at::TensorList params, at::TensorList, at::TensorList,
   return amax_like(params);
 }
 
+constexpr char kAdamStep[] = "adam_step";
+
 }  // namespace
 }  // namespace fp8amp::torch_binding
 
@@ -125,4 +128,7 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
 // The same function serves CPU and CUDA: the core dispatches on the tensors' device.
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { m.impl("adam_step", fp8amp::torch_binding::adam_step); }
 TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { m.impl("adam_step", fp8amp::torch_binding::adam_step); }
-TORCH_LIBRARY_IMPL(fp8amp, Meta, m) { m.impl("adam_step", fp8amp::torch_binding::adam_step_meta); }
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
+  m.impl("adam_step",
+         &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kAdamStep, fp8amp::torch_binding::adam_step_meta>::run);
+}

@@ -356,3 +356,40 @@ def test_cast_transpose_dbias_cpu_cuda_mix_names_the_argument():
                                     warmup_counter=counter(), warmup_steps=1)
     with pytest.raises(ValueError, match="x"):
         fp8amp.ScalingState(1).cast_transpose_dbias(xc)
+
+
+def _with_one_meta(args, i):
+    """args with the tensor at position i (or element 0 of the list there) moved to the meta device."""
+    args = list(args)
+    a = args[i]
+    args[i] = [a[0].to("meta"), *a[1:]] if isinstance(a, list) else a.to("meta")
+    return args
+
+
+def _meta_cases():
+    x, one, amax = torch.randn(16, 16), torch.ones(1), torch.zeros(1, 4)
+    e4m3 = x.to(E4M3)
+    return {
+        "quantize": (torch.ops.fp8amp.quantize.default, (x, one, amax, E4M3), (1, 2)),
+        "cast_transpose": (torch.ops.fp8amp.cast_transpose.default, (x, one, amax, E4M3), (0, 1, 2)),
+        "cast_transpose_dbias": (torch.ops.fp8amp.cast_transpose_dbias.default, (x, one, amax, E4M3), (1,)),
+        "dequantize": (torch.ops.fp8amp.dequantize.default, (x.half(), one, torch.float32), (1,)),
+        "amax": (torch.ops.fp8amp.amax.default, (x, amax), (0, 1)),
+        "multi_amax": (torch.ops.fp8amp.multi_amax.default, ([x, x], torch.zeros(2, 1)), (0, 1)),
+        "gemm": (torch.ops.fp8amp.gemm.default, (e4m3, e4m3, one, one, torch.float32), (2, 3)),
+        "gemm_accumulate": (torch.ops.fp8amp.gemm_accumulate.default, (e4m3, e4m3, one, one, torch.zeros(16, 16)),
+                            (4,)),
+        "scaled_accumulate": (torch.ops.fp8amp.scaled_accumulate.default,
+                              (x.half(), torch.ones(1), x, None, 1.0, torch.zeros(1)), (1, 5)),
+        "compute_scale": (torch.ops.fp8amp.compute_scale.default, (amax, one, one.clone(), 448.0), (1,)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_meta_cases()))
+def test_a_meta_tensor_among_real_ones_is_refused(name):
+    """The dispatcher runs the Meta kernel when any argument is meta: it used to return
+    uninitialized memory (or write nothing) for the real tensors."""
+    op, args, positions = _meta_cases()[name]
+    for i in positions:
+        with pytest.raises(ValueError, match=f"fp8amp.{name}: every tensor argument must be on one device, got .* on meta"):
+            op(*_with_one_meta(args, i))
