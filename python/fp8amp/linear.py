@@ -294,6 +294,19 @@ class Fp8Linear(nn.Linear):
                 "optimizer, then fully_shard, then build fp8amp.optim.AdamW(model.parameters(), state_dtypes=...) "
                 "and register fp8amp.update_scaling(model) after its step (docs/distributed.md)")
 
+    def _apply(self, fn, recurse=True):
+        # An O1/O2 master keeps its logical dtype: module.to(torch.float64) / .half() / .double()
+        # would replace it by a plain tensor that the optimizer does not update (device moves are fine).
+        weight = self.weight
+        if isinstance(weight, ScaledTensor) and weight.storage_format == FP16:
+            probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+            if probe.dtype != weight.dtype:
+                raise ValueError(
+                    f"Fp8Linear: the weight is an O1/O2 FP16 master of logical dtype {weight.dtype} "
+                    f"(fp8amp.initialize), which cannot become {probe.dtype}; keep the model in float32 and "
+                    "let torch.autocast choose the compute dtype (device moves, .to('cuda'), work)")
+        return super()._apply(fn, recurse)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The real values of a ScaledTensor weight (O1/O2), loadable into an ``nn.Linear``."""
         super()._save_to_state_dict(destination, prefix, keep_vars)

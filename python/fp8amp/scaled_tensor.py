@@ -193,6 +193,15 @@ class ScaledTensor(torch.Tensor):
         self._fp8_scale_inv.copy_(scale_inv)
         torch.reciprocal(scale_inv, out=self._fp8_scale)
 
+    def share_memory_(self):
+        """Refused: torch shares a tensor's storage between processes, and a ScaledTensor is a
+        wrapper without one of its own (sharing it crashed the process)."""
+        raise RuntimeError(
+            "fp8amp.ScaledTensor: share_memory_() is not supported (an O1/O2 master or an FP8 gradient is a "
+            "wrapper of codes and a scale, with no storage of its own to share); train with several "
+            "processes through torch.distributed (DDP, FSDP2: docs/distributed.md), or share a model "
+            "converted for FP8 compute only (fp8amp.convert), whose weights are plain tensors")
+
     @property
     def codes(self) -> torch.Tensor:
         """The stored codes (read them; write through the tensor's own ops)."""

@@ -571,3 +571,25 @@ def _gpt_loss(mode: str) -> float:
 def test_small_gpt_loss_matches_bf16(level):
     bf16, fp8 = _gpt_loss("bf16"), _gpt_loss(level)
     assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)
+
+
+def test_share_memory_of_masters_is_refused_not_a_crash():
+    """It segfaulted (torch shared a wrapper subclass's storage); run in a child so a crash fails."""
+    import subprocess
+    import sys
+    code = ("import torch, fp8amp\n"
+            "m, _ = fp8amp.initialize(torch.nn.Sequential(torch.nn.Linear(16, 16)), None, 'O2', policy='all')\n"
+            "try:\n    m.share_memory()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: fp8amp.ScaledTensor: share_memory_() is not supported" in out.stdout
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.double()])
+def test_dtype_changes_of_masters_are_refused(cast):
+    model, _ = fp8amp.initialize(nn.Sequential(nn.Linear(16, 16)), None, "O2", policy="all")
+    with pytest.raises(ValueError, match="O1/O2 FP16 master of logical dtype torch.float32"):
+        cast(model)
+    model.to("cpu")  # a device move is fine
+    assert isinstance(model[0].weight, fp8amp.ScaledTensor)
+    model.state_dict()
