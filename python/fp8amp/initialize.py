@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -90,6 +92,7 @@ def initialize(
                          f"got {weight_grad!r}")
     if optimizer is not None:
         _check_optimizer(optimizer)
+        _check_optimizer_of(model, optimizer)
 
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens)
     masters = _make_masters(model)
@@ -111,6 +114,17 @@ def _check_optimizer(optimizer: object) -> None:
     if any(optimizer.state.values()):
         raise ValueError("initialize: the optimizer has already taken steps (it holds state); call initialize "
                          "before the first step, or load the checkpoint into the optimizer it returns")
+
+
+def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer over none of the model's parameters (built on another model) would leave the
+    model untrained without a word."""
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and not any(id(p) in own for p in params):
+        warnings.warn(f"initialize: the optimizer holds {len(params)} parameter(s), none of them the model's, so "
+                      "the model will not train: build it on model.parameters() of the model you pass",
+                      UserWarning, stacklevel=3)
 
 
 def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:

@@ -593,3 +593,9 @@ def test_dtype_changes_of_masters_are_refused(cast):
     model.to("cpu")  # a device move is fine
     assert isinstance(model[0].weight, fp8amp.ScaledTensor)
     model.state_dict()
+
+
+def test_an_optimizer_of_another_model_is_warned_about():
+    model_a, model_b = nn.Sequential(nn.Linear(16, 16)), nn.Sequential(nn.Linear(16, 16))
+    with pytest.warns(UserWarning, match="none of them the model's, so the model will not train"):
+        fp8amp.initialize(model_a, torch.optim.AdamW(model_b.parameters()), "O2", policy="all")

@@ -92,3 +92,8 @@ def test_format_maxima_agree_with_torch_and_the_core(fmt):
     out, _ = ops.quantize(torch.tensor([1e30, -1e30]), torch.ones(1), torch.zeros(1, 1), fmt,
                           warmup_counter=counter, warmup_steps=0)
     assert out.float().tolist() == [fmax, -fmax]
+
+
+def test_adam_step_of_no_tensors_is_a_clear_error():
+    with pytest.raises(ValueError, match="params must hold at least one tensor"):
+        ops.adam_step([], [], [], [], lr=0.1)

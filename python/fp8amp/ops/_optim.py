@@ -53,6 +53,8 @@ def adam_step(
     if unknown:
         raise TypeError(f"fp8amp.ops.{op}: unknown keyword argument(s) {unknown}; accepted: {list(_SCALE_LISTS)}")
     lists = [_optional_tensors(scale_lists.get(name, ()), name, op) for name in _SCALE_LISTS]
+    if isinstance(params, (list, tuple)) and not params:
+        raise ValueError(f"fp8amp.ops.{op}: params must hold at least one tensor (a step over nothing has no device)")
     return fast.adam_step(
         _tensors(params, "params", op), _tensors(grads, "grads", op), _tensors(exp_avgs, "exp_avgs", op),
         _tensors(exp_avg_sqs, "exp_avg_sqs", op), *lists,
