@@ -17,6 +17,11 @@ from ._args import _bool, _float, _input, _int, _tensor, _tensors
 __all__ = ["compute_scale", "update_delayed_scaling", "multi_update_delayed_scaling"]
 
 
+def _rule_args(fmax: object, margin: object, pow2_scale: object, op: str) -> tuple[float, int, bool]:
+    """The scale rule's arguments, checked, in schema order: ``fmax``, ``margin``, ``pow2_scale``."""
+    return _float(fmax, "fmax", op), _int(margin, "margin", op), _bool(pow2_scale, "pow2_scale", op)
+
+
 def compute_scale(
     amax: torch.Tensor,
     scale: torch.Tensor,
@@ -38,9 +43,7 @@ def compute_scale(
         _input(amax, "amax", op),
         _tensor(scale, "scale", op),
         _tensor(scale_inv, "scale_inv", op),
-        _float(fmax, "fmax", op),
-        _int(margin, "margin", op),
-        _bool(pow2_scale, "pow2_scale", op),
+        *_rule_args(fmax, margin, pow2_scale, op),
     )
 
 
@@ -68,9 +71,7 @@ def update_delayed_scaling(
         _tensor(scale, "scale", op),
         _tensor(scale_inv, "scale_inv", op),
         _tensor(counter, "counter", op),
-        _float(fmax, "fmax", op),
-        _int(margin, "margin", op),
-        _bool(pow2_scale, "pow2_scale", op),
+        *_rule_args(fmax, margin, pow2_scale, op),
     )
 
 
@@ -94,7 +95,5 @@ def multi_update_delayed_scaling(
         return  # no state (and no tensor for torch to dispatch on)
     fast.multi_update_delayed_scaling(
         *lists,
-        _float(fmax, "fmax", op),
-        _int(margin, "margin", op),
-        _bool(pow2_scale, "pow2_scale", op),
+        *_rule_args(fmax, margin, pow2_scale, op),
     )
