@@ -64,10 +64,9 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
         w = torch.randn(shape, device=device, generator=gen) * 0.02
         g = torch.randn(shape, device=device, generator=gen) * 1e-3
         if mode in ("o1", "o2", "o2-copy"):
-            p = torch.nn.Parameter(fp8amp.ScaledTensor.from_tensor(w, fp8amp.FP16))
+            master = fp8amp.MasterWeight.from_tensor(w)
+            p = torch.nn.Parameter(master if mode == "o2-copy" else master.drop_fp8_copy())
             p.grad = fp8amp.ScaledTensor.from_tensor(g, fp8amp.E4M3)
-            if mode == "o2-copy":
-                p.attach_fp8_copy()
         else:
             p = torch.nn.Parameter(w)
             p.grad = g

@@ -15,9 +15,9 @@ parameter that FSDP2 shards, the optimizer updates and checkpoints save) and def
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``. The gathered weight is an E4M3
 :class:`~fp8amp.ScaledTensor` that the layer's forward takes as it is.
 
-O1/O2 masters (:class:`~fp8amp.ScaledTensor`) take the same all-gather through ScaledTensor's own
+O1/O2 masters (:class:`~fp8amp.MasterWeight`) take the same all-gather through MasterWeight's own
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: both kinds of weight share
-:func:`fp8amp.scaled_tensor.pre_all_gather` and :func:`~fp8amp.scaled_tensor.post_all_gather`
+:func:`fp8amp.master_weight.pre_all_gather` and :func:`~fp8amp.master_weight.post_all_gather`
 (docs/distributed.md, "FSDP2").
 """
 
@@ -28,7 +28,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from .linear import Fp8Linear
-from .scaled_tensor import ScaledTensor, post_all_gather, pre_all_gather
+from .master_weight import post_all_gather, pre_all_gather
+from .scaled_tensor import ScaledTensor
 
 __all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather"]
 

@@ -4,7 +4,7 @@ What it does, in place on ``model`` and with a new optimizer:
 
 1. :func:`fp8amp.convert` swaps the ``nn.Linear`` layers FP8 can take for :class:`Fp8Linear`
    (FP8 GEMMs, delayed scaling; same parameters and state-dict keys).
-2. Each converted layer's weight becomes an FP16 :class:`ScaledTensor` parameter (the master
+2. Each converted layer's weight becomes a :class:`~fp8amp.MasterWeight` parameter (FP16 codes, the master
    copy: 2 bytes per element, no FP32 copy anywhere) carrying the E4M3 copy the forward GEMM reads
    (1 byte per element, rewritten by the optimizer's step); its gradient will be an E4M3 ScaledTensor.
    A weight that is also used outside converted Linears (say an embedding tied to the output
@@ -31,8 +31,8 @@ from torch import nn
 from . import optim as fp8_optim
 from .convert import ModuleFilter, convert, update_scaling
 from .convert_policy import DEFAULT_TOKENS
-from .formats import FP16
-from .linear import Fp8Linear, MasterWeight
+from .linear import Fp8Linear, MasterPolicy
+from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe
 
@@ -96,7 +96,7 @@ def initialize(
 
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens)
     masters = _make_masters(model)
-    terms = MasterWeight(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
+    terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
     for module in model.modules():
         if isinstance(module, Fp8Linear) and isinstance(module.weight, ScaledTensor):
             module.use_master(terms)
@@ -128,7 +128,7 @@ def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> N
 
 
 def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-    """Replaces each Fp8Linear weight that nothing else uses by an FP16 ScaledTensor parameter;
+    """Replaces each Fp8Linear weight that nothing else uses by a MasterWeight parameter;
     returns {old parameter: new parameter}."""
     users: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -141,7 +141,7 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                 isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
             continue
         with torch.no_grad():
-            master = ScaledTensor.from_tensor(param.detach(), FP16).attach_fp8_copy()
+            master = MasterWeight.from_tensor(param.detach())
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
             setattr(module, name, master)

@@ -8,9 +8,8 @@ dtype. Backward: the output gradient is cast to E5M2 (delayed) with its transpos
 which also sums its columns into the bias gradient (float32); ``dX = dY·W`` and ``dW = dYᵀ·X``
 run in FP8 with full FP32 accumulation, dW output in the autocast dtype too.
 
-At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.ScaledTensor`
-(FP16 codes + scale, the master copy) carrying an E4M3 copy of itself
-(:meth:`ScaledTensor.attach_fp8_copy`) that the fp8amp optimizer rewrites in its fused step and
+At O1/O2 (:func:`fp8amp.initialize`) the weight parameter is a :class:`~fp8amp.MasterWeight`
+(FP16 codes + scale) carrying an E4M3 copy of itself that the fp8amp optimizer rewrites in its fused step and
 every other write re-casts: the forward GEMM reads it (no per-forward cast, in eager mode and in
 compiled graphs alike), the backward casts its transpose from the master's codes (bit-identical),
 and the weight gradient is an E4M3 ``ScaledTensor`` with a current scale, accumulated across
@@ -35,11 +34,12 @@ from torch.autograd.function import once_differentiable
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast, gemm
-from .formats import E4M3, E5M2, FP16
+from .formats import E4M3, E5M2
+from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe, ScalingState
 
-__all__ = ["Fp8Linear", "MasterWeight", "fp8_linear_supported"]
+__all__ = ["Fp8Linear", "MasterPolicy", "fp8_linear_supported"]
 
 _ALIGN = 16
 
@@ -94,8 +94,9 @@ def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
 
 
 @dataclass(frozen=True)
-class MasterWeight:
-    """What :func:`fp8amp.initialize` (O1/O2) made of an Fp8Linear's weight, held by the layer.
+class MasterPolicy:
+    """The terms on which :func:`fp8amp.initialize` (O1/O2) made an Fp8Linear's weight a
+    :class:`~fp8amp.MasterWeight`, held by the layer.
 
     Attributes:
         fp8_weight_grad: the weight gradient is an E4M3 ScaledTensor (True), or a float32 tensor
@@ -138,8 +139,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
         ctx.w_transpose_from = transpose_from
-        # FP8 weight gradients are for O1/O2's FP16 masters only (not FSDP2's gathered E4M3 weight).
-        ctx.fp8_weight_grad = isinstance(weight, ScaledTensor) and weight.storage_format == FP16 and fp8_weight_grad
+        # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).
+        ctx.fp8_weight_grad = isinstance(weight, MasterWeight) and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
         ctx.rows = rows
         ctx.input_dtype = x.dtype
@@ -224,13 +225,15 @@ class Fp8Linear(nn.Linear):
     record_amax_outside_training: bool = False
 
     #: Set by :meth:`use_master` (fp8amp.initialize at O1/O2); None for FP8 compute alone.
-    master: Optional[MasterWeight] = None
+    master: Optional[MasterPolicy] = None
 
-    def use_master(self, master: MasterWeight) -> None:
-        """Makes this layer's weight an O1/O2 FP16 master under ``master``'s terms (what
-        :func:`fp8amp.initialize` decided); the weight must already be that ScaledTensor."""
-        if not isinstance(master, MasterWeight):
-            raise TypeError(f"Fp8Linear.use_master: master must be a MasterWeight, got {type(master).__name__}")
+    def use_master(self, master: MasterPolicy) -> None:
+        """Makes this layer's weight an O1/O2 master under ``master``'s terms (what
+        :func:`fp8amp.initialize` decided); the weight must already be that MasterWeight."""
+        if not isinstance(master, MasterPolicy):
+            raise TypeError(f"Fp8Linear.use_master: master must be a MasterPolicy, got {type(master).__name__}")
+        if not isinstance(self.weight, MasterWeight):
+            raise TypeError(f"Fp8Linear.use_master: the weight must be a MasterWeight, got {type(self.weight).__name__}")
         self.master = master
 
     def _add_scaling_states(self, recipe: Optional[ScalingRecipe], device) -> None:
@@ -274,7 +277,7 @@ class Fp8Linear(nn.Linear):
             self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
 
-    def _check_master(self, master: MasterWeight) -> None:
+    def _check_master(self, master: MasterPolicy) -> None:
         """Refuses a forward whose O1/O2 master the optimizer no longer updates: a weight that is
         not a ScaledTensor any more (load_state_dict(..., assign=True) replaced it), or one that
         FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
@@ -298,7 +301,7 @@ class Fp8Linear(nn.Linear):
         # An O1/O2 master keeps its logical dtype: module.to(torch.float64) / .half() / .double()
         # would replace it by a plain tensor that the optimizer does not update (device moves are fine).
         weight = self.weight
-        if isinstance(weight, ScaledTensor) and weight.storage_format == FP16:
+        if isinstance(weight, MasterWeight):
             probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
             if probe.dtype != weight.dtype:
                 raise ValueError(

@@ -21,7 +21,7 @@ taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` 
 four float32 ``[1]`` scale tensors. Params are float32, or :class:`~fp8amp.ScaledTensor` masters
 with float16 codes (what :func:`fp8amp.initialize` makes of Linear weights at O1/O2): the op
 updates their codes and scale in place, and also rewrites their E4M3 copy
-(:meth:`ScaledTensor.attach_fp8_copy`, what the :class:`~fp8amp.Fp8Linear` forward reads) in the
+(:class:`~fp8amp.MasterWeight`'s, what the :class:`~fp8amp.Fp8Linear` forward reads) in the
 same pass, so the forward does not re-cast the weight. Grads may be plain
 (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the FP8 weight gradients of Fp8Linear at
 O1/O2). bf16/fp16 plain params are refused: the op keeps
@@ -69,6 +69,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 
 from .ops import fast, multi_amax
 from .formats import E4M3, FP16
+from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "STATE_DTYPES"]
@@ -315,7 +316,7 @@ class Adam(torch.optim.Optimizer):
         # The op writes each master's new scale as well as its scale_inv; the scale is derived
         # here (exactly: powers of two) rather than stored, so it can never go stale.
         master_scales = iter(torch._foreach_reciprocal([p.scale_inv for p in masters]) if masters else [])
-        copies = [p.fp8_copy if isinstance(p, ScaledTensor) else None for p in params]
+        copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
         data, param_scales, param_scale_invs, grads, grad_scale_invs = [], [], [], [], []
         for p in params:
             scaled = isinstance(p, ScaledTensor)

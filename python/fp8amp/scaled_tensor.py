@@ -5,9 +5,11 @@ A ``ScaledTensor`` stores ``_data`` (float16, float8_e4m3fn or float8_e5m2, cont
 PyTorch it is a tensor of a high-precision *logical* dtype (float32 by default; bfloat16 / float16
 allowed) with ``_data``'s shape, strides and device: it can be a parameter, a ``.grad``, a buffer,
 an optimizer state, and it can be traced by ``torch.compile`` (``__tensor_flatten__`` /
-``__tensor_unflatten__``). It is the representation of FP16-with-scale master weights and FP8 E4M3
-weight gradients (issue 4). MS-AMP's ``ScalingTensor`` is not a ``torch.Tensor``, which breaks
-GradScaler, clip_grad_norm_, DDP, FSDP2 and compile; this one is.
+``__tensor_unflatten__``). It represents the FP8 E4M3 weight gradients and the O2 optimizer
+states; the O1/O2 master weights are its subclass :class:`~fp8amp.MasterWeight`
+(:mod:`fp8amp.master_weight`), which adds the E4M3 copy the FP8 GEMMs read and the FSDP2 hooks.
+MS-AMP's ``ScalingTensor`` is not a ``torch.Tensor``, which breaks GradScaler, clip_grad_norm_,
+DDP, FSDP2 and compile; this one is.
 
 What each aten op does to a ScaledTensor is its op table's business: :mod:`fp8amp.scaled_tensor_ops`.
 
@@ -29,15 +31,13 @@ from __future__ import annotations
 
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from . import ops
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
-from .scaling import ScalingState
 
-__all__ = ["ScaledTensor", "OP_TABLE", "pre_all_gather", "post_all_gather"]
+__all__ = ["ScaledTensor", "OP_TABLE"]
 
 #: aten op -> handler(func, args, kwargs): the ops ScaledTensor keeps in the subclass or does in
 #: place (filled by fp8amp.scaled_tensor_ops); a handler may return NotImplemented to decline.
@@ -81,23 +81,18 @@ class ScaledTensor(torch.Tensor):
         scale_inv: float32 ``[1]`` on ``data``'s device.
         dtype: the logical (outer) dtype: float32 (default), bfloat16 or float16.
         requires_grad: of the wrapper (for parameters).
-        fp8_copy: optional ``(codes, scale, scale_inv)``: an E4M3 copy of the real values (codes of
-            ``data``'s shape, float32 ``[1]`` scales) that FP8 GEMMs read; see :meth:`attach_fp8_copy`.
 
     Build one from real values with :meth:`from_tensor`.
     """
 
     _data: torch.Tensor
     _scale_inv: torch.Tensor
-    _fp8: torch.Tensor | None
-    _fp8_scale: torch.Tensor | None
-    _fp8_scale_inv: torch.Tensor | None
     _base_rows: "ScaledTensor | None"
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
-                requires_grad: bool = False, fp8_copy: tuple | None = None):
-        where = "fp8amp.ScaledTensor"
+                requires_grad: bool = False):
+        where = f"fp8amp.{cls.__name__}"
         if not isinstance(data, torch.Tensor) or isinstance(data, ScaledTensor):
             raise TypeError(f"{where}: data must be a plain torch.Tensor, got {type(data).__name__}")
         if not isinstance(scale_inv, torch.Tensor) or isinstance(scale_inv, ScaledTensor):
@@ -116,11 +111,7 @@ class ScaledTensor(torch.Tensor):
             layout=data.layout, requires_grad=requires_grad)
         self._data = data
         self._scale_inv = scale_inv
-        self._fp8, self._fp8_scale, self._fp8_scale_inv = fp8_copy if fp8_copy is not None else (None, None, None)
         self._base_rows = None  # the ScaledTensor this is a row view of part of (sharing its scale)
-        if self._fp8 is not None and (self._fp8.dtype != E4M3 or self._fp8.shape != data.shape
-                                      or self._fp8.device != data.device):
-            raise ValueError(f"{where}: fp8_copy codes must be float8_e4m3fn of data's shape and device")
         return self
 
     # Outputs of plain ops must stay plain: no automatic re-wrapping by __torch_function__.
@@ -160,38 +151,16 @@ class ScaledTensor(torch.Tensor):
 
     to_tensor = dequantize
 
-    # ------------------------------------------------------------------ the E4M3 copy (O1/O2 masters)
+    # ------------------------------------------------------------------ hooks of subclasses
 
-    def attach_fp8_copy(self) -> "ScaledTensor":
-        """Gives this tensor (an FP16 master weight) an E4M3 copy of its real values, which
-        :class:`~fp8amp.Fp8Linear` reads instead of casting the weight in every forward; returns self.
+    def _rewrap(self, data_fn, scale_fn) -> "ScaledTensor":
+        """A tensor of this type over ``data_fn(codes)`` and ``scale_fn(scale_inv)``: what detach,
+        clone, views and device moves make (a subclass maps what else it holds the same way)."""
+        return ScaledTensor(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
 
-        The copy is kept current by every write: the fp8amp optimizer rewrites it in its fused step,
-        and ``copy_``, ``add_``, ``mul_``, ``div_`` and ``zero_`` on this tensor re-cast it. It holds
-        ``quantize(real * scale)`` with ``scale = 2^floor(log2(448 / amax(real)))`` (E4M3, margin 0;
-        an amax of 0 keeps scale 1), exactly what a fresh cast of the real values gives. It costs
-        1 byte per element, and moves, detaches, clones and serializes with the tensor.
-        """
-        if self._fp8 is None:
-            codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
-            self._fp8, self._fp8_scale_inv = codes, scale_inv
-            self._fp8_scale = scale_inv.reciprocal()  # exact: a power of two
-        else:
-            self._refresh_fp8_copy()
-        return self
-
-    def drop_fp8_copy(self) -> "ScaledTensor":
-        """Frees the E4M3 copy (Fp8Linear then casts the weight in each forward); returns self."""
-        self._fp8 = self._fp8_scale = self._fp8_scale_inv = None
-        return self
-
-    def _refresh_fp8_copy(self) -> None:
-        if self._fp8 is None:
-            return
-        codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
-        self._fp8.copy_(codes)
-        self._fp8_scale_inv.copy_(scale_inv)
-        torch.reciprocal(scale_inv, out=self._fp8_scale)
+    def _after_write(self, source: "ScaledTensor | None" = None) -> None:
+        """Called after every in-place write of the codes or the scale (``source``: the tensor
+        copied bit for bit, if that was the write); a subclass refreshes what it derives from them."""
 
     def share_memory_(self):
         """Refused: torch shares a tensor's storage between processes, and a ScaledTensor is a
@@ -213,28 +182,13 @@ class ScaledTensor(torch.Tensor):
         return self._scale_inv
 
     def fp8_operands(self) -> tuple | None:
-        """What an FP8 GEMM reads for this weight: ``(codes, codes_t, scale_inv, transpose_from)``.
-
-        With an E4M3 copy (an O1/O2 master): the copy's codes, ``codes_t`` None and
-        ``transpose_from = (codes, scale_inv, copy_scale)`` of the master, from which the backward
-        casts the transpose (bit-identical to the copy's). An E4M3 tensor (FSDP2's gathered
-        weight): its codes and their transpose, ``transpose_from`` None. Otherwise None: the
-        caller casts the real values."""
-        if self._fp8 is not None:
-            return self._fp8, None, self._fp8_scale_inv, (self._data, self._scale_inv, self._fp8_scale)
+        """What an FP8 GEMM reads for this tensor as a weight: ``(codes, codes_t, scale_inv,
+        transpose_from)``. An E4M3 tensor (FSDP2's gathered weight): its codes and their
+        transpose, ``transpose_from`` None. Otherwise None: the caller casts the real values
+        (:class:`~fp8amp.MasterWeight` answers with its E4M3 copy)."""
         if self._data.dtype == E4M3:
             return self._data, self._data.t().contiguous(), self._scale_inv, None
         return None
-
-    @property
-    def fp8_copy(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(codes, scale, scale_inv)`` of the E4M3 copy, or None."""
-        return None if self._fp8 is None else (self._fp8, self._fp8_scale, self._fp8_scale_inv)
-
-    def _fp8_copy_with(self, fn) -> tuple | None:
-        """The copy's three tensors mapped by fn (detach, clone, a device move...), or None."""
-        copy = self.fp8_copy
-        return None if copy is None else tuple(fn(t) for t in copy)
 
     @property
     def storage_format(self) -> torch.dtype:
@@ -249,29 +203,14 @@ class ScaledTensor(torch.Tensor):
         shown = scale_inv if is_fake(scale_inv) or scale_inv.is_meta else scale_inv.item()
         return f"ScaledTensor({real!r}, format={self._data.dtype}, scale_inv={shown!r})"
 
-    # ------------------------------------------------------------------ FSDP2 (fp8amp.fsdp)
-
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """FSDP2's all-gather extension for an O1/O2 master sharded by ``fully_shard``: this rank's
-        shard of real values goes out as E4M3 codes with the whole weight's scale (fp8amp.fsdp)."""
-        return pre_all_gather(self.dequantize(torch.float32), mesh, outer_size, module)
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
-
     # ------------------------------------------------------------------ torch.compile support
 
     def __tensor_flatten__(self):
-        names = ["_data", "_scale_inv"]
-        if self._fp8 is not None:
-            names += ["_fp8", "_fp8_scale", "_fp8_scale_inv"]
-        return names, (self.dtype, self._fp8 is not None)
+        return ["_data", "_scale_inv"], self.dtype
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        dtype, has_copy = ctx
-        copy = (inner_tensors["_fp8"], inner_tensors["_fp8_scale"], inner_tensors["_fp8_scale_inv"]) if has_copy else None
-        return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], dtype, fp8_copy=copy)
+        return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], ctx)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -291,38 +230,6 @@ class ScaledTensor(torch.Tensor):
                     f"Dequantize, compute, then copy_ the result back.")
         args, kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
-
-
-# ---------------------------------------------------------------------- FSDP2 all-gather in E4M3
-# Shared by O1/O2 masters (the hooks above) and fp8amp.fsdp.Fp8AllGatherWeight.
-
-
-def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module) -> tuple:
-    """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear, whose
-    ``weight_scaling`` gives the scale): this rank's shard (real values) as E4M3 codes with the
-    whole weight's scale, padded to the first rank's shard size, and that scale's inverse."""
-    if not isinstance(getattr(module, "weight_scaling", None), ScalingState):
-        raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
-                        f"{type(module).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
-    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
-    codes = codes.view(torch.uint8)
-    # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
-    padded_rows = -(-outer_size[0] // mesh.size())
-    if codes.size(0) < padded_rows:
-        codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
-    return (codes,), scale_inv
-
-
-def post_all_gather(all_gather_outputs, scale_inv: torch.Tensor, param_dtype: torch.dtype, out=None):
-    """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
-    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are."""
-    (data,) = all_gather_outputs
-    if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
-        out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
-        return None
-    return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
 
 
 torch.serialization.add_safe_globals([ScaledTensor])

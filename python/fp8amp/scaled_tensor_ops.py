@@ -77,12 +77,16 @@ def _is_scalar(s: object) -> bool:
 
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 # ---------------------------------------------------------------------- special cases
 
 
 def _detach(func, args, kwargs):
     (x,) = args
-    out = ScaledTensor(func(x._data), func(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(func))
+    out = x._rewrap(func, func)
     out._base_rows = x._base_rows
     return out
 
@@ -92,13 +96,12 @@ def _clone(func, args, kwargs):
     fmt = kwargs.get("memory_format", None)
     if fmt not in (None, torch.preserve_format, torch.contiguous_format):
         return NotImplemented
-    return ScaledTensor(x._data.clone(), x._scale_inv.clone(), x.dtype, fp8_copy=x._fp8_copy_with(torch.clone))
+    return x._rewrap(torch.clone, torch.clone)
 
 
 def _view(func, args, kwargs):
     x, size = args
-    copy = None if x._fp8 is None else (x._fp8.view(size), x._fp8_scale, x._fp8_scale_inv)
-    out = ScaledTensor(x._data.view(size), x._scale_inv, x.dtype, fp8_copy=copy)
+    out = x._rewrap(lambda t: t.view(size), _same)
     out._base_rows = x._base_rows
     return out
 
@@ -115,10 +118,9 @@ def _as_strided(func, args, kwargs):
 
 
 def _row_view(x: "ScaledTensor", fn) -> "ScaledTensor":
-    """fn (a view of whole rows, contiguous) of the codes and of the E4M3 copy's codes, sharing the
-    scales; unless it covers all of x, it remembers the tensor it is part of (see _copy_)."""
-    copy = None if x._fp8 is None else (fn(x._fp8), x._fp8_scale, x._fp8_scale_inv)
-    view = ScaledTensor(fn(x._data), x._scale_inv, x.dtype, fp8_copy=copy)
+    """fn (a view of whole rows, contiguous) of the codes (and of what a subclass derives from them),
+    sharing the scales; unless it covers all of x, it remembers the tensor it is part of (see _copy_)."""
+    view = x._rewrap(fn, _same)
     view._base_rows = x._base_rows if x._base_rows is not None or view.shape == x.shape else x
     return view
 
@@ -142,12 +144,13 @@ def _slice(func, args, kwargs):
 
 
 def _new_zeros(func, args, kwargs):
-    """Zeros of another shape with this tensor's scale (FSDP2's padded shard), without an E4M3 copy."""
+    """Zeros of another shape with this tensor's scale, of its type (FSDP2's padded shard of a
+    master; a master's E4M3 copy is not made for them)."""
     x, size = args[0], args[1]
     if set(kwargs) - {"device", "dtype", "layout", "pin_memory"} or kwargs.get("dtype") not in (None, x.dtype):
         return NotImplemented
     device = kwargs.get("device") or x.device
-    return ScaledTensor(torch.zeros(size, dtype=x._data.dtype, device=device), x._scale_inv.clone().to(device), x.dtype)
+    return type(x)(torch.zeros(size, dtype=x._data.dtype, device=device), x._scale_inv.clone().to(device), x.dtype)
 
 
 def _to_copy(func, args, kwargs):
@@ -165,7 +168,7 @@ def _to_copy(func, args, kwargs):
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=kwargs.get("non_blocking", False))
 
-    return ScaledTensor(move(x._data), move(x._scale_inv), x.dtype, fp8_copy=x._fp8_copy_with(move))
+    return x._rewrap(move, move)
 
 
 def _copy_(func, args, kwargs):
@@ -187,11 +190,7 @@ def _copy_(func, args, kwargs):
     if isinstance(src, ScaledTensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
         dst._data.copy_(src._data)
         dst._scale_inv.copy_(src._scale_inv)
-        if dst._fp8 is not None and src._fp8 is not None:
-            for d, s_ in zip(dst.fp8_copy, src.fp8_copy):
-                d.copy_(s_)
-        else:
-            dst._refresh_fp8_copy()
+        dst._after_write(src)
         return dst
     if isinstance(src, ScaledTensor):
         src = src.dequantize()
@@ -203,7 +202,7 @@ def _copy_(func, args, kwargs):
     data, scale_inv, _ = _quantize_current(src, dst._data.dtype, 0)
     dst._data.copy_(data)
     dst._scale_inv.copy_(scale_inv)
-    dst._refresh_fp8_copy()
+    dst._after_write()
     return dst
 
 
@@ -217,7 +216,7 @@ def _scale_op(func, args, kwargs):
         x._scale_inv.mul_(s)
     else:
         x._scale_inv.div_(s)
-    x._refresh_fp8_copy()
+    x._after_write()
     return x
 
 
@@ -232,7 +231,7 @@ def _add_(func, args, kwargs):
     else:
         codes, scale_inv = src.contiguous(), None
     scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
-    dst._refresh_fp8_copy()
+    dst._after_write()
     return dst
 
 
@@ -307,7 +306,7 @@ def _zero_(func, args, kwargs):
     (x,) = args
     x._data.zero_()
     x._scale_inv.fill_(1.0)
-    x._refresh_fp8_copy()
+    x._after_write()
     return x
 
 
@@ -349,7 +348,7 @@ def _foreach(method):
         scale_invs = [t._scale_inv for t in scaled]
         (torch._foreach_mul_ if method == "mul_" else torch._foreach_div_)(scale_invs, other)
         for t in scaled:
-            t._refresh_fp8_copy()
+            t._after_write()
         return None
     return handler
 

@@ -276,7 +276,7 @@ def test_o1_o2_under_fully_shard_train_as_one_process(level, world):
         optimizer.zero_grad()
     m_dtype, v_dtype = fp8amp.optim.STATE_DTYPES[level]
     for r in ranks:
-        assert r["shard_types"] == {"0.weight": "ScaledTensor", "0.bias": "Tensor", "2.weight": "ScaledTensor",
+        assert r["shard_types"] == {"0.weight": "MasterWeight", "0.bias": "Tensor", "2.weight": "MasterWeight",
                                     "2.bias": "Tensor"}, r["shard_types"]
         assert r["states"][:2] == (m_dtype, v_dtype)
         assert r["states"][2] in {(-(-64 // world), 32), (64 - (world - 1) * -(-64 // world), 32)}  # its rows
@@ -326,12 +326,12 @@ def checkpoint_rank(rank: int, mode: str, path: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["O2", "fp8-all-gather"])
 def test_distributed_checkpoint_round_trip(mode, tmp_path):
-    """torch.distributed.checkpoint saves the sharded weights (ScaledTensor master shards, or the
+    """torch.distributed.checkpoint saves the sharded weights (MasterWeight shards, or the
     wrapped FP8-compute weights) and loads them into a fresh sharded model: the same real values.
     The scaling buffers are per rank under FSDP2 and saved once: a load gives every rank one
     rank's histories."""
     for r in run_on_ranks(checkpoint_rank, WORLD_SIZE, mode, str(tmp_path)):
-        assert r["local"] == ("ScaledTensor" if mode == "O2" else "Fp8AllGatherWeight")
+        assert r["local"] == ("MasterWeight" if mode == "O2" else "Fp8AllGatherWeight")
         for name, value in r["saved"].items():
             if not name.endswith(("weight", "bias")):
                 continue

@@ -74,11 +74,18 @@ def test_unknown_top_level_name_is_an_attribute_error():
         fp8amp.no_such_name  # noqa: B018
 
 
-def test_use_master_takes_a_master_weight():
+def test_use_master_takes_a_master_policy_over_a_master_weight():
+    from fp8amp.linear import MasterPolicy
+
     layer = fp8amp.Fp8Linear(16, 16)
     assert layer.master is None
-    with pytest.raises(TypeError, match="master must be a MasterWeight, got dict"):
+    with pytest.raises(TypeError, match="master must be a MasterPolicy, got dict"):
         layer.use_master({"fp8_weight_grad": True})
+    with pytest.raises(TypeError, match="the weight must be a MasterWeight, got Parameter"):
+        layer.use_master(MasterPolicy())
+    layer.weight = torch.nn.Parameter(fp8amp.MasterWeight.from_tensor(layer.weight.detach()))
+    layer.use_master(MasterPolicy())
+    assert layer.master == MasterPolicy()
 
 
 @pytest.mark.parametrize("fmt", [fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16])

@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fp8amp
 from cast_reference import assert_bits_equal
+from fp8amp.master_weight import MasterWeight
 from fp8amp.scaled_tensor import ScaledTensor
 
 FORMATS = [fp8amp.FP16, fp8amp.E4M3, fp8amp.E5M2]
@@ -367,10 +368,10 @@ def test_norms_from_the_codes(ord, fmt):
 
 
 def test_fp8_copy_travels_and_stays_current():
-    """attach_fp8_copy: the E4M3 copy survives save/load, detach, clone and views, and every write
+    """A MasterWeight's E4M3 copy survives save/load, detach, clone and views, and every write
     re-casts it (it always equals a fresh cast of the real values)."""
     torch.manual_seed(0)
-    x = ScaledTensor.from_tensor(torch.randn(32, 16), torch.float16).attach_fp8_copy()
+    x = MasterWeight.from_tensor(torch.randn(32, 16))
 
     def current(t):
         fresh = ScaledTensor.from_tensor(t.dequantize(), torch.float8_e4m3fn)
@@ -393,6 +394,38 @@ def test_fp8_copy_travels_and_stays_current():
             write(x)
         assert current(x)
     assert x.drop_fp8_copy().fp8_copy is None
+    assert current(x.attach_fp8_copy())
+
+
+def test_master_weight_keeps_its_type():
+    """What detach, clone, views, row views, device moves, new_zeros, torch.save and compile's
+    flattening make of a MasterWeight is a MasterWeight (the copy mapped with the codes); a dtype
+    change or arithmetic gives a plain tensor, as for any ScaledTensor."""
+    x = MasterWeight.from_tensor(torch.randn(32, 16))
+    derived = [x.detach(), x.clone(), x.view(16, 32), x[8:16], x.split(8)[1], x.to("cpu"), x.new_zeros(4, 16),
+               torch.nn.Parameter(x)]
+    buf = io.BytesIO()
+    torch.save(x, buf)
+    buf.seek(0)
+    derived.append(torch.load(buf, weights_only=True))
+    names, ctx = x.__tensor_flatten__()
+    derived.append(type(x).__tensor_unflatten__({n: getattr(x, n) for n in names}, ctx, x.shape, x.stride()))
+    assert all(type(t) is MasterWeight for t in derived), [type(t).__name__ for t in derived]
+    assert x[8:16].fp8_copy[0].data_ptr() == x.fp8_copy[0][8].data_ptr()  # a row view of the copy too
+    assert derived[6].fp8_copy is None  # zeros: FSDP2's padding, no copy made for them
+    assert type(x.double()) is torch.Tensor and type(x * 2) is torch.Tensor
+    assert torch.equal(derived[-1].fp8_copy[0].view(torch.uint8), x.fp8_copy[0].view(torch.uint8))
+
+
+def test_master_weight_refuses_what_it_cannot_be():
+    with pytest.raises(ValueError, match="MasterWeight.from_tensor: dtype must be torch.float16"):
+        MasterWeight.from_tensor(torch.randn(4, 4), fp8amp.E4M3)
+    codes, scale_inv = torch.zeros(4, 4, dtype=fp8amp.E4M3), torch.ones(1)
+    with pytest.raises(ValueError, match="MasterWeight: data must hold float16 codes"):
+        MasterWeight(codes, scale_inv)
+    with pytest.raises(ValueError, match="fp8_copy codes must be float8_e4m3fn"):
+        MasterWeight(torch.zeros(4, 4, dtype=torch.float16), scale_inv,
+                     fp8_copy=(torch.zeros(2, 2, dtype=fp8amp.E4M3), scale_inv, scale_inv))
 
 
 def test_as_strided_keeps_a_contiguous_view_scaled():

@@ -1,0 +1,171 @@
+"""``MasterWeight``: the O1/O2 master of an Fp8Linear weight (docs/o1_o2.md#optimization-levels).
+
+A :class:`~fp8amp.ScaledTensor` of FP16 codes and a per-tensor scale (2 bytes per element) that
+also owns an E4M3 copy of its real values, the operand the FP8 GEMMs read, and the hooks by which
+FSDP2 all-gathers it in E4M3. :func:`fp8amp.initialize` makes one of each Fp8Linear weight; the
+fp8amp optimizer rewrites codes, scale and copy in its fused step, and every other write (the
+in-place ops of the op table) re-casts the copy. Views, detach, clone and device moves keep the
+type and map the copy with the codes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .formats import E4M3, FP16
+from .scaled_tensor import ScaledTensor, _quantize_current
+from .scaling import ScalingState
+
+__all__ = ["MasterWeight", "pre_all_gather", "post_all_gather"]
+
+
+class MasterWeight(ScaledTensor):
+    """An FP16 ScaledTensor master weight with an optional E4M3 copy of its real values.
+
+    Args:
+        data: the FP16 codes, contiguous.
+        scale_inv: float32 ``[1]`` on ``data``'s device.
+        dtype: the logical dtype: float32 (default), bfloat16 or float16.
+        requires_grad: of the wrapper (for parameters).
+        fp8_copy: optional ``(codes, scale, scale_inv)`` of the E4M3 copy: codes of ``data``'s
+            shape and device, float32 ``[1]`` scales. :meth:`from_tensor` attaches one.
+    """
+
+    _fp8: torch.Tensor | None
+    _fp8_scale: torch.Tensor | None
+    _fp8_scale_inv: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                requires_grad: bool = False, fp8_copy: tuple | None = None):
+        self = ScaledTensor.__new__(cls, data, scale_inv, dtype, requires_grad)
+        if data.dtype != FP16:
+            raise ValueError(f"fp8amp.MasterWeight: data must hold float16 codes, got {data.dtype}")
+        self._fp8, self._fp8_scale, self._fp8_scale_inv = fp8_copy if fp8_copy is not None else (None, None, None)
+        if self._fp8 is not None and (self._fp8.dtype != E4M3 or self._fp8.shape != data.shape
+                                      or self._fp8.device != data.device):
+            raise ValueError("fp8amp.MasterWeight: fp8_copy codes must be float8_e4m3fn of data's shape and device")
+        return self
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, dtype: torch.dtype = FP16, *, margin: int = 0,
+                    orig_dtype: torch.dtype | None = None, nan_if_nonfinite: bool = False) -> "MasterWeight":
+        """The master of real values ``x``: FP16 codes with a current scale (as
+        :meth:`ScaledTensor.from_tensor`), with the E4M3 copy attached."""
+        if dtype != FP16:
+            raise ValueError(f"fp8amp.MasterWeight.from_tensor: dtype must be torch.float16 (a master holds "
+                             f"FP16 codes), got {dtype}")
+        master = super().from_tensor(x, FP16, margin=margin, orig_dtype=orig_dtype, nan_if_nonfinite=nan_if_nonfinite)
+        return master.attach_fp8_copy()
+
+    # ------------------------------------------------------------------ the E4M3 copy
+
+    def attach_fp8_copy(self) -> "MasterWeight":
+        """Gives this master an E4M3 copy of its real values, which :class:`~fp8amp.Fp8Linear`
+        reads instead of casting the weight in every forward; returns self.
+
+        The copy holds ``quantize(real * scale)`` with ``scale = 2^floor(log2(448 / amax(real)))``
+        (E4M3, margin 0; an amax of 0 keeps scale 1), exactly what a fresh cast of the real values
+        gives. It costs 1 byte per element, and moves, detaches, clones and serializes with the tensor.
+        """
+        if self._fp8 is None:
+            codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
+            self._fp8, self._fp8_scale_inv = codes, scale_inv
+            self._fp8_scale = scale_inv.reciprocal()  # exact: a power of two
+        else:
+            self._after_write()
+        return self
+
+    def drop_fp8_copy(self) -> "MasterWeight":
+        """Frees the E4M3 copy (Fp8Linear then casts the weight in each forward); returns self."""
+        self._fp8 = self._fp8_scale = self._fp8_scale_inv = None
+        return self
+
+    @property
+    def fp8_copy(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(codes, scale, scale_inv)`` of the E4M3 copy, or None."""
+        return None if self._fp8 is None else (self._fp8, self._fp8_scale, self._fp8_scale_inv)
+
+    def fp8_operands(self) -> tuple | None:
+        """With the E4M3 copy: ``(copy codes, None, copy scale_inv, transpose_from)``, where
+        ``transpose_from = (codes, scale_inv, copy scale)`` of the master is what the backward
+        casts the transpose from (bit-identical to the copy's). Without: None (the caller casts)."""
+        if self._fp8 is None:
+            return None
+        return self._fp8, None, self._fp8_scale_inv, (self._data, self._scale_inv, self._fp8_scale)
+
+    def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
+        copy = None if self._fp8 is None else (data_fn(self._fp8), scale_fn(self._fp8_scale), scale_fn(self._fp8_scale_inv))
+        return MasterWeight(data_fn(self._data), scale_fn(self._scale_inv), self.dtype, fp8_copy=copy)
+
+    def _after_write(self, source: ScaledTensor | None = None) -> None:
+        if self._fp8 is None:
+            return
+        if isinstance(source, MasterWeight) and source._fp8 is not None:
+            for mine, theirs in zip(self.fp8_copy, source.fp8_copy):
+                mine.copy_(theirs)
+            return
+        codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
+        self._fp8.copy_(codes)
+        self._fp8_scale_inv.copy_(scale_inv)
+        torch.reciprocal(scale_inv, out=self._fp8_scale)
+
+    # ------------------------------------------------------------------ FSDP2 (fp8amp.fsdp)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2's all-gather extension for a master sharded by ``fully_shard``: this rank's shard
+        of real values goes out as E4M3 codes with the whole weight's scale (fp8amp.fsdp)."""
+        return pre_all_gather(self.dequantize(torch.float32), mesh, outer_size, module)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+    # ------------------------------------------------------------------ torch.compile support
+
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale_inv"]
+        if self._fp8 is not None:
+            names += ["_fp8", "_fp8_scale", "_fp8_scale_inv"]
+        return names, (self.dtype, self._fp8 is not None)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        dtype, has_copy = ctx
+        copy = (inner_tensors["_fp8"], inner_tensors["_fp8_scale"], inner_tensors["_fp8_scale_inv"]) if has_copy else None
+        return MasterWeight(inner_tensors["_data"], inner_tensors["_scale_inv"], dtype, fp8_copy=copy)
+
+
+# ---------------------------------------------------------------------- FSDP2 all-gather in E4M3
+# Shared by masters (the hooks above) and fp8amp.fsdp.Fp8AllGatherWeight.
+
+
+def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module) -> tuple:
+    """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear, whose
+    ``weight_scaling`` gives the scale): this rank's shard (real values) as E4M3 codes with the
+    whole weight's scale, padded to the first rank's shard size, and that scale's inverse."""
+    if not isinstance(getattr(module, "weight_scaling", None), ScalingState):
+        raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
+                        f"{type(module).__name__}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
+    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
+    codes = codes.view(torch.uint8)
+    # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
+    padded_rows = -(-outer_size[0] // mesh.size())
+    if codes.size(0) < padded_rows:
+        codes = torch.nn.functional.pad(codes, (0, 0) * (codes.dim() - 1) + (0, padded_rows - codes.size(0)))
+    return (codes,), scale_inv
+
+
+def post_all_gather(all_gather_outputs, scale_inv: torch.Tensor, param_dtype: torch.dtype, out=None):
+    """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
+    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are."""
+    (data,) = all_gather_outputs
+    if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
+        out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward
+        return None
+    return ScaledTensor(data.view(E4M3), scale_inv, param_dtype), (data,)
+
+
+torch.serialization.add_safe_globals([MasterWeight])
