@@ -13,6 +13,7 @@
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
 #include "fp8amp/scaling.h"
+#include "fp8amp/tiles.h"
 
 namespace fp8amp::torch_binding {
 namespace {
@@ -376,4 +377,77 @@ TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { m.impl("scaled_accumulate", fp8amp::torch_
 TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("scaled_accumulate", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kScaledAccumulate,
                                                                fp8amp::torch_binding::scaled_accumulate_meta>::run);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fine-grained scaling (fp8amp/tiles.h): one scale per tile_rows x tile_cols tile.
+
+namespace fp8amp::torch_binding {
+namespace {
+
+// The scale_inv of x's tiles, [ceil(rows / tile_rows), ceil(cols / tile_cols)], symbolic for the
+// Meta kernel; the tile sizes are the core's to check first (a zero would divide by zero here).
+at::Tensor empty_tile_scales(const at::Tensor& x, int64_t tile_rows, int64_t tile_cols, const char* op) {
+  call(x, [&](Stream) { fp8amp::check_tile_sizes(tile_rows, tile_cols, op); });
+  const c10::SymInt rows = matrix_rows(x), cols = columns(x);
+  return at::empty_symint({(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
+                          x.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, at::ScalarType dtype, int64_t tile_rows,
+                                                  int64_t tile_cols, int64_t margin, bool pow2_scale) {
+  const char* op = "quantize_tiles";
+  at::Tensor out = empty_as(x, dtype);
+  at::Tensor scale_inv = empty_tile_scales(x, tile_rows, tile_cols, op);
+  call(x, [&](Stream stream) {
+    fp8amp::quantize_tiles(view(x, op, "x"), view(out, op, "dtype"), view(scale_inv, op, "scale_inv"), tile_rows,
+                           tile_cols, ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
+  });
+  return {out, scale_inv};
+}
+
+at::Tensor dequantize_tiles(const at::Tensor& x, const at::Tensor& scale_inv, int64_t tile_rows, int64_t tile_cols,
+                            at::ScalarType dtype) {
+  const char* op = "dequantize_tiles";
+  at::Tensor out = empty_as(x, dtype);
+  call(x, [&](Stream stream) {
+    fp8amp::dequantize_tiles(view(x, op, "x"), view(scale_inv, op, "scale_inv"), view(out, op, "dtype"), tile_rows,
+                             tile_cols, stream);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_tiles_meta(const at::Tensor& x, at::ScalarType dtype, int64_t tile_rows,
+                                                       int64_t tile_cols, int64_t, bool) {
+  return {empty_as(x, dtype), empty_tile_scales(x, tile_rows, tile_cols, "quantize_tiles")};
+}
+
+at::Tensor dequantize_tiles_meta(const at::Tensor& x, const at::Tensor&, int64_t, int64_t, at::ScalarType dtype) {
+  return empty_as(x, dtype);
+}
+
+constexpr char kQuantizeTiles[] = "quantize_tiles";
+constexpr char kDequantizeTiles[] = "dequantize_tiles";
+
+}  // namespace
+}  // namespace fp8amp::torch_binding
+
+TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
+  m.def(
+      "quantize_tiles(Tensor x, ScalarType dtype, int tile_rows, int tile_cols, int margin=0, bool pow2_scale=True) "
+      "-> (Tensor, Tensor)");
+  m.def("dequantize_tiles(Tensor x, Tensor scale_inv, int tile_rows, int tile_cols, ScalarType dtype) -> Tensor");
+}
+
+#define FP8AMP_REGISTER_TILE_KERNELS(m)                                  \
+  m.impl("quantize_tiles", fp8amp::torch_binding::quantize_tiles);      \
+  m.impl("dequantize_tiles", fp8amp::torch_binding::dequantize_tiles)
+
+TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_TILE_KERNELS(m); }
+TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_TILE_KERNELS(m); }
+TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
+  m.impl("quantize_tiles", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kQuantizeTiles,
+                                                            fp8amp::torch_binding::quantize_tiles_meta>::run);
+  m.impl("dequantize_tiles", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kDequantizeTiles,
+                                                              fp8amp::torch_binding::dequantize_tiles_meta>::run);
 }

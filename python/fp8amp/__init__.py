@@ -51,8 +51,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# The low-level ops were top-level names before 0.2; kept for one release.
-_MOVED_TO_OPS = frozenset(ops.__all__) - {"fast", "gemm"}
+# The low-level ops were top-level names before 0.2; kept for one release (the tile ops came later).
+_MOVED_TO_OPS = frozenset(ops.__all__) - {"fast", "gemm", "quantize_tiles", "dequantize_tiles"}
 
 
 def __getattr__(name: str):

@@ -124,3 +124,13 @@ def test_adam_step(shapes):
     assert_same_metadata(ops.adam_step.default, (params, grads, *states, *nones),
                          dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True,
                               maximize=False, step=1))
+
+
+@pytest.mark.parametrize("shape", X_SHAPES + ((0, 128),))
+@pytest.mark.parametrize("tile", ((1, 128), (128, 128), (1, 5), (7, 3)))
+@pytest.mark.parametrize("fmt", (E4M3, E5M2))
+def test_tile_ops(shape, tile, fmt):
+    x = randn(shape)
+    assert_same_metadata(ops.quantize_tiles.default, (x, fmt, *tile))
+    codes, scale_inv = ops.quantize_tiles.default(x, fmt, *tile)
+    assert_same_metadata(ops.dequantize_tiles.default, (codes, scale_inv, *tile, torch.bfloat16))

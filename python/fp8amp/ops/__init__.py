@@ -6,7 +6,7 @@ values), makes read-only inputs contiguous and leaves value checks to the core (
 the argument). None reads device values on the host, so all of them trace under
 ``torch.compile(fullgraph=True)`` and never sync. fp8amp's own hot loops call
 :mod:`fp8amp.ops.fast` (the overloads resolved once, unchecked) with arguments checked where they
-entered fp8amp. The modules mirror the core's op families: cast, scaling, gemm, accumulate, optim.
+entered fp8amp. The modules mirror the core's op families: cast, scaling, gemm, accumulate, optim, tiles.
 """
 
 from . import fast
@@ -16,6 +16,7 @@ from ._cast import (amax, cast_transpose, cast_transpose_dbias, dequantize, mult
 from ._gemm import bias_dtype, gemm, gemm_accumulate, gemm_autotune_enabled, gemm_autotune_stats, set_gemm_autotune
 from ._optim import adam_step
 from ._scaling import compute_scale, multi_update_delayed_scaling, update_delayed_scaling
+from ._tiles import dequantize_tiles, quantize_tiles
 
 __all__ = [
     "quantize",
@@ -38,5 +39,7 @@ __all__ = [
     "gemm_autotune_stats",
     "scaled_accumulate",
     "adam_step",
+    "quantize_tiles",
+    "dequantize_tiles",
     "fast",
 ]

@@ -29,3 +29,5 @@ adam_step = lib.adam_step.default
 set_gemm_autotune = lib.set_gemm_autotune.default
 gemm_autotune = lib.gemm_autotune.default
 gemm_autotune_stats = lib.gemm_autotune_stats.default
+quantize_tiles = lib.quantize_tiles.default
+dequantize_tiles = lib.dequantize_tiles.default

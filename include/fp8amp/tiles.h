@@ -1,0 +1,32 @@
+// Fine-grained scaling (docs/tiles.md): a matrix cut into tiles, each with a scale of its own, so
+// one outlier sets the scale of its tile only. x is viewed as [rows, cols] (its last dim is cols)
+// and cut into tiles of tile_rows x tile_cols, the last ones in each direction possibly partial:
+// (1, cols) is rowwise scaling, (1, 128) DeepSeek-V3's activation tiles, (128, 128) its weight
+// blocks. Scales are float32 [ceil(rows / tile_rows), ceil(cols / tile_cols)], row-major.
+// Current scaling only: each tile's scale comes from its own amax in the same op. Like every
+// fp8amp op these run on the device of their tensors and never sync with the host; outputs never
+// share memory with inputs (ValueError naming both).
+#pragma once
+
+#include <cstdint>
+
+#include "fp8amp/scaling.h"
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// out [rows, cols] (E4M3 or E5M2) = encode(x * scale[tile]); scale_inv[tile] = 1 / scale[tile].
+// scale[tile] = the recipe's rule (scaling.h) from the tile's amax; a tile of zeros gets scale 1.
+// A tile whose amax is inf or NaN gets scale 1 and scale_inv NaN: the whole tile reads NaN (an
+// FP8 code cannot hold the overflow), every other tile is untouched. x fp32/bf16/fp16, contiguous.
+void quantize_tiles(const TensorView& x, const TensorView& out, const TensorView& scale_inv, int64_t tile_rows,
+                    int64_t tile_cols, const ScalingRecipe& recipe, Stream stream);
+
+// out [rows, cols] (fp32/bf16/fp16, IEEE rounding) = decode(x) * scale_inv[tile]; x E4M3/E5M2.
+void dequantize_tiles(const TensorView& x, const TensorView& scale_inv, const TensorView& out, int64_t tile_rows,
+                      int64_t tile_cols, Stream stream);
+
+// ValueError unless both tile sizes are positive (what a caller allocating scale_inv checks first).
+void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op);
+
+}  // namespace fp8amp
