@@ -199,13 +199,14 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     held_out = max(window, data.numel() // 20)
     out = Path(args.out) if args.out else REPO / "runs" / (time.strftime("%Y%m%d-%H%M%S") + "-"
                                                            + "-".join(args.precision))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise PermissionError(13, "permission denied")
-    except OSError as e:
-        parser.error(f"argument --out: cannot write into {str(out)!r} ({e.strerror or e}); accepted: a directory "
-                     "that exists or can be created, and is writable")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 writes (and its clock names the run)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if not os.access(out, os.W_OK):
+                raise PermissionError(13, "permission denied")
+        except OSError as e:
+            parser.error(f"argument --out: cannot write into {str(out)!r} ({e.strerror or e}); accepted: a "
+                         "directory that exists or can be created, and is writable")
     return Setup(device=device, preset=preset_name, cfg=cfg, steps=args.steps or preset["steps"],
                  batch=args.batch or preset["batch"], lr=args.lr or preset["lr"],
                  train=data[:-held_out], val=data[-held_out:], out=out)
