@@ -154,7 +154,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if x.device.type == "cuda"
                 else contextlib.nullcontext())
     with autocast, saved_tensors_hooks or contextlib.nullcontext():
-        _, loss = (forward or model)(x, y)
+        # `is None`, not truthiness: a compiled module's truth value raises on newer torch
+        _, loss = (model if forward is None else forward)(x, y)
     loss.backward()
     # foreach=True: with fp8amp's ScaledTensor gradients in the list, torch's default would norm and
     # scale them one tensor at a time (a few launches each); for plain gradients it is the default.
