@@ -131,15 +131,20 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
     """Replaces each Fp8Linear weight that nothing else uses by an FP16 ScaledTensor parameter;
     returns {old parameter: new parameter}."""
     users: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
+    qualified: dict[torch.Tensor, str] = {}
+    for prefix, module in model.named_modules():
         for name, param in module._parameters.items():
             if param is not None:
                 users.setdefault(param, []).append((module, name))
+                qualified.setdefault(param, f"{prefix}.{name}" if prefix else name)
     masters: dict[torch.Tensor, torch.Tensor] = {}
     for param, owners in users.items():
         if isinstance(param, ScaledTensor) or not all(
                 isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
             continue
+        if not param.is_meta and not bool(param.isfinite().all()):  # once per weight, at initialize only
+            raise ValueError(f"initialize: {qualified[param]} holds inf or NaN; an O1/O2 master stores finite "
+                             "values only (docs/numerics.md#non-finite-values)")
         with torch.no_grad():
             master = ScaledTensor.from_tensor(param.detach(), FP16).attach_fp8_copy()
             master = nn.Parameter(master, requires_grad=param.requires_grad)

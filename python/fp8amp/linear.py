@@ -313,6 +313,17 @@ class Fp8Linear(nn.Linear):
         if isinstance(self.weight, ScaledTensor) and not keep_vars:
             destination[prefix + "weight"] = self.weight.dequantize()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # An inf or NaN loaded into an O1/O2 master would make the whole master read NaN (a
+        # ScaledTensor cannot hold it): a corrupt checkpoint is refused here, at load time, where
+        # one host read per weight is affordable (docs/numerics.md#non-finite-values).
+        weight = state_dict.get(prefix + "weight")
+        if (isinstance(self.weight, ScaledTensor) and isinstance(weight, torch.Tensor)
+                and not weight.is_meta and not bool(weight.isfinite().all())):
+            raise ValueError(f"Fp8Linear.load_state_dict: {prefix}weight holds inf or NaN; the checkpoint is "
+                             "corrupt (an O1/O2 master stores finite values only)")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def update_scaling(self) -> None:
         """Delayed-scaling update of the input and output-gradient states (after a step)."""
         self.input_scaling.update()

@@ -13,7 +13,8 @@ Semantics of ops (``__torch_dispatch__``):
   O1/O2 master with these: fp8amp.fsdp.)
 * In place, supported:
   ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
-  (amax -> pow2 scale -> quantize, no host sync); ``copy_(ScaledTensor)`` of the same storage
+  (amax -> pow2 scale -> quantize, no host sync; an inf or NaN in ``src`` makes ``_scale_inv``
+  NaN, so the whole tensor reads NaN instead of saturating); ``copy_(ScaledTensor)`` of the same storage
   format and shape: copies ``_data`` and ``_scale_inv`` bit for bit (another format: re-quantizes
   its real values). Into a row view, which shares its scale with the rest of the tensor, ``copy_``
   writes ``src``'s real values into the whole tensor's and re-quantizes the whole tensor with a
@@ -200,6 +201,7 @@ def _copy_(func, args, kwargs):
     src = src.to(device=dst.device).expand(dst.shape)
     if src.dtype not in HIGH_PRECISION_DTYPES:
         src = src.to(dst.dtype)
+    # A non-finite src makes the whole tensor read NaN, never saturate (docs/numerics.md#non-finite-values).
     data, scale_inv, _ = _quantize_current(src, dst._data.dtype, 0)
     dst._data.copy_(data)
     dst._scale_inv.copy_(scale_inv)

@@ -84,3 +84,39 @@ def test_nonfinite_moment_in_a_state_dict_is_refused():
     opt = fp8amp.optim.AdamW(model.parameters(), state_dtypes="O1")
     with pytest.raises(ValueError, match=r"param 1 of group 0: state 'exp_avg_sq' holds inf or NaN"):
         opt.load_state_dict(saved)
+
+
+# ------------------------------------------------------------------------------------------ non-finite
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_checkpoint_with_inf_into_a_master_is_refused(level):
+    model = fp8amp.initialize(_model(), None, level, policy="all")[0]
+    saved = model.state_dict()
+    saved["2.weight"][1, 2] = float("inf")  # it used to load as 65504
+    before = model[2].weight.dequantize()
+    with pytest.raises(ValueError, match=r"2\.weight holds inf or NaN"):
+        model.load_state_dict(saved)
+    assert torch.equal(model[2].weight.dequantize(), before)
+
+
+def test_initialize_refuses_a_nonfinite_weight():
+    model = _model()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"initialize: 0\.weight holds inf or NaN"):
+        fp8amp.initialize(model, None, "O2", policy="all")
+
+
+@pytest.mark.parametrize("fmt", [E4M3, FP16])
+def test_nonfinite_values_into_a_scaled_tensor_read_nan(fmt):
+    x = torch.tensor([1.0, float("inf")])
+    assert fp8amp.ScaledTensor.from_tensor(x, fmt).dequantize().isnan().all()  # was [1, 448] / [1, 65504]
+    # Saturation is an explicit choice.
+    saturated = fp8amp.ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=False).dequantize()
+    assert saturated.tolist() == [1.0, fp8amp.format_max(fmt)]
+    master = fp8amp.ScaledTensor.from_tensor(torch.ones(2), FP16).attach_fp8_copy()
+    master.copy_(x)  # copy_ needs no host read: NaN, where it saturated
+    assert master.dequantize().isnan().all()
+    codes, _, scale_inv = master.fp8_copy
+    assert (codes.float() * scale_inv).isnan().all()  # the E4M3 copy the forward reads too
