@@ -189,6 +189,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
+_NO_TORCHSCRIPT = (
+    "Fp8Linear: TorchScript (torch.jit.script / torch.jit.trace) is not supported: the layer's forward runs "
+    "fp8amp's custom ops, which update scaling buffers in place, inside a custom autograd Function, and its "
+    "O1/O2 weights are a tensor subclass (ScaledTensor); TorchScript represents none of these. Use "
+    "torch.compile to compile, torch.export to export (docs/compile.md)")
+
+
+def _refuse_unsupported_input(x: torch.Tensor) -> None:
+    """TorchScript tracing and sparse inputs, refused with what works (both read only metadata:
+    free in eager, constant under torch.compile)."""
+    if torch.jit.is_tracing():
+        raise NotImplementedError(_NO_TORCHSCRIPT)
+    if x.layout != torch.strided:
+        raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
+                         "casts and GEMMs read dense memory; call .to_dense() first")
+
+
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computing in FP8, with the same parameters and state-dict keys.
 
@@ -260,7 +277,12 @@ class Fp8Linear(nn.Linear):
         apply_inductor_config()
         return new
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling it.
+        raise NotImplementedError(_NO_TORCHSCRIPT)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _refuse_unsupported_input(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"

@@ -46,6 +46,7 @@ OP_TABLE: dict = {}
 aten = torch.ops.aten
 
 _STORAGE_FORMATS = tuple(SCALED_FORMATS)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
@@ -276,6 +277,25 @@ class ScaledTensor(torch.Tensor):
         dtype, has_copy = ctx
         copy = (inner_tensors["_fp8"], inner_tensors["_fp8_scale"], inner_tensors["_fp8_scale_inv"]) if has_copy else None
         return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], dtype, fp8_copy=copy)
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self):
+        # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
+        # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing
+        # and copy-by-pickle of O1/O2 models. FP8 codes travel as uint8 views of the same bytes.
+        state = dict(self.__dict__)
+        fp8 = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype in _FP8_DTYPES}
+        for k in fp8:
+            state[k] = state[k].view(torch.uint8)
+        state["_fp8_dtypes"] = fp8
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        for k, dtype in state.pop("_fp8_dtypes", {}).items():
+            state[k] = state[k].view(dtype)
+        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ dispatch
 
