@@ -196,14 +196,18 @@ _NO_TORCHSCRIPT = (
     "torch.compile to compile, torch.export to export (docs/compile.md)")
 
 
-def _refuse_unsupported_input(x: torch.Tensor) -> None:
-    """TorchScript tracing and sparse inputs, refused with what works (both read only metadata:
-    free in eager, constant under torch.compile)."""
+def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """TorchScript tracing, sparse inputs and an input on another device than the weights (a meta
+    input gave autocast's "unknown device type"), refused with what works. They read metadata only:
+    free in eager, constant under torch.compile."""
     if torch.jit.is_tracing():
         raise NotImplementedError(_NO_TORCHSCRIPT)
     if x.layout != torch.strided:
         raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
                          "casts and GEMMs read dense memory; call .to_dense() first")
+    if x.device != weight.device:
+        raise ValueError(f"Fp8Linear: the input x is on {x.device} but the layer's weight is on {weight.device}; "
+                         "move one of them")
 
 
 class Fp8Linear(nn.Linear):
@@ -282,7 +286,7 @@ class Fp8Linear(nn.Linear):
         raise NotImplementedError(_NO_TORCHSCRIPT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _refuse_unsupported_input(x)
+        _refuse_unsupported_input(x, self.weight)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
