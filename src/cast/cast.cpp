@@ -53,8 +53,7 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
 // scaling buffers by their names. After the format checks.
 void check_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
                     std::initializer_list<check::NamedView> written, std::initializer_list<check::NamedView> read,
-                    Arity arity,
-                    const char* op) {
+                    Arity arity, const char* op) {
   std::vector<const TensorView*> out_views, x_views;
   for (const TensorView& t : outs) out_views.push_back(&t);
   for (const TensorView& t : xs) x_views.push_back(&t);
