@@ -33,7 +33,8 @@ struct GemmOptions {
 // b:     [N, K] E4M3 or E5M2, row-major (row stride ldb >= K); E5M2 x E5M2 is refused
 // a_scale_inv, b_scale_inv: float32, one element each (per-tensor scaling), on a's device
 // bias:  optional [N], contiguous; bfloat16 for bfloat16 or float32 out, float16 for float16 out
-// out:   [M, N] float32, bfloat16 or float16, row-major (row stride ldo >= N)
+// out:   [M, N] float32, bfloat16 or float16, row-major (row stride ldo >= N); it must not share
+//        memory with a, b, the scales or bias (a ValueError names both)
 //
 // This is y = x·Wᵀ of a Linear with x [M, K] and W [N, K]; its dgrad (dY·W) and wgrad (dYᵀ·X)
 // take the pre-transposed operands that the fused cast+transpose produces.

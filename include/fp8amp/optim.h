@@ -72,7 +72,8 @@
 // p, g, m, v; pass 2 reads them again and writes p, m, v and the weight copy: at O2 (FP16 master,
 // FP8 grad and m, FP16 v, FP8 copy) 6 + 6 + 6 = 18 bytes per element, against 28 for a fused
 // FP32 AdamW (read 16, write 12).
-// No two tensors or scales of a call may share memory (each tensor's scales are its own).
+// No two written tensors or scales of a call may share memory, nor a grad with a written one (each
+// tensor's scales are its own; grads may share memory with each other): a ValueError names both.
 //
 // ------------------------------------------------------------------------------------------------
 // Non-finite values. A step never stores a non-finite m, v or master:

@@ -42,6 +42,8 @@ void compute_scale(const TensorView& amax, const TensorView& scale, const Tensor
 //   a non-finite amax[i, 0] is zeroed and resets counter[i] to 0, else counter[i] += 1 (capped at H);
 //   scale[i] = rule(max_j amax[i, j]) (previous kept if that max is 0);
 //   the history rolls: amax[i, j] = amax[i, j - 1], amax[i, 0] = 0.
+// All four are written: no two may share memory (a ValueError names both), here and in
+// compute_scale (scale, scale_inv written; amax read).
 void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale,
                             const TensorView& scale_inv, const TensorView& counter, float fmax,
                             const ScalingRecipe& recipe, Stream stream);

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,13 +61,28 @@ void same_shape(const TensorView& a, const TensorView& b, const char* op, const 
 void numel_is(const TensorView& t, int64_t expected, const char* op, const char* arg);
 void numel_at_least(const TensorView& t, int64_t expected, const char* op, const char* arg);
 void dim_is(const TensorView& t, int64_t expected, const char* op, const char* arg);
-// Contiguous a and b occupy no common byte (an element written through one would race with, or
-// change, an element read through the other).
+// a and b occupy no common byte (an element written through one would race with, or change, an
+// element read through the other). A view occupies the bytes from its lowest to its highest
+// element: for a strided view the whole span, so two interleaved views of one buffer (the even and
+// the odd columns) count as overlapping. An empty view occupies none, wherever it points.
 void no_overlap(const TensorView& a, const TensorView& b, const char* op, const char* arg_a, const char* arg_b);
-// The same for every pair of outs, and every out with every x (xs may share memory: they are only
-// read). names(list, i) names element i of "outs" or "xs" in the message.
-void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<TensorView>& xs, const char* op,
-                      const std::function<std::string(const char* list, size_t i)>& names);
+
+// A tensor argument of an op, as its messages name it; a null view is an optional argument that
+// was not given.
+struct NamedView {
+  const TensorView* view;
+  const char* name;
+};
+// The aliasing rule of every op: no view the op writes (an output, or a buffer updated in place)
+// shares a byte with another written view or with a view it only reads. Read views may share
+// memory with each other. The error (a ValueError) names both arguments.
+void disjoint_writes(std::initializer_list<NamedView> written, std::initializer_list<NamedView> read, const char* op);
+// The same where the op also takes lists (hundreds of tensors: O((n + m) log n), not n * m):
+// the views of written_list and read_list, named by list_names(true, i) for written_list[i] and
+// list_names(false, i) for read_list[i] (called only to build the message), join the named ones.
+void disjoint_writes(const std::vector<const TensorView*>& written_list, const std::vector<const TensorView*>& read_list,
+                     std::initializer_list<NamedView> written, std::initializer_list<NamedView> read, const char* op,
+                     const std::function<std::string(bool written, size_t i)>& list_names);
 }  // namespace check
 
 }  // namespace fp8amp

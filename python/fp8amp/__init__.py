@@ -8,7 +8,7 @@ import warnings as _warnings
 
 from . import ops
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
-from .scaling import ScalingRecipe, ScalingState
+from .scaling import ScalingRecipe, ScalingState, fresh_scaling_if_missing
 from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .master_weight import MasterWeight
@@ -32,6 +32,7 @@ __all__ = [
     "MasterWeight",
     "ScalingRecipe",
     "ScalingState",
+    "fresh_scaling_if_missing",
     "E4M3",
     "E5M2",
     "FP16",

@@ -14,7 +14,9 @@ What it does, in place on ``model`` and with a new optimizer:
    and FP16 v, each with a scale), stepping every param (Linear masters and the rest) in fused
    multi-tensor calls; after each step it updates the FP8 scaling of every Fp8Linear.
 
-Create lr schedulers after this call (a scheduler holds the optimizer it was built with).
+Create lr schedulers after this call (a scheduler holds the optimizer it was built with: one built
+before is warned about). The optimizer passed in is retired: its ``step`` and ``zero_grad`` raise a
+``RuntimeError`` that points at the returned one (stepping it would not train the Linear weights).
 Non-Linear parameters (norms, embeddings, biases) keep their dtype,
 and their optimizer states follow the level (their m and v take the same formats).
 """
@@ -104,6 +106,7 @@ def initialize(
         return model, None
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
     new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    _retire(optimizer)
     return model, new_optimizer
 
 
@@ -127,19 +130,43 @@ def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> N
                       UserWarning, stacklevel=3)
 
 
+def _retire(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer passed in does not hold the masters: stepping it would leave the Linear weights
+    unchanged, zeroing its grads would let theirs accumulate. Both now raise with the fix. An lr
+    scheduler built on it (torch marks the optimizer's step and sets each group's initial_lr)
+    would change nothing: warned once, here."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched") or any("initial_lr" in g for g in optimizer.param_groups):
+        warnings.warn("initialize: an lr scheduler was built on the optimizer passed in; it will not change the "
+                      "learning rate of the optimizer initialize returns: build the scheduler after initialize, "
+                      "on the returned optimizer", UserWarning, stacklevel=3)
+
+    def replaced(*args, **kwargs):
+        raise RuntimeError(
+            "fp8amp.initialize replaced this optimizer by the fp8amp optimizer it returned, which holds the "
+            "new O1/O2 master weights: step and zero_grad that one (model, optimizer = fp8amp.initialize(model, "
+            "optimizer, ...)) and build lr schedulers on it")
+
+    optimizer.step = optimizer.zero_grad = replaced
+
+
 def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
     """Replaces each Fp8Linear weight that nothing else uses by a MasterWeight parameter;
     returns {old parameter: new parameter}."""
     users: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
+    qualified: dict[torch.Tensor, str] = {}
+    for prefix, module in model.named_modules():
         for name, param in module._parameters.items():
             if param is not None:
                 users.setdefault(param, []).append((module, name))
+                qualified.setdefault(param, f"{prefix}.{name}" if prefix else name)
     masters: dict[torch.Tensor, torch.Tensor] = {}
     for param, owners in users.items():
         if isinstance(param, ScaledTensor) or not all(
                 isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
             continue
+        if not param.is_meta and not bool(param.isfinite().all()):  # once per weight, at initialize only
+            raise ValueError(f"initialize: {qualified[param]} holds inf or NaN; an O1/O2 master stores finite "
+                             "values only (docs/numerics.md#non-finite-values)")
         with torch.no_grad():
             master = MasterWeight.from_tensor(param.detach())
             master = nn.Parameter(master, requires_grad=param.requires_grad)

@@ -190,6 +190,27 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
+_NO_TORCHSCRIPT = (
+    "Fp8Linear: TorchScript (torch.jit.script / torch.jit.trace) is not supported: the layer's forward runs "
+    "fp8amp's custom ops, which update scaling buffers in place, inside a custom autograd Function, and its "
+    "O1/O2 weights are a tensor subclass (ScaledTensor); TorchScript represents none of these. Use "
+    "torch.compile to compile, torch.export to export (docs/compile.md)")
+
+
+def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """TorchScript tracing, sparse inputs and an input on another device than the weights (a meta
+    input gave autocast's "unknown device type"), refused with what works. They read metadata only:
+    free in eager, constant under torch.compile."""
+    if torch.jit.is_tracing():
+        raise NotImplementedError(_NO_TORCHSCRIPT)
+    if x.layout != torch.strided:
+        raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
+                         "casts and GEMMs read dense memory; call .to_dense() first")
+    if x.device != weight.device:
+        raise ValueError(f"Fp8Linear: the input x is on {x.device} but the layer's weight is on {weight.device}; "
+                         "move one of them")
+
+
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computing in FP8, with the same parameters and state-dict keys.
 
@@ -263,7 +284,12 @@ class Fp8Linear(nn.Linear):
         apply_inductor_config()
         return new
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling it.
+        raise NotImplementedError(_NO_TORCHSCRIPT)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _refuse_unsupported_input(x, self.weight)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
@@ -315,6 +341,17 @@ class Fp8Linear(nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if isinstance(self.weight, ScaledTensor) and not keep_vars:
             destination[prefix + "weight"] = self.weight.dequantize()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # An inf or NaN loaded into an O1/O2 master would make the whole master read NaN (a
+        # ScaledTensor cannot hold it): a corrupt checkpoint is refused here, at load time, where
+        # one host read per weight is affordable (docs/numerics.md#non-finite-values).
+        weight = state_dict.get(prefix + "weight")
+        if (isinstance(self.weight, ScaledTensor) and isinstance(weight, torch.Tensor)
+                and not weight.is_meta and not bool(weight.isfinite().all())):
+            raise ValueError(f"Fp8Linear.load_state_dict: {prefix}weight holds inf or NaN; the checkpoint is "
+                             "corrupt (an O1/O2 master stores finite values only)")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def update_scaling(self) -> None:
         """Delayed-scaling update of the input and output-gradient states (after a step)."""

@@ -50,7 +50,7 @@ class MasterWeight(ScaledTensor):
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor, dtype: torch.dtype = FP16, *, margin: int = 0,
-                    orig_dtype: torch.dtype | None = None, nan_if_nonfinite: bool = False) -> "MasterWeight":
+                    orig_dtype: torch.dtype | None = None, nan_if_nonfinite: bool = True) -> "MasterWeight":
         """The master of real values ``x``: FP16 codes with a current scale (as
         :meth:`ScaledTensor.from_tensor`), with the E4M3 copy attached."""
         if dtype != FP16:

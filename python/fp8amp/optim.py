@@ -70,6 +70,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 from .ops import fast, multi_amax
 from .formats import E4M3, FP16
 from .master_weight import MasterWeight
+from .optim_state import complete_groups, convert_state
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "STATE_DTYPES"]
@@ -133,13 +134,7 @@ class Adam(torch.optim.Optimizer):
         groups whose dicts came from a ``torch.optim`` optimizer)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for flag in ("amsgrad", "differentiable"):
-            if group[flag]:
-                raise ValueError(f"{self._name}: {flag}=True is not supported; accepted: {flag}=False")
-        if group["state_dtypes"] not in STATE_DTYPES:
-            raise ValueError(f"{self._name}: state_dtypes must be one of {', '.join(map(repr, STATE_DTYPES))}; "
-                             f"got {group['state_dtypes']!r}")
-        self._check_hyper(group)
+        self._check_options(group)
         for i, p in enumerate(map(_local, group["params"])):
             if isinstance(p, ScaledTensor):
                 if p.storage_format != FP16:
@@ -152,6 +147,15 @@ class Adam(torch.optim.Optimizer):
                     f"of group {len(self.param_groups) - 1} is {p.dtype}. bfloat16/float16 params are not "
                     "supported: keep float32 params and let autocast/Fp8Linear lower the compute (fp8amp.initialize "
                     "turns Linear weights into FP16 ScaledTensors)")
+
+    def _check_options(self, group: dict) -> None:
+        for flag in ("amsgrad", "differentiable"):
+            if group[flag]:
+                raise ValueError(f"{self._name}: {flag}=True is not supported; accepted: {flag}=False")
+        if group["state_dtypes"] not in STATE_DTYPES:
+            raise ValueError(f"{self._name}: state_dtypes must be one of {', '.join(map(repr, STATE_DTYPES))}; "
+                             f"got {group['state_dtypes']!r}")
+        self._check_hyper(group)
 
     def _check_hyper(self, group: dict) -> None:
         for key in ("lr", "eps", "weight_decay"):
@@ -213,13 +217,18 @@ class Adam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping the state dtypes: torch casts every floating-point
         state tensor to its param's dtype (float32), which holds FP8/FP16 values exactly, so they
-        are cast back bit for bit; ``step`` and the scales go to the param's device."""
+        are cast back bit for bit; ``step`` and the scales go to the param's device. A plain
+        ``torch.optim`` state dict is converted to this optimizer's levels (fp8amp.optim_state)."""
         saved = state_dict["state"]
+        state_dict = {**state_dict, "param_groups": complete_groups(state_dict["param_groups"], self.param_groups)}
+        for group in state_dict["param_groups"]:
+            self._check_options(group)  # before anything is loaded
         super().load_state_dict(state_dict)
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        params = itertools.chain.from_iterable(((p, g, f"param {i} of group {k}") for i, p in enumerate(g["params"]))
+                                               for k, g in enumerate(self.param_groups))
         self._cohorts = {}
-        for pid, p in zip(ids, params):
+        for pid, (p, group, which) in zip(ids, params):
             if pid not in saved:
                 continue
             state = self.state[p]
@@ -229,6 +238,7 @@ class Adam(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) or key == "step":
                     dtype = torch.float32 if key == "step" else value.dtype  # a step: any dtype
                     state[key] = state[key].to(dtype=dtype, device=p.device)
+            convert_state(state, STATE_DTYPES[group["state_dtypes"]], f"{self._name}.load_state_dict: {which}")
             if "step" in state:
                 state["step"] = state["step"].reshape(())
                 self._cohort_key(p)  # one host read per param, at load time only

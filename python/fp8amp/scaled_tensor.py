@@ -46,12 +46,15 @@ OP_TABLE: dict = {}
 aten = torch.ops.aten
 
 _STORAGE_FORMATS = tuple(SCALED_FORMATS)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
-                      nan_if_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      nan_if_nonfinite: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Current scaling with the pow2 rule: (codes, scale_inv [1], amax [1]); on x's device, no host
-    sync; one op (ops.quantize_current)."""
+    sync; one op (ops.quantize_current). A non-finite x gives a NaN scale_inv by default: every
+    write into a ScaledTensor (from_tensor, copy_, its E4M3 copy) makes it read NaN rather than
+    saturate (docs/numerics.md#non-finite-values)."""
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
     return ops.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
@@ -121,15 +124,17 @@ class ScaledTensor(torch.Tensor):
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor, dtype: torch.dtype = torch.float16, *, margin: int = 0,
-                    orig_dtype: torch.dtype | None = None, nan_if_nonfinite: bool = False) -> "ScaledTensor":
+                    orig_dtype: torch.dtype | None = None, nan_if_nonfinite: bool = True) -> "ScaledTensor":
         """Quantizes ``x`` into ``dtype`` (FP16, E4M3 or E5M2) with current scaling.
 
         ``scale = 2^(floor(log2(fmax / amax(x))) - margin)`` (1 when amax is 0 or not finite), all
         on ``x``'s device without a host sync. The logical dtype is ``orig_dtype``, by default
         ``x.dtype`` when that is float32/bfloat16/float16, else float32. ``x`` is read, not tracked
-        by autograd. ``nan_if_nonfinite``: if ``x`` holds an inf or NaN, ``scale_inv`` becomes NaN,
-        so every real value reads NaN (for gradients: E4M3 has no inf, and the saturated codes
-        would hide an overflow from GradScaler and the optimizer).
+        by autograd. Non-finite values (docs/numerics.md#non-finite-values): if ``x`` holds an inf
+        or NaN, ``scale_inv`` becomes NaN, so every real value reads NaN (E4M3 has no inf, and
+        saturated codes would hide the overflow from GradScaler, the optimizer and the loss).
+        ``nan_if_nonfinite=False`` saturates instead (``[1, inf]`` reads ``[1, 448]`` in E4M3):
+        an explicit choice, never a default.
         """
         where = "fp8amp.ScaledTensor.from_tensor"
         if not isinstance(x, torch.Tensor):
@@ -211,6 +216,25 @@ class ScaledTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], ctx)
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self):
+        # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
+        # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing
+        # and copy-by-pickle of O1/O2 models. FP8 codes travel as uint8 views of the same bytes.
+        state = dict(self.__dict__)
+        fp8 = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype in _FP8_DTYPES}
+        for k in fp8:
+            state[k] = state[k].view(torch.uint8)
+        state["_fp8_dtypes"] = fp8
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        for k, dtype in state.pop("_fp8_dtypes", {}).items():
+            state[k] = state[k].view(dtype)
+        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ dispatch
 

@@ -13,7 +13,8 @@ Semantics of ops (``__torch_dispatch__``):
   O1/O2 master with these: fp8amp.fsdp.)
 * In place, supported:
   ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
-  (amax -> pow2 scale -> quantize, no host sync); ``copy_(ScaledTensor)`` of the same storage
+  (amax -> pow2 scale -> quantize, no host sync; an inf or NaN in ``src`` makes ``_scale_inv``
+  NaN, so the whole tensor reads NaN instead of saturating); ``copy_(ScaledTensor)`` of the same storage
   format and shape: copies ``_data`` and ``_scale_inv`` bit for bit (another format: re-quantizes
   its real values). Into a row view, which shares its scale with the rest of the tensor, ``copy_``
   writes ``src``'s real values into the whole tensor's and re-quantizes the whole tensor with a
@@ -27,8 +28,9 @@ Semantics of ops (``__torch_dispatch__``):
   by all elements, and ``_scale_inv`` stops being a power of two until the next re-quantize.
   Unlike a plain FP16 tensor, a large ``s`` cannot overflow the codes;
   ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
-  ``add_(other, alpha=a)`` with ``other`` of the same shape (a ScaledTensor or a plain
-  float32/bfloat16/float16 tensor): one fused dequantize-add-requantize
+  ``add_(other, alpha=a)`` with ``other`` of the same shape and device (a ScaledTensor or a plain
+  real tensor; float64 and integer values are taken in float32, as torch's float32 ``add_``
+  does): one fused dequantize-add-requantize
   (:func:`fp8amp.ops.scaled_accumulate`, a fresh current scale from the sums' amax; a non-finite sum
   makes ``_scale_inv`` NaN so the whole tensor reads NaN). It is how autograd accumulates FP8
   weight gradients across micro-batches (``param.grad += new_grad``);
@@ -199,6 +201,7 @@ def _copy_(func, args, kwargs):
     src = src.to(device=dst.device).expand(dst.shape)
     if src.dtype not in HIGH_PRECISION_DTYPES:
         src = src.to(dst.dtype)
+    # A non-finite src makes the whole tensor read NaN, never saturate (docs/numerics.md#non-finite-values).
     data, scale_inv, _ = _quantize_current(src, dst._data.dtype, 0)
     dst._data.copy_(data)
     dst._scale_inv.copy_(scale_inv)
@@ -226,10 +229,15 @@ def _add_(func, args, kwargs):
     if (not isinstance(dst, ScaledTensor) or not isinstance(src, torch.Tensor) or src.shape != dst.shape
             or set(kwargs) - {"alpha"} or isinstance(alpha, torch.Tensor)):
         return NotImplemented  # broadcasting, a tensor alpha: raises below
+    if src.device != dst.device:
+        raise ValueError(f"ScaledTensor.add_: other must be on this tensor's device ({dst.device}), got {src.device}")
     if isinstance(src, ScaledTensor):
         codes, scale_inv = src._data, src._scale_inv
     else:
-        codes, scale_inv = src.contiguous(), None
+        if src.dtype.is_complex:
+            raise TypeError(f"ScaledTensor.add_: other must be real, got {src.dtype}")
+        # As torch's float32 add_ of a float64 or integer tensor: the values, in the sums' float32.
+        codes, scale_inv = (src if src.dtype in HIGH_PRECISION_DTYPES else src.float()).contiguous(), None
     scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
     dst._after_write()
     return dst

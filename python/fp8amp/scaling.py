@@ -13,6 +13,8 @@ that it uses the delayed scale, made from the max of its last H amaxes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -23,7 +25,7 @@ from .formats import E4M3, SCALED_FORMATS, check_dtype
 from .ops import fast
 from .ops._args import _input
 
-__all__ = ["ScalingRecipe", "ScalingState", "update_states"]
+__all__ = ["ScalingRecipe", "ScalingState", "fresh_scaling_if_missing", "update_states"]
 
 # Scale exponents live in [-126, 126]; a larger margin changes nothing.
 _MAX_MARGIN = 126
@@ -197,9 +199,13 @@ class ScalingState(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A checkpoint with no scaling state at all (taken before the model was converted to FP8)
-        # leaves this state fresh rather than failing with missing keys.
-        if any(prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
-            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # reports the buffers as missing, as torch does, unless the load runs under
+        # fresh_scaling_if_missing(): then this state restarts its warm-up.
+        if _fresh_if_missing.get() and not any(
+                prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
+            self.reset()
+            return
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # module.half(), .bfloat16(), .to(dtype) must not cast the state (the ops take float32
@@ -216,6 +222,24 @@ class ScalingState(torch.nn.Module):
             f"num_tensors={self.num_tensors}, dtype={self.dtype}, history_len={r.history_len}, "
             f"margin={r.margin}, pow2_scale={r.pow2_scale}"
         )
+
+
+_fresh_if_missing: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8amp_fresh_scaling", default=False)
+
+
+@contextlib.contextmanager
+def fresh_scaling_if_missing():
+    """Inside it, ``load_state_dict`` of a model with FP8 scaling states accepts a state dict that
+    lacks a state entirely (a checkpoint of the unconverted model, an ``nn.Linear``'s): that state
+    restarts from its warm-up (:meth:`ScalingState.reset`) and is not reported in
+    ``missing_keys``, so ``strict=True`` still checks every other key. Outside it such a load
+    lists the scaling buffers as missing (``strict=True`` raises). A state dict holding some of a
+    state's buffers is loaded as usual either way (the absent ones are missing)."""
+    token = _fresh_if_missing.set(True)
+    try:
+        yield
+    finally:
+        _fresh_if_missing.reset(token)
 
 
 def update_states(states: Iterable[ScalingState]) -> None:

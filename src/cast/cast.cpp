@@ -2,10 +2,9 @@
 // CUDA kernels (cast_kernels.h).
 #include "fp8amp/cast.h"
 
-#include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <string>
-#include <utility>
 
 #include "cast/cast_kernels.h"
 #include "common/dispatch.h"
@@ -17,10 +16,6 @@
 namespace fp8amp {
 
 namespace {
-
-// check::disjoint_outputs's names: "xs[3]" / "outs[3]", or "x" / "out".
-std::string multi_names(const char* list, size_t i) { return element_name(Arity::kMulti, "", list, i); }
-std::string single_names(const char* list, size_t) { return std::strcmp(list, "outs") == 0 ? "out" : "x"; }
 
 // Checks a list of inputs and outputs pairwise and returns them as slices.
 std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
@@ -52,11 +47,19 @@ std::vector<TensorSlice> slices(const std::vector<TensorView>& xs, const std::ve
   return result;
 }
 
-// An out sharing memory with another out or an x would be a race on the GPU (and codes are
-// narrower or wider than the values: no in-place form exists). After the format checks.
-void check_outs_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, Arity arity,
-                         const char* op) {
-  check::disjoint_outputs(outs, xs, op, arity == Arity::kMulti ? multi_names : single_names);
+// No output or written scaling buffer (amax, scale_inv) may share memory with another one or with
+// an input: on the GPU that would be a race, and codes are narrower or wider than the values (no
+// in-place form exists). The outs and xs are named "outs[3]" / "xs[3]", or "out" / "x"; the
+// scaling buffers by their names. After the format checks.
+void check_disjoint(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
+                    std::initializer_list<check::NamedView> written, std::initializer_list<check::NamedView> read,
+                    Arity arity, const char* op) {
+  std::vector<const TensorView*> out_views, x_views;
+  for (const TensorView& t : outs) out_views.push_back(&t);
+  for (const TensorView& t : xs) x_views.push_back(&t);
+  check::disjoint_writes(out_views, x_views, written, read, op, [&](bool is_out, size_t i) {
+    return is_out ? element_name(arity, "out", "outs", i) : element_name(arity, "x", "xs", i);
+  });
 }
 
 void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs, const Scaling& scaling,
@@ -66,8 +69,9 @@ void quantize_impl(const std::vector<TensorView>& xs, const std::vector<TensorVi
   const bool multi = arity == Arity::kMulti;
   check::high_precision(xs[0], op, multi ? "xs" : "x");
   check::scaled_format(outs[0].dtype, op, multi ? "outs" : "dtype");
-  check_outs_disjoint(xs, outs, arity, op);
   const ScalingPtrs s = scaling_ptrs(scaling, static_cast<int64_t>(xs.size()), xs[0], op);
+  check_disjoint(xs, outs, {{&scaling.amax, "amax"}, {&scaling.scale_inv, "scale_inv"}},
+                 {{&scaling.scale, "scale"}, {scaling.warmup_counter, "warmup_counter"}}, arity, op);
   run_on(
       xs[0], op, [&] { cpu::quantize(xs[0].dtype, outs[0].dtype, t, s); },
       [&] { cuda::quantize(xs[0].dtype, outs[0].dtype, t, s, stream); });
@@ -82,7 +86,7 @@ void dequantize_impl(const std::vector<TensorView>& xs, const TensorView& scale_
   check::high_precision(outs[0], op, multi ? "outs" : "dtype");
   check_float32(scale_inv, xs[0], op, "scale_inv");
   check::numel_is(scale_inv, static_cast<int64_t>(xs.size()), op, "scale_inv");
-  check_outs_disjoint(xs, outs, arity, op);
+  check_disjoint(xs, outs, {}, {{&scale_inv, "scale_inv"}}, arity, op);
   const float* si = scale_inv.ptr<const float>();
   run_on(
       xs[0], op, [&] { cpu::dequantize(xs[0].dtype, outs[0].dtype, t, si); },
@@ -106,12 +110,7 @@ void quantize_current(const TensorView& x, const TensorView& out, const TensorVi
   check::numel_is(scale_inv, 1, op, "scale_inv");
   check_float32(amax_out, x, op, "amax");
   check::numel_is(amax_out, 1, op, "amax");
-  check_outs_disjoint({x}, {out}, Arity::kSingle, op);
-  check::no_overlap(scale_inv, amax_out, op, "scale_inv", "amax");
-  for (const auto& [t_out, name] : {std::pair{&scale_inv, "scale_inv"}, std::pair{&amax_out, "amax"}}) {
-    check::no_overlap(x, *t_out, op, "x", name);
-    check::no_overlap(out, *t_out, op, "out", name);
-  }
+  check::disjoint_writes({{&out, "out"}, {&scale_inv, "scale_inv"}, {&amax_out, "amax"}}, {{&x, "x"}}, op);
   ScalingPtrs s{nullptr, amax_out.ptr<float>(), 0, scale_inv.ptr<float>(), nullptr, 0, margin, true};
   s.current = true;
   s.nan_if_nonfinite = nan_if_nonfinite;
@@ -159,9 +158,6 @@ Matrix check_cast_transpose(const TensorView& x, const TensorView& out, const Te
                      out_t.describe());
   check::contiguous(out_t, op, "out_t");
   check::same_device(x, out_t, op, "x", "out_t");
-  check::no_overlap(x, out, op, "x", "out");
-  check::no_overlap(x, out_t, op, "x", "out_t");
-  check::no_overlap(out, out_t, op, "out", "out_t");
   return {rows, cols};
 }
 
@@ -172,6 +168,8 @@ void cast_transpose(const TensorView& x, const TensorView& out, const TensorView
   const char* op = "cast_transpose";
   const auto [rows, cols] = check_cast_transpose(x, out, out_t, op);
   const ScalingPtrs s = scaling_ptrs(scaling, 1, x, op);
+  check::disjoint_writes({{&out, "out"}, {&out_t, "out_t"}, {&scaling.amax, "amax"}, {&scaling.scale_inv, "scale_inv"}},
+                         {{&x, "x"}, {&scaling.scale, "scale"}, {scaling.warmup_counter, "warmup_counter"}}, op);
   run_on(
       x, op,
       [&] { cpu::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, nullptr, nullptr); },
@@ -192,13 +190,10 @@ void cast_transpose_dbias(const TensorView& x, const TensorView& out, const Tens
   check::numel_is(dbias, cols, op, "dbias");
   check_float32(workspace, x, op, "workspace");
   check::numel_at_least(workspace, cast_transpose_dbias_workspace(rows, cols), op, "workspace");
-  for (const auto& [t, name] : {std::pair{&dbias, "dbias"}, std::pair{&workspace, "workspace"}}) {
-    check::no_overlap(x, *t, op, "x", name);
-    check::no_overlap(out, *t, op, "out", name);
-    check::no_overlap(out_t, *t, op, "out_t", name);
-  }
-  check::no_overlap(dbias, workspace, op, "dbias", "workspace");
   const ScalingPtrs s = scaling_ptrs(scaling, 1, x, op);
+  check::disjoint_writes({{&out, "out"}, {&out_t, "out_t"}, {&dbias, "dbias"}, {&workspace, "workspace"},
+                          {&scaling.amax, "amax"}, {&scaling.scale_inv, "scale_inv"}},
+                         {{&x, "x"}, {&scaling.scale, "scale"}, {scaling.warmup_counter, "warmup_counter"}}, op);
   float* sums = dbias.ptr<float>();
   float* bands = workspace.ptr<float>();
   run_on(
@@ -226,6 +221,7 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
     check_warmup_steps(warmup_steps, op);
     warmup_counter_data = warmup_counter->ptr<const int32_t>();
   }
+  check::disjoint_writes({{&amax_out, "amax"}}, {{&x, "x"}, {warmup_counter, "warmup_counter"}}, op);
   float* a = amax_out.ptr<float>();
   run_on(
       x, op, [&] { cpu::amax(x.dtype, x.data, *runs, a, warmup_counter_data, warmup_steps); },
@@ -238,6 +234,7 @@ void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, S
   check::high_precision(xs[0], op, "xs");
   check_float32(amax_out, xs[0], op, "amax");
   const int64_t stride = amax_stride(amax_out, static_cast<int64_t>(xs.size()), op);
+  check_disjoint(xs, {}, {{&amax_out, "amax"}}, {}, Arity::kMulti, op);
   float* a = amax_out.ptr<float>();
   run_on(
       xs[0], op, [&] { cpu::multi_amax(xs[0].dtype, t, a, stride); },

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include "fp8amp/error.h"
@@ -108,14 +109,25 @@ void dim_is(const TensorView& t, int64_t expected, const char* op, const char* a
 
 namespace {
 
-// The bytes a contiguous view occupies, [begin, end).
+// The bytes a view occupies, [begin, end): from its lowest to its highest element.
 struct ByteRange {
   uintptr_t begin, end;
 };
 
 ByteRange bytes_of(const TensorView& t) {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
-  return {begin, begin + static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype)};
+  const uintptr_t data = reinterpret_cast<uintptr_t>(t.data);
+  const int64_t n = t.numel();
+  if (n == 0) return {data, data};
+  int64_t lowest = 0, highest = n - 1;  // element offsets from data
+  if (!t.strides.empty()) {
+    lowest = highest = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t step = (t.shape[d] - 1) * t.strides[d];
+      (step < 0 ? lowest : highest) += step;
+    }
+  }
+  const auto size = static_cast<intptr_t>(dtype_size(t.dtype));
+  return {data + static_cast<uintptr_t>(lowest * size), data + static_cast<uintptr_t>((highest + 1) * size)};
 }
 
 // A common byte (an empty view has none, wherever it points).
@@ -130,34 +142,53 @@ void no_overlap(const TensorView& a, const TensorView& b, const char* op, const 
                      " must not share memory, got overlapping ", a.describe(), " and ", b.describe());
 }
 
-void disjoint_outputs(const std::vector<TensorView>& outs, const std::vector<TensorView>& xs, const char* op,
-                      const std::function<std::string(const char* list, size_t i)>& names) {
-  // The non-empty outs by address: if two overlap, so do two neighbours (an out that begins
-  // between them begins inside the first). Once they are disjoint their ends are sorted too, so
-  // a view overlaps some out iff it overlaps the last one that begins before its end.
-  // O((n + m) log m), not n * m, for the hundreds of tensors a multi-tensor call takes; the
-  // names are made only for the message.
+void disjoint_writes(const std::vector<const TensorView*>& written_list, const std::vector<const TensorView*>& read_list,
+                     std::initializer_list<NamedView> written_args, std::initializer_list<NamedView> read_args,
+                     const char* op, const std::function<std::string(bool written, size_t i)>& list_names) {
+  std::vector<const TensorView*> written = written_list, read = read_list;
+  std::vector<const char*> written_names, read_names;  // of the named views after the lists'
+  for (const auto& [args, views, names] :
+       {std::tuple{&written_args, &written, &written_names}, std::tuple{&read_args, &read, &read_names}}) {
+    for (const NamedView& a : *args) {
+      if (a.view == nullptr) continue;  // an optional argument not given
+      views->push_back(a.view);
+      names->push_back(a.name);
+    }
+  }
+  const auto name = [&](bool is_written, size_t i) {
+    const size_t listed = (is_written ? written_list : read_list).size();
+    return i < listed ? list_names(is_written, i) : std::string((is_written ? written_names : read_names)[i - listed]);
+  };
+  // The non-empty written views by address: if two overlap, so do two neighbours (a view that
+  // begins between them begins inside the first). Once they are disjoint their ends are sorted
+  // too, so a read view overlaps some written one iff it overlaps the last one that begins
+  // before its end.
   std::vector<std::pair<ByteRange, size_t>> sorted;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const ByteRange r = bytes_of(outs[i]);
+  sorted.reserve(written.size());
+  for (size_t i = 0; i < written.size(); ++i) {
+    const ByteRange r = bytes_of(*written[i]);
     if (r.begin < r.end) sorted.push_back({r, i});
   }
   std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
-  const auto refuse_if_overlapping = [&](const TensorView& a, ByteRange ra, const char* list_a, size_t i,
-                                         const std::pair<ByteRange, size_t>& out) {
-    if (!overlap(ra, out.first)) return;
-    no_overlap(a, outs[out.second], op, names(list_a, i).c_str(), names("outs", out.second).c_str());
+  const auto refuse_if_overlapping = [&](const TensorView& a, ByteRange ra, bool a_written, size_t i,
+                                         const std::pair<ByteRange, size_t>& w) {
+    if (!overlap(ra, w.first)) return;
+    no_overlap(a, *written[w.second], op, name(a_written, i).c_str(), name(true, w.second).c_str());
   };
   for (size_t k = 1; k < sorted.size(); ++k) {
     const auto& [range, i] = sorted[k - 1];
-    refuse_if_overlapping(outs[i], range, "outs", i, sorted[k]);
+    refuse_if_overlapping(*written[i], range, true, i, sorted[k]);
   }
-  for (size_t i = 0; i < xs.size(); ++i) {
-    const ByteRange x = bytes_of(xs[i]);
+  for (size_t i = 0; i < read.size(); ++i) {
+    const ByteRange r = bytes_of(*read[i]);
     const auto after = std::partition_point(sorted.begin(), sorted.end(),
-                                            [&](const auto& out) { return out.first.begin < x.end; });
-    if (after != sorted.begin()) refuse_if_overlapping(xs[i], x, "xs", i, *(after - 1));
+                                            [&](const auto& w) { return w.first.begin < r.end; });
+    if (after != sorted.begin()) refuse_if_overlapping(*read[i], r, false, i, *(after - 1));
   }
+}
+
+void disjoint_writes(std::initializer_list<NamedView> written, std::initializer_list<NamedView> read, const char* op) {
+  disjoint_writes({}, {}, written, read, op, [](bool, size_t) { return std::string(); });
 }
 
 }  // namespace check

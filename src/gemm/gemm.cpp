@@ -110,6 +110,13 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_in
                      "options.workspace is null but options.workspace_bytes is ",
                      options.workspace_bytes);
 
+  // With accumulate, out is read and rewritten tile by tile: an operand inside it would be read
+  // after being overwritten (on the GPU, by another block at any time).
+  check::disjoint_writes({{&out, "out"}},
+                         {{&a, "a"}, {&b, "b"}, {&a_scale_inv, "a_scale_inv"}, {&b_scale_inv, "b_scale_inv"},
+                          {bias, "bias"}},
+                         kOp);
+
   if (m == 0 || n == 0) return;  // nothing to write
   GemmArgs g;
   g.m = m;

@@ -4,6 +4,8 @@
 #include <initializer_list>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "common/run_on.h"
 #include "fp8amp/error.h"
@@ -117,6 +119,43 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
   return r;
 }
 
+// Every buffer but the grads and their scales is rewritten in place, element by element, and read
+// again in pass 2 (optim.h, "How"): two sharing memory, or a grad inside one of them, would give
+// wrong values on the CPU and a race on the GPU. The grads may share memory with each other.
+void check_disjoint(const std::vector<AdamTensors>& tensors, const TensorView* step_tensor, const TensorView& found_inf,
+                    const TensorView& amax) {
+  std::vector<const TensorView*> written, read;
+  std::vector<std::pair<const char*, size_t>> written_at, read_at;  // (list, i), as the torch op names them
+  const auto add = [](std::vector<const TensorView*>* views, std::vector<std::pair<const char*, size_t>>* at,
+                      const TensorView* t, const char* list, size_t i) {
+    if (t == nullptr) return;
+    views->push_back(t);
+    at->push_back({list, i});
+  };
+  const auto opt = [](const std::optional<TensorView>& t) { return t ? &*t : nullptr; };
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const AdamTensors& t = tensors[i];
+    for (const auto& [view, list] : {std::pair{&t.param, "params"}, {&t.exp_avg, "exp_avgs"},
+                                     {&t.exp_avg_sq, "exp_avg_sqs"}, {opt(t.param_scale), "param_scales"},
+                                     {opt(t.param_scale_inv), "param_scale_invs"},
+                                     {opt(t.exp_avg_scale), "exp_avg_scales"},
+                                     {opt(t.exp_avg_scale_inv), "exp_avg_scale_invs"},
+                                     {opt(t.exp_avg_sq_scale), "exp_avg_sq_scales"},
+                                     {opt(t.exp_avg_sq_scale_inv), "exp_avg_sq_scale_invs"},
+                                     {opt(t.weight_fp8), "weights_fp8"}, {opt(t.weight_scale), "weight_scales"},
+                                     {opt(t.weight_scale_inv), "weight_scale_invs"}}) {
+      add(&written, &written_at, view, list, i);
+    }
+    add(&read, &read_at, &t.grad, "grads", i);
+    add(&read, &read_at, opt(t.grad_scale_inv), "grad_scale_invs", i);
+  }
+  check::disjoint_writes(written, read, {{step_tensor, "step_tensor"}, {&found_inf, "found_inf"}, {&amax, "amax"}}, {},
+                         kOp, [&](bool is_written, size_t k) {
+                           const auto& [list, i] = (is_written ? written_at : read_at)[k];
+                           return item(list, i);
+                         });
+}
+
 }  // namespace
 
 void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, int64_t step,
@@ -147,6 +186,7 @@ void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, 
                      kOp, "amax must be [", n, ", ", static_cast<int>(kAdamAmaxColumns), "], got ", amax.describe());
   check::same_device(amax, first, kOp, "amax", "params[0]");
   args.amax = amax.ptr<float>();
+  check_disjoint(tensors, step_tensor, found_inf, amax);
 
   run_on(
       first, kOp, [&] { cpu::adam_step(ptrs, formats, args); },

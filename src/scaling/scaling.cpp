@@ -74,6 +74,7 @@ void compute_scale(const TensorView& amax_in, const TensorView& scale, const Ten
   const int64_t stride = amax_stride(amax_in, n, op);
   FP8AMP_CHECK_VALUE(fmax > 0.0f && numerics::is_finite(fmax), op, "fmax must be positive and finite, got ", fmax);
   check_recipe(recipe, op);
+  check::disjoint_writes({{&scale, "scale"}, {&scale_inv, "scale_inv"}}, {{&amax_in, "amax"}}, op);
   float* sc = scale.ptr<float>();
   float* si = scale_inv.ptr<float>();
   const float* a = amax_in.ptr<const float>();
@@ -125,8 +126,11 @@ void update_delayed_impl(const std::vector<DelayedScalingSlice>& states, const T
 void update_delayed_scaling(const TensorView& amax_history, const TensorView& scale, const TensorView& scale_inv,
                             const TensorView& counter, float fmax, const ScalingRecipe& recipe, Stream stream) {
   const char* op = "update_delayed_scaling";
-  update_delayed_impl({delayed_state(amax_history, scale, scale_inv, counter, op, Arity::kSingle, 0)}, amax_history,
-                      fmax, recipe, stream, op);
+  const DelayedScalingSlice state = delayed_state(amax_history, scale, scale_inv, counter, op, Arity::kSingle, 0);
+  // Every tensor is written: two sharing memory would race on the GPU and give wrong scales on both.
+  check::disjoint_writes(
+      {{&amax_history, "amax_history"}, {&scale, "scale"}, {&scale_inv, "scale_inv"}, {&counter, "counter"}}, {}, op);
+  update_delayed_impl({state}, amax_history, fmax, recipe, stream, op);
 }
 
 void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories, const std::vector<TensorView>& scales,
@@ -146,11 +150,11 @@ void multi_update_delayed_scaling(const std::vector<TensorView>& amax_histories,
                        element_name(Arity::kMulti, "", "amax_histories", i).c_str(), "amax_histories[0]");
   }
   // Every tensor is written: two sharing memory would race on the GPU.
-  std::vector<TensorView> written;
+  std::vector<const TensorView*> written;
   for (const auto* list : {&amax_histories, &scales, &scale_invs, &counters}) {
-    written.insert(written.end(), list->begin(), list->end());
+    for (const TensorView& t : *list) written.push_back(&t);
   }
-  check::disjoint_outputs(written, {}, op, [&](const char*, size_t k) {
+  check::disjoint_writes(written, {}, {}, {}, op, [&](bool, size_t k) {
     static constexpr const char* kLists[] = {"amax_histories", "scales", "scale_invs", "counters"};
     return element_name(Arity::kMulti, "", kLists[k / n], k % n);
   });

@@ -558,11 +558,11 @@ TEST(Errors, OutputsMustNotShareMemory) {
                      "scaled_accumulate: amax and dst_scale_inv must not share memory");
 }
 
-// check::disjoint_outputs against the pairwise definition, over random layouts in one buffer.
-TEST(Errors, DisjointOutputsMatchesPairwiseOverlap) {
+// check::disjoint_writes against the pairwise definition, over random layouts in one buffer.
+TEST(Errors, DisjointWritesMatchesPairwiseOverlap) {
   std::mt19937 rng(3);
   std::vector<uint8_t> buf(4096);
-  const auto names = [](const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; };
+  const auto names = [](bool written, size_t i) { return std::string(written ? "outs" : "xs") + "[" + std::to_string(i) + "]"; };
   int refused = 0;
   for (int trial = 0; trial < 3000; ++trial) {
     const auto random_views = [&](size_t n) {
@@ -589,9 +589,12 @@ TEST(Errors, DisjointOutputsMatchesPairwiseOverlap) {
       for (size_t j = i + 1; j < outs.size(); ++j) expected = expected || overlap(outs[i], outs[j]);
       for (const TensorView& x : xs) expected = expected || overlap(outs[i], x);
     }
+    std::vector<const TensorView*> written, read;
+    for (const TensorView& t : outs) written.push_back(&t);
+    for (const TensorView& t : xs) read.push_back(&t);
     bool threw = false;
     try {
-      check::disjoint_outputs(outs, xs, "op", +names);
+      check::disjoint_writes(written, read, {}, {}, "op", names);
     } catch (const Error& e) {
       threw = e.kind() == ErrorKind::kValue;
     }

@@ -98,10 +98,20 @@ def test_state_dict_round_trip_keeps_warmup():
     assert torch.equal(fresh.weight, fp8.weight)
 
 
-def test_plain_linear_checkpoint_loads_strictly():
+def test_plain_linear_checkpoint_loads_strictly_under_fresh_scaling_if_missing():
     fp8, ref = pair()
-    fp8.load_state_dict(nn.Linear(64, 48).state_dict(), strict=True)
-    assert fp8.input_scaling.counter.tolist() == [0]
+    plain = nn.Linear(64, 48).state_dict()
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*input_scaling.amax_history"):
+        fp8.load_state_dict(plain, strict=True)  # the scaling state is not silently fresh
+    missing = fp8.load_state_dict(plain, strict=False).missing_keys
+    assert {"input_scaling.counter", "grad_output_scaling.scale"} <= set(missing)
+    fp8.input_scaling.counter.fill_(5)
+    with fp8amp.fresh_scaling_if_missing():
+        assert fp8.load_state_dict(plain, strict=True).missing_keys == []
+    assert fp8.input_scaling.counter.tolist() == [0]  # the warm-up restarts
+    assert torch.equal(fp8.weight, plain["weight"])
+    with fp8amp.fresh_scaling_if_missing(), pytest.raises(RuntimeError, match="Missing key.*bias"):
+        fp8.load_state_dict({"weight": plain["weight"]}, strict=True)  # other keys stay strict
 
 
 def test_convert_swaps_filters_and_keeps_parameters():

@@ -1,0 +1,122 @@
+"""What loading a checkpoint refuses or converts (issue 23): a plain torch.optim state dict into
+fp8amp's optimizer, a model state dict without scaling buffers, non-finite values into masters and
+into ScaledTensor.from_tensor."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+from fp8amp.formats import E4M3, FP16
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _initialize(model, level):
+    """A copy of model at `level` and the optimizer initialize returns for it."""
+    model = copy.deepcopy(model)
+    return fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), level, policy="all")[:2]
+
+
+def _plain_adamw_state(model, frozen=()):
+    """A torch.optim.AdamW state dict after two steps, with no state for the `frozen` params."""
+    for p in frozen:
+        p.requires_grad_(False)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for t in range(2):
+        plain.zero_grad()
+        model(torch.randn(8, 16, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+        plain.step()
+    for p in frozen:
+        p.requires_grad_(True)
+    return plain.state_dict()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_plain_torch_adamw_state_is_converted_to_the_level(level):
+    model = _model()
+    saved = _plain_adamw_state(model, frozen=[model[2].bias])
+    plain_states = copy.deepcopy(saved["state"])
+    fp8_model, opt = _initialize(model, level)
+    opt.load_state_dict(saved)
+    m_dtype, v_dtype = fp8amp.optim.STATE_DTYPES[level]
+    assert all(g["state_dtypes"] == level for g in opt.param_groups)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        if i not in plain_states:  # the frozen bias: no state yet
+            continue
+        st = opt.state[p]
+        assert st["exp_avg"].dtype == m_dtype and st["exp_avg_sq"].dtype == v_dtype
+        assert st["step"].item() == 2
+        m, v = st["exp_avg"].float(), st["exp_avg_sq"].float()
+        if level == "O2":
+            m, v = m * st["exp_avg_scale_inv"], v * st["exp_avg_sq_scale_inv"]
+            assert torch.allclose(m, plain_states[i]["exp_avg"], rtol=2 ** -3, atol=0)  # E4M3: 3 mantissa bits
+            assert torch.allclose(v, plain_states[i]["exp_avg_sq"], rtol=2 ** -10, atol=0)
+        else:
+            assert torch.equal(m, plain_states[i]["exp_avg"]) and torch.equal(v, plain_states[i]["exp_avg_sq"])
+    # The next step works, also for the param without state (it used to raise KeyError: 'state_dtypes').
+    fp8_model(torch.randn(8, 16)).square().mean().backward()
+    opt.step()
+    assert 3 not in plain_states and opt.state[params[3]]["exp_avg"].dtype == m_dtype
+    assert all(torch.isfinite(p.float()).all() for p in fp8_model.parameters())
+
+
+def test_plain_state_with_amsgrad_is_refused_before_loading():
+    model = _model()
+    saved = _plain_adamw_state(model)
+    saved["param_groups"][0]["amsgrad"] = True
+    opt = _initialize(model, "O2")[1]
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        opt.load_state_dict(saved)
+    assert not any(opt.state.values())  # nothing was loaded
+
+
+def test_nonfinite_moment_in_a_state_dict_is_refused():
+    model = _model()
+    saved = _plain_adamw_state(model)
+    saved["state"][1]["exp_avg_sq"][3] = float("inf")
+    opt = fp8amp.optim.AdamW(model.parameters(), state_dtypes="O1")
+    with pytest.raises(ValueError, match=r"param 1 of group 0: state 'exp_avg_sq' holds inf or NaN"):
+        opt.load_state_dict(saved)
+
+
+# ------------------------------------------------------------------------------------------ non-finite
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_checkpoint_with_inf_into_a_master_is_refused(level):
+    model = fp8amp.initialize(_model(), None, level, policy="all")[0]
+    saved = model.state_dict()
+    saved["2.weight"][1, 2] = float("inf")  # it used to load as 65504
+    before = model[2].weight.dequantize()
+    with pytest.raises(ValueError, match=r"2\.weight holds inf or NaN"):
+        model.load_state_dict(saved)
+    assert torch.equal(model[2].weight.dequantize(), before)
+
+
+def test_initialize_refuses_a_nonfinite_weight():
+    model = _model()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"initialize: 0\.weight holds inf or NaN"):
+        fp8amp.initialize(model, None, "O2", policy="all")
+
+
+@pytest.mark.parametrize("fmt", [E4M3, FP16])
+def test_nonfinite_values_into_a_scaled_tensor_read_nan(fmt):
+    x = torch.tensor([1.0, float("inf")])
+    assert fp8amp.ScaledTensor.from_tensor(x, fmt).dequantize().isnan().all()  # was [1, 448] / [1, 65504]
+    # Saturation is an explicit choice.
+    saturated = fp8amp.ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=False).dequantize()
+    assert saturated.tolist() == [1.0, fp8amp.format_max(fmt)]
+    master = fp8amp.ScaledTensor.from_tensor(torch.ones(2), FP16).attach_fp8_copy()
+    master.copy_(x)  # copy_ needs no host read: NaN, where it saturated
+    assert master.dequantize().isnan().all()
+    codes, _, scale_inv = master.fp8_copy
+    assert (codes.float() * scale_inv).isnan().all()  # the E4M3 copy the forward reads too

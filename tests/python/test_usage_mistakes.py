@@ -1,0 +1,104 @@
+"""Usage mistakes that did nothing silently, and errors that did not say what is unsupported
+(issue 23, items 10 and 11): each now raises or warns with the fix."""
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _loss(model):
+    return model(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).square().mean()
+
+
+# ------------------------------------------------------------------------------------------ item 10
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_optimizer_passed_into_initialize_refuses_to_step(level):
+    model = _model()
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, returned = fp8amp.initialize(model, passed, level, policy="all")
+    _loss(model).backward()
+    before = model[0].weight.dequantize()
+    with pytest.raises(RuntimeError, match="initialize replaced this optimizer.*step and zero_grad that one"):
+        passed.step()  # it used to run, leaving the Linear weights unchanged
+    with pytest.raises(RuntimeError, match="initialize replaced this optimizer"):
+        passed.zero_grad()  # the masters' grads would accumulate
+    assert torch.equal(model[0].weight.dequantize(), before)
+    returned.step()
+    assert not torch.equal(model[0].weight.dequantize(), before)
+
+
+def test_lr_scheduler_built_before_initialize_warns_once():
+    model = _model()
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.optim.lr_scheduler.StepLR(passed, step_size=1, gamma=0.5)  # bound to `passed`: no effect later
+    with pytest.warns(UserWarning, match="lr scheduler was built on the optimizer passed in") as record:
+        fp8amp.initialize(model, passed, "O2", policy="all")
+    assert sum("lr scheduler" in str(w.message) for w in record) == 1
+
+
+def test_no_warning_without_a_scheduler():
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", policy="all")
+
+
+# ------------------------------------------------------------------------------------------ item 11
+
+
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_torchscript_is_refused_with_what_works(how):
+    model = fp8amp.convert(_model(), policy="all")
+    x = torch.randn(4, 16)
+    compile_ = (lambda: torch.jit.trace(model, x)) if how == "trace" else (lambda: torch.jit.script(model))
+    with pytest.raises(NotImplementedError, match="TorchScript .* is not supported.*torch.compile.*torch.export"):
+        compile_()  # IndexError: unordered_map::at / a scripting error about list sizes, before
+
+
+def test_export_works_as_the_message_says():
+    model = fp8amp.convert(_model(), policy="all").eval()
+    x = torch.randn(4, 16)
+    assert torch.equal(torch.export.export(model, (x,)).module()(x), model(x))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_input_is_refused(layout):
+    model = fp8amp.convert(_model(), policy="all")
+    x = torch.randn(4, 16)
+    x = x.to_sparse() if layout == "coo" else x.to_sparse_csr()
+    with pytest.raises(ValueError, match="input must be a dense .* call .to_dense"):
+        model(x)
+
+
+def test_scaled_tensor_add_of_float64_and_int_as_torch():
+    base = torch.randn(8)
+    for other in (torch.randn(8, dtype=torch.float64), torch.arange(8, dtype=torch.int32)):
+        s = fp8amp.ScaledTensor.from_tensor(base, fp8amp.FP16)
+        expected = s.dequantize() + other.float()  # torch: float32.add_(float64 or int) keeps float32
+        s.add_(other)  # named the internal scaled_accumulate, before
+        assert torch.allclose(s.dequantize(), expected, rtol=2 ** -10, atol=0)
+    with pytest.raises(TypeError, match="ScaledTensor.add_: other must be real"):
+        fp8amp.ScaledTensor.from_tensor(base, fp8amp.FP16).add_(torch.randn(8, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_pickle_round_trip_of_an_o1_o2_model(level):
+    model = fp8amp.initialize(_model(), None, level, policy="all")[0]
+    loaded = pickle.loads(pickle.dumps(model))  # AttributeError in torch's float8 unpickling, before
+    x = torch.randn(4, 16)
+    assert torch.equal(loaded(x), model(x))
+    assert loaded[0].weight.fp8_copy[0].dtype == fp8amp.E4M3
+    grad = fp8amp.ScaledTensor.from_tensor(torch.randn(4, 4), fp8amp.E4M3)
+    assert torch.equal(pickle.loads(pickle.dumps(grad)).dequantize(), grad.dequantize())
