@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .amax_sync import reduce_amaxes
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
@@ -198,7 +199,11 @@ def convert(
 
 def update_scaling(model: nn.Module) -> None:
     """Delayed-scaling update of every ``Fp8Linear`` in ``model``; call after each optimizer step.
-    One launch for all their input states and one for their output-gradient states."""
+    One launch for all their input states and one for their output-gradient states. With several
+    ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
+    (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
+    the group must call it."""
+    states = [s for m in model.modules() if isinstance(m, Fp8Linear) for s in (m.input_scaling, m.grad_output_scaling)]
     with torch.no_grad():
-        update_states(s for m in model.modules() if isinstance(m, Fp8Linear)
-                      for s in (m.input_scaling, m.grad_output_scaling))
+        reduce_amaxes(states)
+        update_states(states)
