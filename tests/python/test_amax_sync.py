@@ -213,6 +213,33 @@ def errors_run(rank: int, world: int) -> dict:
     return errors
 
 
+def head_model() -> nn.Module:
+    """Two Fp8Linears and a 2-row head FP8 cannot take: with 3 ranks the head's last shard is empty."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 2))
+
+
+def head_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    return model(batch(step, rank)[0]).square().mean()
+
+
+def empty_shard_run(rank: int) -> dict:
+    """O2 under FSDP2 with more ranks than the head has rows: the local shapes and the weights after
+    STEPS steps."""
+    model, _ = fp8amp.initialize(head_model(), None, "O2", policy="all")
+    shard(model)
+    optimizer = fp8amp.optim.AdamW(model.parameters(), lr=LR, state_dtypes="O2")
+    optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
+    for step in range(STEPS):
+        head_loss(model, step, rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+    return dict(local={name: tuple(p.to_local().shape) for name, p in model.named_parameters()},
+                params={name: p.dequantize() if isinstance(p, fp8amp.ScaledTensor) else p for name, p in full.items()},
+                buffers=scaling_buffers(model))
+
+
 def worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -220,6 +247,7 @@ def worker(rank: int, world: int, port: int, results) -> None:
         res = {scenario: train(rank, scenario) for scenario in SCENARIOS}
         res["non_finite"] = non_finite_gradient_run(rank, world)
         res["launches"] = launches_run(rank)
+        res["empty_shard"] = empty_shard_run(rank)
         res["errors"] = errors_run(rank, world)
         results[rank] = res
     finally:
@@ -384,3 +412,30 @@ def test_reduction_inside_a_captured_cuda_graph():
         assert_bit_identical(snapshot(model, optimizer), eager)
     finally:
         dist.destroy_process_group()
+
+
+def test_more_ranks_than_a_weights_rows(run):
+    """A 2-row weight sharded over 3 ranks leaves the last rank an empty shard: it trains all the
+    same, the ranks identical, as one process's O2 run on all ranks' batches (within Adam's 2 lr a
+    step: the shards' own master scales round differently)."""
+    world, res = run
+    if world == 3:
+        assert [r["empty_shard"]["local"]["4.weight"] for r in res] == [(1, 16), (1, 16), (0, 16)]
+    for r in res[1:]:
+        for kind in ("params", "buffers"):
+            for name, value in res[0]["empty_shard"][kind].items():
+                assert torch.equal(r["empty_shard"][kind][name], value), (kind, name)
+    model = head_model()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2", policy="all",
+                                         weight_grad="fp32")
+    for step in range(STEPS):
+        for rank in range(world):
+            (head_loss(model, step, rank) / world).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    initial = dict(head_model().named_parameters())
+    for name, value in model.named_parameters():
+        real = value.dequantize() if isinstance(value, fp8amp.ScaledTensor) else value.detach()
+        got = res[0]["empty_shard"]["params"][name]
+        torch.testing.assert_close(got, real, rtol=0, atol=2 * LR * STEPS, msg=name)
+        assert not torch.equal(got, initial[name].detach()), name  # it trained
