@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .linear import Fp8Linear
 from .scaling import ScalingState
 
-__all__ = ["set_amax_reduction", "reduce_amaxes", "ranks_agree"]
+__all__ = ["set_amax_reduction", "start_amax_reduction", "reduce_amaxes", "delayed_states", "ranks_agree"]
 
 def set_amax_reduction(model: nn.Module, process_group: Optional[dist.ProcessGroup] = None, *,
                        enabled: bool = True) -> int:
@@ -104,31 +105,78 @@ def _check_ranks_agree(group, device: torch.device, states: list[ScalingState]) 
     states[0]._amax_reduction_agreed = stamp
 
 
-@torch.compiler.disable  # the collective runs eagerly: a compiled region calling it breaks the graph here
-def reduce_amaxes(states: Iterable[ScalingState]) -> int:
-    """MAX-reduces this step's amaxes (column 0 of the histories) of ``states`` over their process
-    group, in place: one ``all_reduce`` of one flat float32 tensor per device, asynchronous
-    (``wait`` orders the stream, the host does not block on CUDA). States with
-    ``amax_reduction`` off are left alone; with the default group and no initialized process
-    group, or one rank, nothing is done. Returns the number of collectives issued.
+def delayed_states(model: nn.Module) -> list[ScalingState]:
+    """The delayed-scaling states of ``model``'s Fp8Linears (inputs, output gradients), in module
+    order: what :func:`fp8amp.update_scaling` reduces and updates."""
+    return [s for m in model.modules() if isinstance(m, Fp8Linear) for s in (m.input_scaling, m.grad_output_scaling)]
 
-    Raises:
-        ValueError: the states name different process groups, or the ranks hold different states.
-    """
+
+def _reducing(states: Iterable[ScalingState]):
+    """(the states that reduce, their group), or None when there is nothing to reduce."""
     states = [st for st in {id(st): st for st in states}.values() if st.amax_reduction]
     if not states or not dist.is_available() or not dist.is_initialized():
-        return 0
+        return None
     group, explicit = _group_of(states)
     if not explicit and dist.get_world_size() == 1:
-        return 0
+        return None
+    return states, group
+
+
+def _issue(states: list[ScalingState], group) -> None:
+    """Issues one asynchronous all_reduce(MAX) per device; leaves them on the first state."""
     by_device: dict[torch.device, list[ScalingState]] = {}
     for st in states:
         by_device.setdefault(st.amax_history.device, []).append(st)
+    pending = []
     for device, device_states in by_device.items():
         _check_ranks_agree(group, device, device_states)
         columns = [st.amax_history[:, 0] for st in device_states]
         flat = torch.cat(columns)
         flat.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
+        pending.append((dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group, async_op=True), flat, columns))
+    states[0]._pending_amax_reduction = (tuple(id(st) for st in states), pending)
+
+
+@torch.compiler.disable  # the collective runs eagerly: a compiled region calling it breaks the graph here
+def start_amax_reduction(states: Iterable[ScalingState]) -> int:
+    """Issues the reduction of :func:`reduce_amaxes` without waiting for it, so that it runs while
+    other work does: call it once all of the step's amaxes are recorded (after the backward; the
+    optimizer hook of :func:`fp8amp.initialize` calls it before the step), and
+    :func:`reduce_amaxes` (in :func:`fp8amp.update_scaling`) then waits for it and copies the
+    maxima back. Amaxes recorded in between (a forward in an optimizer closure) are overwritten.
+    Returns the number of collectives issued."""
+    plan = _reducing(states)
+    if plan is None:
+        return 0
+    _issue(*plan)
+    return len(plan[0][0]._pending_amax_reduction[1])
+
+
+@torch.compiler.disable
+def reduce_amaxes(states: Iterable[ScalingState]) -> int:
+    """MAX-reduces this step's amaxes (column 0 of the histories) of ``states`` over their process
+    group, in place: one ``all_reduce`` of one flat float32 tensor per device, asynchronous
+    (``wait`` orders the stream, the host does not block on CUDA), or the one
+    :func:`start_amax_reduction` issued for the same states. States with ``amax_reduction`` off
+    are left alone; with the default group and no initialized process group, or one rank, nothing
+    is done. Returns the number of collectives it issued.
+
+    Raises:
+        ValueError: the states name different process groups, or the ranks hold different states.
+    """
+    plan = _reducing(states)
+    if plan is None:
+        return 0
+    states, group = plan
+    pending = states[0].__dict__.pop("_pending_amax_reduction", None)
+    issued = 0
+    if pending is None or pending[0] != tuple(id(st) for st in states):
+        for work, _, _ in () if pending is None else pending[1]:
+            work.wait()  # issued for another set of states: finished, not used
+        _issue(states, group)
+        pending = states[0].__dict__.pop("_pending_amax_reduction")
+        issued = len(pending[1])
+    for work, flat, columns in pending[1]:
+        work.wait()
         torch._foreach_copy_(columns, flat.split([c.numel() for c in columns]))
-    return len(by_device)
+    return issued

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import ModuleFilter, convert, update_scaling
+from .convert import ModuleFilter, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
 from .formats import FP16
 from .linear import Fp8Linear, MasterWeight
@@ -103,7 +103,7 @@ def initialize(
     if optimizer is None:
         return model, None
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
-    new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    register_scaling_hooks(model, new_optimizer)
     return model, new_optimizer
 
 

@@ -166,6 +166,14 @@ def launches_run(rank: int) -> dict:
         with OpCounter() as counter:
             fp8amp.update_scaling(model)
         out[enabled] = counter.ops
+    # With convert's optimizer hooks the collective is issued before the step and waited for after it.
+    amax_sync.set_amax_reduction(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
+    fp8amp.convert(model, optimizer=optimizer, policy="all")
+    loss_of(model, *batch(2, rank)[:1], torch.ones(16, 32)).backward()
+    with OpCounter() as counter:
+        optimizer.step()
+    out["hooked_step"] = counter.ops
     return out
 
 
@@ -319,6 +327,9 @@ def test_one_collective_and_three_ops_per_step(run):
         added = [op for op in with_reduction[:-2] if op not in views]
         assert added == ["aten::cat", "aten::nan_to_num_", "c10d::allreduce_", "aten::_foreach_copy_"], with_reduction
         assert with_reduction[-2:] == without
+        step = r["launches"]["hooked_step"]  # the optimizer's update between the issue and the copy back
+        assert step.count("c10d::allreduce_") == 1
+        assert step.index("c10d::allreduce_") < step.index("aten::_foreach_add_") < step.index("aten::_foreach_copy_")
 
 
 def test_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(run):
