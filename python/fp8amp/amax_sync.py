@@ -9,6 +9,8 @@ the same windows, so all ranks hold bit-identical scaling buffers after every st
 the other columns, the scales and the counters were identical before), and a rank whose batch
 has the largest activations or gradients sets the scale for all. A NaN amax is reduced as +inf
 (a MAX reduction need not propagate NaN): every rank then resets that tensor's warm-up together.
+:func:`start_amax_reduction` issues the collective early (the optimizer hooks of
+:func:`fp8amp.initialize` do, before the step) and :func:`reduce_amaxes` then only waits for it.
 
 Which group: each :class:`~fp8amp.ScalingState` carries ``amax_reduction`` (on by default) and
 ``amax_reduction_group`` (``None``: the default group, when one is initialized and has more than
