@@ -17,7 +17,7 @@ from .convert import ConversionReport, LayerDecision, conversion_report, convert
 from .initialize import OPT_LEVELS, initialize
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from .report import NumericsReport, TensorStats, numerics_report
-from . import distributed, fsdp, optim
+from . import amax_sync, distributed, fsdp, optim
 
 __all__ = [
     "initialize",
@@ -46,6 +46,7 @@ __all__ = [
     "numerics_report",
     "NumericsReport",
     "TensorStats",
+    "amax_sync",
     "distributed",
     "fsdp",
     "ops",

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .amax_sync import delayed_states, reduce_amaxes, start_amax_reduction
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
@@ -192,13 +193,28 @@ def convert(
                 policy)
     object.__setattr__(model, "_fp8amp_conversion_report", report)
     if optimizer is not None:
-        optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+        register_scaling_hooks(model, optimizer)
     return model
+
+
+def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
+    the amax reduction across ranks, so that the collective overlaps the step
+    (:func:`fp8amp.amax_sync.start_amax_reduction`)."""
+    def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
+        start_amax_reduction(delayed_states(model))
+
+    optimizer.register_step_pre_hook(start)
+    optimizer.register_step_post_hook(lambda *_: update_scaling(model))
 
 
 def update_scaling(model: nn.Module) -> None:
     """Delayed-scaling update of every ``Fp8Linear`` in ``model``; call after each optimizer step.
-    One launch for all their input states and one for their output-gradient states."""
+    One launch for all their input states and one for their output-gradient states. With several
+    ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
+    (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
+    the group must call it."""
+    states = delayed_states(model)
     with torch.no_grad():
-        update_states(s for m in model.modules() if isinstance(m, Fp8Linear)
-                      for s in (m.input_scaling, m.grad_output_scaling))
+        reduce_amaxes(states)
+        update_states(states)

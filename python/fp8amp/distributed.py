@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from .amax_sync import ranks_agree
 from .ops import fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, format_max
 from .scaled_tensor import ScaledTensor
@@ -87,9 +88,13 @@ class FP8CommState:
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
+    _agreed_layouts: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = "fp8amp.distributed.FP8CommState"
+        if self.process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"{where}: this rank is not a member of process_group (dist.new_group returned "
+                             "GroupMember.NON_GROUP_MEMBER): pass a group this rank belongs to")
         if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
             raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None; "
                             f"got {type(self.process_group).__name__}")
@@ -383,6 +388,7 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
         if lists[-1] and sum(x.numel() for x in lists[-1]) * g.element_size() + g.numel() * g.element_size() > cap:
             lists.append([])
         lists[-1].append(g)
+    _check_same_gradients(model, buckets, state)
     for (device, _), lists in buckets.items():
         for grads in lists:
             flat = torch.cat([(g.dequantize() if isinstance(g, ScaledTensor) else g).reshape(-1) for g in grads])
@@ -396,6 +402,24 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
                 for g in grads:
                     g.copy_(mean[offset:offset + g.numel()].view(g.shape))
                     offset += g.numel()
+
+
+def _check_same_gradients(model: nn.Module, buckets: dict, state: FP8CommState) -> None:
+    """Every rank must reduce gradients of the same dtypes and shapes in the same buckets, or the
+    collectives would not line up (a hang, or codes of one gradient summed into another's).
+    Checked with one small all-reduce the first time a layout is seen (state's cache)."""
+    layout = tuple((HIGH_PRECISION_DTYPES.index(dtype), len(lists), *(tuple(g.shape) for grads in lists for g in grads))
+                   for (_, dtype), lists in buckets.items())
+    if layout in state._agreed_layouts:
+        return
+    devices = [device for device, _ in buckets] or [p.device for p in model.parameters()] or [torch.device("cpu")]
+    disagreement = ranks_agree(layout, state.process_group, devices[0])
+    if disagreement is not None:
+        raise ValueError("fp8amp.distributed.all_reduce_grads: the ranks hold gradients of different shapes, dtypes "
+                         "or parameters (a parameter with a gradient on one rank and none on another, or a model "
+                         "built differently): every rank must have gradients for the same parameters, of the same "
+                         "shapes and dtypes")
+    state._agreed_layouts.add(layout)
 
 
 def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float32) -> int:

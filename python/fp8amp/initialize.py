@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import ModuleFilter, convert, update_scaling
+from .convert import ModuleFilter, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Linear, MasterPolicy
 from .master_weight import MasterWeight
@@ -105,7 +105,7 @@ def initialize(
     if optimizer is None:
         return model, None
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
-    new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    register_scaling_hooks(model, new_optimizer)
     _retire(optimizer)
     return model, new_optimizer
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,15 @@ class ScalingState(torch.nn.Module):
     - ``scale_inv`` ``[n]`` (init 1): ``1 / scale``.
     - ``counter`` int32 ``[n]`` (init 0): steps since the start or the last non-finite amax,
       capped at H; tensor i warms up (current scaling) while ``counter[i] < H``.
+
+    With several data-parallel ranks :func:`fp8amp.update_scaling` MAX-reduces this step's amaxes
+    over a process group before the update (:mod:`fp8amp.amax_sync`); :meth:`update` alone does not.
     """
+
+    #: Whether :func:`fp8amp.update_scaling` MAX-reduces this state's amaxes across ranks.
+    amax_reduction: bool = True
+    #: The group it reduces over; None: the default group, when one is initialized with > 1 rank.
+    amax_reduction_group: Optional[dist.ProcessGroup] = None
 
     def __init__(
         self,

@@ -1,0 +1,184 @@
+"""Rank-consistent delayed scaling: the amaxes of every delayed-scaled tensor MAX-reduced over the
+data-parallel group once per step, before the scaling update (docs/distributed.md#rank-consistent-scaling).
+
+:func:`fp8amp.update_scaling` calls :func:`reduce_amaxes` on the input and output-gradient states
+of a model's Fp8Linears before it updates them: this step's amaxes (column 0 of every amax
+history) are flattened into one float32 tensor, which one asynchronous ``all_reduce(MAX)``
+reduces over the group, and the maxima are copied back. Every rank then updates its scales from
+the same windows, so all ranks hold bit-identical scaling buffers after every step (by induction:
+the other columns, the scales and the counters were identical before), and a rank whose batch
+has the largest activations or gradients sets the scale for all. A NaN amax is reduced as +inf
+(a MAX reduction need not propagate NaN): every rank then resets that tensor's warm-up together.
+:func:`start_amax_reduction` issues the collective early (the optimizer hooks of
+:func:`fp8amp.initialize` do, before the step) and :func:`reduce_amaxes` then only waits for it.
+
+Which group: each :class:`~fp8amp.ScalingState` carries ``amax_reduction`` (on by default) and
+``amax_reduction_group`` (``None``: the default group, when one is initialized and has more than
+one rank); :func:`set_amax_reduction` sets both on all the states of a model.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .linear import Fp8Linear
+from .scaling import ScalingState
+
+__all__ = ["set_amax_reduction", "start_amax_reduction", "reduce_amaxes", "delayed_states", "ranks_agree"]
+
+def set_amax_reduction(model: nn.Module, process_group: Optional[dist.ProcessGroup] = None, *,
+                       enabled: bool = True) -> int:
+    """Sets how :func:`fp8amp.update_scaling` reduces the amaxes of ``model``'s scaling states:
+    over ``process_group`` (``None``: the default group; an explicit group is used even with one
+    rank), or not at all (``enabled=False``: each rank's scales follow its own amaxes). Every
+    rank of the group must make the same call. Returns the number of states set.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module, ``process_group`` not a ProcessGroup or None,
+            ``enabled`` not a bool.
+        ValueError: this rank is not a member of ``process_group``.
+    """
+    where = "fp8amp.amax_sync.set_amax_reduction"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{where}: enabled must be a bool, got {type(enabled).__name__}")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{where}: this rank ({dist.get_rank()}) is not a member of process_group (dist.new_group "
+                         "returned GroupMember.NON_GROUP_MEMBER): pass the data-parallel group this rank belongs to")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None, got "
+                        f"{type(process_group).__name__}")
+    states = [m for m in model.modules() if isinstance(m, ScalingState)]
+    for state in states:
+        state.amax_reduction = enabled
+        state.amax_reduction_group = process_group
+    return len(states)
+
+
+def _group_of(states: list[ScalingState]) -> tuple[Optional[dist.ProcessGroup], bool]:
+    """(the one group of the states that reduce, whether it was named explicitly)."""
+    groups = {id(st.amax_reduction_group): st.amax_reduction_group for st in states}
+    if len(groups) > 1:
+        names = ", ".join("the default group" if g is None else f"a {g.size()}-rank group"
+                          for g in groups.values())
+        raise ValueError(f"fp8amp.update_scaling: the model's scaling states reduce their amaxes over different "
+                         f"process groups ({names}): one step reduces over one group; call "
+                         "fp8amp.amax_sync.set_amax_reduction(model, process_group) once for the whole model")
+    (group,) = groups.values()
+    return group, group is not None
+
+
+def ranks_agree(layout: tuple, group, device: torch.device) -> tuple[int, int] | None:
+    """Whether every rank of ``group`` passes the same ``layout`` (a tuple of ints and floats: what
+    each rank is about to reduce): ``None`` if so, else ``(least, most)`` of the ranks' lengths.
+    One all-reduce of 4 int64 (a CRC of the layout and its length, MAX of them and of their
+    negatives) and one host read: for a first call, not for every step."""
+    fingerprint = [len(layout), zlib.crc32(repr(layout).encode())]
+    both = torch.tensor(fingerprint + [-v for v in fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    most, least = both[:2].tolist(), [-v for v in both[2:].tolist()]
+    return None if most == least else (least[0], most[0])
+
+
+def _check_ranks_agree(group, device: torch.device, states: list[ScalingState]) -> None:
+    """The first time these states are reduced over ``group``: all ranks must hold the same
+    sequence of states (count, shapes, formats), or the flat amax vectors would not line up (a
+    model split over pipeline stages reduced over the world group, say). The first state keeps
+    the proof (the ids of the states and the group), so a rank that builds a new model checks
+    again; the check is per rank, so all ranks of a group must build their models alike."""
+    stamp = (id(group), dist.get_world_size(group), tuple(id(st) for st in states))
+    if getattr(states[0], "_amax_reduction_agreed", None) == stamp:
+        return
+    layout = tuple((st.num_tensors, st.recipe.history_len, st.fmax) for st in states)
+    disagreement = ranks_agree(layout, group, device)
+    if disagreement is not None:
+        raise ValueError(
+            f"fp8amp.update_scaling: the ranks of the amax-reduction group hold different delayed-scaled tensors "
+            f"(from {disagreement[0]} to {disagreement[1]} scaling states, or other shapes or formats): every rank "
+            "of the group must have the same model (is the group the data-parallel one? with pipeline or tensor "
+            "parallelism pass it to fp8amp.amax_sync.set_amax_reduction(model, process_group)), or turn the "
+            "reduction off (enabled=False)")
+    states[0]._amax_reduction_agreed = stamp
+
+
+def delayed_states(model: nn.Module) -> list[ScalingState]:
+    """The delayed-scaling states of ``model``'s Fp8Linears (inputs, output gradients), in module
+    order: what :func:`fp8amp.update_scaling` reduces and updates."""
+    return [s for m in model.modules() if isinstance(m, Fp8Linear) for s in (m.input_scaling, m.grad_output_scaling)]
+
+
+def _reducing(states: Iterable[ScalingState]):
+    """(the states that reduce, their group), or None when there is nothing to reduce."""
+    states = [st for st in {id(st): st for st in states}.values() if st.amax_reduction]
+    if not states or not dist.is_available() or not dist.is_initialized():
+        return None
+    group, explicit = _group_of(states)
+    if not explicit and dist.get_world_size() == 1:
+        return None
+    return states, group
+
+
+def _issue(states: list[ScalingState], group) -> None:
+    """Issues one asynchronous all_reduce(MAX) per device; leaves them on the first state."""
+    by_device: dict[torch.device, list[ScalingState]] = {}
+    for st in states:
+        by_device.setdefault(st.amax_history.device, []).append(st)
+    pending = []
+    for device, device_states in by_device.items():
+        _check_ranks_agree(group, device, device_states)
+        columns = [st.amax_history[:, 0] for st in device_states]
+        flat = torch.cat(columns)
+        flat.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
+        pending.append((dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group, async_op=True), flat, columns))
+    states[0]._pending_amax_reduction = (tuple(id(st) for st in states), pending)
+
+
+@torch.compiler.disable  # the collective runs eagerly: a compiled region calling it breaks the graph here
+def start_amax_reduction(states: Iterable[ScalingState]) -> int:
+    """Issues the reduction of :func:`reduce_amaxes` without waiting for it, so that it runs while
+    other work does: call it once all of the step's amaxes are recorded (after the backward; the
+    optimizer hook of :func:`fp8amp.initialize` calls it before the step), and
+    :func:`reduce_amaxes` (in :func:`fp8amp.update_scaling`) then waits for it and copies the
+    maxima back. Amaxes recorded in between (a forward in an optimizer closure) are overwritten.
+    Returns the number of collectives issued."""
+    plan = _reducing(states)
+    if plan is None:
+        return 0
+    _issue(*plan)
+    return len(plan[0][0]._pending_amax_reduction[1])
+
+
+@torch.compiler.disable
+def reduce_amaxes(states: Iterable[ScalingState]) -> int:
+    """MAX-reduces this step's amaxes (column 0 of the histories) of ``states`` over their process
+    group, in place: one ``all_reduce`` of one flat float32 tensor per device, asynchronous
+    (``wait`` orders the stream, the host does not block on CUDA), or the one
+    :func:`start_amax_reduction` issued for the same states. States with ``amax_reduction`` off
+    are left alone; with the default group and no initialized process group, or one rank, nothing
+    is done. Returns the number of collectives it issued.
+
+    Raises:
+        ValueError: the states name different process groups, or the ranks hold different states.
+    """
+    plan = _reducing(states)
+    if plan is None:
+        return 0
+    states, group = plan
+    pending = states[0].__dict__.pop("_pending_amax_reduction", None)
+    issued = 0
+    if pending is None or pending[0] != tuple(id(st) for st in states):
+        for work, _, _ in () if pending is None else pending[1]:
+            work.wait()  # issued for another set of states: finished, not used
+        _issue(states, group)
+        pending = states[0].__dict__.pop("_pending_amax_reduction")
+        issued = len(pending[1])
+    for work, flat, columns in pending[1]:
+        work.wait()
+        torch._foreach_copy_(columns, flat.split([c.numel() for c in columns]))
+    return issued
