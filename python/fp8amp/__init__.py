@@ -14,6 +14,7 @@ from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .linear import Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize
+from .unconvert import unconvert
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from .report import NumericsReport, TensorStats, numerics_report
 from . import distributed, fsdp, optim
@@ -21,6 +22,7 @@ from . import distributed, fsdp, optim
 __all__ = [
     "initialize",
     "OPT_LEVELS",
+    "unconvert",
     "convert",
     "conversion_report",
     "ConversionReport",
