@@ -59,7 +59,8 @@ POLICIES = ("auto", "all")
 
 @dataclass
 class ConversionReport:
-    """The decisions of one :func:`convert` call, one per ``nn.Linear`` seen, in module order."""
+    """The decisions of one :func:`convert` call, one per ``nn.Linear`` seen (and one per Hugging
+    Face ``Conv1D``, always kept), in module order."""
 
     policy: str
     tokens: int
@@ -72,7 +73,7 @@ class ConversionReport:
 
     @property
     def skipped(self) -> list[LayerDecision]:
-        """The Linears left as they are (FP8 slower, filtered out, or a shape FP8 cannot take)."""
+        """The Linears left as they are (FP8 slower, filtered out, a shape FP8 cannot take, a Conv1D)."""
         return [d for d in self.decisions if not d.converted]
 
     def __str__(self) -> str:
@@ -147,13 +148,17 @@ def convert(
 
     # Which Linears, and where a timing is needed.
     candidates: list[tuple[nn.Module, str, str, nn.Linear]] = []  # (parent, child name, fqn, linear)
+    kept_conv1d: dict[int, LayerDecision] = {}
     if type(model) is nn.Linear:
         candidates.append((None, "", "", model))
     else:
         for name, module in list(model.named_modules()):
             for child_name, child in list(module._modules.items()):  # every reference, shared ones too
+                fqn = f"{name}.{child_name}" if name else child_name
                 if type(child) is nn.Linear:
-                    candidates.append((module, child_name, f"{name}.{child_name}" if name else child_name, child))
+                    candidates.append((module, child_name, fqn, child))
+                elif _is_hf_conv1d(child) and id(child) not in kept_conv1d:
+                    kept_conv1d[id(child)] = _conv1d_decision(fqn, child)
 
     decisions = {}
     to_time = []
@@ -186,6 +191,7 @@ def convert(
         else:
             setattr(parent, child_name, converted[id(linear)])
 
+    report.decisions += kept_conv1d.values()
     order = {name: i for i, (name, _) in enumerate(model_in.named_modules(remove_duplicate=False))}
     report.decisions.sort(key=lambda d: order.get(d.name, len(order)))
     logger.info("%d of %d Linear layers converted to FP8 (policy=%r)", len(report.converted), len(report.decisions),
@@ -194,6 +200,23 @@ def convert(
     if optimizer is not None:
         optimizer.register_step_post_hook(lambda *_: update_scaling(model))
     return model
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """A Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2 and the models built on it): a
+    Linear whose weight is stored transposed, ``[in, out]``. Known by its class, so that fp8amp
+    needs no import of transformers."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+
+
+def _conv1d_decision(fqn: str, conv: nn.Module) -> LayerDecision:
+    weight = conv.weight
+    return LayerDecision(
+        name=fqn, in_features=weight.shape[0], out_features=weight.shape[1], bias=conv.bias is not None,
+        dtype=weight.dtype, device=str(weight.device), converted=False,
+        reason="transformers Conv1D (its weight is stored transposed, [in, out]) is not converted: FP8 takes "
+               "nn.Linear layers only (docs/integrations.md#gpt-2-and-conv1d)")
 
 
 def update_scaling(model: nn.Module) -> None:

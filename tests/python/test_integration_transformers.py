@@ -1,0 +1,127 @@
+"""Hugging Face transformers with fp8amp, the real package, on the CPU (FP8 emulation): a tiny
+LlamaForCausalLM built from a config (nothing downloaded) trains at O2, goes back through
+unconvert + save_pretrained / from_pretrained, resumes from its own state dict bit for bit, and
+trains under the Trainer; GPT-2's Conv1D layers are reported as kept."""
+
+import io
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8amp
+from fp8amp.testing import batches, load_text_bytes
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 32
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return list(itertools.islice(batches(load_text_bytes(max_bytes=1 << 18), 8, SEQ), 12))
+
+
+def o2(model, lr=3e-3):
+    return fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), "O2", policy="all")
+
+
+def step(model, opt, x, y) -> float:
+    loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_llama_o2_converts_every_projection_and_trains(data):
+    model, opt = o2(tiny_llama())
+    report = fp8amp.conversion_report(model)
+    assert len(report.converted) == 2 * 7 + 1 and not report.skipped  # q k v o gate up down, lm_head
+    losses = [step(model, opt, x, y) for x, y in data]
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
+def test_unconvert_save_pretrained_from_pretrained(tmp_path, data):
+    model, opt = o2(tiny_llama())
+    for x, y in data[:3]:
+        step(model, opt, x, y)
+    masters = {name: p.dequantize() for name, p in model.named_parameters() if isinstance(p, fp8amp.ScaledTensor)}
+    assert masters
+    x = data[0][0]
+    with torch.no_grad():
+        fp8_logits = model(input_ids=x).logits
+
+    fp8amp.unconvert(model)
+    model.save_pretrained(tmp_path)
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    params = dict(loaded.named_parameters())
+    for name, real in masters.items():  # the masters' real values, exactly (FP16 values fit in float32)
+        assert params[name].dtype == torch.float32 and torch.equal(params[name], real), name
+    with torch.no_grad():
+        logits = loaded(input_ids=x).logits
+        assert torch.equal(logits, model(input_ids=x).logits)
+    # the FP8 forward of the converted model is within FP8's rounding of the real-valued one
+    assert (fp8_logits - logits).norm() < 0.1 * logits.norm()
+
+
+def test_converted_state_dict_resumes_bit_for_bit(data):
+    model, opt = o2(tiny_llama())
+    for x, y in data[:3]:
+        step(model, opt, x, y)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    straight = [step(model, opt, x, y) for x, y in data[3:6]]
+
+    buf.seek(0)
+    checkpoint = torch.load(buf, weights_only=True)
+    resumed, opt2 = o2(tiny_llama(seed=1))  # another init: everything comes from the checkpoint
+    resumed.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["opt"])
+    again = [step(resumed, opt2, x, y) for x, y in data[3:6]]
+    assert again == straight
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        a = a.codes if isinstance(a, fp8amp.ScaledTensor) else a
+        b = b.codes if isinstance(b, fp8amp.ScaledTensor) else b
+        assert torch.equal(a, b), name
+
+
+def test_trainer_with_fp8amp_optimizer(tmp_path, data):
+    model, opt = o2(tiny_llama())
+    windows = [{"input_ids": x[i], "labels": x[i]} for x, _ in data[:2] for i in range(len(x))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                                          learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=windows, optimizers=(opt, None))
+    before = model.model.layers[0].self_attn.q_proj.weight.dequantize().clone()
+    history = model.model.layers[0].self_attn.q_proj.input_scaling.amax_history.clone()
+    result = trainer.train()
+    assert result.global_step == 4
+    assert trainer.optimizer.optimizer is opt if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer is opt
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, fp8amp.Fp8Linear) and isinstance(layer.weight, fp8amp.ScaledTensor)
+    assert not torch.equal(layer.weight.dequantize(), before)
+    assert not torch.equal(layer.input_scaling.amax_history, history)  # the step hook updated the scaling
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses)
+
+
+def test_gpt2_conv1d_layers_are_reported_as_kept():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=256, n_positions=SEQ)
+    model = fp8amp.convert(transformers.GPT2LMHeadModel(config), policy="all")
+    report = fp8amp.conversion_report(model)
+    kept = {d.name: d for d in report.skipped}
+    assert set(kept) == {f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert (kept["transformer.h.0.attn.c_attn"].in_features, kept["transformer.h.0.attn.c_attn"].out_features) == (32, 96)
+    assert all("Conv1D" in d.reason for d in kept.values())
+    assert [d.name for d in report.converted] == ["lm_head"]
+    assert "Conv1D" in str(report)
