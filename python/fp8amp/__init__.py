@@ -13,7 +13,7 @@ from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .linear import Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
-from .initialize import OPT_LEVELS, initialize
+from .initialize import OPT_LEVELS, initialize, initialize_optimizer
 from .unconvert import unconvert
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from .report import NumericsReport, TensorStats, numerics_report
@@ -21,6 +21,7 @@ from . import distributed, fsdp, optim
 
 __all__ = [
     "initialize",
+    "initialize_optimizer",
     "OPT_LEVELS",
     "unconvert",
     "convert",

@@ -36,7 +36,7 @@ from .linear import Fp8Linear, MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe
 
-__all__ = ["initialize", "OPT_LEVELS"]
+__all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
 
 #: The accepted ``opt_level`` values.
 OPT_LEVELS = ("O1", "O2")
@@ -102,18 +102,40 @@ def initialize(
             module.use_master(terms)
     if optimizer is None:
         return model, None
+    return model, _optimizer_at_level(model, optimizer, masters, opt_level)
+
+
+def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
+                         *, caller: str = "initialize_optimizer") -> fp8_optim.Adam:
+    """The optimizer half of :func:`initialize`, for a ``model`` that ``initialize(model, None,
+    opt_level)`` converted before its optimizer was built (frameworks that build it afterwards:
+    Lightning's ``configure_optimizers``): returns the fp8amp Adam/AdamW at ``opt_level`` with
+    ``optimizer``'s param groups and hyperparameters, updating ``model``'s FP8 scaling after each
+    step. ``caller`` names who asks, in the error messages.
+
+    Raises:
+        ValueError: as :func:`initialize` for the optimizer and the level.
+    """
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; got {opt_level!r}")
+    _check_optimizer(optimizer, caller)
+    return _optimizer_at_level(model, optimizer, {}, opt_level)
+
+
+def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
+                        opt_level: str) -> fp8_optim.Adam:
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
     new_optimizer.register_step_post_hook(lambda *_: update_scaling(model))
-    return model, new_optimizer
+    return new_optimizer
 
 
-def _check_optimizer(optimizer: object) -> None:
+def _check_optimizer(optimizer: object, caller: str = "initialize") -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, fp8_optim.Adam)):
-        raise ValueError(f"initialize: optimizer must be one of {_ACCEPTED_OPTIMIZERS} (or None); "
+        raise ValueError(f"{caller}: optimizer must be one of {_ACCEPTED_OPTIMIZERS} (or None); "
                          f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     if any(optimizer.state.values()):
-        raise ValueError("initialize: the optimizer has already taken steps (it holds state); call initialize "
-                         "before the first step, or load the checkpoint into the optimizer it returns")
+        raise ValueError(f"{caller}: the optimizer has already taken steps (it holds state); convert it "
+                         "before the first step, or load the checkpoint into the optimizer fp8amp returns")
 
 
 def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

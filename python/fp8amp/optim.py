@@ -390,6 +390,11 @@ class ScaledMoment(ScaledTensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __reduce_ex__(self, protocol):
+        # Pickled as its two plain tensors: loads under any map_location (torch refuses a callable
+        # one, as Lightning passes, for tensor subclasses it rebuilds as wrappers).
+        return ScaledMoment, (self.codes, self.scale_inv, self.dtype)
+
 
 torch.serialization.add_safe_globals([ScaledMoment])
 
