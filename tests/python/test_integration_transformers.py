@@ -106,13 +106,34 @@ def test_trainer_with_fp8amp_optimizer(tmp_path, data):
     history = model.model.layers[0].self_attn.q_proj.input_scaling.amax_history.clone()
     result = trainer.train()
     assert result.global_step == 4
-    assert trainer.optimizer.optimizer is opt if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer is opt
+    assert getattr(trainer.optimizer, "optimizer", trainer.optimizer) is opt  # Accelerate may wrap it
     layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, fp8amp.Fp8Linear) and isinstance(layer.weight, fp8amp.ScaledTensor)
     assert not torch.equal(layer.weight.dequantize(), before)
     assert not torch.equal(layer.input_scaling.amax_history, history)  # the step hook updated the scaling
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses)
+
+
+def test_trainer_create_optimizer_override(tmp_path, data):
+    class Fp8Trainer(transformers.Trainer):
+        def create_optimizer(self):
+            super().create_optimizer()
+            self.optimizer = fp8amp.initialize_optimizer(self.model, self.optimizer, "O2")
+            return self.optimizer
+
+    model, _ = fp8amp.initialize(tiny_llama(), None, "O2", policy="all")
+    windows = [{"input_ids": x[i], "labels": x[i]} for x, _ in data[:1] for i in range(len(x))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                          learning_rate=3e-3, weight_decay=0.1, report_to=[], save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True)
+    trainer = Fp8Trainer(model=model, args=args, train_dataset=windows)
+    trainer.train()
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert isinstance(optimizer, fp8amp.optim.AdamW)
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.1}  # the Trainer's groups, kept
+    assert all(s["exp_avg"].dtype == fp8amp.E4M3 for s in optimizer.state.values())
+    assert float(next(iter(optimizer.state.values()))["step"]) == 2
 
 
 def test_gpt2_conv1d_layers_are_reported_as_kept():
