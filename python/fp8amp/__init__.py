@@ -11,7 +11,7 @@ from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState
 from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
-from .linear import Fp8Linear
+from .linear import Fp8Conv1D, Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
 from .initialize import OPT_LEVELS, initialize, initialize_optimizer
 from .unconvert import unconvert
@@ -30,6 +30,7 @@ __all__ = [
     "LayerDecision",
     "update_scaling",
     "Fp8Linear",
+    "Fp8Conv1D",
     "ScaledTensor",
     "ScalingRecipe",
     "ScalingState",

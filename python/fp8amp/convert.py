@@ -8,7 +8,9 @@ shape it times one training micro-step (forward + backward, input and output gra
 result is cached), and keeps ``nn.Linear`` where FP8 is not at least ``min_speedup`` times as
 fast. ``policy="all"`` converts every Linear that FP8 can take (no timing). On the CPU, where
 the FP8 path is an emulation and a timing would say nothing about a GPU, ``"auto"`` converts
-every Linear FP8 can take, like ``"all"``.
+every Linear FP8 can take, like ``"all"``. Hugging Face ``Conv1D`` layers (GPT-2: a Linear whose
+weight is stored ``[in, out]``) are decided by the same rules and become
+:class:`~fp8amp.linear.Fp8Conv1D`, which keeps their parameters and state-dict layout.
 
 What ``convert`` decided, and why, is logged (logger ``fp8amp.convert``, INFO) and kept:
 :func:`conversion_report` returns, for each ``nn.Linear`` it saw, whether it was converted,
@@ -37,7 +39,7 @@ from .convert_policy import (
     _decide_auto,
     _decision,
 )
-from .linear import Fp8Linear, fp8_linear_supported
+from .linear import Fp8Conv1D, Fp8Linear, fp8_linear_supported, is_hf_conv1d
 from .scaling import ScalingRecipe, update_states
 
 __all__ = [
@@ -59,8 +61,8 @@ POLICIES = ("auto", "all")
 
 @dataclass
 class ConversionReport:
-    """The decisions of one :func:`convert` call, one per ``nn.Linear`` seen (and one per Hugging
-    Face ``Conv1D``, always kept), in module order."""
+    """The decisions of one :func:`convert` call, one per ``nn.Linear`` (or Hugging Face ``Conv1D``)
+    seen, in module order."""
 
     policy: str
     tokens: int
@@ -73,7 +75,7 @@ class ConversionReport:
 
     @property
     def skipped(self) -> list[LayerDecision]:
-        """The Linears left as they are (FP8 slower, filtered out, a shape FP8 cannot take, a Conv1D)."""
+        """The Linears left as they are (FP8 slower, filtered out, or a shape FP8 cannot take)."""
         return [d for d in self.decisions if not d.converted]
 
     def __str__(self) -> str:
@@ -147,8 +149,10 @@ def convert(
     model_in = model
 
     # Which Linears, and where a timing is needed.
-    candidates: list[tuple[nn.Module, str, str, nn.Linear]] = []  # (parent, child name, fqn, linear)
-    kept_conv1d: dict[int, LayerDecision] = {}
+    # (parent, child name, fqn, linear); a Conv1D enters as its _Conv1DShape, the same for every
+    # name that reaches it.
+    candidates: list[tuple[nn.Module, str, str, nn.Linear]] = []
+    conv1d_shapes: dict[int, _Conv1DShape] = {}
     if type(model) is nn.Linear:
         candidates.append((None, "", "", model))
     else:
@@ -157,8 +161,10 @@ def convert(
                 fqn = f"{name}.{child_name}" if name else child_name
                 if type(child) is nn.Linear:
                     candidates.append((module, child_name, fqn, child))
-                elif _is_hf_conv1d(child) and id(child) not in kept_conv1d:
-                    kept_conv1d[id(child)] = _conv1d_decision(fqn, child)
+                elif is_hf_conv1d(child):
+                    if id(child) not in conv1d_shapes:
+                        conv1d_shapes[id(child)] = _Conv1DShape(child)
+                    candidates.append((module, child_name, fqn, conv1d_shapes[id(child)]))
 
     decisions = {}
     to_time = []
@@ -167,7 +173,7 @@ def convert(
             continue
         if not fp8_linear_supported(linear.in_features, linear.out_features):
             decisions[id(linear)] = _decision(fqn, linear, False, "in/out features not multiples of 16 (cuBLASLt FP8)")
-        elif module_filter_fn is not None and not bool(module_filter_fn(linear, fqn)):
+        elif module_filter_fn is not None and not bool(module_filter_fn(getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")
         elif policy == "all":
             decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'")
@@ -185,13 +191,13 @@ def convert(
         if not decision.converted:
             continue
         if id(linear) not in converted:
-            converted[id(linear)] = Fp8Linear.from_linear(linear, recipe)
+            converted[id(linear)] = (Fp8Conv1D.from_conv1d(linear.conv, recipe) if isinstance(linear, _Conv1DShape)
+                                     else Fp8Linear.from_linear(linear, recipe))
         if parent is None:
             model = converted[id(linear)]
         else:
             setattr(parent, child_name, converted[id(linear)])
 
-    report.decisions += kept_conv1d.values()
     order = {name: i for i, (name, _) in enumerate(model_in.named_modules(remove_duplicate=False))}
     report.decisions.sort(key=lambda d: order.get(d.name, len(order)))
     logger.info("%d of %d Linear layers converted to FP8 (policy=%r)", len(report.converted), len(report.decisions),
@@ -202,21 +208,15 @@ def convert(
     return model
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """A Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2 and the models built on it): a
-    Linear whose weight is stored transposed, ``[in, out]``. Known by its class, so that fp8amp
-    needs no import of transformers."""
-    cls = type(module)
-    return cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+class _Conv1DShape:
+    """A Hugging Face Conv1D (weight ``[in, out]``) as the decision rules and the timing read a
+    Linear: its in/out features, bias, and a weight of its device and dtype (a transposed view)."""
 
-
-def _conv1d_decision(fqn: str, conv: nn.Module) -> LayerDecision:
-    weight = conv.weight
-    return LayerDecision(
-        name=fqn, in_features=weight.shape[0], out_features=weight.shape[1], bias=conv.bias is not None,
-        dtype=weight.dtype, device=str(weight.device), converted=False,
-        reason="transformers Conv1D (its weight is stored transposed, [in, out]) is not converted: FP8 takes "
-               "nn.Linear layers only (docs/integrations.md#gpt-2-and-conv1d)")
+    def __init__(self, conv: nn.Module) -> None:
+        self.conv = conv
+        self.in_features, self.out_features = conv.weight.shape
+        self.bias = conv.bias
+        self.weight = conv.weight.detach().t()
 
 
 def update_scaling(model: nn.Module) -> None:

@@ -8,7 +8,8 @@ What it does, in place on ``model`` and with a new optimizer:
    copy: 2 bytes per element, no FP32 copy anywhere) carrying the E4M3 copy the forward GEMM reads
    (1 byte per element, rewritten by the optimizer's step); its gradient will be an E4M3 ScaledTensor.
    A weight that is also used outside converted Linears (say an embedding tied to the output
-   head) stays as it is: other modules need a plain tensor.
+   head) stays as it is: other modules need a plain tensor; so does the ``[in, out]`` weight of a
+   Hugging Face Conv1D (:class:`~fp8amp.linear.Fp8Conv1D`: FP8 compute, its weight cast each forward).
 3. The optimizer is rebuilt as :class:`fp8amp.optim.Adam` / :class:`~fp8amp.optim.AdamW` with the
    same param groups and hyperparameters and ``state_dtypes=opt_level`` (O1: FP32 m and v; O2: E4M3 m
    and FP16 v, each with a scale), stepping every param (Linear masters and the rest) in fused
@@ -32,7 +33,7 @@ from . import optim as fp8_optim
 from .convert import ModuleFilter, convert, update_scaling
 from .convert_policy import DEFAULT_TOKENS
 from .formats import FP16
-from .linear import Fp8Linear, MasterWeight
+from .linear import Fp8Conv1D, Fp8Linear, MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe
 
@@ -159,8 +160,8 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                 users.setdefault(param, []).append((module, name))
     masters: dict[torch.Tensor, torch.Tensor] = {}
     for param, owners in users.items():
-        if isinstance(param, ScaledTensor) or not all(
-                isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
+        if isinstance(param, ScaledTensor) or not all(  # a Conv1D's [in, out] weight stays plain: Fp8Conv1D
+                isinstance(m, Fp8Linear) and not isinstance(m, Fp8Conv1D) and name == "weight" for m, name in owners):
             continue
         with torch.no_grad():
             master = ScaledTensor.from_tensor(param.detach(), FP16).attach_fp8_copy()

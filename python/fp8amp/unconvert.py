@@ -1,6 +1,7 @@
 """``unconvert``: the inverse of :func:`fp8amp.convert` / :func:`fp8amp.initialize` (docs/integrations.md#unconvert).
 
-In place, every :class:`~fp8amp.Fp8Linear` becomes an ``nn.Linear`` again: its weight a plain
+In place, every :class:`~fp8amp.Fp8Linear` becomes an ``nn.Linear`` again (an
+:class:`~fp8amp.linear.Fp8Conv1D` the Hugging Face ``Conv1D`` it was): its weight a plain
 parameter of the dtype the original Linear had (an O1/O2 FP16 master is dequantized: its real
 values, rounded once into that dtype), its bias the same parameter object, its three scaling
 states gone. The model's ``state_dict()`` then has exactly the keys and dtypes of the model as it
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .linear import Fp8Linear
+from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
 
 try:
@@ -71,7 +72,7 @@ def unconvert(
 
 
 def _unconvert_modules(model: nn.Module, replaced: dict[int, torch.Tensor]) -> nn.Module:
-    linears: dict[int, nn.Linear] = {}  # one nn.Linear per Fp8Linear, however many names reach it
+    linears: dict[int, nn.Module] = {}  # one module per Fp8Linear, however many names reach it
     if isinstance(model, Fp8Linear):
         return _to_linear(model, linears, replaced)
     for module in list(model.modules()):
@@ -81,12 +82,18 @@ def _unconvert_modules(model: nn.Module, replaced: dict[int, torch.Tensor]) -> n
     return model
 
 
-def _to_linear(layer: Fp8Linear, linears: dict[int, nn.Linear], replaced: dict[int, torch.Tensor]) -> nn.Linear:
+def _to_linear(layer: Fp8Linear, linears: dict[int, nn.Module], replaced: dict[int, torch.Tensor]) -> nn.Module:
+    """The nn.Linear (or, for an Fp8Conv1D, the Hugging Face Conv1D) the layer was made from."""
     if id(layer) in linears:
         return linears[id(layer)]
-    linear = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(linear)
-    linear.in_features, linear.out_features = layer.in_features, layer.out_features
+    if isinstance(layer, Fp8Conv1D):
+        linear = layer.conv1d_type.__new__(layer.conv1d_type)
+        nn.Module.__init__(linear)
+        linear.nx, linear.nf = layer.in_features, layer.out_features
+    else:
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = layer.in_features, layer.out_features
     linear.weight = _plain_weight(layer.weight, replaced)
     linear.bias = layer.bias
     linear.train(layer.training)

@@ -136,13 +136,74 @@ def test_trainer_create_optimizer_override(tmp_path, data):
     assert float(next(iter(optimizer.state.values()))["step"]) == 2
 
 
-def test_gpt2_conv1d_layers_are_reported_as_kept():
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=256, n_positions=SEQ)
-    model = fp8amp.convert(transformers.GPT2LMHeadModel(config), policy="all")
+def tiny_gpt2(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=256, n_positions=SEQ,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2_conv1d_layers_become_fp8_with_their_own_layout(data):
+    conv1d = transformers.pytorch_utils.Conv1D
+    reference = tiny_gpt2().eval()  # no dropout: the two forwards compare
+    model = fp8amp.convert(tiny_gpt2().eval(), policy="all")
     report = fp8amp.conversion_report(model)
-    kept = {d.name: d for d in report.skipped}
-    assert set(kept) == {f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
-    assert (kept["transformer.h.0.attn.c_attn"].in_features, kept["transformer.h.0.attn.c_attn"].out_features) == (32, 96)
-    assert all("Conv1D" in d.reason for d in kept.values())
-    assert [d.name for d in report.converted] == ["lm_head"]
-    assert "Conv1D" in str(report)
+    names = [f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert [d.name for d in report.converted] == names + ["lm_head"] and not report.skipped
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert isinstance(c_attn, fp8amp.Fp8Conv1D) and (c_attn.in_features, c_attn.out_features) == (32, 96)
+    assert c_attn.weight is not None and tuple(c_attn.weight.shape) == (32, 96)  # the Conv1D's [in, out]
+    keys = {k for k in model.state_dict() if "scaling" not in k}
+    assert keys == set(reference.state_dict())
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got = reference(input_ids=x).logits, model(input_ids=x).logits
+    assert (got - expected).norm() < 0.05 * expected.norm()  # FP8 rounding of the same computation
+    fp8amp.unconvert(model)
+    assert type(model.transformer.h[0].attn.c_attn) is conv1d
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, expected)
+
+
+def test_gpt2_trains_at_o2_and_goes_back_through_save_pretrained(tmp_path, data):
+    model, opt = o2(tiny_gpt2())
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert isinstance(c_fc, fp8amp.Fp8Conv1D) and type(c_fc.weight) is torch.nn.Parameter  # plain: FP8 compute
+    losses = [step(model, opt, x, y) for x, y in data]
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    assert all(float(s["step"]) == len(data) for s in opt.state.values())
+    x = data[0][0]
+    model.eval()  # no dropout: the forwards compare
+    with torch.no_grad():
+        fp8_logits = model(input_ids=x).logits
+    model, _ = fp8amp.unconvert(model, opt)
+    model.save_pretrained(tmp_path)
+    loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        logits = loaded(input_ids=x).logits
+    assert torch.equal(logits, model(input_ids=x).logits)
+    assert (fp8_logits - logits).norm() < 0.1 * logits.norm()
+
+
+def test_fp8_conv1d_matches_conv1d_and_shares_its_parameters():
+    torch.manual_seed(0)
+    conv = transformers.pytorch_utils.Conv1D(96, 32)
+    torch.nn.init.normal_(conv.bias)
+    seen = []
+    parent = torch.nn.Sequential(conv)
+    fp8amp.convert(parent, policy="all", module_filter_fn=lambda m, name: seen.append(type(m)) or True)
+    assert seen == [transformers.pytorch_utils.Conv1D]  # the filter sees the real module
+    layer = parent[0]
+    assert isinstance(layer, fp8amp.Fp8Conv1D) and layer.weight is conv.weight and layer.bias is conv.bias
+    x = torch.randn(5, 7, 32, requires_grad=True)  # 35 rows: padded inside
+    expected = conv(x)
+    (expected * expected).sum().backward()
+    grads = conv.weight.grad.clone(), x.grad.clone()
+    conv.weight.grad = conv.bias.grad = x.grad = None
+    got = layer(x)
+    (got * got).sum().backward()
+    # E4M3 inputs and weights, E5M2 output gradients: errors of a few 2^-4 relative at most
+    assert (got - expected).norm() < 2.0 ** -5 * expected.norm()
+    for fp8_grad, grad in zip((conv.weight.grad, x.grad), grads):
+        assert fp8_grad.shape == grad.shape and (fp8_grad - grad).norm() < 2.0 ** -3 * grad.norm()
