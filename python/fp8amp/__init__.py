@@ -12,22 +12,26 @@ from .scaling import ScalingRecipe, ScalingState, fresh_scaling_if_missing
 from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .master_weight import MasterWeight
-from .linear import Fp8Linear
+from .linear import Fp8Conv1D, Fp8Linear
 from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
-from .initialize import OPT_LEVELS, initialize
+from .initialize import OPT_LEVELS, initialize, initialize_optimizer
+from .unconvert import unconvert
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
 from .report import NumericsReport, TensorStats, numerics_report
 from . import amax_sync, distributed, fsdp, optim
 
 __all__ = [
     "initialize",
+    "initialize_optimizer",
     "OPT_LEVELS",
+    "unconvert",
     "convert",
     "conversion_report",
     "ConversionReport",
     "LayerDecision",
     "update_scaling",
     "Fp8Linear",
+    "Fp8Conv1D",
     "ScaledTensor",
     "MasterWeight",
     "ScalingRecipe",

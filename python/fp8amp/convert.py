@@ -8,7 +8,9 @@ shape it times one training micro-step (forward + backward, input and output gra
 result is cached), and keeps ``nn.Linear`` where FP8 is not at least ``min_speedup`` times as
 fast. ``policy="all"`` converts every Linear that FP8 can take (no timing). On the CPU, where
 the FP8 path is an emulation and a timing would say nothing about a GPU, ``"auto"`` converts
-every Linear FP8 can take, like ``"all"``.
+every Linear FP8 can take, like ``"all"``. Hugging Face ``Conv1D`` layers (GPT-2: a Linear whose
+weight is stored ``[in, out]``) are decided by the same rules and become
+:class:`~fp8amp.linear.Fp8Conv1D`, which keeps their parameters and state-dict layout.
 
 What ``convert`` decided, and why, is logged (logger ``fp8amp.convert``, INFO) and kept:
 :func:`conversion_report` returns, for each ``nn.Linear`` it saw, whether it was converted,
@@ -38,7 +40,7 @@ from .convert_policy import (
     _decide_auto,
     _decision,
 )
-from .linear import Fp8Linear, fp8_linear_supported
+from .linear import Fp8Conv1D, Fp8Linear, fp8_linear_supported, is_hf_conv1d
 from .scaling import ScalingRecipe, update_states
 
 __all__ = [
@@ -60,7 +62,8 @@ POLICIES = ("auto", "all")
 
 @dataclass
 class ConversionReport:
-    """The decisions of one :func:`convert` call, one per ``nn.Linear`` seen, in module order."""
+    """The decisions of one :func:`convert` call, one per ``nn.Linear`` (or Hugging Face ``Conv1D``)
+    seen, in module order."""
 
     policy: str
     tokens: int
@@ -147,14 +150,22 @@ def convert(
     model_in = model
 
     # Which Linears, and where a timing is needed.
-    candidates: list[tuple[nn.Module, str, str, nn.Linear]] = []  # (parent, child name, fqn, linear)
+    # (parent, child name, fqn, linear); a Conv1D enters as its _Conv1DShape, the same for every
+    # name that reaches it.
+    candidates: list[tuple[nn.Module, str, str, nn.Linear]] = []
+    conv1d_shapes: dict[int, _Conv1DShape] = {}
     if type(model) is nn.Linear:
         candidates.append((None, "", "", model))
     else:
         for name, module in list(model.named_modules()):
             for child_name, child in list(module._modules.items()):  # every reference, shared ones too
+                fqn = f"{name}.{child_name}" if name else child_name
                 if type(child) is nn.Linear:
-                    candidates.append((module, child_name, f"{name}.{child_name}" if name else child_name, child))
+                    candidates.append((module, child_name, fqn, child))
+                elif is_hf_conv1d(child):
+                    if id(child) not in conv1d_shapes:
+                        conv1d_shapes[id(child)] = _Conv1DShape(child)
+                    candidates.append((module, child_name, fqn, conv1d_shapes[id(child)]))
 
     decisions = {}
     to_time = []
@@ -163,7 +174,7 @@ def convert(
             continue
         if not fp8_linear_supported(linear.in_features, linear.out_features):
             decisions[id(linear)] = _decision(fqn, linear, False, "in/out features not multiples of 16 (cuBLASLt FP8)")
-        elif module_filter_fn is not None and not bool(module_filter_fn(linear, fqn)):
+        elif module_filter_fn is not None and not bool(module_filter_fn(getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")
         elif policy == "all":
             decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'")
@@ -181,7 +192,8 @@ def convert(
         if not decision.converted:
             continue
         if id(linear) not in converted:
-            converted[id(linear)] = Fp8Linear.from_linear(linear, recipe)
+            converted[id(linear)] = (Fp8Conv1D.from_conv1d(linear.conv, recipe) if isinstance(linear, _Conv1DShape)
+                                     else Fp8Linear.from_linear(linear, recipe))
         if parent is None:
             model = converted[id(linear)]
         else:
@@ -206,6 +218,17 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
 
     optimizer.register_step_pre_hook(start)
     optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+
+
+class _Conv1DShape:
+    """A Hugging Face Conv1D (weight ``[in, out]``) as the decision rules and the timing read a
+    Linear: its in/out features, bias, and a weight of its device and dtype (a transposed view)."""
+
+    def __init__(self, conv: nn.Module) -> None:
+        self.conv = conv
+        self.in_features, self.out_features = conv.weight.shape
+        self.bias = conv.bias
+        self.weight = conv.weight.detach().t()
 
 
 def update_scaling(model: nn.Module) -> None:

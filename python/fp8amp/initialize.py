@@ -8,7 +8,8 @@ What it does, in place on ``model`` and with a new optimizer:
    copy: 2 bytes per element, no FP32 copy anywhere) carrying the E4M3 copy the forward GEMM reads
    (1 byte per element, rewritten by the optimizer's step); its gradient will be an E4M3 ScaledTensor.
    A weight that is also used outside converted Linears (say an embedding tied to the output
-   head) stays as it is: other modules need a plain tensor.
+   head) stays as it is: other modules need a plain tensor; so does the ``[in, out]`` weight of a
+   Hugging Face Conv1D (:class:`~fp8amp.linear.Fp8Conv1D`: FP8 compute, its weight cast each forward).
 3. The optimizer is rebuilt as :class:`fp8amp.optim.Adam` / :class:`~fp8amp.optim.AdamW` with the
    same param groups and hyperparameters and ``state_dtypes=opt_level`` (O1: FP32 m and v; O2: E4M3 m
    and FP16 v, each with a scale), stepping every param (Linear masters and the rest) in fused
@@ -33,12 +34,12 @@ from torch import nn
 from . import optim as fp8_optim
 from .convert import ModuleFilter, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
-from .linear import Fp8Linear, MasterPolicy
+from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe
 
-__all__ = ["initialize", "OPT_LEVELS"]
+__all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
 
 #: The accepted ``opt_level`` values.
 OPT_LEVELS = ("O1", "O2")
@@ -104,19 +105,42 @@ def initialize(
             module.use_master(terms)
     if optimizer is None:
         return model, None
-    new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
-    register_scaling_hooks(model, new_optimizer)
+    new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level)
     _retire(optimizer)
     return model, new_optimizer
 
 
-def _check_optimizer(optimizer: object) -> None:
+def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
+                         *, caller: str = "initialize_optimizer") -> fp8_optim.Adam:
+    """The optimizer half of :func:`initialize`, for a ``model`` that ``initialize(model, None,
+    opt_level)`` converted before its optimizer was built (frameworks that build it afterwards:
+    Lightning's ``configure_optimizers``): returns the fp8amp Adam/AdamW at ``opt_level`` with
+    ``optimizer``'s param groups and hyperparameters, updating ``model``'s FP8 scaling after each
+    step. ``caller`` names who asks, in the error messages.
+
+    Raises:
+        ValueError: as :func:`initialize` for the optimizer and the level.
+    """
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; got {opt_level!r}")
+    _check_optimizer(optimizer, caller)
+    return _optimizer_at_level(model, optimizer, {}, opt_level)
+
+
+def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
+                        opt_level: str) -> fp8_optim.Adam:
+    new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
+    register_scaling_hooks(model, new_optimizer)
+    return new_optimizer
+
+
+def _check_optimizer(optimizer: object, caller: str = "initialize") -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, fp8_optim.Adam)):
-        raise ValueError(f"initialize: optimizer must be one of {_ACCEPTED_OPTIMIZERS} (or None); "
+        raise ValueError(f"{caller}: optimizer must be one of {_ACCEPTED_OPTIMIZERS} (or None); "
                          f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     if any(optimizer.state.values()):
-        raise ValueError("initialize: the optimizer has already taken steps (it holds state); call initialize "
-                         "before the first step, or load the checkpoint into the optimizer it returns")
+        raise ValueError(f"{caller}: the optimizer has already taken steps (it holds state); convert it "
+                         "before the first step, or load the checkpoint into the optimizer fp8amp returns")
 
 
 def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -161,8 +185,8 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                 qualified.setdefault(param, f"{prefix}.{name}" if prefix else name)
     masters: dict[torch.Tensor, torch.Tensor] = {}
     for param, owners in users.items():
-        if isinstance(param, ScaledTensor) or not all(
-                isinstance(m, Fp8Linear) and name == "weight" for m, name in owners):
+        if isinstance(param, ScaledTensor) or not all(  # a Conv1D's [in, out] weight stays plain: Fp8Conv1D
+                isinstance(m, Fp8Linear) and not isinstance(m, Fp8Conv1D) and name == "weight" for m, name in owners):
             continue
         if not param.is_meta and not bool(param.isfinite().all()):  # once per weight, at initialize only
             raise ValueError(f"initialize: {qualified[param]} holds inf or NaN; an O1/O2 master stores finite "

@@ -39,7 +39,7 @@ from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .scaling import ScalingRecipe, ScalingState
 
-__all__ = ["Fp8Linear", "MasterPolicy", "fp8_linear_supported"]
+__all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d"]
 
 _ALIGN = 16
 
@@ -298,7 +298,7 @@ class Fp8Linear(nn.Linear):
         if master is not None:
             self._check_master(master)
         return _Fp8LinearFunction.apply(
-            x, self.weight, self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
+            x, self._out_in_weight(), self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
             True if master is None else master.fp8_weight_grad,
             self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
@@ -358,5 +358,52 @@ class Fp8Linear(nn.Linear):
         self.input_scaling.update()
         self.grad_output_scaling.update()
 
+    def _out_in_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs take it, ``[out_features, in_features]``."""
+        return self.weight
+
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp8=e4m3/e5m2"
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """A Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2 and the models built on it): a
+    Linear whose weight is stored transposed, ``[in, out]``. Known by its class, so that fp8amp
+    needs no import of transformers."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+
+
+class Fp8Conv1D(Fp8Linear):
+    """A Hugging Face ``Conv1D`` computing in FP8, with the Conv1D's parameter objects, shapes and
+    state-dict keys (its weight stays ``[in_features, out_features]``): a GPT-2 converted this way
+    still saves and loads as GPT-2 does. The GEMMs take the weight's transpose, cast from it in one
+    pass per forward (FP8 compute: at O1/O2 :func:`fp8amp.initialize` keeps this weight a plain
+    tensor, since an FP16 master's E4M3 copy is made in the ``[out, in]`` layout), and its gradient
+    reaches the ``[in, out]`` parameter through autograd's transpose."""
+
+    #: The Conv1D class the layer came from (what :func:`fp8amp.unconvert` makes again).
+    conv1d_type: type
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, recipe: Optional[ScalingRecipe] = None) -> "Fp8Conv1D":
+        """Wraps an existing Conv1D, sharing its parameter objects."""
+        if not is_hf_conv1d(conv):
+            raise TypeError(f"Fp8Conv1D.from_conv1d: conv must be a transformers Conv1D, got {type(conv).__name__}")
+        in_features, out_features = conv.weight.shape
+        if not fp8_linear_supported(in_features, out_features):
+            raise ValueError(f"Fp8Conv1D.from_conv1d: in ({in_features}) and out ({out_features}) features must be "
+                             f"positive multiples of {_ALIGN}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = in_features, out_features
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.conv1d_type = type(conv)
+        new._add_scaling_states(recipe, conv.weight.device)
+        new.train(conv.training)
+        apply_inductor_config()
+        return new
+
+    def _out_in_weight(self) -> torch.Tensor:
+        return self.weight.t()

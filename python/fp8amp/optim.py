@@ -18,14 +18,15 @@
 
 State per param: ``step`` (float32 0-dim tensor on the param's device, the number of steps
 taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` and, at O2, the
-four float32 ``[1]`` scale tensors. Params are float32, or :class:`~fp8amp.ScaledTensor` masters
+four float32 ``[1]`` scale tensors. Params are float32, bfloat16 or float16 tensors, or :class:`~fp8amp.ScaledTensor` masters
 with float16 codes (what :func:`fp8amp.initialize` makes of Linear weights at O1/O2): the op
 updates their codes and scale in place, and also rewrites their E4M3 copy
 (:class:`~fp8amp.MasterWeight`'s, what the :class:`~fp8amp.Fp8Linear` forward reads) in the
 same pass, so the forward does not re-cast the weight. Grads may be plain
 (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the FP8 weight gradients of Fp8Linear at
-O1/O2). bf16/fp16 plain params are refused: the op keeps
-low-precision masters only as FP16 + scale.
+O1/O2). A bfloat16/float16 param (a model loaded in bf16) steps in float32: a float32 copy
+goes through the op and is rounded back into the param once (the op keeps low-precision params
+only as FP16 codes with a scale); its m and v follow ``state_dtypes`` as any param's.
 
 ``step()`` never syncs with the host. A step whose grads (or new m, v, params) hold an inf/NaN
 is skipped on the device: params, states, scales and ``step`` stay bit-identical. When a step
@@ -73,13 +74,16 @@ from .master_weight import MasterWeight
 from .optim_state import complete_groups, convert_state
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["Adam", "AdamW", "STATE_DTYPES"]
+__all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
 
 #: The accepted ``state_dtypes``: (exp_avg dtype, exp_avg_sq dtype).
 STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "O1": (torch.float32, torch.float32),
     "O2": (E4M3, FP16),
 }
+
+#: The dtypes of plain (not ScaledTensor) params; bfloat16/float16 ones step in float32.
+_PLAIN_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _SCALES = ("exp_avg_scale", "exp_avg_scale_inv", "exp_avg_sq_scale", "exp_avg_sq_scale_inv")
 
@@ -141,12 +145,10 @@ class Adam(torch.optim.Optimizer):
                     raise ValueError(
                         f"{self._name}: a ScaledTensor param must hold float16 codes (the O1/O2 master); "
                         f"param {i} of group {len(self.param_groups) - 1} holds {p.storage_format}")
-            elif p.dtype != torch.float32:
+            elif p.dtype not in _PLAIN_PARAM_DTYPES:
                 raise ValueError(
-                    f"{self._name}: params must be float32 or FP16 ScaledTensors (the master weights); param {i} "
-                    f"of group {len(self.param_groups) - 1} is {p.dtype}. bfloat16/float16 params are not "
-                    "supported: keep float32 params and let autocast/Fp8Linear lower the compute (fp8amp.initialize "
-                    "turns Linear weights into FP16 ScaledTensors)")
+                    f"{self._name}: params must be float32, bfloat16 or float16 tensors or FP16 ScaledTensors (the "
+                    f"master weights); param {i} of group {len(self.param_groups) - 1} is {p.dtype}")
 
     def _check_options(self, group: dict) -> None:
         for flag in ("amsgrad", "differentiable"):
@@ -214,11 +216,25 @@ class Adam(torch.optim.Optimizer):
         self._cohorts = {}
         self._cohort_ids = itertools.count(1)
 
+    def state_dict(self) -> dict:
+        """torch's ``state_dict``, with each O2 moment saved as one :class:`ScaledMoment` (its codes
+        and its scale together) instead of bare codes beside ``*_scale`` / ``*_scale_inv`` entries:
+        a plain ``torch.optim`` optimizer that loads it reads real values (given bare codes, it took
+        them for the values, ignoring their scales). Sharded (DTensor) states are saved as they are,
+        for distributed checkpoints."""
+        saved = super().state_dict()
+        saved["state"] = {pid: _moments_with_scales(state) for pid, state in saved["state"].items()}
+        return saved
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping the state dtypes: torch casts every floating-point
         state tensor to its param's dtype (float32), which holds FP8/FP16 values exactly, so they
-        are cast back bit for bit; ``step`` and the scales go to the param's device. A plain
-        ``torch.optim`` state dict is converted to this optimizer's levels (fp8amp.optim_state)."""
+        are cast back bit for bit; ``step`` and the scales go to the param's device. Takes what
+        :meth:`state_dict` saves (O2 moments as :class:`ScaledMoment`), the older form (codes and
+        scale entries), and a plain ``torch.optim`` state dict, converted to this optimizer's
+        levels (fp8amp.optim_state)."""
+        state_dict = {**state_dict, "state": {pid: _moments_as_codes(state)
+                                              for pid, state in state_dict["state"].items()}}
         saved = state_dict["state"]
         state_dict = {**state_dict, "param_groups": complete_groups(state_dict["param_groups"], self.param_groups)}
         for group in state_dict["param_groups"]:
@@ -328,9 +344,19 @@ class Adam(torch.optim.Optimizer):
         master_scales = iter(torch._foreach_reciprocal([p.scale_inv for p in masters]) if masters else [])
         copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
         data, param_scales, param_scale_invs, grads, grad_scale_invs = [], [], [], [], []
+        # bfloat16/float16 params step through a float32 copy rounded back once (the op keeps
+        # low-precision params only as FP16 codes with a scale): one rounding per step, as
+        # torch's fused AdamW does for such params.
+        widened = []
         for p in params:
             scaled = isinstance(p, ScaledTensor)
-            data.append(p.codes if scaled else p)
+            if scaled:
+                data.append(p.codes)
+            elif p.dtype != torch.float32:
+                widened.append((p, p.float()))
+                data.append(widened[-1][1])
+            else:
+                data.append(p)
             param_scales.append(next(master_scales) if scaled else None)
             param_scale_invs.append(p.scale_inv if scaled else None)
             g = grads_of[id(p)]
@@ -347,10 +373,67 @@ class Adam(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
             maximize=bool(group["maximize"]), step_tensor=steps[0].view(1), found_inf=found_inf,
         )
+        for p, wide in widened:
+            p.copy_(wide)
         for p in masters:  # changed in place under a custom op on their inner codes: say so
             torch.autograd.graph.increment_version(p)
         if len(steps) > 1:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+
+
+class ScaledMoment(ScaledTensor):
+    """An O2 moment as :meth:`Adam.state_dict` saves it: the E4M3 or FP16 codes with their scale,
+    one tensor whose logical dtype is float32.
+
+    ``Tensor.to`` of it gives its real values as a plain tensor, always (also to its own dtype and
+    device, where torch would return the tensor itself): that is the cast ``torch.optim``'s
+    ``load_state_dict`` applies to every state, so a plain Adam/AdamW loading fp8amp's state dict
+    holds real moments. :meth:`Adam.load_state_dict` takes the codes and the scale back bit for bit."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            return args[0].dequantize().to(*args[1:], **kwargs)
+        if func is torch.Tensor.__deepcopy__:  # keep the type (a ScaledTensor clone would not)
+            moment = args[0]
+            return ScaledMoment(moment.codes.clone(), moment.scale_inv.clone(), moment.dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # Pickled as its two plain tensors: loads under any map_location (torch refuses a callable
+        # one, as Lightning passes, for tensor subclasses it rebuilds as wrappers).
+        return ScaledMoment, (self.codes, self.scale_inv, self.dtype)
+
+
+torch.serialization.add_safe_globals([ScaledMoment])
+
+_MOMENT_SCALES = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
+                  ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_scale_inv"))
+
+
+def _moments_with_scales(state: dict) -> dict:
+    """A param's saved state: each scaled moment and its scale as one ScaledMoment (a new dict:
+    torch's state_dict shares the live per-param dicts)."""
+    state = dict(state)
+    for key, scale_key, scale_inv_key in _MOMENT_SCALES:
+        if scale_inv_key in state and not isinstance(state[key], DTensor):
+            state.pop(scale_key)
+            state[key] = ScaledMoment(state[key], state.pop(scale_inv_key))
+    return state
+
+
+def _moments_as_codes(state: dict) -> dict:
+    """The inverse of _moments_with_scales: codes, then the scale and scale_inv entries in the order
+    _init_state makes them (the scale is the exact reciprocal of a power of two)."""
+    moments = {key: state[key] for key, _, _ in _MOMENT_SCALES if isinstance(state.get(key), ScaledTensor)}
+    state = {key: moments[key].codes if key in moments else value for key, value in state.items()}
+    for key, scale_key, scale_inv_key in _MOMENT_SCALES:
+        if key in moments:
+            state[scale_key] = moments[key].scale_inv.reciprocal()
+            state[scale_inv_key] = moments[key].scale_inv
+    return state
 
 
 def _local(t):

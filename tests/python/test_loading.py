@@ -115,7 +115,7 @@ def test_nonfinite_values_into_a_scaled_tensor_read_nan(fmt):
     # Saturation is an explicit choice.
     saturated = fp8amp.ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=False).dequantize()
     assert saturated.tolist() == [1.0, fp8amp.format_max(fmt)]
-    master = fp8amp.ScaledTensor.from_tensor(torch.ones(2), FP16).attach_fp8_copy()
+    master = fp8amp.MasterWeight.from_tensor(torch.ones(2))
     master.copy_(x)  # copy_ needs no host read: NaN, where it saturated
     assert master.dequantize().isnan().all()
     codes, _, scale_inv = master.fp8_copy

@@ -311,8 +311,8 @@ def test_errors_name_the_argument():
         AdamW(params, state_dtypes="O3")
     with pytest.raises(ValueError, match=r"state_dtypes must be one of"):
         AdamW([dict(params=params, state_dtypes="fp8")])
-    with pytest.raises(ValueError, match=r"params must be float32.*torch.bfloat16.*not supported"):
-        AdamW(mlp().bfloat16().parameters())
+    with pytest.raises(ValueError, match=r"params must be float32, bfloat16 or float16.*torch.float64"):
+        AdamW(mlp().double().parameters())
     with pytest.raises(ValueError, match=r"lr must be a Python float, got Tensor"):
         AdamW(params, lr=torch.tensor(1e-3))
     with pytest.raises(ValueError, match=r"invalid beta parameter at index 1"):

@@ -1,0 +1,144 @@
+"""``unconvert``: the inverse of :func:`fp8amp.convert` / :func:`fp8amp.initialize` (docs/integrations.md#unconvert).
+
+In place, every :class:`~fp8amp.Fp8Linear` becomes an ``nn.Linear`` again (an
+:class:`~fp8amp.linear.Fp8Conv1D` the Hugging Face ``Conv1D`` it was): its weight a plain
+parameter of the dtype the original Linear had (an O1/O2 FP16 master is dequantized: its real
+values, rounded once into that dtype), its bias the same parameter object, its three scaling
+states gone. The model's ``state_dict()`` then has exactly the keys and dtypes of the model as it
+was built, so it loads with ``strict=True`` into a fresh one, and a Hugging Face model goes
+through ``save_pretrained`` / ``from_pretrained``.
+
+With the optimizer too, the fp8amp optimizer that :func:`~fp8amp.initialize` built becomes a
+plain ``torch.optim.Adam`` / ``AdamW`` over the new parameters, with the same param groups and
+hyperparameters and its moments as real values (O2's E4M3 m and FP16 v dequantized).
+
+What is lost: the delayed-scaling histories and scales of every layer, and the scales of the
+moments. To resume FP8 training bit for bit, keep the converted model's and optimizer's own
+state dicts; ``unconvert`` is for export, inference, and going back to plain torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from . import optim as fp8_optim
+from .linear import Fp8Conv1D, Fp8Linear
+from .scaled_tensor import ScaledTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = ()
+
+__all__ = ["unconvert"]
+
+
+def unconvert(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
+) -> Union[nn.Module, tuple[nn.Module, Optional[torch.optim.Optimizer]]]:
+    """Turns ``model``'s Fp8Linear layers back into ``nn.Linear`` (in place); returns ``model``,
+    or ``(model, optimizer)`` when an optimizer is given.
+
+    Args:
+        model: a model that went through :func:`fp8amp.convert` or :func:`fp8amp.initialize`
+            (one that never did is returned unchanged). Not under FSDP2's ``fully_shard``
+            (gather a full state dict first): a sharded master is refused.
+        optimizer: the optimizer ``initialize`` returned (an :class:`fp8amp.optim.Adam` /
+            ``AdamW``) or any ``torch.optim`` optimizer over the model's parameters. An fp8amp
+            optimizer is replaced by a plain ``torch.optim.Adam`` / ``AdamW`` whose states hold
+            real values (float32 moments for float32 params, the param's dtype otherwise, as torch
+            keeps them); another optimizer is returned as it is (``convert`` shares the parameter
+            objects, so it still holds the model's parameters).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not a ``torch.optim.Optimizer``.
+        NotImplementedError: a weight sharded by FSDP2 (a DTensor).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unconvert: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"unconvert: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    replaced: dict[int, torch.Tensor] = {}  # id(old weight) -> new plain parameter
+    model = _unconvert_modules(model, replaced)
+    model.__dict__.pop("_fp8amp_conversion_report", None)
+    if optimizer is None:
+        return model
+    if isinstance(optimizer, fp8_optim.Adam):
+        optimizer = _plain_optimizer(optimizer, replaced)
+    return model, optimizer
+
+
+def _unconvert_modules(model: nn.Module, replaced: dict[int, torch.Tensor]) -> nn.Module:
+    linears: dict[int, nn.Module] = {}  # one module per Fp8Linear, however many names reach it
+    if isinstance(model, Fp8Linear):
+        return _to_linear(model, linears, replaced)
+    for module in list(model.modules()):
+        for child_name, child in list(module._modules.items()):
+            if isinstance(child, Fp8Linear):
+                setattr(module, child_name, _to_linear(child, linears, replaced))
+    return model
+
+
+def _to_linear(layer: Fp8Linear, linears: dict[int, nn.Module], replaced: dict[int, torch.Tensor]) -> nn.Module:
+    """The nn.Linear (or, for an Fp8Conv1D, the Hugging Face Conv1D) the layer was made from."""
+    if id(layer) in linears:
+        return linears[id(layer)]
+    if isinstance(layer, Fp8Conv1D):
+        linear = layer.conv1d_type.__new__(layer.conv1d_type)
+        nn.Module.__init__(linear)
+        linear.nx, linear.nf = layer.in_features, layer.out_features
+    else:
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = layer.in_features, layer.out_features
+    linear.weight = _plain_weight(layer.weight, replaced)
+    linear.bias = layer.bias
+    linear.train(layer.training)
+    linears[id(layer)] = linear
+    return linear
+
+
+def _plain_weight(weight: nn.Parameter, replaced: dict[int, torch.Tensor]) -> nn.Parameter:
+    """The weight itself when it is plain; an O1/O2 master as a new parameter of its real values in
+    its logical dtype (the dtype of the Linear it was made from). A master shared by several
+    layers gives one new parameter."""
+    if isinstance(weight, DTensor):
+        raise NotImplementedError(
+            "unconvert: this weight is sharded by FSDP2 (a DTensor); gather the full state dict "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict(..., full_state_dict=True)) and "
+            "load it into an unconverted model instead")
+    if not isinstance(weight, ScaledTensor):
+        return weight
+    if id(weight) not in replaced:
+        with torch.no_grad():
+            real = weight.dequantize()
+        replaced[id(weight)] = nn.Parameter(real, requires_grad=weight.requires_grad)
+    return replaced[id(weight)]
+
+
+def _plain_optimizer(optimizer: fp8_optim.Adam, replaced: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """A torch.optim.Adam / AdamW with the same groups and hyperparameters over the unconverted
+    parameters, loaded from the fp8amp optimizer's state dict (which saves O2 moments with their
+    scales, so torch's load reads real values)."""
+    decoupled = isinstance(optimizer, fp8_optim.AdamW) or bool(optimizer.defaults["decoupled_weight_decay"])
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    hyper = ("lr", "betas", "eps", "weight_decay", "maximize")
+    groups = []
+    for group in optimizer.param_groups:
+        params = [replaced.get(id(p), p) for p in group["params"]]
+        groups.append({"params": params, **{key: group[key] for key in hyper + ("initial_lr",) if key in group}})
+    plain = cls(groups, **{key: optimizer.defaults[key] for key in hyper})
+    saved = optimizer.state_dict()
+    saved["param_groups"] = [{**new, "params": old["params"]}
+                             for new, old in zip(plain.state_dict()["param_groups"], saved["param_groups"])]
+    plain.load_state_dict(saved)
+    for state in plain.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            # torch keeps a non-capturable step on the host (fp8amp's is on the param's device).
+            state["step"] = state["step"].detach().to("cpu", torch.float32)
+        for key in [k for k in state if k not in ("step", "exp_avg", "exp_avg_sq")]:
+            del state[key]
+    return plain

@@ -1,0 +1,106 @@
+"""fp8amp's Lightning precision plugin with the real lightning package, on the CPU (FP8
+emulation): Trainer(plugins=[Fp8ampPrecision("O2")]) trains with an lr scheduler, gradient
+clipping and accumulation, checkpoints, and resumes bit for bit; a bad optimizer is refused."""
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+
+L = pytest.importorskip("lightning")
+from fp8amp.integrations.lightning import Fp8ampPrecision  # noqa: E402 (needs lightning)
+
+
+class Regression(L.LightningModule):
+    def __init__(self, optimizer: str = "adamw"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16))
+        self.optimizer = optimizer
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+
+def loader():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 32, generator=gen)
+    data = torch.utils.data.TensorDataset(x, torch.tanh(x[:, :16] * 2))
+    return torch.utils.data.DataLoader(data, batch_size=10)  # 4 batches: 2 optimizer steps an epoch
+
+
+def trainer(tmp_path, epochs, **kwargs):
+    return L.Trainer(max_epochs=epochs, plugins=[Fp8ampPrecision("O2")], accelerator="cpu", devices=1,
+                     accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, **kwargs)
+
+
+def snapshot(module, optimizer):
+    out = {}
+    for key, value in module.state_dict().items():
+        out[key] = (value.codes if isinstance(value, fp8amp.ScaledTensor) else value).clone()
+    for i, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            out[f"opt.{i}.{key}"] = value.clone()
+    return out
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.uint8) if a[k].element_size() == 1 else a[k],
+                    b[k].view(torch.uint8) if b[k].element_size() == 1 else b[k]) for k in a)
+
+
+def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path):
+    straight = Regression()
+    t = trainer(tmp_path, epochs=4)
+    t.fit(straight, loader())
+    assert isinstance(straight.net[0], fp8amp.Fp8Linear) and isinstance(straight.net[0].weight, fp8amp.ScaledTensor)
+    optimizer = t.optimizers[0]
+    assert isinstance(optimizer, fp8amp.optim.AdamW) and optimizer.param_groups[0]["state_dtypes"] == "O2"
+    assert t.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 2)  # 4 epochs, halved every 2
+    assert float(next(iter(optimizer.state.values()))["step"]) == 8
+    assert sum(straight.losses[-4:]) < 0.9 * sum(straight.losses[:4])
+
+    first = Regression()
+    t1 = trainer(tmp_path, epochs=2)
+    t1.fit(first, loader())
+    t1.save_checkpoint(tmp_path / "half.ckpt")
+    saved = torch.load(tmp_path / "half.ckpt", weights_only=True)
+    plain = Regression()  # the checkpoint's state_dict is the unconverted model's: loads strictly
+    plain.load_state_dict(saved["state_dict"], strict=True)
+    assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())
+    assert "net.0.input_scaling.amax_history" in saved["fp8amp"]["scaling"]
+    resumed = Regression()
+    torch.manual_seed(5)
+    for p in resumed.parameters():  # another start: everything must come from the checkpoint
+        p.data.normal_()
+    t2 = trainer(tmp_path, epochs=4)
+    t2.fit(resumed, loader(), ckpt_path=tmp_path / "half.ckpt")
+    assert resumed.losses == straight.losses[len(first.losses):]
+    assert same(snapshot(resumed, t2.optimizers[0]), snapshot(straight, optimizer))
+
+
+def test_unsupported_optimizer_is_refused_naming_the_accepted(tmp_path):
+    with pytest.raises(ValueError, match=r"Fp8ampPrecision: optimizer must be one of torch.optim.Adam, "
+                                         r"torch.optim.AdamW.*got torch.optim.sgd.SGD"):
+        trainer(tmp_path, epochs=1).fit(Regression("sgd"), loader())
+
+
+def test_bad_plugin_arguments():
+    with pytest.raises(ValueError, match="opt_level must be one of 'O1', 'O2'; got 'O3'"):
+        Fp8ampPrecision("O3")
+    with pytest.raises(ValueError, match="autocast_dtype must be"):
+        Fp8ampPrecision(autocast_dtype=torch.float64)
