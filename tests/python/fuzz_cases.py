@@ -485,9 +485,57 @@ def module_cases():
             lambda name: (name == "Linear") or raises_only(name), ()
 
 
+def tile_cases():
+    """quantize_tiles / dequantize_tiles: every kind of value, odd and empty shapes, partial tiles,
+    against a per-tile loop over pow2_scale; bad dtypes and tiles must be refused."""
+    for dtype, kind, shape, tile, fmt in itertools.product(HIGH, KINDS, SHAPES[:6], ((1, 16), (1, 5), (2, 3)),
+                                                           (E4M3, E5M2)):
+        x = values(kind, shape, dtype)
+
+        def quantize(x=x, fmt=fmt, tile=tile):
+            codes, scale_inv = ops.quantize_tiles(x, fmt, tile)
+            return x, codes, scale_inv, ops.dequantize_tiles(codes, scale_inv, tile)
+
+        def check(r, fmt=fmt, tile=tile):
+            x, codes, scale_inv, back = r
+            cols = x.shape[-1]
+            m = x.float().reshape(math.prod(x.shape[:-1]), cols)
+            grid = (-(-m.shape[0] // tile[0]), -(-cols // tile[1]))
+            assert codes.shape == x.shape and tuple(scale_inv.shape) == grid, (codes.shape, scale_inv.shape)
+            fmax = fp8amp.format_max(fmt)
+            for i, j in itertools.product(range(grid[0]), range(grid[1])):
+                block = m[i * tile[0]:(i + 1) * tile[0], j * tile[1]:(j + 1) * tile[1]]
+                amax = torch_amax(block)
+                finite = bool(amax.isfinite().all())
+                scale = current_scale(amax, fmax) if finite else torch.ones(1)
+                got = codes.reshape(m.shape)[i * tile[0]:(i + 1) * tile[0], j * tile[1]:(j + 1) * tile[1]]
+                assert_quantized(got, block * scale.reshape(()), fmt)
+                assert (scale_inv[i, j].isnan() if not finite else scale_inv[i, j] == 1 / scale.reshape(())), \
+                    (i, j, scale_inv[i, j], amax)
+            if x.numel():
+                full = scale_inv.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[: m.shape[0], :cols]
+                expected = (codes.float().reshape(m.shape) * full).reshape(x.shape)
+                torch.testing.assert_close(back, expected, rtol=0, atol=0, equal_nan=True)
+
+        name = f"{dtype}-{kind}-{shape}-{tile}-{fmt}"
+        yield f"quantize_tiles {name}", quantize, (None if shape == () else check), ("x",)
+    x = torch.randn(4, 16)
+    for dtype in BAD_DTYPES:
+        yield f"quantize_tiles x {dtype}", lambda dtype=dtype: ops.quantize_tiles(x.to(dtype), E4M3, (1, 16)), None, ("x",)
+    yield "quantize_tiles dtype float16", lambda: ops.quantize_tiles(x, FP16, (1, 16)), None, ("dtype",)
+    for tile in ((0, 16), (1, -1), (1,), 16, (1.0, 16)):
+        yield f"quantize_tiles tile {tile}", lambda tile=tile: ops.quantize_tiles(x, E4M3, tile), None, ("tile",)
+    codes, scale_inv = ops.quantize_tiles(x, E4M3, (1, 16))
+    yield "dequantize_tiles scale_inv of other tiles", lambda: ops.dequantize_tiles(codes, scale_inv, (2, 16)), \
+        None, ("scale_inv",)
+    yield "dequantize_tiles codes float32", lambda: ops.dequantize_tiles(x, scale_inv, (1, 16)), None, ("x",)
+    yield "dequantize_tiles meta scale_inv", lambda: ops.dequantize_tiles(codes, scale_inv.to("meta"), (1, 16)), \
+        None, ("scale_inv",)
+
+
 def all_cases() -> list:
     return [c for gen in (cast_cases, scaling_cases, gemm_cases, accumulate_adam_cases, meta_and_alias_cases,
-                          module_cases) for c in gen()]
+                          tile_cases, module_cases) for c in gen()]
 
 
 def outcome(case) -> tuple[str, str]:

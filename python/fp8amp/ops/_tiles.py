@@ -39,11 +39,12 @@ def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, tile: tuple[int, 
                                _int(margin, "margin", op), _bool(pow2_scale, "pow2_scale", op))
 
 
-def dequantize_tiles(codes: torch.Tensor, scale_inv: torch.Tensor, tile: tuple[int, int] = (1, 128),
+def dequantize_tiles(x: torch.Tensor, scale_inv: torch.Tensor, tile: tuple[int, int] = (1, 128),
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Returns ``codes * scale_inv[tile]`` in ``dtype`` (float32, bfloat16 or float16), rounded to
-    nearest even: the inverse of :func:`quantize_tiles` up to the format's rounding."""
+    """Returns ``x * scale_inv[tile]`` (``x``: E4M3 or E5M2 codes) in ``dtype`` (float32, bfloat16
+    or float16), rounded to nearest even: the inverse of :func:`quantize_tiles` up to the
+    format's rounding."""
     op = "dequantize_tiles"
     tile_rows, tile_cols = _tile(tile, op)
-    return fast.dequantize_tiles(_input(codes, "codes", op), _input(scale_inv, "scale_inv", op), tile_rows, tile_cols,
+    return fast.dequantize_tiles(_input(x, "x", op), _input(scale_inv, "scale_inv", op), tile_rows, tile_cols,
                                  _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op))
