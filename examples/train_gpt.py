@@ -250,13 +250,14 @@ def build(precision: str, args, setup: Setup, init_state: dict, world: int, devi
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        # FSDP2 replaced the parameters: the optimizer comes after it, then the scaling-update hook.
+        # FSDP2 replaced the parameters: the optimizer comes after it, then the scaling hooks (the
+        # amax reduction across ranks started before each step, the update after it).
         if precision in fp8amp.OPT_LEVELS:
             optimizer = fp8amp.optim.AdamW(model.parameters(), state_dtypes=precision, **adamw)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         if precision != "bf16":
-            optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
+            fp8amp.register_scaling_hooks(model, optimizer)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         if precision in fp8amp.OPT_LEVELS:

@@ -13,7 +13,8 @@ from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .master_weight import MasterWeight
 from .linear import Fp8Conv1D, Fp8Linear
-from .convert import ConversionReport, LayerDecision, conversion_report, convert, update_scaling
+from .convert import (ConversionReport, LayerDecision, conversion_report, convert, register_scaling_hooks,
+                      update_scaling)
 from .initialize import OPT_LEVELS, initialize, initialize_optimizer
 from .unconvert import unconvert
 from .saved_activations import ACTIVATION_FORMATS, save_activations_in_fp8
@@ -30,6 +31,7 @@ __all__ = [
     "ConversionReport",
     "LayerDecision",
     "update_scaling",
+    "register_scaling_hooks",
     "Fp8Linear",
     "Fp8Conv1D",
     "ScaledTensor",

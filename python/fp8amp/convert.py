@@ -46,6 +46,7 @@ from .scaling import ScalingRecipe, update_states
 __all__ = [
     "convert",
     "update_scaling",
+    "register_scaling_hooks",
     "POLICIES",
     "LayerDecision",
     "ConversionReport",
