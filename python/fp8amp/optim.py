@@ -71,7 +71,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 from .ops import fast, multi_amax
 from .formats import E4M3, FP16
 from .master_weight import MasterWeight
-from .optim_state import complete_groups, convert_state
+from .optim_state import MOMENT_KEYS, complete_groups, convert_state
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -85,7 +85,7 @@ STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
 #: The dtypes of plain (not ScaledTensor) params; bfloat16/float16 ones step in float32.
 _PLAIN_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_SCALES = ("exp_avg_scale", "exp_avg_scale_inv", "exp_avg_sq_scale", "exp_avg_sq_scale_inv")
+_SCALES = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
 
 
 class Adam(torch.optim.Optimizer):
@@ -182,12 +182,10 @@ class Adam(torch.optim.Optimizer):
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = torch.zeros(p.shape, dtype=m_dtype, device=p.device)
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=v_dtype, device=p.device)
-        if m_dtype != torch.float32:
-            for key in ("exp_avg_scale", "exp_avg_scale_inv"):
-                state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
-        if v_dtype != torch.float32:
-            for key in ("exp_avg_sq_scale", "exp_avg_sq_scale_inv"):
-                state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
+        for (_, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, (m_dtype, v_dtype)):
+            if dtype != torch.float32:
+                for key in (scale_key, scale_inv_key):
+                    state[key] = torch.ones(1, dtype=torch.float32, device=p.device)
         if isinstance(param, DTensor):
             # DTensors like the param's, so that a distributed checkpoint saves every rank's shard
             # (a plain tensor would count as replicated: one rank's copy for all). A scale is one
@@ -409,15 +407,11 @@ class ScaledMoment(ScaledTensor):
 
 torch.serialization.add_safe_globals([ScaledMoment])
 
-_MOMENT_SCALES = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
-                  ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_scale_inv"))
-
-
 def _moments_with_scales(state: dict) -> dict:
     """A param's saved state: each scaled moment and its scale as one ScaledMoment (a new dict:
     torch's state_dict shares the live per-param dicts)."""
     state = dict(state)
-    for key, scale_key, scale_inv_key in _MOMENT_SCALES:
+    for key, scale_key, scale_inv_key in MOMENT_KEYS:
         if scale_inv_key in state and not isinstance(state[key], DTensor):
             state.pop(scale_key)
             state[key] = ScaledMoment(state[key], state.pop(scale_inv_key))
@@ -427,9 +421,9 @@ def _moments_with_scales(state: dict) -> dict:
 def _moments_as_codes(state: dict) -> dict:
     """The inverse of _moments_with_scales: codes, then the scale and scale_inv entries in the order
     _init_state makes them (the scale is the exact reciprocal of a power of two)."""
-    moments = {key: state[key] for key, _, _ in _MOMENT_SCALES if isinstance(state.get(key), ScaledTensor)}
+    moments = {key: state[key] for key, _, _ in MOMENT_KEYS if isinstance(state.get(key), ScaledTensor)}
     state = {key: moments[key].codes if key in moments else value for key, value in state.items()}
-    for key, scale_key, scale_inv_key in _MOMENT_SCALES:
+    for key, scale_key, scale_inv_key in MOMENT_KEYS:
         if key in moments:
             state[scale_key] = moments[key].scale_inv.reciprocal()
             state[scale_inv_key] = moments[key].scale_inv

@@ -26,9 +26,11 @@ except ImportError:  # a torch built without distributed
 
 from .ops import quantize_current
 
-__all__ = ["complete_groups", "convert_state"]
+__all__ = ["complete_groups", "convert_state", "MOMENT_KEYS"]
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+#: Each moment's state key with the keys of its scale and scale_inv (present when it is scaled).
+MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
+               ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_scale_inv"))
 
 
 def complete_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
@@ -42,11 +44,11 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
     """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype) where
     they are float32 and the formats are scaled, in place; refuses non-finite moments. ``where``
     names the param in messages."""
-    for key, dtype in zip(_MOMENTS, formats):
+    for (key, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, formats):
         value = state.get(key)
         if value is None:
             continue
-        scale_inv = state.get(f"{key}_scale_inv")
+        scale_inv = state.get(scale_inv_key)
         if isinstance(value, DTensor):  # FSDP2: each shard would need its own scales
             if dtype != value.dtype:
                 raise NotImplementedError(
@@ -61,5 +63,5 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
         if value.dtype == torch.float32 and dtype != torch.float32:
             codes, scale_inv, _ = quantize_current(value, dtype)
             state[key] = codes
-            state[f"{key}_scale"] = scale_inv.reciprocal()  # exact: a power of two
-            state[f"{key}_scale_inv"] = scale_inv
+            state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
+            state[scale_inv_key] = scale_inv
