@@ -13,7 +13,8 @@
 
 namespace fp8amp {
 
-// out = encode(x * scale) in out.dtype (E4M3, E5M2, or FP16 with saturation); x fp32/bf16/fp16.
+// out = encode(x * scale) in out.dtype (E4M3, E5M2, or FP16 with saturation of finite values; an
+// infinity is coded as NaN, docs/numerics.md#non-finite-values); x fp32/bf16/fp16.
 void quantize(const TensorView& x, const TensorView& out, const Scaling& scaling, Stream stream);
 
 // Current scaling in one call (ScaledTensor.from_tensor, FP8 weight gradients), bit for bit

@@ -224,8 +224,8 @@ def _amax_in_graph(x: torch.Tensor) -> torch.Tensor:
 def _quantize_in_graph(x: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=True) in torch ops, for Inductor to fuse:
     scale = 2^clamp(floor(log2(fl(fmax / amax))), -126, 126) (1 for an amax of 0; scale_inv NaN for
-    an inf or NaN), codes = saturate(round(x * scale)); the exponents come from the float bits, as
-    fp8amp's kernels take them, so the codes are the same bit for bit."""
+    an inf or NaN), codes = saturate(round(x * scale)) with an infinity coded as NaN; the exponents
+    come from the float bits, as fp8amp's kernels take them, so the codes are the same bit for bit."""
     fmax = format_max(fmt)
     xf = x.to(torch.float32)
     amax = _amax_in_graph(x)
@@ -237,7 +237,8 @@ def _quantize_in_graph(x: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor,
     scale = torch.where(usable, ((exponent + 127) << 23).view(torch.float32), one)
     scale_inv = torch.where(usable, ((127 - exponent) << 23).view(torch.float32), one)
     scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.full_like(amax, math.nan))
-    codes = (xf * scale).clamp(-fmax, fmax).to(fmt)
+    scaled = xf * scale
+    codes = torch.where(scaled.isinf(), math.nan, scaled.clamp(-fmax, fmax)).to(fmt)
     return codes, scale_inv
 
 

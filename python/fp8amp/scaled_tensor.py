@@ -133,8 +133,9 @@ class ScaledTensor(torch.Tensor):
         by autograd. Non-finite values (docs/numerics.md#non-finite-values): if ``x`` holds an inf
         or NaN, ``scale_inv`` becomes NaN, so every real value reads NaN (E4M3 has no inf, and
         saturated codes would hide the overflow from GradScaler, the optimizer and the loss).
-        ``nan_if_nonfinite=False`` saturates instead (``[1, inf]`` reads ``[1, 448]`` in E4M3):
-        an explicit choice, never a default.
+        ``nan_if_nonfinite=False`` keeps the scale of the finite values instead: only the
+        non-finite elements read NaN (``[1, inf]`` reads ``[1, NaN]``); finite values beyond the
+        format's max would saturate.
         """
         where = "fp8amp.ScaledTensor.from_tensor"
         if not isinstance(x, torch.Tensor):

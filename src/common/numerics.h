@@ -85,9 +85,10 @@ static_assert(codes_match_table<E4M3>() && codes_match_table<E5M2>() && codes_ma
               "a format's max_code or nan_code disagrees with the dtype table");
 }  // namespace detail
 
-// float -> format, round to nearest even. saturate=true: magnitudes above max (infinities
-// included) become +-max, as __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...). saturate=false:
-// IEEE overflow to infinity (only for formats that have one). NaN -> nan_code.
+// float -> format, round to nearest even. saturate=true: finite magnitudes above max become
+// +-max, as __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...), but an infinity becomes nan_code: a
+// saturated code would pass an overflow on as a finite value (docs/numerics.md#non-finite-values).
+// saturate=false: IEEE overflow to infinity (only for formats that have one). NaN -> nan_code.
 template <class F>
 FP8AMP_HD uint32_t encode(float f, bool saturate) {
   const uint32_t x = float_bits(f);
@@ -95,7 +96,7 @@ FP8AMP_HD uint32_t encode(float f, bool saturate) {
   const uint32_t ax = x & 0x7FFFFFFFu;
   if (ax > 0x7F800000u) return F::nan_code;
   const uint32_t inf_code = ((1u << F::exp_bits) - 1u) << F::man_bits;
-  if (ax == 0x7F800000u) return sign | (saturate || !F::has_inf ? F::max_code : inf_code);
+  if (ax == 0x7F800000u) return saturate ? F::nan_code : sign | (F::has_inf ? inf_code : F::max_code);
 
   // The value is mant * 2^(exp - 150). Count it in units of the target's ulp at its magnitude,
   // 2^(max(e, emin) - man_bits), and round that count to nearest even.

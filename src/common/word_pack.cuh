@@ -117,11 +117,20 @@ __device__ void decode_pack(const uint32_t (&w)[kWords<T, N>], float (&x)[N]) {
   }
 }
 
+// fma(0, v, v): v itself for every finite v (zeros keep their sign), NaN for an infinity. cvt.satfinite
+// saturates infinities; numerics::encode makes them NaN, and this one FFMA an element gives its bits.
+__device__ __forceinline__ float infinity_to_nan(float v) { return __fmaf_rn(0.0f, v, v); }
+
 // The stored codes of x (already multiplied by its scale): float32 as is, the scaled formats (E4M3,
-// E5M2, FP16) by numerics::quantize_to: round to nearest even, saturate to +-max (infinities too),
-// NaN -> the format's NaN code, as cvt.rn.satfinite does two at a time.
+// E5M2, FP16) by numerics::quantize_to: round to nearest even, saturate finite values to +-max,
+// infinities and NaN -> the format's NaN code, as cvt.rn.satfinite does two at a time (after
+// infinity_to_nan).
 template <class T, int N>
-__device__ void encode_pack(const float (&x)[N], uint32_t (&w)[kWords<T, N>]) {
+__device__ void encode_pack(const float (&x_in)[N], uint32_t (&w)[kWords<T, N>]) {
+  constexpr bool kPatchInfinities = kHardwareConvert && !std::is_same_v<T, float>;
+  float x[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) x[k] = kPatchInfinities ? infinity_to_nan(x_in[k]) : x_in[k];
   if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
     for (int k = 0; k < N; ++k) w[k] = numerics::float_bits(x[k]);

@@ -27,12 +27,13 @@ TEST(Codec, E4M3HandDerived) {
   EXPECT_EQ(e4m3(1.0f), 0x38u);
   EXPECT_EQ(e4m3(448.0f), 0x7Eu);
   EXPECT_EQ(e4m3(-448.0f), 0xFEu);
-  // Saturation: beyond max, infinities included, become +-max.
+  // Saturation: finite magnitudes beyond max become +-max; infinities become NaN, never a finite code.
   EXPECT_EQ(e4m3(464.0f), 0x7Eu);  // exact tie between 448 and 480 (not representable): even -> 448
   EXPECT_EQ(e4m3(500.0f), 0x7Eu);
   EXPECT_EQ(e4m3(1e30f), 0x7Eu);
-  EXPECT_EQ(e4m3(std::numeric_limits<float>::infinity()), 0x7Eu);
-  EXPECT_EQ(e4m3(-std::numeric_limits<float>::infinity()), 0xFEu);
+  EXPECT_EQ(e4m3(std::numeric_limits<float>::max()), 0x7Eu);
+  EXPECT_EQ(e4m3(std::numeric_limits<float>::infinity()), 0x7Fu);
+  EXPECT_EQ(e4m3(-std::numeric_limits<float>::infinity()), 0x7Fu);
   EXPECT_EQ(e4m3(std::nanf("")), 0x7Fu);
   EXPECT_EQ(e4m3(-std::nanf("")), 0x7Fu);
   // Round to nearest even: 1.0625 is halfway between 1.0 (even) and 1.125.
@@ -52,8 +53,9 @@ TEST(Codec, E5M2HandDerived) {
   EXPECT_EQ(e5m2(1.0f), 0x3Cu);
   EXPECT_EQ(e5m2(57344.0f), 0x7Bu);
   EXPECT_EQ(e5m2(61440.0f), 0x7Bu);  // tie with the would-be 65536: saturates
-  EXPECT_EQ(e5m2(std::numeric_limits<float>::infinity()), 0x7Bu);
-  EXPECT_EQ(e5m2(-std::numeric_limits<float>::infinity()), 0xFBu);
+  EXPECT_EQ(e5m2(-std::numeric_limits<float>::max()), 0xFBu);
+  EXPECT_EQ(e5m2(std::numeric_limits<float>::infinity()), 0x7Fu);
+  EXPECT_EQ(e5m2(-std::numeric_limits<float>::infinity()), 0x7Fu);
   EXPECT_EQ(e5m2(std::nanf("")), 0x7Fu);
   EXPECT_EQ(e5m2(std::ldexp(1.0f, -16)), 0x01u);
   EXPECT_EQ(e5m2(std::ldexp(1.0f, -17)), 0x00u);
@@ -61,6 +63,8 @@ TEST(Codec, E5M2HandDerived) {
   EXPECT_EQ(encode<E5M2>(61440.0f, false), 0x7Cu);
   EXPECT_EQ(encode<FP16>(65520.0f, false), 0x7C00u);
   EXPECT_EQ(encode<FP16>(65520.0f, true), 0x7BFFu);
+  EXPECT_EQ(encode<FP16>(-std::numeric_limits<float>::infinity(), true), 0x7FFFu);
+  EXPECT_EQ(encode<FP16>(-std::numeric_limits<float>::infinity(), false), 0xFC00u);
 }
 
 TEST(Codec, EveryCodeDecodesAndReencodes) {
@@ -151,8 +155,10 @@ TEST(Codec, MatchesNvidiaHostConvertersBitForBit) {
   size_t mismatches = 0;
   for (uint32_t b : probe_floats()) {
     const float f = bits_float(b);
-    const uint32_t ref4 = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
-    const uint32_t ref5 = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E5M2);
+    // The kernels turn an infinity into NaN before the SATFINITE conversion (word_pack.cuh).
+    const float f_sat = std::isinf(f) ? std::nanf("") : f;
+    const uint32_t ref4 = __nv_cvt_float_to_fp8(f_sat, __NV_SATFINITE, __NV_E4M3);
+    const uint32_t ref5 = __nv_cvt_float_to_fp8(f_sat, __NV_SATFINITE, __NV_E5M2);
     if (e4m3(f) != ref4 || e5m2(f) != ref5) {
       if (++mismatches < 10) ADD_FAILURE() << std::hex << "bits 0x" << b << ": e4m3 " << e4m3(f) << " vs " << ref4
                                            << ", e5m2 " << e5m2(f) << " vs " << ref5;

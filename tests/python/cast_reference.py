@@ -2,8 +2,8 @@
 
 torch's eager float -> float8 / float16 casts round to nearest even but do not saturate, so
 ``(x * scale).clamp(-fmax, fmax).to(dtype)`` is what a saturating cast must give (docs/numerics.md#numerics),
-except for NaN, which fp8amp always encodes as the positive code 0x7F (FP16: 0x7FFF): NaN
-positions are compared separately.
+except for NaN and infinities, which fp8amp always encodes as the positive NaN code 0x7F (FP16:
+0x7FFF): those positions are compared separately.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, inputs: torc
 
 
 def assert_quantized(out: torch.Tensor, x_scaled: torch.Tensor, dtype: torch.dtype) -> None:
-    """out must be torch's cast of clamp(x_scaled, +-fmax), and NAN_CODE where x_scaled is NaN."""
+    """out must be torch's cast of clamp(x_scaled, +-fmax), and NAN_CODE where x_scaled is NaN or infinite."""
     fmax = fp8amp.format_max(dtype)
-    nan = x_scaled.isnan()
+    nan = x_scaled.isnan() | x_scaled.isinf()
     expected = x_scaled.clamp(-fmax, fmax).to(dtype)
     expected = torch.where(nan, torch.full_like(bits(expected), NAN_CODE[dtype]), bits(expected)).view(dtype)
     assert_bits_equal(out, expected, x_scaled)

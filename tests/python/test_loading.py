@@ -112,11 +112,29 @@ def test_initialize_refuses_a_nonfinite_weight():
 def test_nonfinite_values_into_a_scaled_tensor_read_nan(fmt):
     x = torch.tensor([1.0, float("inf")])
     assert fp8amp.ScaledTensor.from_tensor(x, fmt).dequantize().isnan().all()  # was [1, 448] / [1, 65504]
-    # Saturation is an explicit choice.
-    saturated = fp8amp.ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=False).dequantize()
-    assert saturated.tolist() == [1.0, fp8amp.format_max(fmt)]
+    # Without nan_if_nonfinite only the infinite element reads NaN: an inf is never saturated.
+    kept = fp8amp.ScaledTensor.from_tensor(x, fmt, nan_if_nonfinite=False).dequantize()
+    assert kept[0].item() == 1.0 and kept[1].isnan()
     master = fp8amp.MasterWeight.from_tensor(torch.ones(2))
     master.copy_(x)  # copy_ needs no host read: NaN, where it saturated
     assert master.dequantize().isnan().all()
     codes, _, scale_inv = master.fp8_copy
     assert (codes.float() * scale_inv).isnan().all()  # the E4M3 copy the forward reads too
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+@pytest.mark.parametrize("inf", [float("inf"), -float("inf")])
+def test_an_infinite_input_gives_a_nonfinite_output_row_under_delayed_scaling(level, inf):
+    """The delayed scale comes from the history, so the input's own inf never reaches scale_inv:
+    the cast itself must code it as NaN (it used to saturate it to +-448: a finite row)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16))
+    model = (fp8amp.convert(model, policy="all") if level == "fp8"
+             else fp8amp.initialize(model, None, level, policy="all")[0])
+    for _ in range(3):  # past the current-scaling warm-up: the scale is the history's
+        model(torch.randn(4, 32))
+    x = torch.randn(4, 32)
+    x[1, 5] = inf
+    y = model(x)
+    assert not y[1].isfinite().any()
+    assert y[[0, 2, 3]].isfinite().all()
