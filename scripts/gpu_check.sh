@@ -7,6 +7,9 @@
 #   --no-tests  build, then only the benchmarks (to split a long check over two device calls)
 #   --benches=cast,gemm  only these benchmarks/bench_<name>.py (default: all); bench_comm runs on 2
 #               GPUs under torchrun, and is skipped (with the reason) on a machine with fewer
+#   --only=tiles,gemm_tiles  only these tests/python/test_<name>.py files, and the CTest tests whose
+#               names match one of the names (case-insensitive, underscores dropped), e.g. a quick
+#               check of one op family before the whole suite
 #   --ncu-optim also profile the O2 Adam passes with Nsight Compute (speed of light, occupancy,
 #               warp stalls, memory) into $OUT/ncu_adam.txt (about a minute)
 # The GPU machine has no GoogleTest package: carry its sources as .deps/googletest
@@ -20,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu_out}  # the benchmarks write their tables to $OUT/bench_<name>.md
 mkdir -p "$OUT"
-SANITIZE=0 BENCH=1 TESTS=1 NCU=0 BENCHES="" CTEST_ARGS=() PYTEST_ARGS=()
+SANITIZE=0 BENCH=1 TESTS=1 NCU=0 BENCHES="" ONLY="" CTEST_ARGS=() PYTEST_ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --sanitize) SANITIZE=1 ;;
@@ -29,9 +32,26 @@ for arg in "$@"; do
     --no-tests) TESTS=0 ;;
     --benches=*) BENCHES=${arg#--benches=} ;;
     --ncu-optim) NCU=1 ;;
-    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b, --ncu-optim)"; exit 2 ;;
+    --only=*) ONLY=${arg#--only=} ;;
+    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b, --only=a,b, --ncu-optim)"; exit 2 ;;
   esac
 done
+PYTEST_PATHS=(tests/python)
+if [ -n "$ONLY" ]; then
+  IFS=, read -ra names <<< "$ONLY"
+  PYTEST_PATHS=() regex=""
+  for name in "${names[@]}"; do
+    [ -f "tests/python/test_$name.py" ] || { echo "--only: no tests/python/test_$name.py"; exit 2; }
+    PYTEST_PATHS+=("tests/python/test_$name.py")
+    word=""  # CTest's regexes have no case-insensitive flag: each letter as [xX]
+    for ((i = 0; i < ${#name}; i++)); do
+      c=${name:i:1}
+      [ "$c" = _ ] || word+="[${c,,}${c^^}]"
+    done
+    regex+="${regex:+|}$word"
+  done
+  CTEST_ARGS+=(-R "$regex")
+fi
 # Keep NVLink multicast off on shared multi-GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} PYTHONUNBUFFERED=1
@@ -58,7 +78,7 @@ echo "build: $(( $(date +%s) - start )) s"
 if [ "$TESTS" = 1 ]; then
   ctest --test-dir build/py --output-on-failure "${CTEST_ARGS[@]}" > "$OUT/ctest.log" 2>&1 || status=1
   tail -8 "$OUT/ctest.log"
-  python3 -m pytest tests/python -q -rs -p no:cacheprovider "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
+  python3 -m pytest "${PYTEST_PATHS[@]}" -q -rs -p no:cacheprovider "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
   tail -15 "$OUT/pytest.log"
 fi
 
