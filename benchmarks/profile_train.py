@@ -17,7 +17,7 @@ GPU waiting for the host). With two or more modes, a last table compares each mo
 kernel by kernel (by name: calls and ms a step), the largest differences first: what a mode adds.
 
 Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile] [--steps 3] [--top 25]
-       [--preset 1b|small] [--compare-top 40]
+       [--preset 1b|small|86m] [--compare-top 40]
        [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
 With $OUT set, also writes the tables to $OUT/profile_train.txt.
 """
@@ -38,6 +38,8 @@ from _common import parse_subset, require_gpu, set_recompile_limit
 PRESETS = {
     "1b": (GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), 8),
     "small": (GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), 16),
+    # the 86M GPT below the FP8 crossover (docs/benchmarks.md#model-sizes): 16,384 tokens a step
+    "86m": (GPTConfig(seq_len=1024, n_layer=12, n_head=12, d_model=768), 16),
 }
 FP8_ACTIVATIONS = "-fp8act"
 COMPILE = "-compile"
