@@ -1,0 +1,41 @@
+"""fp8amp's Lightning plugin under Lightning's distributed strategies, 2 CPU processes with gloo
+(each run is one ``torch.distributed.run`` of tests/python/lightning_strategies.py: Lightning
+takes the processes torchrun made): DDP with fp8amp's FP8 gradient all-reduce as the comm hook
+(``Fp8ampPrecision(fp8_allreduce=True)``), and FSDP2 through ModelParallelStrategy."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+SCRIPT = Path(__file__).resolve().parent / "lightning_strategies.py"
+
+
+def run(mode: str) -> dict:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), mode]
+    result = subprocess.run(launch, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, result.stdout + result.stderr
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def test_ddp_strategy_with_the_fp8_allreduce_comm_hook():
+    out = run("ddp")
+    assert out["world"] == 2 and out["comm_hook"] == "fp8_allreduce_hook", out
+    assert out["optimizer"] == "AdamW" and out["state_dtypes"] == "O2" and out["fp8_layer"], out
+    assert out["ranks_agree"], out  # every rank stepped with the same averaged FP8 gradients
+    losses = out["losses"]
+    assert len(losses) == 8 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
+def test_model_parallel_strategy_shards_the_o2_masters():
+    out = run("fsdp")
+    assert out["world"] == 2 and out["fp8_layer"] and out["optimizer"] == "AdamW", out
+    assert out["weight"] == "DTensor" and out["local"] == "MasterWeight" and out["local_rows"] == 32, out
+    assert out["state_dtypes"] == "O2" and out["m_dtype"] == "torch.float8_e4m3fn", out
+    losses = out["losses"]
+    assert len(losses) == 8 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
