@@ -310,7 +310,12 @@ def main(argv=None) -> None:
     sections = []
     start = time.perf_counter()
     for name in args.models:
-        work = builders[name](args, device, count)
+        try:
+            work = builders[name](args, device, count)
+        except ModuleNotFoundError as e:  # the GPU image may lack transformers or timm: say so, measure the rest
+            sections.append(f"{name}: not measured ({e.name} is not installed)\n")
+            print(f"bench_models: {name}: {e.name} is not installed", file=sys.stderr, flush=True)
+            continue
         with torch.device("meta"):
             n_params = sum(p.numel() for p in work.build().parameters())
         print(f"bench_models: {work.describe}: {n_params / 1e6:,.2f}M parameters", file=sys.stderr, flush=True)
