@@ -119,8 +119,8 @@ def llama_workload(args, device: torch.device, count: int) -> Workload:
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
     return Workload(
-        "llama", "tokens", args.llama_batch * args.seq, args.llama_batch * args.seq, torch.bfloat16, lambda: LlamaForCausalLM(config), data, loss,
-        lambda m: list(m.model.layers),
+        "llama", "tokens", args.llama_batch * args.seq, args.llama_batch * args.seq, torch.bfloat16,
+        lambda: LlamaForCausalLM(config), data, loss, lambda m: list(m.model.layers),
         f"HF LlamaForCausalLM (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
         f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV heads, vocab {config.vocab_size}), "
         f"batch {args.llama_batch} x seq {args.seq}")
@@ -141,8 +141,8 @@ def vit_workload(args, device: torch.device, count: int) -> Workload:
 
     tokens = (shape["img_size"] // shape["patch_size"]) ** 2 + 1  # the patches and the class token
     return Workload(
-        "vit", "images", args.vit_batch, args.vit_batch * tokens, getattr(torch, args.vit_autocast), lambda: VisionTransformer(**shape), data,
-        loss, lambda m: list(m.blocks),
+        "vit", "images", args.vit_batch, args.vit_batch * tokens, getattr(torch, args.vit_autocast),
+        lambda: VisionTransformer(**shape), data, loss, lambda m: list(m.blocks),
         f"timm VisionTransformer (embed {shape['embed_dim']}, depth {shape['depth']}, {shape['num_heads']} heads, "
         f"patch {shape['patch_size']}, {shape['img_size']}px, {shape['num_classes']} classes), batch {args.vit_batch}")
 
