@@ -106,6 +106,12 @@ def test_an_optimizer_not_converted_is_refused_at_its_first_step():
     with pytest.raises(RuntimeError, match=r"Fp8ampFabricPrecision: the optimizer is torch.optim.adamw.AdamW.*"
                                            r"precision.convert_optimizer\(optimizer\)"):
         optimizer.step()
+    other = nn.Linear(4, 4)  # an optimizer of another module's parameters steps as usual
+    other_optimizer = fabric.setup_optimizers(torch.optim.SGD(other.parameters(), lr=0.1))
+    other(torch.ones(2, 4)).sum().backward()
+    before = other.weight.detach().clone()
+    other_optimizer.step()
+    assert not torch.equal(other.weight, before)
     with pytest.raises(ValueError, match="Fp8ampFabricPrecision: optimizer must be one of torch.optim.Adam"):
         precision.convert_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="module must be set up first"):

@@ -46,6 +46,7 @@ from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
 from ..initialize import OPT_LEVELS, initialize, initialize_optimizer
 from ..linear import Fp8Linear
+from ..scaled_tensor import ScaledTensor
 from ..scaling import ScalingState
 
 __all__ = ["Fp8ampPrecision", "Fp8ampFabricPrecision"]
@@ -198,7 +199,11 @@ class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
         return self._fp8amp_optimizer(optimizer)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if not isinstance(optimizer, fp8_optim.Adam):  # torch's Adam would not step the O1/O2 masters
+        # A torch optimizer over the converted model would not step its O1/O2 masters (or would step
+        # the parameters they replaced); one over other modules' parameters is left alone.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not isinstance(optimizer, fp8_optim.Adam) and any(p in self._replaced or isinstance(p, ScaledTensor)
+                                                              for p in params):
             raise RuntimeError(
                 f"Fp8ampFabricPrecision: the optimizer is {type(optimizer).__module__}.{type(optimizer).__qualname__}, "
                 "not fp8amp's: Fabric does not hand optimizers to precision plugins, so pass it through "
