@@ -88,12 +88,11 @@ class _Fp8ampConversion:
 
     def _fp8amp_optimizer(self, optimizer: torch.optim.Optimizer) -> fp8_optim.Adam:
         """fp8amp's Adam/AdamW at the plugin's level with ``optimizer``'s param groups (a parameter
-        that conversion replaced by its master is taken as the master)."""
+        that conversion replaced by its master is taken as the master), updating the module's FP8
+        scaling after each step (an fp8amp optimizer given is rebuilt too: that hook is its own)."""
         if self._module is None:
             raise RuntimeError(f"{type(self).__name__}: the optimizer came before the module was converted; "
                                "the module must be set up first")
-        if isinstance(optimizer, fp8_optim.Adam):
-            return optimizer
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(p, p) for p in group["params"]]
         return initialize_optimizer(self._module, optimizer, self.opt_level, caller=type(self).__name__)
@@ -142,7 +141,7 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
         for optimizer in optimizers:
             new = self._fp8amp_optimizer(optimizer)
             for config in lr_schedulers:
-                if new is not optimizer and config.scheduler.optimizer is optimizer:
+                if config.scheduler.optimizer is optimizer:
                     _point_scheduler_at(config.scheduler, new)
             converted.append(new)
         if self.fp8_allreduce is not None and isinstance(model, nn.parallel.DistributedDataParallel):
