@@ -3,6 +3,7 @@ on the built-in data (the Python standard library's sources, as bytes).
 
     python examples/lightning_gpt.py                    # FP8 emulation on CPU, or the GPU
     python examples/lightning_gpt.py --devices 2        # DDP (gloo processes on CPU)
+    python examples/lightning_gpt.py --devices 2 --fp8-allreduce   # DDP with FP8 gradients on the wire
     python examples/lightning_gpt.py --ckpt run.ckpt    # save at the end; run again to resume
 
 The fp8amp part is the plugin: ``Trainer(plugins=[Fp8ampPrecision("O2")])``. The LightningModule
@@ -64,6 +65,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--fp8-allreduce", action="store_true",
+                   help="under DDP, average the gradients with fp8amp's FP8 all-reduce (the plugin's comm hook)")
     p.add_argument("--ckpt", default=None, help="resume from this checkpoint if it exists; save to it at the end")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args()
@@ -76,7 +79,8 @@ def main() -> None:
     module = LitGPT(config, lr=1e-3 if gpu else 2e-3, steps=steps)
     trainer = L.Trainer(
         max_steps=steps, accelerator="gpu" if gpu else "cpu", devices=args.devices,
-        plugins=[Fp8ampPrecision(args.opt_level, autocast_dtype=torch.bfloat16 if gpu else None)],
+        plugins=[Fp8ampPrecision(args.opt_level, autocast_dtype=torch.bfloat16 if gpu else None,
+                                 fp8_allreduce=args.fp8_allreduce)],
         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[PrintLoss(args.log_every)],
     )

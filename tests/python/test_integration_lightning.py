@@ -29,6 +29,8 @@ class Regression(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.optimizer == "fp8amp":
+            return fp8amp.optim.AdamW(self.parameters(), lr=1e-2, state_dtypes="O2")
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
 
@@ -91,6 +93,13 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path):
     t2.fit(resumed, loader(), ckpt_path=tmp_path / "half.ckpt")
     assert resumed.losses == straight.losses[len(first.losses):]
     assert same(snapshot(resumed, t2.optimizers[0]), snapshot(straight, optimizer))
+
+
+def test_an_fp8amp_optimizer_from_configure_optimizers_updates_the_scaling(tmp_path):
+    module = Regression("fp8amp")
+    trainer(tmp_path, epochs=2).fit(module, loader())  # 4 optimizer steps
+    assert isinstance(module.net[0].weight, fp8amp.ScaledTensor)
+    assert int(module.net[0].input_scaling.amax_history[0].count_nonzero()) == 4, module.net[0].input_scaling
 
 
 def test_unsupported_optimizer_is_refused_naming_the_accepted(tmp_path):

@@ -1,52 +1,123 @@
-"""``Fp8ampPrecision``: fp8amp as a Lightning precision plugin (docs/integrations.md#lightning).
+"""fp8amp as Lightning precision plugins (docs/integrations.md#lightning): ``Fp8ampPrecision`` for the
+Trainer, ``Fp8ampFabricPrecision`` for Fabric.
 
     trainer = lightning.Trainer(plugins=[Fp8ampPrecision("O2")])
+    fabric = lightning.Fabric(plugins=[Fp8ampFabricPrecision("O2")])
 
-Lightning calls the plugin at two points of its set-up, and the plugin does
+The Trainer calls its plugin at two points of its set-up, and the plugin does
 :func:`fp8amp.initialize`'s two halves there:
 
 1. ``convert_module``, before the model is moved and wrapped (DDP): the model is converted in
    place, ``fp8amp.initialize(model, None, opt_level, **options)`` (Fp8Linear layers, O1/O2 FP16
-   master weights);
+   master weights); a model that holds Fp8Linear layers already (converted by the user, as under
+   FSDP2, where ``configure_model`` shards it before this hook) is left as it is;
 2. ``connect``, after ``configure_optimizers`` has built the optimizers over the converted model's
    parameters: each Adam/AdamW is rebuilt as fp8amp's (:func:`fp8amp.initialize_optimizer`, same
-   param groups and hyperparameters), and each lr scheduler built on it is pointed at the new one.
+   param groups and hyperparameters), and each lr scheduler built on it is pointed at the new one;
+   with ``fp8_allreduce``, the DDP module the strategy made gets fp8amp's FP8 gradient all-reduce
+   as its comm hook.
 
 Everything else is Lightning's own path: gradient clipping (norms of FP8 gradients come from their
 codes), gradient accumulation (FP8 gradients add up in one fused pass), and checkpoints, which hold
 the unconverted model's state dict (real-valued weights: Lightning loads it before the plugin
 converts the module; the masters are made again from them, bit for bit) with every layer's
 scaling state beside it, and fp8amp's optimizer state, so ``fit(ckpt_path=...)`` resumes bit for
-bit. The forward runs under
-``torch.autocast`` of ``autocast_dtype`` (bfloat16 by default; ``None``: no autocast).
+bit. The forward runs under ``torch.autocast`` of ``autocast_dtype`` (bfloat16 by default;
+``None``: no autocast).
+
+Fabric gives a precision plugin the module at ``setup`` / ``setup_module`` but never the
+optimizers, so ``Fp8ampFabricPrecision.convert_optimizer`` is the one explicit call: the model is
+converted by ``fabric.setup_module``, the optimizer built on it goes through ``convert_optimizer``
+and then ``fabric.setup_optimizers``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from .. import optim as fp8_optim
+from ..distributed import FP8CommState, fp8_allreduce_hook
 from ..initialize import OPT_LEVELS, initialize, initialize_optimizer
+from ..linear import Fp8Linear
+from ..scaled_tensor import ScaledTensor
 from ..scaling import ScalingState
 
-__all__ = ["Fp8ampPrecision"]
+__all__ = ["Fp8ampPrecision", "Fp8ampFabricPrecision"]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16, None)
+_PRECISION_NAMES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}
 _CHECKPOINT_KEY = "fp8amp"
 
 
-class Fp8ampPrecision(Precision):
+class _Fp8ampConversion:
+    """What both plugins share: the arguments, the model's conversion and the forward's autocast."""
+
+    def _configure(self, opt_level: str, autocast_dtype: Optional[torch.dtype], options: dict) -> None:
+        where = type(self).__name__
+        if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+            raise ValueError(f"{where}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
+                             f"got {opt_level!r}")
+        if autocast_dtype not in _AUTOCAST_DTYPES:
+            raise ValueError(f"{where}: autocast_dtype must be torch.bfloat16, torch.float16 or None; "
+                             f"got {autocast_dtype!r}")
+        self.opt_level = opt_level
+        self.autocast_dtype = autocast_dtype
+        self.precision = _PRECISION_NAMES[autocast_dtype]
+        self._options = options
+        self._module: Optional[nn.Module] = None
+        # {parameter before conversion: the O1/O2 master that replaced it}, for an optimizer built before
+        self._replaced: dict[torch.Tensor, torch.Tensor] = {}
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self._module is module:  # Lightning calls this again on every fit/validate/test
+            return module
+        if not any(isinstance(m, Fp8Linear) for m in module.modules()):
+            before = dict(module.named_parameters(remove_duplicate=False))
+            initialize(module, None, self.opt_level, **self._options)
+            after = dict(module.named_parameters(remove_duplicate=False))
+            self._replaced = {p: after[name] for name, p in before.items() if after.get(name) is not p}
+        self._module = module
+        return module
+
+    def _fp8amp_optimizer(self, optimizer: torch.optim.Optimizer) -> fp8_optim.Adam:
+        """fp8amp's Adam/AdamW at the plugin's level with ``optimizer``'s param groups (a parameter
+        that conversion replaced by its master is taken as the master), updating the module's FP8
+        scaling after each step (an fp8amp optimizer given is rebuilt too: that hook is its own)."""
+        if self._module is None:
+            raise RuntimeError(f"{type(self).__name__}: the optimizer came before the module was converted; "
+                               "the module must be set up first")
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(p, p) for p in group["params"]]
+        return initialize_optimizer(self._module, optimizer, self.opt_level, caller=type(self).__name__)
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        if self.autocast_dtype is None or self._module is None:
+            yield
+            return
+        device = next(self._module.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast_dtype):
+            yield
+
+
+class Fp8ampPrecision(_Fp8ampConversion, Precision):
     """A Lightning ``Precision`` plugin that trains the LightningModule with fp8amp.
 
     Args:
         opt_level: ``"O1"`` or ``"O2"`` (docs/o1_o2.md#optimization-levels).
         autocast_dtype: the autocast dtype of the forward (``torch.bfloat16``, ``torch.float16``)
             or ``None``. Float16 autocast wants a GradScaler, which this plugin does not add.
+        fp8_allreduce: under the DDP strategy, average the gradients with FP8 on the wire
+            (:func:`fp8amp.distributed.fp8_allreduce_hook`): ``True`` (an ``FP8CommState()``), an
+            :class:`~fp8amp.distributed.FP8CommState` (its format, method and group), or ``False``.
+            Ignored when the model is not wrapped in DDP (one process).
         **options: passed to :func:`fp8amp.initialize`: ``module_filter_fn``, ``recipe``,
             ``weight_grad``, ``policy``, ``tokens``.
 
@@ -55,24 +126,12 @@ class Fp8ampPrecision(Precision):
     """
 
     def __init__(self, opt_level: str = "O2", *, autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
-                 **options: Any) -> None:
-        if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-            raise ValueError(f"Fp8ampPrecision: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
-                             f"got {opt_level!r}")
-        if autocast_dtype not in _AUTOCAST_DTYPES:
-            raise ValueError(f"Fp8ampPrecision: autocast_dtype must be torch.bfloat16, torch.float16 or None; "
-                             f"got {autocast_dtype!r}")
-        self.opt_level = opt_level
-        self.autocast_dtype = autocast_dtype
-        self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]
-        self._options = options
-        self._module: Optional[nn.Module] = None
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        if self._module is not module:  # Lightning calls this again on every fit/validate/test
-            initialize(module, None, self.opt_level, **self._options)
-            self._module = module
-        return module
+                 fp8_allreduce: Union[bool, FP8CommState] = False, **options: Any) -> None:
+        self._configure(opt_level, autocast_dtype, options)
+        if not isinstance(fp8_allreduce, (bool, FP8CommState)):
+            raise TypeError(f"Fp8ampPrecision: fp8_allreduce must be True, False or an "
+                            f"fp8amp.distributed.FP8CommState; got {type(fp8_allreduce).__name__}")
+        self.fp8_allreduce = FP8CommState() if fp8_allreduce is True else fp8_allreduce or None
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple[nn.Module, list, list]:
         if self._module is None:
@@ -80,11 +139,13 @@ class Fp8ampPrecision(Precision):
                                "module first (Lightning's strategies do)")
         converted = []
         for optimizer in optimizers:
-            new = initialize_optimizer(self._module, optimizer, self.opt_level, caller="Fp8ampPrecision")
+            new = self._fp8amp_optimizer(optimizer)
             for config in lr_schedulers:
                 if config.scheduler.optimizer is optimizer:
                     _point_scheduler_at(config.scheduler, new)
             converted.append(new)
+        if self.fp8_allreduce is not None and isinstance(model, nn.parallel.DistributedDataParallel):
+            model.register_comm_hook(self.fp8_allreduce, fp8_allreduce_hook)
         return model, converted, lr_schedulers
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -106,14 +167,47 @@ class Fp8ampPrecision(Precision):
             for key, value in saved["scaling"].items():
                 self._module.get_buffer(key).copy_(value)
 
-    @contextlib.contextmanager
-    def forward_context(self):
-        if self.autocast_dtype is None or self._module is None:
-            yield
-            return
-        device = next(self._module.parameters()).device.type
-        with torch.autocast(device, dtype=self.autocast_dtype):
-            yield
+
+class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
+    """fp8amp as a Lightning Fabric precision plugin::
+
+        precision = Fp8ampFabricPrecision("O2")
+        fabric = Fabric(plugins=[precision])
+        model = fabric.setup_module(model)                     # converted in place
+        optimizer = fabric.setup_optimizers(precision.convert_optimizer(torch.optim.AdamW(model.parameters())))
+
+    A model and optimizer that :func:`fp8amp.initialize` converted before ``fabric.setup(model,
+    optimizer)`` are taken as they are. ``fabric.save`` / ``fabric.load`` of the model and the
+    optimizer save the converted state dicts (every layer's scaling state included) and resume bit
+    for bit. Arguments as :class:`Fp8ampPrecision`'s, without ``fp8_allreduce``.
+    """
+
+    def __init__(self, opt_level: str = "O2", *, autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+                 **options: Any) -> None:
+        self._configure(opt_level, autocast_dtype, options)
+
+    def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> fp8_optim.Adam:
+        """fp8amp's Adam/AdamW for ``optimizer`` (a ``torch.optim.Adam`` / ``AdamW`` over the
+        converted model's parameters, or over the model's parameters before ``setup``), before
+        ``fabric.setup_optimizers``. Build lr schedulers on the optimizer it returns.
+
+        Raises:
+            ValueError: another optimizer (the message names the accepted ones), or one that stepped.
+            RuntimeError: called before ``fabric.setup`` / ``setup_module`` converted the model.
+        """
+        return self._fp8amp_optimizer(optimizer)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        # A torch optimizer over the converted model would not step its O1/O2 masters (or would step
+        # the parameters they replaced); one over other modules' parameters is left alone.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not isinstance(optimizer, fp8_optim.Adam) and any(p in self._replaced or isinstance(p, ScaledTensor)
+                                                              for p in params):
+            raise RuntimeError(
+                f"Fp8ampFabricPrecision: the optimizer is {type(optimizer).__module__}.{type(optimizer).__qualname__}, "
+                "not fp8amp's: Fabric does not hand optimizers to precision plugins, so pass it through "
+                "precision.convert_optimizer(optimizer) before fabric.setup_optimizers (after fabric.setup_module)")
+        return optimizer.step(**kwargs)
 
 
 def _scaling_keys(module: nn.Module) -> list[str]:
