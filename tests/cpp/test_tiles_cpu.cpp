@@ -206,7 +206,7 @@ TEST(TilesCpu, NewOpsCheckTheirArguments) {
   expect_value_error([&] { run(view(codes_t, DType::kFloat8E4M3, {3, 2}), si_t, 1); },
                      "out_t must be float8_e4m3fn[2, 3]");
   expect_value_error([&] { run(view(codes_t, DType::kFloat8E4M3, {2, 3}), si_t, 0); },
-                     "tile_rows_t and tile_cols_t must be positive");
+                     "tile_t's tile_rows and tile_cols must be positive");
   expect_value_error([&] { run(view(codes_t, DType::kFloat8E4M3, {2, 3}), si, 1); }, "scale_inv_t must be float32 [2, 1]");
   expect_value_error([&] { run(view(codes, DType::kFloat8E4M3, {2, 3}), si_t, 1); }, "out and out_t must not share memory");
   const auto accumulate = [&](TensorView update, TensorView result) {

@@ -256,7 +256,7 @@ def test_new_tile_ops_check_their_arguments():
     x = torch.randn(4, 256)
     with pytest.raises(TypeError, match=r"cast_transpose_tiles: tile_t must be a pair"):
         ops.cast_transpose_tiles(x, E4M3, (1, 128), tile_t=128)
-    with pytest.raises(ValueError, match="tile_rows_t and tile_cols_t must be positive"):
+    with pytest.raises(ValueError, match="tile_t's tile_rows and tile_cols must be positive"):
         ops.cast_transpose_tiles(x, E4M3, (1, 128), tile_t=(1, 0))
     with pytest.raises(ValueError, match="tile_rows and tile_cols must be positive"):
         ops.cast_transpose_tiles(x, E4M3, (-1, 128))
