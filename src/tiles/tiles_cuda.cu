@@ -1,6 +1,6 @@
-// CUDA twin of tiles_cpu.cpp, bit for bit. The (1, 128) and (128, 128) tilings of quantize_tiles
-// and cast_transpose_tiles run the one-pass region kernel (tiles_region_cuda.cu). Every other
-// tiling, and scaled_accumulate_tiles, runs tile_kernel: one block per tile, which finds the
+// CUDA twin of tiles_cpu.cpp, bit for bit. The (1, 128) and (128, 128) tilings of quantize_tiles,
+// cast_transpose_tiles and scaled_accumulate_tiles run the one-pass region kernel
+// (tiles_region_cuda.cu). Every other tiling runs tile_kernel: one block per tile, which finds the
 // tile's amax, then quantizes it (the second read hits L1/L2: a tile is at most a few tens of KB).
 // Threads run along a tile's rows, so a warp reads consecutive elements of a row-major matrix.
 // The element codecs are numerics.h's, shared with the CPU reference.
@@ -143,6 +143,10 @@ void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTi
 
 void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,
                              const ScalingRecipe& recipe, Stream stream) {
+  if (region_tiling(p.t)) {
+    accumulate_regions(acc_dtype, update_dtype, p, recipe, cuda_stream(stream));
+    return;
+  }
   visit(Fp8Types{}, acc_dtype, [&](auto a) {
     visit(HighPrecisionTypes{}, update_dtype, [&](auto u) {
       using Acc = decltype(a);

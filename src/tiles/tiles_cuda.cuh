@@ -21,5 +21,9 @@ inline bool region_tiling(const TileShape& t) { return t.is(1, 128) || t.is(128,
 void quantize_regions(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe,
                       cudaStream_t stream);
 
+// scaled_accumulate_tiles by the same kernel, reading acc and update once. Needs region_tiling(p.t).
+void accumulate_regions(DType acc_dtype, DType update_dtype, const AccumulateTiles& p, const ScalingRecipe& recipe,
+                        cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace fp8amp

@@ -1,5 +1,5 @@
-// The one-pass tile kernel: quantize_tiles and cast_transpose_tiles with (1, 128) tiles or
-// (128, 128) blocks, bit for bit tiles_cpu.cpp. One block of 256 threads per 128 x 128 region of
+// The one-pass tile kernel: quantize_tiles, cast_transpose_tiles and scaled_accumulate_tiles with
+// (1, 128) tiles or (128, 128) blocks, bit for bit tiles_cpu.cpp. One block of 256 threads per 128 x 128 region of
 // x, which it reads from memory once, and whose copies (and scales) it writes once:
 //
 // - Each thread loads a 4-row x 16-column piece of the region into registers: per row, 16-byte
@@ -47,11 +47,6 @@ static_assert(kRegion * (kRegion / kChunk) % kRegionThreads == 0, "the out_t chu
 
 enum class Tiling { kRowTiles, kBlocks };  // (1, 128) tiles, or (128, 128) blocks
 
-// Resident blocks per SM, which sets the register budget: 16-bit inputs hold their piece in 32
-// registers, float32 in 64.
-template <class In>
-constexpr int kRegionBlocksPerSm = sizeof(In) == 4 ? 2 : 3;
-
 // A pack that is whole or wholly outside the matrix (kWhole: the launcher checked alignment and
 // that both dimensions are whole numbers of packs), or any pack (element-wise at the edges).
 template <bool kWhole, int N, class T>
@@ -77,19 +72,94 @@ __device__ __forceinline__ void store_piece(T* p, const uint32_t (&w)[kWords<T, 
   }
 }
 
+// What region_kernel quantizes: x's own values (CastSource) or scaled_accumulate_tiles' sums
+// (AccumulateSource). A source loads the packs of a thread's piece into a Piece of registers (pack
+// l of the piece's row i: kPack elements from element `offset` of the matrix, `valid` of them
+// inside it, zeros after) and gives a pack's values on demand, as often as asked: it keeps the
+// packs, which take fewer registers than their floats. Zeros outside the matrix give values that
+// change no tile's amax.
+template <class In>
+struct CastSource {
+  static constexpr int kPack = 16 / static_cast<int>(sizeof(In));  // elements of one 16-byte load
+  static constexpr int kLoads = kThreadCols / kPack;                // loads per row of a piece
+  // Resident blocks per SM, which sets the register budget: 16-bit inputs hold a piece in 32
+  // registers, float32 in 64.
+  static constexpr int kBlocksPerSm = sizeof(In) == 4 ? 2 : 3;
+  struct Piece {
+    uint32_t x[kThreadRows][kLoads][kWords<In, kPack>];
+  };
+
+  const In* x;
+  bool vector_ok;  // x is aligned to 16 bytes and its rows are whole packs
+
+  // Before the loads: the piece's first row in the matrix and its region (nothing to read here).
+  __device__ void begin(Piece&, int64_t, int64_t, int64_t, int64_t, int64_t) const {}
+  template <bool kWhole>
+  __device__ void load(Piece& piece, int i, int l, int64_t offset, int valid) const {
+    load_piece<kWhole, kPack>(x + offset, valid, vector_ok, piece.x[i][l]);
+  }
+  __device__ void values(const Piece& piece, int i, int l, float (&v)[kPack]) const { decode_pack<In>(piece.x[i][l], v); }
+};
+
+// accumulated() of tiles_kernels.h: acc's codes times their tile's acc_scale_inv, plus update. A
+// zero outside the matrix stays zero unless acc_scale_inv is inf or NaN, whose tile is poisoned
+// by its own elements anyway (any value times inf or NaN is not finite).
+template <class Acc, class Update, Tiling kTiling>
+struct AccumulateSource {
+  static constexpr int kPack = 16 / static_cast<int>(sizeof(Update));
+  static constexpr int kLoads = kThreadCols / kPack;
+  static constexpr int kBlocksPerSm = 2;
+  struct Piece {
+    uint32_t acc[kThreadRows][kLoads][kWords<Acc, kPack>];
+    uint32_t update[kThreadRows][kLoads][kWords<Update, kPack>];
+    float acc_scale_inv[kThreadRows];
+  };
+
+  const Acc* acc;
+  const float* acc_scale_inv;
+  const Update* update;
+  bool acc_vector_ok, update_vector_ok;
+
+  __device__ void begin(Piece& piece, int64_t first_row, int64_t rows, int64_t rb, int64_t cb,
+                        int64_t region_cols) const {
+#pragma unroll
+    for (int i = 0; i < kThreadRows; ++i) {
+      const int64_t r = first_row + i;
+      if constexpr (kTiling == Tiling::kBlocks) {
+        piece.acc_scale_inv[i] = acc_scale_inv[rb * region_cols + cb];
+      } else {
+        piece.acc_scale_inv[i] = r < rows ? acc_scale_inv[r * region_cols + cb] : 0.0f;
+      }
+    }
+  }
+  template <bool kWhole>
+  __device__ void load(Piece& piece, int i, int l, int64_t offset, int valid) const {
+    load_piece<kWhole, kPack>(acc + offset, valid, acc_vector_ok, piece.acc[i][l]);
+    load_piece<kWhole, kPack>(update + offset, valid, update_vector_ok, piece.update[i][l]);
+  }
+  __device__ void values(const Piece& piece, int i, int l, float (&v)[kPack]) const {
+    float a[kPack], u[kPack];
+    decode_pack<Acc>(piece.acc[i][l], a);
+    decode_pack<Update>(piece.update[i][l], u);
+#pragma unroll
+    for (int e = 0; e < kPack; ++e) v[e] = rn::add(rn::mul(a[e], piece.acc_scale_inv[i]), u[e]);
+  }
+};
+
 __device__ __forceinline__ uint32_t max_over_lanes(uint32_t key, int first_mask, int last_mask) {
 #pragma unroll
   for (int m = first_mask; m <= last_mask; m *= 2) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, m));
   return key;
 }
 
-template <class In, class Out, Tiling kTiling, bool kTranspose, bool kWhole>
-__global__ void __launch_bounds__(kRegionThreads, kRegionBlocksPerSm<In>)
-    region_kernel(const In* __restrict__ x, Out* __restrict__ out, float* __restrict__ scale_inv,
-                  Out* __restrict__ out_t, float* __restrict__ scale_inv_t, int64_t rows, int64_t cols,
-                  ScalingRecipe recipe, bool x_vector_ok, bool out_vector_ok, bool out_t_vector_ok) {
-  constexpr int NI = 16 / static_cast<int>(sizeof(In));  // elements of one 16-byte load
-  constexpr int kLoads = kThreadCols / NI;               // loads per row of a piece
+// kWhole: the launcher found every pointer aligned and both dimensions whole numbers of packs.
+template <class Source, class Out, Tiling kTiling, bool kTranspose, bool kWhole>
+__global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
+    region_kernel(const Source src, Out* __restrict__ out, float* __restrict__ scale_inv, Out* __restrict__ out_t,
+                  float* __restrict__ scale_inv_t, int64_t rows, int64_t cols, ScalingRecipe recipe,
+                  bool out_vector_ok, bool out_t_vector_ok) {
+  constexpr int NI = Source::kPack;
+  constexpr int kLoads = Source::kLoads;
   constexpr float kFmax = numerics::format_max<Out>();
   const int64_t region_rows = ceil_div(rows, kRegion), region_cols = ceil_div(cols, kRegion);
   const int64_t rb = static_cast<int64_t>(blockIdx.x) / region_cols, cb = static_cast<int64_t>(blockIdx.x) % region_cols;
@@ -99,14 +169,15 @@ __global__ void __launch_bounds__(kRegionThreads, kRegionBlocksPerSm<In>)
   const int tr = static_cast<int>(threadIdx.x) / kRowLanes * kThreadRows;  // the piece's first row in the region
   const auto col_of = [&](int l) { return l * kRowLanes * NI + lane_in_row * NI; };  // load l's first column
 
-  uint32_t w[kThreadRows][kLoads][kWords<In, NI>];
+  typename Source::Piece piece;
+  src.begin(piece, r0 + tr, rows, rb, cb, region_cols);
 #pragma unroll
   for (int i = 0; i < kThreadRows; ++i) {
     const int64_t r = r0 + tr + i;
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
       const int64_t c = c0 + col_of(l);
-      load_piece<kWhole, NI>(x + r * cols + c, r < rows ? valid_count<NI>(c, cols) : 0, x_vector_ok, w[i][l]);
+      src.template load<kWhole>(piece, i, l, r * cols + c, r < rows ? valid_count<NI>(c, cols) : 0);
     }
   }
 
@@ -117,7 +188,7 @@ __global__ void __launch_bounds__(kRegionThreads, kRegionBlocksPerSm<In>)
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
       float v[NI];
-      decode_pack<In>(w[i][l], v);
+      src.values(piece, i, l, v);
 #pragma unroll
       for (int e = 0; e < NI; ++e) {
         const uint32_t key = numerics::float_bits(v[e]) & 0x7FFFFFFFu;
@@ -192,7 +263,7 @@ __global__ void __launch_bounds__(kRegionThreads, kRegionBlocksPerSm<In>)
   for (int l = 0; l < kLoads; ++l) {
     float v[kThreadRows][NI];
 #pragma unroll
-    for (int i = 0; i < kThreadRows; ++i) decode_pack<In>(w[i][l], v[i]);
+    for (int i = 0; i < kThreadRows; ++i) src.values(piece, i, l, v[i]);
     const int64_t c = c0 + col_of(l);
 #pragma unroll
     for (int i = 0; i < kThreadRows; ++i) {
@@ -234,23 +305,40 @@ __global__ void __launch_bounds__(kRegionThreads, kRegionBlocksPerSm<In>)
   }
 }
 
-template <class In, class Out, Tiling kTiling, bool kTranspose>
-void launch(const CastTransposeTiles& p, const ScalingRecipe& recipe, cudaStream_t stream) {
-  const int64_t rows = p.t.rows, cols = p.t.cols;
-  constexpr int NI = 16 / static_cast<int>(sizeof(In));
-  const In* x = static_cast<const In*>(p.x);
-  Out* out = static_cast<Out*>(p.out);
-  Out* out_t = static_cast<Out*>(p.out_t);
-  const bool x_vector_ok = cols % NI == 0 && is_aligned(x, 16);
-  const bool out_vector_ok = cols % NI == 0 && is_aligned(out, NI);
+template <class Out, Tiling kTiling, bool kTranspose, class Source>
+void launch(const Source& src, bool src_whole, void* out_ptr, float* scale_inv, void* out_t_ptr, float* scale_inv_t,
+            const TileShape& t, const ScalingRecipe& recipe, cudaStream_t stream, const char* op) {
+  const int64_t rows = t.rows, cols = t.cols;
+  Out* out = static_cast<Out*>(out_ptr);
+  Out* out_t = static_cast<Out*>(out_t_ptr);
+  const bool out_vector_ok = cols % Source::kPack == 0 && is_aligned(out, Source::kPack);
   const bool out_t_vector_ok = !kTranspose || (rows % kChunk == 0 && is_aligned(out_t, 16));
   const int64_t blocks = ceil_div(rows, kRegion) * ceil_div(cols, kRegion);
-  const auto kernel = x_vector_ok && out_vector_ok && out_t_vector_ok
-                          ? region_kernel<In, Out, kTiling, kTranspose, true>
-                          : region_kernel<In, Out, kTiling, kTranspose, false>;
-  kernel<<<grid_size(blocks, kTranspose ? "cast_transpose_tiles" : "quantize_tiles"), kRegionThreads, 0, stream>>>(
-      x, out, p.scale_inv, out_t, p.scale_inv_t, rows, cols, recipe, x_vector_ok, out_vector_ok, out_t_vector_ok);
+  const auto kernel = src_whole && out_vector_ok && out_t_vector_ok ? region_kernel<Source, Out, kTiling, kTranspose, true>
+                                                                    : region_kernel<Source, Out, kTiling, kTranspose, false>;
+  kernel<<<grid_size(blocks, op), kRegionThreads, 0, stream>>>(src, out, scale_inv, out_t, scale_inv_t, rows, cols,
+                                                               recipe, out_vector_ok, out_t_vector_ok);
   FP8AMP_CUDA_CHECK_LAUNCH();
+}
+
+template <class In, class Out, Tiling kTiling, bool kTranspose>
+void launch_cast(const CastTransposeTiles& p, const ScalingRecipe& recipe, cudaStream_t stream) {
+  const In* x = static_cast<const In*>(p.x);
+  const CastSource<In> src{x, p.t.cols % CastSource<In>::kPack == 0 && is_aligned(x, 16)};
+  launch<Out, kTiling, kTranspose>(src, src.vector_ok, p.out, p.scale_inv, p.out_t, p.scale_inv_t, p.t, recipe, stream,
+                                   kTranspose ? "cast_transpose_tiles" : "quantize_tiles");
+}
+
+template <class Acc, class Update, Tiling kTiling>
+void launch_accumulate(const AccumulateTiles& p, const ScalingRecipe& recipe, cudaStream_t stream) {
+  using Source = AccumulateSource<Acc, Update, kTiling>;
+  const Acc* acc = static_cast<const Acc*>(p.acc);
+  const Update* update = static_cast<const Update*>(p.update);
+  const bool whole_rows = p.t.cols % Source::kPack == 0;
+  const Source src{acc, p.acc_scale_inv, update, whole_rows && is_aligned(acc, Source::kPack),
+                   whole_rows && is_aligned(update, 16)};
+  launch<Acc, kTiling, false>(src, src.acc_vector_ok && src.update_vector_ok, p.out, p.scale_inv, nullptr, nullptr,
+                              p.t, recipe, stream, "scaled_accumulate_tiles");
 }
 
 }  // namespace
@@ -265,12 +353,26 @@ void quantize_regions(DType in_dtype, DType out_dtype, const CastTransposeTiles&
       using In = decltype(in);
       using Out = decltype(o);
       if (blocks) {
-        transpose ? launch<In, Out, Tiling::kBlocks, true>(p, recipe, stream)
-                  : launch<In, Out, Tiling::kBlocks, false>(p, recipe, stream);
+        transpose ? launch_cast<In, Out, Tiling::kBlocks, true>(p, recipe, stream)
+                  : launch_cast<In, Out, Tiling::kBlocks, false>(p, recipe, stream);
       } else {
-        transpose ? launch<In, Out, Tiling::kRowTiles, true>(p, recipe, stream)
-                  : launch<In, Out, Tiling::kRowTiles, false>(p, recipe, stream);
+        transpose ? launch_cast<In, Out, Tiling::kRowTiles, true>(p, recipe, stream)
+                  : launch_cast<In, Out, Tiling::kRowTiles, false>(p, recipe, stream);
       }
+    });
+  });
+}
+
+void accumulate_regions(DType acc_dtype, DType update_dtype, const AccumulateTiles& p, const ScalingRecipe& recipe,
+                        cudaStream_t stream) {
+  if (p.t.rows * p.t.cols == 0) return;
+  const bool blocks = p.t.is(kRegion, kRegion);
+  visit(Fp8Types{}, acc_dtype, [&](auto a) {
+    visit(HighPrecisionTypes{}, update_dtype, [&](auto u) {
+      using Acc = decltype(a);
+      using Update = decltype(u);
+      blocks ? launch_accumulate<Acc, Update, Tiling::kBlocks>(p, recipe, stream)
+             : launch_accumulate<Acc, Update, Tiling::kRowTiles>(p, recipe, stream);
     });
   });
 }

@@ -154,17 +154,20 @@ TEST(TilesCuda, ScaledAccumulateTilesMatchCpuBitForBit) {
   uint32_t seed = 500;
   for (DType update_dtype : updates) {
     for (DType acc_dtype : accs) {
-      for (const std::array<int64_t, 4>& shape_and_tile :
-           {std::array<int64_t, 4>{256, 384, 128, 128}, {300, 260, 128, 128}, {7, 300, 1, 128}, {5, 3, 2, 2}}) {
-        const int64_t rows = shape_and_tile[0], cols = shape_and_tile[1], tr = shape_and_tile[2], tc = shape_and_tile[3];
+      // (1, 128) and (128, 128) take the one-pass kernel (the last case misaligned), (2, 2) the any-tile one.
+      for (const std::array<int64_t, 5>& c :
+           {std::array<int64_t, 5>{256, 384, 128, 128, 0}, {300, 260, 128, 128, 0}, {7, 300, 1, 128, 0}, {5, 3, 2, 2, 0},
+            {130, 136, 1, 128, 3}}) {
+        const int64_t rows = c[0], cols = c[1], tr = c[2], tc = c[3], offset = c[4];
         const std::vector<int64_t> scales{grid(rows, tr), grid(cols, tc)};
-        MirroredTensor x(DType::kFloat32, {rows, cols}), acc(acc_dtype, {rows, cols}), acc_scale_inv(DType::kFloat32, scales),
-            update(update_dtype, {rows, cols}), codes(acc_dtype, {rows, cols}), scale_inv(DType::kFloat32, scales);
+        MirroredTensor x(DType::kFloat32, {rows, cols}), acc(acc_dtype, {rows, cols}, offset),
+            acc_scale_inv(DType::kFloat32, scales), update(update_dtype, {rows, cols}, offset),
+            codes(acc_dtype, {rows, cols}, offset), scale_inv(DType::kFloat32, scales);
         fill(x, DType::kFloat32, rows, cols, tr, tc, seed++);
         fill(update, update_dtype, rows, cols, 1, 1, seed++);
         std::ostringstream what;
         what << dtype_name(acc_dtype) << " + " << dtype_name(update_dtype) << " [" << rows << ", " << cols << "] in "
-             << tr << " x " << tc << " tiles";
+             << tr << " x " << tc << " tiles at offset " << offset;
         expect_cuda_matches_cpu(
             {&x, &acc, &acc_scale_inv, &update, &codes, &scale_inv},
             [&](Device d) {
