@@ -18,8 +18,9 @@ moves (each input read once, each output written once); "of copy" is that agains
 device-to-device tensor copy measured in the same run (bytes read + written). "speedup" is
 PyTorch's time over ours.
 
-With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles and
-cast_transpose_tiles of bf16 matrices with (1, 128) tiles and (128, 128) blocks, against a
+With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles,
+cast_transpose_tiles and scaled_accumulate_tiles (an E4M3 accumulator plus a bf16 update) of bf16
+matrices with (1, 128) tiles and (128, 128) blocks, against a
 device-to-device copy of the same bytes (half of them read, half written) in the same run. The
 copy runs as direct launches (a copy inside a CUDA graph becomes a memcpy node, which ran slower
 on the H200); "of copy" is the copy's time over the op's, the op's fraction of copy bandwidth.
@@ -218,10 +219,15 @@ def bench_tiles_shape(rows_n: int, cols_n: int, iters: int) -> list[list[str]]:
     for tile in [(1, 128), (128, 128)]:
         scales = 4 * math.ceil(rows_n / tile[0]) * math.ceil(cols_n / tile[1])  # float32 bytes, either layout
         scales_t = 4 * math.ceil(cols_n / tile[0]) * math.ceil(rows_n / tile[1])
+        # scaled_accumulate_tiles adds each x into an E4M3 accumulator of x's tiles.
+        acc, acc_scale_inv = fp8amp.ops.quantize_tiles(xs[0], E4M3, tile)
         for op, fn, bytes_moved in [
             ("quantize_tiles", lambda x, tile=tile: fp8amp.ops.quantize_tiles(x, E4M3, tile), 3 * numel + scales),
             ("cast_transpose_tiles", lambda x, tile=tile: fp8amp.ops.cast_transpose_tiles(x, E4M3, tile),
              4 * numel + scales + scales_t),
+            ("scaled_accumulate_tiles",
+             lambda x, tile=tile, acc=acc, si=acc_scale_inv: fp8amp.ops.scaled_accumulate_tiles(acc, si, x, tile),
+             4 * numel + 2 * scales),
         ]:
             ours = median_ms(fn, xs, iters)
             copy = copy_ms(bytes_moved, iters)
@@ -236,7 +242,7 @@ def main_tiles(shapes: list[tuple[int, int]], iters: int) -> None:
     table = []
     for r, c in shapes:
         table += bench_tiles_shape(r, c, iters)
-    header = ["op", "tile", "shape (bf16 -> E4M3)", "fp8amp µs", "GB/s", "copy of the same bytes µs", "of copy"]
+    header = ["op", "tile", "shape (bf16, E4M3 codes)", "fp8amp µs", "GB/s", "copy of the same bytes µs", "of copy"]
     title = (f"Tile casts, {torch.cuda.get_device_name()}, torch {torch.__version__}: GPU time per call "
              f"(CUDA graph replay, median) against a device-to-device copy moving the same bytes\n\n")
     report("cast_tiles", title + markdown_table(header, table) + "\n")
