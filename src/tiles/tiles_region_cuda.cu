@@ -6,9 +6,10 @@
 //   loads at columns l * 8 * NI + lane_in_row * NI (NI elements of 16 bytes), so the 8 threads of
 //   a row read 128 consecutive bytes per load.
 // - Amaxes, as the float bits with the sign cleared (which order like |x|, every NaN above inf):
-//   a row tile's from the 8 threads of its row (warp shuffles); a column tile's (a tile of the
-//   transpose) from the 4 row groups of each warp (shuffles), then the 8 warps (shared memory);
-//   a block's from every thread (block_max_key).
+//   a row tile's from the 8 threads of its row (warp shuffles that reduce and scatter at once,
+//   so that each thread ends with one row's amax and computes one scale); a column tile's (a
+//   tile of the transpose) from the 4 row groups of each warp (the same), then the 8 warps
+//   (shared memory); a block's from every thread (block_max_key).
 // - out: each row piece times its tile's scale, encoded and stored straight from registers.
 // - out_t: each column of a thread's piece (4 rows) times its tile's scale encodes into one
 //   32-bit word of 4 codes, stored into a shared [128 columns][128 codes] tile; after a barrier,
@@ -146,11 +147,7 @@ struct AccumulateSource {
   }
 };
 
-__device__ __forceinline__ uint32_t max_over_lanes(uint32_t key, int first_mask, int last_mask) {
-#pragma unroll
-  for (int m = first_mask; m <= last_mask; m *= 2) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, m));
-  return key;
-}
+constexpr unsigned kAllLanes = 0xFFFFFFFFu;
 
 // kWhole: the launcher found every pointer aligned and both dimensions whole numbers of packs.
 template <class Source, class Out, Tiling kTiling, bool kTranspose, bool kWhole>
@@ -199,7 +196,9 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
   }
 
   float row_scale[kThreadRows];
-  float col_scale[kThreadCols];
+  // The transpose's column scales stay in shared memory, read as the codes are made: held in
+  // registers, they made the kernel spill.
+  __shared__ float col_scales[kTranspose && kTiling == Tiling::kRowTiles ? kRegion : 1];
   if constexpr (kTiling == Tiling::kBlocks) {
     uint32_t key = 0;
 #pragma unroll
@@ -215,28 +214,43 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < kThreadRows; ++i) row_scale[i] = block_scale;
-#pragma unroll
-    for (int j = 0; j < kThreadCols; ++j) col_scale[j] = block_scale;
   } else {
+    // The amaxes of the piece's 4 rows over the row's 8 threads, reduced and scattered at once
+    // (each step sends a thread's partner the half it keeps): afterwards thread lane_in_row holds
+    // the amax of row lane_in_row / 2, whose scale it computes; the others' come by shuffle.
+    static_assert(kThreadRows == 4 && kThreadCols == 16, "the shuffle steps below split 4 rows and 16 columns");
+    const bool b2 = lane_in_row & 4, b1 = lane_in_row & 2;
+    const uint32_t pair0 =
+        max(b2 ? row_key[2] : row_key[0], __shfl_xor_sync(kAllLanes, b2 ? row_key[0] : row_key[2], 4));
+    const uint32_t pair1 =
+        max(b2 ? row_key[3] : row_key[1], __shfl_xor_sync(kAllLanes, b2 ? row_key[1] : row_key[3], 4));
+    uint32_t key = max(b1 ? pair1 : pair0, __shfl_xor_sync(kAllLanes, b1 ? pair0 : pair1, 2));
+    key = max(key, __shfl_xor_sync(kAllLanes, key, 1));
+    const numerics::ScalePair pair = tile_scale(numerics::amax_from_key(key), kFmax, recipe);
+    const int64_t r = r0 + tr + lane_in_row / 2;
+    if (lane_in_row % 2 == 0 && r < rows) scale_inv[r * region_cols + cb] = pair.scale_inv;
 #pragma unroll
-    for (int i = 0; i < kThreadRows; ++i) {
-      const uint32_t key = max_over_lanes(row_key[i], 1, kRowLanes / 2);
-      const numerics::ScalePair pair = tile_scale(numerics::amax_from_key(key), kFmax, recipe);
-      row_scale[i] = pair.scale;
-      const int64_t r = r0 + tr + i;
-      if (lane_in_row == 0 && r < rows) scale_inv[r * region_cols + cb] = pair.scale_inv;
-    }
+    for (int i = 0; i < kThreadRows; ++i) row_scale[i] = __shfl_sync(kAllLanes, pair.scale, (lane & ~7) + 2 * i);
     if constexpr (kTranspose) {
       __shared__ uint32_t warp_col_keys[kWarps][kRegion];
-      __shared__ float col_scales[kRegion];
+      // The amaxes of the piece's 16 columns over the warp's 4 row groups (lane bits 3 and 4),
+      // reduced and scattered the same way: afterwards this thread holds those of its columns
+      // 8 * b3 + 4 * b4 + [0, 4), which it stores for the reduction over the warps.
+      const bool b3 = lane & 8, b4 = lane & 16;
+      uint32_t half[kThreadCols / 2], quarter[kThreadCols / 4];
 #pragma unroll
-      for (int j = 0; j < kThreadCols; ++j) col_key[j] = max_over_lanes(col_key[j], kRowLanes, 16);
-      if (lane < kRowLanes) {
+      for (int m = 0; m < kThreadCols / 2; ++m) {
+        half[m] =
+            max(b3 ? col_key[8 + m] : col_key[m], __shfl_xor_sync(kAllLanes, b3 ? col_key[m] : col_key[8 + m], 8));
+      }
 #pragma unroll
-        for (int l = 0; l < kLoads; ++l) {
+      for (int m = 0; m < kThreadCols / 4; ++m) {
+        quarter[m] = max(b4 ? half[4 + m] : half[m], __shfl_xor_sync(kAllLanes, b4 ? half[m] : half[4 + m], 16));
+      }
 #pragma unroll
-          for (int e = 0; e < NI; ++e) warp_col_keys[warp][col_of(l) + e] = col_key[l * NI + e];
-        }
+      for (int m = 0; m < kThreadCols / 4; ++m) {
+        const int j = (b3 ? 8 : 0) + (b4 ? 4 : 0) + m;  // the piece's column j: load j / NI, element j % NI
+        warp_col_keys[warp][col_of(j / NI) + j % NI] = quarter[m];
       }
       __syncthreads();
       if (threadIdx.x < kRegion) {
@@ -249,13 +263,16 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
         if (c0 + c < cols) scale_inv_t[(c0 + c) * region_rows + rb] = pair.scale_inv;
       }
       __syncthreads();
-#pragma unroll
-      for (int l = 0; l < kLoads; ++l) {
-#pragma unroll
-        for (int e = 0; e < NI; ++e) col_scale[l * NI + e] = col_scales[col_of(l) + e];
-      }
     }
   }
+  // The scale of the transpose's tile holding the piece's column l * NI + e (a block's is its rows').
+  const auto col_scale = [&](int l, int e) {
+    if constexpr (kTiling == Tiling::kBlocks) {
+      return row_scale[0];
+    } else {
+      return col_scales[col_of(l) + e];
+    }
+  };
 
   __shared__ alignas(16) uint32_t codes_t[kTranspose ? kRegion : 1][kColumnWords];
   const int swizzle = lane_in_row * 4;  // (c / NI) % 8 of every column c of this piece, times 4
@@ -278,9 +295,10 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
     if constexpr (kTranspose) {
 #pragma unroll
       for (int e = 0; e < NI; ++e) {
+        const float scale = col_scale(l, e);
         float q[kThreadRows];
 #pragma unroll
-        for (int i = 0; i < kThreadRows; ++i) q[i] = rn::mul(v[i][e], col_scale[l * NI + e]);
+        for (int i = 0; i < kThreadRows; ++i) q[i] = rn::mul(v[i][e], scale);
         uint32_t word[1];
         encode_pack<Out>(q, word);
         codes_t[col_of(l) + e][(tr / 4) ^ swizzle] = word[0];
