@@ -255,12 +255,12 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
       __syncthreads();
       if (threadIdx.x < kRegion) {
         const int c = static_cast<int>(threadIdx.x);
-        uint32_t key = 0;
+        uint32_t col_amax_key = 0;
 #pragma unroll
-        for (int k = 0; k < kWarps; ++k) key = max(key, warp_col_keys[k][c]);
-        const numerics::ScalePair pair = tile_scale(numerics::amax_from_key(key), kFmax, recipe);
-        col_scales[c] = pair.scale;
-        if (c0 + c < cols) scale_inv_t[(c0 + c) * region_rows + rb] = pair.scale_inv;
+        for (int k = 0; k < kWarps; ++k) col_amax_key = max(col_amax_key, warp_col_keys[k][c]);
+        const numerics::ScalePair col_pair = tile_scale(numerics::amax_from_key(col_amax_key), kFmax, recipe);
+        col_scales[c] = col_pair.scale;
+        if (c0 + c < cols) scale_inv_t[(c0 + c) * region_rows + rb] = col_pair.scale_inv;
       }
       __syncthreads();
     }
