@@ -132,6 +132,17 @@ char* align_up(void* p) {
 void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
   const DeviceScope scope(g.device_index);
   const DeviceState& device = device_state(g.device_index);
+  // The scale copies at the front of the workspace, cuBLASLt's part after them.
+  const CublasScaleLayout a_layout_s = cublas_scale_layout(g.a_scales.scaling, g.m, g.k);
+  const CublasScaleLayout b_layout_s = cublas_scale_layout(g.b_scales.scaling, g.n, g.k);
+  const size_t needed = kScaleCopyAlignment + scale_copy_bytes(a_layout_s) + scale_copy_bytes(b_layout_s);
+  FP8AMP_CHECK_VALUE(g.workspace != nullptr && g.workspace_bytes >= needed, kOp, "options.workspace must hold at least ",
+                     needed, " bytes (gemm_tiles_scale_bytes) for the scales in cuBLASLt's layout, got ",
+                     g.workspace_bytes);
+  char* const base = static_cast<char*>(g.workspace);
+  char* const a_copy = align_up(base);
+  char* const b_copy = a_copy + scale_copy_bytes(a_layout_s);
+  char* const rest = b_copy + scale_copy_bytes(b_layout_s);
   FP8AMP_CHECK(device.compute_capability / 10 == kHopperMajor, kNotImplemented, kOp,
                "cuBLASLt offers its tile scale modes (VEC128_32F, BLK128x128_32F, OUTER_VEC_32F) for FP8 on Hopper "
                "(compute capability 9.x) only; cuda:", g.device_index, " has ", device.compute_capability / 10, ".",
@@ -150,17 +161,6 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
     return;
   }
 
-  // The scale copies at the front of the workspace, cuBLASLt's part after them.
-  const CublasScaleLayout a_layout_s = cublas_scale_layout(g.a_scales.scaling, g.m, g.k);
-  const CublasScaleLayout b_layout_s = cublas_scale_layout(g.b_scales.scaling, g.n, g.k);
-  const size_t needed = kScaleCopyAlignment + scale_copy_bytes(a_layout_s) + scale_copy_bytes(b_layout_s);
-  FP8AMP_CHECK_VALUE(g.workspace != nullptr && g.workspace_bytes >= needed, kOp, "options.workspace must hold at least ",
-                     needed, " bytes (gemm_tiles_scale_bytes) for the scales in cuBLASLt's layout, got ",
-                     g.workspace_bytes);
-  char* const base = static_cast<char*>(g.workspace);
-  char* const a_copy = align_up(base);
-  char* const b_copy = a_copy + scale_copy_bytes(a_layout_s);
-  char* const rest = b_copy + scale_copy_bytes(b_layout_s);
   const size_t cublas_bytes = g.workspace_bytes - static_cast<size_t>(rest - base);
   copy_tile_scales(g.a_scales.data, g.a_scales.cols, a_layout_s, reinterpret_cast<float*>(a_copy), stream);
   copy_tile_scales(g.b_scales.data, g.b_scales.cols, b_layout_s, reinterpret_cast<float*>(b_copy), stream);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/numerics.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
 
@@ -62,7 +63,7 @@ struct CublasScaleLayout {
   int64_t outer, ld, inner;
   bool transposed;  // run o, element i comes from the caller's [i][o] (else from [o][i])
 
-  int64_t elements() const { return outer * ld; }
+  FP8AMP_HD int64_t elements() const { return outer * ld; }
 };
 
 inline CublasScaleLayout cublas_scale_layout(TileScaling scaling, int64_t rows, int64_t k) {
