@@ -27,8 +27,9 @@ accumulation unless named):
     _scaled_mm blk: torch._scaled_mm with the same blockwise scales, where torch offers the mode
     bf16:           x @ w.t()
 
-and prints the times with their ratios to per-tensor FP8 (> 1: faster than per-tensor). A mode
-cuBLASLt or torch refuses on this GPU is shown as such.
+and prints the times with their ratios (> 1: blockwise or rowwise is the faster) and
+‖ours − _scaled_mm‖ / ‖_scaled_mm‖ of the blockwise products. A mode cuBLASLt or torch refuses on
+this GPU is shown as such.
 
 Usage: python benchmarks/bench_gemm.py [--tiles] [--quick] [--shapes 4096x4096x4096,...] [--samples 15]
 (--quick: a 2048 and a 4096 square and one Linear shape.) Prints a markdown table; with $OUT set,
@@ -102,9 +103,15 @@ def tiled(x: torch.Tensor, tile):
     return fp8amp.ops.quantize_tiles(x, E4M3, tile)
 
 
-def scaled_mm_blockwise_scales(sx: torch.Tensor, sw: torch.Tensor):
+def scaled_mm_blockwise_scales(sx: torch.Tensor, sw: torch.Tensor, pad: bool):
     """Our (1, 128) and (128, 128) scales in the layouts torch._scaled_mm reads for (x, w.t()):
-    x's M-major, w's as [K blocks, N blocks] (a transposed view of ours)."""
+    x's M-major, w's as [K blocks, N blocks] (a transposed view of ours), its rows padded to a
+    multiple of 4 K-blocks (pad: what newer torch asks for) or not (older torch)."""
+    if pad:
+        kb = sw.shape[1]
+        padded = sw.new_zeros(sw.shape[0], -(-kb // 4) * 4)
+        padded[:, :kb] = sw
+        sw = padded[:, :kb]
     return sx.t().contiguous().t(), sw.t()
 
 
@@ -131,10 +138,19 @@ def bench_tiles_shape(m: int, k: int, n: int, samples: int) -> dict:
         (x, sx), (w, sw) = row[i % sets]
         return gemm_tiles(x, sx, (1, k), w, sw, (1, k))
 
-    def scaled_mm_blockwise(i):
-        (x, sx), (w, sw) = block[i % sets]
-        a_scale, b_scale = scaled_mm_blockwise_scales(sx, sw)
-        return torch._scaled_mm(x, w.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+    def scaled_mm_blockwise_with(pad):
+        scales = [scaled_mm_blockwise_scales(sx, sw, pad) for (_, sx), (_, sw) in block]
+
+        def run(i):
+            (x, _), (w, _) = block[i % sets]
+            return torch._scaled_mm(x, w.t(), *scales[i % sets], out_dtype=torch.bfloat16)
+        return run
+
+    try:  # the layout this torch takes (they differ only when K / 128 is not a multiple of 4)
+        scaled_mm_blockwise = scaled_mm_blockwise_with(True)
+        scaled_mm_blockwise(0)
+    except (RuntimeError, NotImplementedError, ValueError):  # the other layout, or refused below
+        scaled_mm_blockwise = scaled_mm_blockwise_with(False)
 
     candidates = {"tensor": per_tensor(False), "tensor fast": per_tensor(True), "blockwise": blockwise,
                   "rowwise": rowwise, "_scaled_mm blk": scaled_mm_blockwise,
@@ -148,13 +164,18 @@ def bench_tiles_shape(m: int, k: int, n: int, samples: int) -> dict:
             refused[name] = str(e).splitlines()[0][:100]
             continue
         times[name] = median_seconds(fn, samples)
-    return dict(m=m, k=k, n=n, flops=2.0 * m * n * k, times=times, refused=refused)
+    diff = None  # a check that our blockwise GEMM and torch's computed the same product
+    if "blockwise" in times and "_scaled_mm blk" in times:
+        ours, theirs = blockwise(0).float(), scaled_mm_blockwise(0).float()
+        diff = ((ours - theirs).norm() / theirs.norm()).item()
+    return dict(m=m, k=k, n=n, flops=2.0 * m * n * k, times=times, refused=refused, diff=diff)
 
 
 def tiles_table(rows: list[dict]) -> str:
     names = ["tensor", "tensor fast", "blockwise", "rowwise", "_scaled_mm blk", "bf16"]
     header = "| M x K -> N | " + " | ".join(f"{n} ms (TFLOP/s)" for n in names) + \
-        " | blockwise / tensor | rowwise / tensor | blockwise / tensor fast | blockwise / _scaled_mm blk | blockwise / bf16 |"
+        " | blockwise / tensor | rowwise / tensor | blockwise / tensor fast | blockwise / _scaled_mm blk | blockwise / bf16 " \
+        "| diff vs _scaled_mm blk |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     notes = []
     for r in rows:
@@ -165,7 +186,8 @@ def tiles_table(rows: list[dict]) -> str:
             return f"{t[base] / t[ours]:.2f}x" if ours in t and base in t else "-"
         ratios = [speed("blockwise", "tensor"), speed("rowwise", "tensor"), speed("blockwise", "tensor fast"),
                   speed("blockwise", "_scaled_mm blk"), speed("blockwise", "bf16")]
-        lines.append(f"| {r['m']} x {r['k']} -> {r['n']} | " + " | ".join(cells + ratios) + " |")
+        diff = "-" if r["diff"] is None else f"{r['diff']:.1e}"
+        lines.append(f"| {r['m']} x {r['k']} -> {r['n']} | " + " | ".join(cells + ratios + [diff]) + " |")
         notes += [f"- {r['m']} x {r['k']} -> {r['n']}, {name}: {why}" for name, why in r["refused"].items()]
     return "\n".join(lines + ([""] + notes if notes else []))
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fp8amp
 from fp8amp import ops
@@ -136,6 +137,17 @@ def test_compiles_fullgraph():
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(linear, fullgraph=True, backend="aot_eager")(x, w), linear(x, w))
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_fake_kernel_gives_the_real_metadata(out_dtype):
+    """torch.compile plans buffers from the Meta kernel's result: it must equal the real one's."""
+    a, sa, a_tile, b, sb, b_tile = operands(5, 48, 256, PAIRS["1x128 x 128x128"], FORMATS["e4m3 x e4m3"])
+    real = ops.gemm_tiles(a, sa, a_tile, b, sb, b_tile, out_dtype=out_dtype)
+    with FakeTensorMode() as mode:
+        fake = ops.gemm_tiles(*(mode.from_tensor(t) for t in (a, sa)), a_tile,
+                              *(mode.from_tensor(t) for t in (b, sb)), b_tile, out_dtype=out_dtype)
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
 
 
 def test_output_shares_no_memory_with_inputs():
