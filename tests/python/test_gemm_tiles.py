@@ -278,7 +278,7 @@ def test_cuda_matches_the_reference_or_says_it_cannot(shape, pair, formats, out_
 
 @pytest.mark.gpu
 def test_cuda_bias_and_empty_sum():
-    a, sa, a_tile, b, sb, b_tile = operands(33, 64, 256, PAIRS["1x128 x 128x128"], FORMATS["e4m3 x e4m3"],
+    a, sa, a_tile, b, sb, b_tile = operands(36, 64, 256, PAIRS["1x128 x 128x128"], FORMATS["e4m3 x e4m3"],
                                             device="cuda")
     bias = torch.randn(64, device="cuda").bfloat16()
     try:
