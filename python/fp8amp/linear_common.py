@@ -28,7 +28,7 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
-    """The weight gradient as an E4M3 ScaledTensor with a current scale (docs/architecture.md#fp8linear-dataflow): an amax pass
-    and a quantize pass; a non-finite gradient reads as NaN (an E4M3 code cannot hold inf), so
-    GradScaler and the optimizer see it."""
+    """The weight gradient as an E4M3 ScaledTensor with a current scale
+    (docs/architecture.md#fp8linear-dataflow): an amax pass and a quantize pass; a non-finite
+    gradient reads as NaN (an E4M3 code cannot hold inf), so GradScaler and the optimizer see it."""
     return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)

@@ -89,12 +89,14 @@ class Recipe:
 
     def unsupported_reason(self, in_features: int, out_features: int) -> Optional[str]:
         """Why a Linear of this shape cannot run under this recipe (None: it can)."""
-        m = self.feature_multiple
-        if in_features > 0 and out_features > 0 and in_features % m == 0 and out_features % m == 0:
-            return None
-        if self.kind == "blockwise":
+        def multiples(m: int) -> bool:
+            return in_features > 0 and out_features > 0 and in_features % m == 0 and out_features % m == 0
+
+        if not multiples(_GEMM_ALIGN):
+            return f"in/out features not multiples of {_GEMM_ALIGN} (cuBLASLt FP8)"
+        if not multiples(self.feature_multiple):
             return f"in/out features not multiples of {BLOCK} (blockwise recipe: 128 x 128 weight blocks)"
-        return f"in/out features not multiples of {_GEMM_ALIGN} (cuBLASLt FP8)"
+        return None
 
     def __str__(self) -> str:
         grad = "e4m3" if self.grad_format == E4M3 else "e5m2"
