@@ -220,3 +220,16 @@ def test_numerics_report_judges_each_tile_by_its_scale():
     assert tiled["input"].underflow == 0 and single["input"].underflow > 0.01  # regular rows lost to zero
     assert tiled["input"].saturated == 0 and tiled["input"].numel == 64 * 256
     assert tiled["input"].scale == 2.0 ** math.floor(math.log2(448 / x.abs().max().item()))  # the outliers' tile
+
+
+@pytest.mark.parametrize("recipe", TILED)
+def test_autocast_output_dtype(recipe):
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 128, recipe=recipe)
+    x = torch.randn(32, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    assert sqnr_db(y, nn.functional.linear(x, layer.weight, layer.bias)) > SQNR_FLOOR_DB[E4M3]
