@@ -1,6 +1,7 @@
-// Argument plumbing shared by the torch.library registrations (ops.cpp, gemm_ops.cpp): torch
-// tensors become core TensorViews, calls run on the tensor's current CUDA stream, and core
-// errors become Python ValueError / TypeError / NotImplementedError / RuntimeError.
+// Argument plumbing shared by the torch.library registrations (ops.cpp, gemm_ops.cpp, tile_ops.cpp):
+// torch tensors become core TensorViews, outputs are allocated in symbolic sizes, calls run on the
+// tensor's current CUDA stream, and core errors become Python ValueError / TypeError /
+// NotImplementedError / RuntimeError.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "common/op_args.h"
 #include "fp8amp/error.h"
 #include "fp8amp/tensor.h"
 
@@ -57,6 +59,20 @@ inline std::optional<TensorView> optional_view(const std::optional<at::Tensor>& 
 inline int narrow_int(int64_t value, const char* op, const char* arg) {
   FP8AMP_CHECK_VALUE(value >= INT32_MIN && value <= INT32_MAX, op, arg, " must fit in 32 bits, got ", value);
   return static_cast<int>(value);
+}
+
+// Output allocation, in symbolic sizes so the same code serves the Meta kernels under
+// torch.compile's dynamic shapes.
+inline at::Tensor empty_as(const at::Tensor& x, at::ScalarType dtype) {
+  return at::empty_symint(x.sym_sizes(), x.options().dtype(dtype));
+}
+
+// x viewed as a matrix [rows, cols]: cols is its last dim, rows matrix_rows(x.sym_sizes()) (op_args.h).
+inline c10::SymInt columns(const at::Tensor& x) { return x.dim() == 0 ? c10::SymInt(1) : x.sym_size(-1); }
+
+// [cols, rows]: the transpose of that matrix.
+inline at::Tensor empty_transposed(const at::Tensor& x, at::ScalarType dtype) {
+  return at::empty_symint({columns(x), matrix_rows(x.sym_sizes())}, x.options().dtype(dtype));
 }
 
 // Runs `f` on the current stream of `t`'s device and translates core errors.

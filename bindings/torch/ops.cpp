@@ -1,6 +1,7 @@
 // torch.library registration of the core's ops: argument plumbing only. Tensors become
 // TensorViews, outputs are allocated, core errors become Python ValueError / TypeError /
-// NotImplementedError / RuntimeError. Every op has CPU, CUDA and Meta (fake) kernels.
+// NotImplementedError / RuntimeError. Every op has CPU, CUDA and Meta (fake) kernels. The tile ops
+// are in tile_ops.cpp.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -13,7 +14,6 @@
 #include "fp8amp/cast.h"
 #include "fp8amp/error.h"
 #include "fp8amp/scaling.h"
-#include "fp8amp/tiles.h"
 
 namespace fp8amp::torch_binding {
 namespace {
@@ -33,26 +33,6 @@ Scaling scaling(const at::Tensor& scale, const at::Tensor& amax, const at::Tenso
   s.warmup_steps = narrow_int(warmup_steps, op, "warmup_steps");
   s.recipe = ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale};
   return s;
-}
-
-// Output allocation, in symbolic sizes so the same code serves the Meta kernels under
-// torch.compile's dynamic shapes.
-at::Tensor empty_as(const at::Tensor& x, at::ScalarType dtype) {
-  return at::empty_symint(x.sym_sizes(), x.options().dtype(dtype));
-}
-
-// x viewed as a matrix [rows, cols]: cols is its last dim.
-c10::SymInt columns(const at::Tensor& x) { return x.dim() == 0 ? c10::SymInt(1) : x.sym_size(-1); }
-
-c10::SymInt matrix_rows(const at::Tensor& x) {
-  c10::SymInt rows = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows = rows * x.sym_size(d);
-  return rows;
-}
-
-// [cols, rows]: the transpose of that matrix.
-at::Tensor empty_transposed(const at::Tensor& x, at::ScalarType dtype) {
-  return at::empty_symint({columns(x), matrix_rows(x)}, x.options().dtype(dtype));
 }
 
 at::Tensor scale_inv_like(const at::Tensor& scale) { return at::empty_symint({scale.sym_numel()}, scale.options()); }
@@ -109,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias(
   at::Tensor scale_inv = scale_inv_like(scale);
   at::Tensor dbias = at::empty_symint({columns(x)}, x.options().dtype(at::kFloat));
   at::Tensor workspace = at::empty(
-      {fp8amp::cast_transpose_dbias_workspace(matrix_rows(x).expect_int(), columns(x).expect_int())},
+      {fp8amp::cast_transpose_dbias_workspace(matrix_rows(x.sym_sizes()).expect_int(), columns(x).expect_int())},
       x.options().dtype(at::kFloat));
   call(x, [&](Stream stream) {
     const auto counter_view = optional_view(warmup_counter, op, "warmup_counter");
@@ -377,77 +357,4 @@ TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { m.impl("scaled_accumulate", fp8amp::torch_
 TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("scaled_accumulate", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kScaledAccumulate,
                                                                fp8amp::torch_binding::scaled_accumulate_meta>::run);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Fine-grained scaling (fp8amp/tiles.h): one scale per tile_rows x tile_cols tile.
-
-namespace fp8amp::torch_binding {
-namespace {
-
-// The scale_inv of x's tiles, [ceil(rows / tile_rows), ceil(cols / tile_cols)], symbolic for the
-// Meta kernel; the tile sizes are the core's to check first (a zero would divide by zero here).
-at::Tensor empty_tile_scales(const at::Tensor& x, int64_t tile_rows, int64_t tile_cols, const char* op) {
-  call(x, [&](Stream) { fp8amp::check_tile_sizes(tile_rows, tile_cols, op); });
-  const c10::SymInt rows = matrix_rows(x), cols = columns(x);
-  return at::empty_symint({(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
-                          x.options().dtype(at::kFloat));
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, at::ScalarType dtype, int64_t tile_rows,
-                                                  int64_t tile_cols, int64_t margin, bool pow2_scale) {
-  const char* op = "quantize_tiles";
-  at::Tensor out = empty_as(x, dtype);
-  at::Tensor scale_inv = empty_tile_scales(x, tile_rows, tile_cols, op);
-  call(x, [&](Stream stream) {
-    fp8amp::quantize_tiles(view(x, op, "x"), view(out, op, "dtype"), view(scale_inv, op, "scale_inv"), tile_rows,
-                           tile_cols, ScalingRecipe{narrow_int(margin, op, "margin"), pow2_scale}, stream);
-  });
-  return {out, scale_inv};
-}
-
-at::Tensor dequantize_tiles(const at::Tensor& x, const at::Tensor& scale_inv, int64_t tile_rows, int64_t tile_cols,
-                            at::ScalarType dtype) {
-  const char* op = "dequantize_tiles";
-  at::Tensor out = empty_as(x, dtype);
-  call(x, [&](Stream stream) {
-    fp8amp::dequantize_tiles(view(x, op, "x"), view(scale_inv, op, "scale_inv"), view(out, op, "dtype"), tile_rows,
-                             tile_cols, stream);
-  });
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_tiles_meta(const at::Tensor& x, at::ScalarType dtype, int64_t tile_rows,
-                                                       int64_t tile_cols, int64_t, bool) {
-  return {empty_as(x, dtype), empty_tile_scales(x, tile_rows, tile_cols, "quantize_tiles")};
-}
-
-at::Tensor dequantize_tiles_meta(const at::Tensor& x, const at::Tensor&, int64_t, int64_t, at::ScalarType dtype) {
-  return empty_as(x, dtype);
-}
-
-constexpr char kQuantizeTiles[] = "quantize_tiles";
-constexpr char kDequantizeTiles[] = "dequantize_tiles";
-
-}  // namespace
-}  // namespace fp8amp::torch_binding
-
-TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
-  m.def(
-      "quantize_tiles(Tensor x, ScalarType dtype, int tile_rows, int tile_cols, int margin=0, bool pow2_scale=True) "
-      "-> (Tensor, Tensor)");
-  m.def("dequantize_tiles(Tensor x, Tensor scale_inv, int tile_rows, int tile_cols, ScalarType dtype) -> Tensor");
-}
-
-#define FP8AMP_REGISTER_TILE_KERNELS(m)                                  \
-  m.impl("quantize_tiles", fp8amp::torch_binding::quantize_tiles);      \
-  m.impl("dequantize_tiles", fp8amp::torch_binding::dequantize_tiles)
-
-TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_TILE_KERNELS(m); }
-TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_TILE_KERNELS(m); }
-TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
-  m.impl("quantize_tiles", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kQuantizeTiles,
-                                                            fp8amp::torch_binding::quantize_tiles_meta>::run);
-  m.impl("dequantize_tiles", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kDequantizeTiles,
-                                                              fp8amp::torch_binding::dequantize_tiles_meta>::run);
 }

@@ -26,7 +26,28 @@ void quantize_tiles(const TensorView& x, const TensorView& out, const TensorView
 void dequantize_tiles(const TensorView& x, const TensorView& scale_inv, const TensorView& out, int64_t tile_rows,
                       int64_t tile_cols, Stream stream);
 
-// ValueError unless both tile sizes are positive (what a caller allocating scale_inv checks first).
-void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op);
+// One pass over x [rows, cols] (fp32/bf16/fp16, contiguous) writing two quantized copies, each
+// bit for bit what quantize_tiles writes: out [rows, cols] with scale_inv by tile_rows x tile_cols
+// tiles of x, and out_t [cols, rows] (x's transpose, contiguous) with scale_inv_t
+// [ceil(cols / tile_rows_t), ceil(rows / tile_cols_t)] by tile_rows_t x tile_cols_t tiles of that
+// transpose. With the same tile for both, each copy's tiles run along its own rows, as the GEMMs
+// of the forward and backward passes contract them; rowwise is tile (1, cols) with tile_t (1, rows).
+void cast_transpose_tiles(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
+                          const TensorView& out_t, const TensorView& scale_inv_t, int64_t tile_rows, int64_t tile_cols,
+                          int64_t tile_rows_t, int64_t tile_cols_t, const ScalingRecipe& recipe, Stream stream);
+
+// The fused dequantize-add-requantize of a tiled accumulator (blockwise weight gradients): out
+// (acc's format) with scale_inv = quantize_tiles of s = fl(fl(decode(acc) * acc_scale_inv[tile]) +
+// update), each tile with a fresh scale from the amax of its sums. acc E4M3/E5M2 with
+// acc_scale_inv by the same tiles; update fp32/bf16/fp16 of acc's shape. A NaN acc_scale_inv (a
+// poisoned tile) or a non-finite sum poisons that tile of out again, and only that tile.
+void scaled_accumulate_tiles(const TensorView& acc, const TensorView& acc_scale_inv, const TensorView& update,
+                             const TensorView& out, const TensorView& scale_inv, int64_t tile_rows, int64_t tile_cols,
+                             const ScalingRecipe& recipe, Stream stream);
+
+// ValueError unless both tile sizes are positive (what a caller allocating scale_inv checks first);
+// the message names them rows_name and cols_name.
+void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* rows_name = "tile_rows",
+                      const char* cols_name = "tile_cols");
 
 }  // namespace fp8amp

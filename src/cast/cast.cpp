@@ -150,8 +150,7 @@ Matrix check_cast_transpose(const TensorView& x, const TensorView& out, const Te
   check::contiguous(out, op, "out");
   check::same_device(x, out, op, "x", "out");
   const int64_t cols = x.shape.back();
-  int64_t rows = 1;
-  for (size_t d = 0; d + 1 < x.shape.size(); ++d) rows *= x.shape[d];
+  const int64_t rows = matrix_rows(x.shape);
   FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == cols &&
                          out_t.shape[1] == rows,
                      op, "out_t must be ", dtype_name(out.dtype), "[", cols, ", ", rows, "], got ",

@@ -1,10 +1,13 @@
-// Argument helpers shared by the ops' checks (cast.cpp, scaling.cpp): how an element of a list
-// argument is named in messages, and the float32 buffers that scales and amaxes live in.
+// Argument helpers shared by the ops' checks (cast.cpp, scaling.cpp, tiles.cpp) and the torch
+// bindings: how an element of a list argument is named in messages, the float32 buffers that
+// scales and amaxes live in, and a tensor viewed as a matrix.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "fp8amp/tensor.h"
 
@@ -26,6 +29,16 @@ inline void check_float32(const TensorView& t, const TensorView& like, const cha
   check::dtype_is(t, DType::kFloat32, op, arg);
   check::contiguous(t, op, arg);
   check::same_device(t, like, op, arg, "x");
+}
+
+// The rows of a tensor viewed as a matrix [rows, cols] whose cols is its last dim: the product of
+// the other dims (1 for a 0- or 1-dim tensor). Shape is any sequence of sizes: a TensorView's
+// shape, or torch's symbolic sizes in the bindings (where the product stays symbolic).
+template <class Shape>
+std::decay_t<decltype(std::declval<const Shape&>()[0])> matrix_rows(const Shape& shape) {
+  std::decay_t<decltype(std::declval<const Shape&>()[0])> rows = 1;
+  for (size_t d = 0; d + 1 < shape.size(); ++d) rows = rows * shape[d];
+  return rows;
 }
 
 }  // namespace fp8amp

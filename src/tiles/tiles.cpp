@@ -12,34 +12,52 @@ namespace fp8amp {
 
 namespace {
 
-// The checks both ops share: x and out a [rows, cols] pair of one shape, the tile sizes, and
-// scale_inv float32 with one element per tile. Returns the tiling.
+// x (named `arg`) viewed as a contiguous [rows, cols] matrix, cut into tile_rows x tile_cols tiles.
+TileShape matrix_tiles(const TensorView& x, int64_t tile_rows, int64_t tile_cols, const char* op, const char* arg) {
+  check::contiguous(x, op, arg);
+  FP8AMP_CHECK_VALUE(x.dim() >= 1, op, arg, " must have at least 1 dimension, got ", x.describe());
+  check_tile_sizes(tile_rows, tile_cols, op);
+  return TileShape{matrix_rows(x.shape), x.shape.back(), tile_rows, tile_cols};
+}
+
+// scale_inv (named `arg`): float32 [grid_rows, grid_cols] of t, on x's device.
+void check_tile_scales(const TensorView& scale_inv, const TensorView& x, const TileShape& t, const char* op,
+                       const char* arg) {
+  check_float32(scale_inv, x, op, arg);
+  FP8AMP_CHECK_VALUE(scale_inv.dim() == 2 && scale_inv.shape[0] == t.grid_rows() && scale_inv.shape[1] == t.grid_cols(),
+                     op, arg, " must be float32 [", t.grid_rows(), ", ", t.grid_cols(), "] (one per ", t.tile_rows,
+                     " x ", t.tile_cols, " tile of a [", t.rows, ", ", t.cols, "] matrix), got ", scale_inv.describe());
+}
+
+// out (named `out_name`) of x's shape, contiguous, on x's device.
+void check_like(const TensorView& x, const TensorView& out, const char* op, const char* x_name, const char* out_name) {
+  check::same_shape(x, out, op, x_name, out_name);
+  check::contiguous(out, op, out_name);
+  check::same_device(x, out, op, x_name, out_name);
+}
+
+// The checks quantize_tiles and dequantize_tiles share: x and out a [rows, cols] pair of one
+// shape, the tile sizes, and scale_inv float32 with one element per tile. Returns the tiling.
 TileShape check_tiles(const TensorView& x, const TensorView& out, const TensorView& scale_inv, int64_t tile_rows,
                       int64_t tile_cols, const char* op, const char* out_name) {
-  check::contiguous(x, op, "x");
-  FP8AMP_CHECK_VALUE(x.dim() >= 1, op, "x must have at least 1 dimension, got ", x.describe());
-  check::same_shape(x, out, op, "x", out_name);
-  check::contiguous(out, op, out_name);
-  check::same_device(x, out, op, "x", out_name);
-  check_tile_sizes(tile_rows, tile_cols, op);
-  const int64_t cols = x.shape.back();
-  int64_t rows = 1;
-  for (size_t d = 0; d + 1 < x.shape.size(); ++d) rows *= x.shape[d];
-  const TileShape t{rows, cols, tile_rows, tile_cols};
-  check_float32(scale_inv, x, op, "scale_inv");
-  FP8AMP_CHECK_VALUE(scale_inv.dim() == 2 && scale_inv.shape[0] == t.grid_rows() && scale_inv.shape[1] == t.grid_cols(),
-                     op, "scale_inv must be float32 [", t.grid_rows(), ", ", t.grid_cols(), "] (one per ", tile_rows,
-                     " x ", tile_cols, " tile of a [", rows, ", ", cols, "] matrix), got ", scale_inv.describe());
+  const TileShape t = matrix_tiles(x, tile_rows, tile_cols, op, "x");
+  check_like(x, out, op, "x", out_name);
+  check_tile_scales(scale_inv, x, t, op, "scale_inv");
   check::no_overlap(x, out, op, "x", out_name);
   check::no_overlap(x, scale_inv, op, "x", "scale_inv");
   check::no_overlap(out, scale_inv, op, out_name, "scale_inv");
   return t;
 }
 
+void check_fp8(DType dtype, const char* op, const char* arg) {
+  FP8AMP_CHECK_VALUE(is_fp8(dtype), op, arg, " must be float8_e4m3fn or float8_e5m2, got ", dtype_name(dtype));
+}
+
 }  // namespace
 
-void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op) {
-  FP8AMP_CHECK_VALUE(tile_rows >= 1 && tile_cols >= 1, op, "tile_rows and tile_cols must be positive, got ",
+void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* rows_name,
+                      const char* cols_name) {
+  FP8AMP_CHECK_VALUE(tile_rows >= 1 && tile_cols >= 1, op, rows_name, " and ", cols_name, " must be positive, got ",
                      tile_rows, " and ", tile_cols);
 }
 
@@ -47,7 +65,7 @@ void quantize_tiles(const TensorView& x, const TensorView& out, const TensorView
                     int64_t tile_cols, const ScalingRecipe& recipe, Stream stream) {
   const char* op = "quantize_tiles";
   check::high_precision(x, op, "x");
-  FP8AMP_CHECK_VALUE(is_fp8(out.dtype), op, "dtype must be float8_e4m3fn or float8_e5m2, got ", dtype_name(out.dtype));
+  check_fp8(out.dtype, op, "dtype");
   check_recipe(recipe, op);
   const TileShape t = check_tiles(x, out, scale_inv, tile_rows, tile_cols, op, "out");
   float* si = scale_inv.ptr<float>();
@@ -59,13 +77,62 @@ void quantize_tiles(const TensorView& x, const TensorView& out, const TensorView
 void dequantize_tiles(const TensorView& x, const TensorView& scale_inv, const TensorView& out, int64_t tile_rows,
                       int64_t tile_cols, Stream stream) {
   const char* op = "dequantize_tiles";
-  FP8AMP_CHECK_VALUE(is_fp8(x.dtype), op, "x must be float8_e4m3fn or float8_e5m2, got ", dtype_name(x.dtype));
+  check_fp8(x.dtype, op, "x");
   check::high_precision(out, op, "dtype");
   const TileShape t = check_tiles(x, out, scale_inv, tile_rows, tile_cols, op, "out");
   const float* si = scale_inv.ptr<const float>();
   run_on(
       x, op, [&] { cpu::dequantize_tiles(x.dtype, out.dtype, x.data, si, out.data, t); },
       [&] { cuda::dequantize_tiles(x.dtype, out.dtype, x.data, si, out.data, t, stream); });
+}
+
+void cast_transpose_tiles(const TensorView& x, const TensorView& out, const TensorView& scale_inv,
+                          const TensorView& out_t, const TensorView& scale_inv_t, int64_t tile_rows, int64_t tile_cols,
+                          int64_t tile_rows_t, int64_t tile_cols_t, const ScalingRecipe& recipe, Stream stream) {
+  const char* op = "cast_transpose_tiles";
+  check::high_precision(x, op, "x");
+  check_fp8(out.dtype, op, "dtype");
+  check_recipe(recipe, op);
+  const TileShape t = matrix_tiles(x, tile_rows, tile_cols, op, "x");
+  check_tile_sizes(tile_rows_t, tile_cols_t, op, "tile_rows_t", "tile_cols_t");
+  const TileShape t_t{t.cols, t.rows, tile_rows_t, tile_cols_t};
+  check_like(x, out, op, "x", "out");
+  FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == t.cols &&
+                         out_t.shape[1] == t.rows,
+                     op, "out_t must be ", dtype_name(out.dtype), "[", t.cols, ", ", t.rows, "], got ",
+                     out_t.describe());
+  check::contiguous(out_t, op, "out_t");
+  check::same_device(x, out_t, op, "x", "out_t");
+  check_tile_scales(scale_inv, x, t, op, "scale_inv");
+  check_tile_scales(scale_inv_t, x, t_t, op, "scale_inv_t");
+  check::disjoint_writes({{&out, "out"}, {&scale_inv, "scale_inv"}, {&out_t, "out_t"}, {&scale_inv_t, "scale_inv_t"}},
+                         {{&x, "x"}}, op);
+  const CastTransposeTiles p{x.data, out.data, scale_inv.ptr<float>(), out_t.data, scale_inv_t.ptr<float>(), t, t_t};
+  run_on(
+      x, op, [&] { cpu::cast_transpose_tiles(x.dtype, out.dtype, p, recipe); },
+      [&] { cuda::cast_transpose_tiles(x.dtype, out.dtype, p, recipe, stream); });
+}
+
+void scaled_accumulate_tiles(const TensorView& acc, const TensorView& acc_scale_inv, const TensorView& update,
+                             const TensorView& out, const TensorView& scale_inv, int64_t tile_rows, int64_t tile_cols,
+                             const ScalingRecipe& recipe, Stream stream) {
+  const char* op = "scaled_accumulate_tiles";
+  check_fp8(acc.dtype, op, "acc");
+  check::high_precision(update, op, "update");
+  FP8AMP_CHECK_VALUE(out.dtype == acc.dtype, op, "out must be ", dtype_name(acc.dtype), " (acc's format), got ",
+                     out.describe());
+  check_recipe(recipe, op);
+  const TileShape t = matrix_tiles(acc, tile_rows, tile_cols, op, "acc");
+  check_tile_scales(acc_scale_inv, acc, t, op, "acc_scale_inv");
+  check_like(acc, update, op, "acc", "update");
+  check_like(acc, out, op, "acc", "out");
+  check_tile_scales(scale_inv, acc, t, op, "scale_inv");
+  check::disjoint_writes({{&out, "out"}, {&scale_inv, "scale_inv"}},
+                         {{&acc, "acc"}, {&acc_scale_inv, "acc_scale_inv"}, {&update, "update"}}, op);
+  const AccumulateTiles p{acc.data, acc_scale_inv.ptr<const float>(), update.data, out.data, scale_inv.ptr<float>(), t};
+  run_on(
+      acc, op, [&] { cpu::scaled_accumulate_tiles(acc.dtype, update.dtype, p, recipe); },
+      [&] { cuda::scaled_accumulate_tiles(acc.dtype, update.dtype, p, recipe, stream); });
 }
 
 }  // namespace fp8amp

@@ -16,7 +16,7 @@ from ._cast import (amax, cast_transpose, cast_transpose_dbias, dequantize, mult
 from ._gemm import bias_dtype, gemm, gemm_accumulate, gemm_autotune_enabled, gemm_autotune_stats, set_gemm_autotune
 from ._optim import adam_step
 from ._scaling import compute_scale, multi_update_delayed_scaling, update_delayed_scaling
-from ._tiles import dequantize_tiles, quantize_tiles
+from ._tiles import cast_transpose_tiles, dequantize_tiles, quantize_tiles, scaled_accumulate_tiles
 
 __all__ = [
     "quantize",
@@ -41,5 +41,7 @@ __all__ = [
     "adam_step",
     "quantize_tiles",
     "dequantize_tiles",
+    "cast_transpose_tiles",
+    "scaled_accumulate_tiles",
     "fast",
 ]

@@ -4,7 +4,9 @@
 tile_cols)`` tiles, the last ones in each direction possibly partial: ``(1, cols)`` is rowwise
 scaling, ``(1, 128)`` DeepSeek-V3's activation tiles, ``(128, 128)`` its weight blocks. Each
 tile's scale comes from its own amax (current scaling); ``scale_inv`` is float32
-``[ceil(rows / tile_rows), ceil(cols / tile_cols)]``.
+``[ceil(rows / tile_rows), ceil(cols / tile_cols)]``. :func:`cast_transpose_tiles` writes ``x`` and
+its transpose, each by its own tiles, in one pass; :func:`scaled_accumulate_tiles` adds an update
+into a tiled FP8 accumulator.
 """
 
 from __future__ import annotations
@@ -15,16 +17,16 @@ from ..formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from . import fast
 from ._args import _bool, _dtype, _input, _int
 
-__all__ = ["quantize_tiles", "dequantize_tiles"]
+__all__ = ["quantize_tiles", "dequantize_tiles", "cast_transpose_tiles", "scaled_accumulate_tiles"]
 
 _FP8_FORMATS = (E4M3, E5M2)
 
 
-def _tile(tile: object, op: str) -> tuple[int, int]:
+def _tile(tile: object, op: str, arg: str = "tile") -> tuple[int, int]:
     if not isinstance(tile, (tuple, list)) or len(tile) != 2:
-        raise TypeError(f"fp8amp.ops.{op}: tile must be a pair (tile_rows, tile_cols) of positive ints, e.g. (1, 128) "
+        raise TypeError(f"fp8amp.ops.{op}: {arg} must be a pair (tile_rows, tile_cols) of positive ints, e.g. (1, 128) "
                         f"or (128, 128); got {tile!r}")
-    return _int(tile[0], "tile[0]", op), _int(tile[1], "tile[1]", op)
+    return _int(tile[0], f"{arg}[0]", op), _int(tile[1], f"{arg}[1]", op)
 
 
 def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, tile: tuple[int, int] = (1, 128), *,
@@ -48,3 +50,44 @@ def dequantize_tiles(x: torch.Tensor, scale_inv: torch.Tensor, tile: tuple[int, 
     tile_rows, tile_cols = _tile(tile, op)
     return fast.dequantize_tiles(_input(x, "x", op), _input(scale_inv, "scale_inv", op), tile_rows, tile_cols,
                                  _dtype(dtype, HIGH_PRECISION_DTYPES, "dtype", op))
+
+
+def cast_transpose_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, tile: tuple[int, int] = (1, 128), *,
+                         tile_t: tuple[int, int] | None = None, margin: int = 0,
+                         pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(codes, scale_inv, codes_t, scale_inv_t)`` from one pass over ``x`` (float32,
+    bfloat16 or float16, viewed as ``[rows, cols]``), bit for bit::
+
+        codes, scale_inv = quantize_tiles(x, dtype, tile)
+        codes_t, scale_inv_t = quantize_tiles(x.reshape(rows, cols).t().contiguous(), dtype, tile_t)
+
+    ``codes_t`` is ``[cols, rows]``. ``tile_t`` (the transpose's tiles) defaults to ``tile``, so
+    each copy's tiles run along its own rows, the contraction dim of the GEMM that reads it.
+    Rowwise scaling is ``tile=(1, cols), tile_t=(1, rows)`` (per-column scales for the transpose).
+    On CUDA, (1, 128) and (128, 128) tiles (with ``tile_t == tile``) take the fused one-pass
+    kernel; other tiles are correct but slower (docs/tiles.md)."""
+    op = "cast_transpose_tiles"
+    tile_rows, tile_cols = _tile(tile, op)
+    tile_rows_t, tile_cols_t = (tile_rows, tile_cols) if tile_t is None else _tile(tile_t, op, "tile_t")
+    return fast.cast_transpose_tiles(_input(x, "x", op), _dtype(dtype, _FP8_FORMATS, "dtype", op), tile_rows, tile_cols,
+                                     tile_rows_t, tile_cols_t, _int(margin, "margin", op),
+                                     _bool(pow2_scale, "pow2_scale", op))
+
+
+def scaled_accumulate_tiles(acc: torch.Tensor, acc_scale_inv: torch.Tensor, update: torch.Tensor,
+                            tile: tuple[int, int], *, margin: int = 0,
+                            pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(codes, scale_inv)``: ``acc`` (E4M3 or E5M2 codes with ``acc_scale_inv`` by
+    ``tile``) plus ``update`` (float32, bfloat16 or float16, ``acc``'s shape), requantized into
+    ``acc``'s format with a fresh current scale per tile, in one op; bit for bit::
+
+        quantize_tiles(dequantize_tiles(acc, acc_scale_inv, tile) + update.float(), acc.dtype, tile)
+
+    (each product and the sum rounded once in float32). The blockwise weight-gradient
+    accumulation. A tile whose ``acc_scale_inv`` is NaN, or whose sums hold an inf or NaN, reads
+    NaN again; no other tile changes. ``acc`` and ``acc_scale_inv`` are not modified."""
+    op = "scaled_accumulate_tiles"
+    tile_rows, tile_cols = _tile(tile, op)
+    return fast.scaled_accumulate_tiles(_input(acc, "acc", op), _input(acc_scale_inv, "acc_scale_inv", op),
+                                        _input(update, "update", op), tile_rows, tile_cols,
+                                        _int(margin, "margin", op), _bool(pow2_scale, "pow2_scale", op))

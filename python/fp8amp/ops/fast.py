@@ -31,3 +31,5 @@ gemm_autotune = lib.gemm_autotune.default
 gemm_autotune_stats = lib.gemm_autotune_stats.default
 quantize_tiles = lib.quantize_tiles.default
 dequantize_tiles = lib.dequantize_tiles.default
+cast_transpose_tiles = lib.cast_transpose_tiles.default
+scaled_accumulate_tiles = lib.scaled_accumulate_tiles.default
