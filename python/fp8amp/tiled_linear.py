@@ -42,26 +42,26 @@ from .scaled_tensor import ScaledTensor
 __all__ = ["TiledLinearFunction"]
 
 
-def _cast_tile(recipe: Recipe, role: str, t: torch.Tensor) -> tuple[int, int]:
-    """The tile of :func:`~fp8amp.ops.cast_transpose_tiles` for ``t`` [rows, cols] in ``role``.
-    Rowwise: one tile as long as the longer side, so that both ``t``'s rows and its transpose's
-    are whole tiles (the one tile of a row may be partial)."""
+def _tile(recipe: Recipe, role: str, cols: int) -> tuple[int, int]:
+    """The tile of an operand of ``cols`` columns (its GEMM's contraction) in ``role``."""
     if recipe.kind == "rowwise":
-        return 1, max(t.shape)
-    return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
-
-
-def _gemm_tile(recipe: Recipe, role: str, operand: torch.Tensor) -> tuple[int, int]:
-    """The tile that :func:`~fp8amp.ops.gemm_tiles` reads ``operand`` [rows, K]'s scales by."""
-    if recipe.kind == "rowwise":
-        return 1, operand.shape[1]
+        return 1, cols
     return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
 
 
 def _cast(recipe: Recipe, role: str, t: torch.Tensor, fmt: torch.dtype):
-    """``(codes, scale_inv, codes_t, scale_inv_t)`` of ``t`` and its transpose, tile scales."""
-    return ops.cast_transpose_tiles(t, fmt, _cast_tile(recipe, role, t), margin=recipe.margin,
-                                    pow2_scale=recipe.pow2_scale)
+    """``(codes, scale_inv, codes_t, scale_inv_t)`` of ``t`` [rows, cols] and its transpose, each
+    cut into tiles along its own rows."""
+    rows, cols = t.shape
+    return ops.cast_transpose_tiles(t, fmt, _tile(recipe, role, cols), tile_t=_tile(recipe, role, rows),
+                                    margin=recipe.margin, pow2_scale=recipe.pow2_scale)
+
+
+def _gemm(recipe: Recipe, a: torch.Tensor, a_scale_inv: torch.Tensor, a_role: str, b: torch.Tensor,
+          b_scale_inv: torch.Tensor, b_role: str, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """``a @ b.T`` of two tiled operands (K-major: their columns are the contraction)."""
+    return ops.gemm_tiles(a, a_scale_inv, _tile(recipe, a_role, a.shape[1]), b, b_scale_inv,
+                          _tile(recipe, b_role, b.shape[1]), out_dtype=out_dtype, bias=bias)
 
 
 def _weight_operands(weight: torch.Tensor, recipe: Recipe):
@@ -99,13 +99,13 @@ class TiledLinearFunction(torch.autograd.Function):
         x_in = pad_rows(x2d, recipe.token_multiple)
         x_fp8, x_si, x_fp8_t, x_si_t = _cast(recipe, "input", x_in, E4M3)
         w_fp8, w_si, w_fp8_t, w_si_t = _weight_operands(weight, recipe)
-        bias_cast = None if bias is None else bias.to(ops.bias_dtype(out_dtype))
-        y = ops.gemm_tiles(x_fp8, x_si, _gemm_tile(recipe, "input", x_fp8), w_fp8, w_si,
-                           _gemm_tile(recipe, "weight", w_fp8), out_dtype=out_dtype, bias=bias_cast)
+        # The bias in the output dtype (gemm_tiles adds a float32 one to its float32 result: exact).
+        y = _gemm(recipe, x_fp8, x_si, "input", w_fp8, w_si, "weight", out_dtype,
+                  None if bias is None else bias.to(out_dtype))
         if cast_recorder.recording():
-            _record(input_state, "input", x2d, x_fp8[:rows], x_si, _cast_tile(recipe, "input", x_in))
+            _record(input_state, "input", x2d, x_fp8[:rows], x_si, _tile(recipe, "input", x2d.shape[1]))
             w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
-            _record(input_state, "weight", w_real, w_fp8, w_si, _cast_tile(recipe, "weight", w_fp8))
+            _record(input_state, "weight", w_real, w_fp8, w_si, _tile(recipe, "weight", w_fp8.shape[1]))
         ctx.save_for_backward(x_fp8_t, x_si_t, w_fp8_t, w_si_t)
         ctx.recipe, ctx.grad_state, ctx.rows = recipe, grad_state, rows
         # FP8 weight gradients are for O1/O2's masters only, as in the per-tensor path.
@@ -125,18 +125,16 @@ class TiledLinearFunction(torch.autograd.Function):
         dy_fp8, dy_si, dy_fp8_t, dy_si_t = _cast(recipe, "grad_output", dy_in, recipe.grad_format)
         if cast_recorder.recording():
             _record(ctx.grad_state, "grad_output", dy2d, dy_fp8[:rows], dy_si,
-                    _cast_tile(recipe, "grad_output", dy_in))
+                    _tile(recipe, "grad_output", dy2d.shape[1]))
         grad_x = grad_weight = grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy2d.sum(0, dtype=torch.float32).to(ctx.weight_dtype)
         if ctx.needs_input_grad[0]:
-            grad_x = ops.gemm_tiles(dy_fp8, dy_si, _gemm_tile(recipe, "grad_output", dy_fp8), w_fp8_t, w_si_t,
-                                    _gemm_tile(recipe, "weight", w_fp8_t), out_dtype=ctx.input_dtype)
+            grad_x = _gemm(recipe, dy_fp8, dy_si, "grad_output", w_fp8_t, w_si_t, "weight", ctx.input_dtype)
             grad_x = grad_x[:rows].view(*grad_output.shape[:-1], grad_x.shape[-1])
         if ctx.needs_input_grad[1]:
-            grad_weight = ops.gemm_tiles(dy_fp8_t, dy_si_t, _gemm_tile(recipe, "grad_output", dy_fp8_t), x_fp8_t,
-                                         x_si_t, _gemm_tile(recipe, "input", x_fp8_t),
-                                         out_dtype=ctx.output_dtype if ctx.fp8_grad else ctx.weight_dtype)
+            grad_weight = _gemm(recipe, dy_fp8_t, dy_si_t, "grad_output", x_fp8_t, x_si_t, "input",
+                                ctx.output_dtype if ctx.fp8_grad else ctx.weight_dtype)
             if ctx.fp8_grad:
                 real, grad_weight = grad_weight, fp8_weight_grad(grad_weight, ctx.weight_dtype)
                 if cast_recorder.recording():

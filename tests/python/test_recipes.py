@@ -233,3 +233,27 @@ def test_autocast_output_dtype(recipe):
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
     assert sqnr_db(y, nn.functional.linear(x, layer.weight, layer.bias)) > SQNR_FLOOR_DB[E4M3]
+
+
+def test_update_scaling_leaves_tiled_layers_alone():
+    model = nn.Sequential(Fp8Linear(256, 128, recipe="blockwise"), Fp8Linear(128, 128))
+    model(torch.randn(16, 256)).sum().backward()
+    fp8amp.update_scaling(model)
+    assert model[0].input_scaling.counter.tolist() == [0] and model[1].input_scaling.counter.tolist() == [1]
+
+
+def test_auto_policy_times_the_recipe_asked_for():
+    from fp8amp.convert_policy import clear_timing_cache
+
+    timed = []
+
+    def timer(module, tokens):  # made-up timings: FP8 twice as fast
+        timed.append(getattr(module, "recipe", None))
+        return 1.0 if isinstance(module, Fp8Linear) else 2.0
+
+    clear_timing_cache()
+    model = fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="blockwise", policy="auto", timer=timer)
+    fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="rowwise", policy="auto", timer=timer)
+    assert timed == [None, Recipe("blockwise"), None, Recipe("rowwise")]  # one timing per recipe
+    assert isinstance(model[0], Fp8Linear) and model[0].recipe == Recipe("blockwise")
+    clear_timing_cache()
