@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "fp8amp/tensor.h"
 
@@ -53,6 +54,52 @@ struct GemmOptions {
 // against the reference within bounds that follow from that.
 void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_inv, const TensorView& b_scale_inv,
           const TensorView* bias, const TensorView& out, const GemmOptions& options, Stream stream);
+
+// ---- The GEMM with tile scales (docs/tiles.md, "The GEMM with tile scales") ----
+//
+// The same TN GEMM, with one scale per tile of each operand instead of one per tensor: a [M, K]
+// and b [N, K] as above, a_scale_inv and b_scale_inv float32 in the layout quantize_tiles
+// (tiles.h) writes, row-major [ceil(rows / tile_rows), ceil(K / tile_cols)]. Each operand's
+// tiling is one of
+//   (1, 128)    a scale per row and 128-wide block of K (DeepSeek-V3's activation tiles),
+//   (128, 128)  a scale per 128 x 128 block (its weight blocks),
+//   (1, c), c >= K, c != 128   rowwise: a scale per row over all of K,
+// and the pair one of (1, 128) x (128, 128), (1, 128) x (1, 128), (128, 128) x (1, 128) or rowwise x
+// rowwise: the pairs cuBLASLt offers (VEC128_32F, BLK128x128_32F, OUTER_VEC_32F). Other tilings
+// and pairs: ValueError naming them and the accepted ones, on every device.
+//
+//   out[m, n] = sum over the K-blocks kb of  a_scale_inv[m / a_tile_rows, kb] * b_scale_inv[n / b_tile_rows, kb]
+//                                           * sum over k in kb of a[m, k] * b[n, k]     (+ bias[n])
+//
+// with K-blocks 128 wide (the last one possibly partial) for the tiled pairs and one block of all
+// of K for rowwise. K, N, leading dims, alignment, bias and out follow gemm's rules; M is free;
+// M == 0 or N == 0 is a no-op and K == 0 gives out = bias or 0. There is no accumulate and no fast
+// accumulation (cuBLASLt's tile-scaled kernels promote every block to FP32).
+//
+// Numerics: the CPU reference takes each block's exact product sum (double, as gemm's), scales it
+// by the block's two scale_invs and sums the blocks in order of k, in double; adds bias and rounds
+// once to out's dtype (through float32). CUDA sums in the tensor cores' precision with FP32
+// accumulation across blocks, checked against the reference within a bound that follows from it.
+//
+// CUDA: cuBLASLt's scale modes, which it offers for FP8 on Hopper (compute capability 9.x) only;
+// other GPUs, and problems cuBLASLt has no kernel for, get NotImplementedError naming them. The
+// scales are first copied into the layouts cuBLASLt reads (gemm_tiles_scale_bytes of the
+// workspace); the rest of the workspace goes to cuBLASLt.
+struct GemmTilesOptions {
+  // Device memory for the call, the caller's as for gemm: gemm_tiles_scale_bytes(...) bytes for the
+  // copies of the scales, the rest (kGemmWorkspaceBytes meant) for cuBLASLt. CPU ignores it.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Bytes of the workspace the CUDA path of gemm_tiles uses for its copies of the scales (ValueError
+// for tilings it does not accept).
+size_t gemm_tiles_scale_bytes(int64_t m, int64_t n, int64_t k, int64_t a_tile_rows, int64_t a_tile_cols,
+                              int64_t b_tile_rows, int64_t b_tile_cols);
+
+void gemm_tiles(const TensorView& a, const TensorView& a_scale_inv, int64_t a_tile_rows, int64_t a_tile_cols,
+                const TensorView& b, const TensorView& b_scale_inv, int64_t b_tile_rows, int64_t b_tile_cols,
+                const TensorView* bias, const TensorView& out, const GemmTilesOptions& options, Stream stream);
 
 // Autotuning of the CUDA path's cuBLASLt algorithm (process-wide, off by default). Off, a problem
 // (device, shape, leading dims, dtypes, bias, flags, alignments, workspace) runs the first

@@ -16,10 +16,7 @@
 namespace fp8amp {
 namespace cpu {
 
-namespace {
-
-// Value of every FP8 code: decoding through a table keeps the inner loop a plain multiply-add.
-std::array<double, 256> decode_table(DType dtype) {
+std::array<double, 256> fp8_decode_table(DType dtype) {
   std::array<double, 256> table{};
   visit(Fp8Types{}, dtype, [&](auto fmt) {
     using T = decltype(fmt);
@@ -28,14 +25,16 @@ std::array<double, 256> decode_table(DType dtype) {
   return table;
 }
 
+namespace {
+
 // Columns of out computed per pass: the decoded block of b ([K, kColumns] doubles) and the row of
 // accumulators stay in cache, and the inner loop runs over contiguous memory (order i, k, j).
 constexpr int64_t kColumns = 256;
 
 template <class Out>
 void gemm_into(const GemmArgs& g, Out* out) {
-  const std::array<double, 256> a_value = decode_table(g.a_dtype);
-  const std::array<double, 256> b_value = decode_table(g.b_dtype);
+  const std::array<double, 256> a_value = fp8_decode_table(g.a_dtype);
+  const std::array<double, 256> b_value = fp8_decode_table(g.b_dtype);
   const auto* a = static_cast<const uint8_t*>(g.a);
   const auto* b = static_cast<const uint8_t*>(g.b);
   const double scale = static_cast<double>(*g.a_scale_inv) * static_cast<double>(*g.b_scale_inv);

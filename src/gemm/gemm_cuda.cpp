@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common/cuda_check.h"
+#include "gemm/cublaslt_util.h"
 #include "gemm/gemm_kernels.h"
 
 namespace fp8amp {
@@ -41,116 +42,9 @@ namespace cuda {
 
 namespace {
 
+using namespace cublaslt;
+
 constexpr const char* kOp = "gemm";
-// FP8 tensor cores arrived with Ada (8.9); Hopper (9.0) and Blackwell (10.x, 12.x) have them too.
-constexpr int kMinComputeCapability = 89;
-
-void check_cublas(cublasStatus_t status, const char* call, const char* file, int line) {
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    detail::throw_error(ErrorKind::kRuntime, "cublasLt", call, " failed: ", cublasLtGetStatusString(status), " (",
-                        file, ":", line, ")");
-  }
-}
-#define FP8AMP_CUBLAS_CHECK(expr) check_cublas((expr), #expr, __FILE__, __LINE__)
-
-// Makes `device` current for the call (the handle, the stream and cuBLASLt's launches belong to
-// it) and gives the caller's device back afterwards.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    FP8AMP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) FP8AMP_CUDA_CHECK(cudaSetDevice(device));
-    switched_ = previous_ != device;
-  }
-  ~DeviceScope() {
-    // A destructor must not throw. Going back to a device that was current a moment ago can only
-    // fail with a broken context, which the caller's next checked CUDA call reports.
-    if (switched_) static_cast<void>(cudaSetDevice(previous_));
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
-struct DeviceState {
-  int compute_capability;   // major * 10 + minor
-  cublasLtHandle_t handle;  // only on devices with FP8 (null below kMinComputeCapability)
-};
-
-// The state of the current device, `device`, created on first use.
-const DeviceState& device_state(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, DeviceState> states;  // node-based: references stay valid
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto found = states.find(device);
-  if (found != states.end()) return found->second;
-  int major = 0, minor = 0;
-  FP8AMP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FP8AMP_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  DeviceState state{major * 10 + minor, nullptr};
-  if (state.compute_capability >= kMinComputeCapability) FP8AMP_CUBLAS_CHECK(cublasLtCreate(&state.handle));
-  return states.emplace(device, state).first->second;
-}
-
-cudaDataType_t cuda_type(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return CUDA_R_32F;
-    case DType::kFloat16: return CUDA_R_16F;
-    case DType::kBFloat16: return CUDA_R_16BF;
-    case DType::kFloat8E4M3: return CUDA_R_8F_E4M3;
-    case DType::kFloat8E5M2: return CUDA_R_8F_E5M2;
-    case DType::kInt32: break;
-  }
-  detail::throw_error(ErrorKind::kRuntime, kOp, "internal error: no cuBLASLt type for ", dtype_name(dtype));
-}
-
-// Largest power of two (up to 256, cuBLASLt's default assumption) that divides the address: the
-// heuristic must not pick a kernel that needs more alignment than the call's pointers have.
-uint32_t alignment(const void* p) {
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  uint32_t a = 256;
-  while (a > 1 && address % a != 0) a /= 2;
-  return a;
-}
-
-// Owners of cuBLASLt descriptors. Destroying a descriptor only frees host memory; its status
-// cannot be acted on in a destructor.
-template <class T, cublasStatus_t (*Destroy)(T)>
-struct Destroyer {
-  void operator()(T p) const { static_cast<void>(Destroy(p)); }
-};
-template <class T, cublasStatus_t (*Destroy)(T)>
-using Owned = std::unique_ptr<std::remove_pointer_t<T>, Destroyer<T, Destroy>>;
-using MatmulDesc = Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
-using Layout = Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
-using Preference = Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
-
-template <class V>
-void set_attribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const V& value,
-                   const char* name, int line) {
-  check_cublas(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), name, __FILE__, line);
-}
-#define FP8AMP_SET_DESC(desc, attribute, value) \
-  set_attribute(desc, attribute, value, "cublasLtMatmulDescSetAttribute(" #attribute ")", __LINE__)
-
-template <class V>
-void set_preference(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute,
-                    const V& value, const char* name, int line) {
-  check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)), name, __FILE__, line);
-}
-#define FP8AMP_SET_PREF(pref, attribute, value) \
-  set_preference(pref, attribute, value, "cublasLtMatmulPreferenceSetAttribute(" #attribute ")", __LINE__)
-
-// A column-major rows x cols matrix with leading dimension ld.
-Layout layout(DType dtype, int64_t rows, int64_t cols, int64_t ld) {
-  cublasLtMatrixLayout_t raw = nullptr;
-  FP8AMP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, cuda_type(dtype), static_cast<uint64_t>(rows),
-                                                 static_cast<uint64_t>(cols), ld));
-  return Layout(raw);
-}
 
 // Everything the heuristic's answer depends on, and whether the algorithm is autotuned.
 using AlgoKey = std::array<int64_t, 19>;

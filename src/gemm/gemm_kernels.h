@@ -3,6 +3,7 @@
 // cuBLASLt) has the same signature plus a stream.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -52,6 +53,9 @@ FP8AMP_HD Out epilogue(double v, const Out* old) {
 
 namespace cpu {
 void gemm(const GemmArgs& g);
+// The value of every code of an FP8 dtype: decoding through a table keeps the inner loops of the
+// references a plain multiply-add.
+std::array<double, 256> fp8_decode_table(DType dtype);
 }  // namespace cpu
 
 namespace cuda {

@@ -6,7 +6,8 @@ values), makes read-only inputs contiguous and leaves value checks to the core (
 the argument). None reads device values on the host, so all of them trace under
 ``torch.compile(fullgraph=True)`` and never sync. fp8amp's own hot loops call
 :mod:`fp8amp.ops.fast` (the overloads resolved once, unchecked) with arguments checked where they
-entered fp8amp. The modules mirror the core's op families: cast, scaling, gemm, accumulate, optim, tiles.
+entered fp8amp. The modules mirror the core's op families: cast, scaling, gemm (and gemm_tiles), accumulate, optim,
+tiles.
 """
 
 from . import fast
@@ -14,6 +15,7 @@ from ._accumulate import scaled_accumulate
 from ._cast import (amax, cast_transpose, cast_transpose_dbias, dequantize, multi_amax, multi_dequantize,
                     multi_quantize, quantize, quantize_current)
 from ._gemm import bias_dtype, gemm, gemm_accumulate, gemm_autotune_enabled, gemm_autotune_stats, set_gemm_autotune
+from ._gemm_tiles import gemm_tiles
 from ._optim import adam_step
 from ._scaling import compute_scale, multi_update_delayed_scaling, update_delayed_scaling
 from ._tiles import cast_transpose_tiles, dequantize_tiles, quantize_tiles, scaled_accumulate_tiles
@@ -37,6 +39,7 @@ __all__ = [
     "set_gemm_autotune",
     "gemm_autotune_enabled",
     "gemm_autotune_stats",
+    "gemm_tiles",
     "scaled_accumulate",
     "adam_step",
     "quantize_tiles",

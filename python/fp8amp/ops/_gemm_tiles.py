@@ -1,0 +1,82 @@
+"""The FP8 GEMM with tile scales (cuBLASLt's scale modes on Hopper, a reference on CPU): the typed
+wrapper over ``torch.ops.fp8amp.gemm_tiles`` (docs/tiles.md, "The GEMM with tile scales").
+
+``gemm_tiles(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile)`` computes ``a @ b.T`` of the
+dequantized operands, ``a`` ``[M, K]`` and ``b`` ``[N, K]`` both K-major, each with the scales
+:func:`fp8amp.ops.quantize_tiles` returns for its tiling. See ``include/fp8amp/gemm.h`` for the
+exact rules and numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._args import _dtype, _input, _int, _optional_input
+from ._library import lib
+
+__all__ = ["gemm_tiles"]
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# cuBLASLt's FP8 bias type per output dtype, and float32 for a float32 output (added after the GEMM).
+_BIAS_DTYPES = {torch.float32: (torch.float32, torch.bfloat16), torch.bfloat16: (torch.bfloat16,),
+                torch.float16: (torch.float16,)}
+_TILES = "(1, 128), (128, 128) or rowwise (1, K)"
+
+_gemm_tiles = lib.gemm_tiles.default
+
+
+def _tile(tile: object, arg: str, op: str) -> tuple[int, int]:
+    if not isinstance(tile, (tuple, list)) or len(tile) != 2:
+        raise TypeError(f"fp8amp.ops.{op}: {arg} must be a pair (tile_rows, tile_cols) of ints, {_TILES}; "
+                        f"got {tile!r}")
+    return _int(tile[0], f"{arg}[0]", op), _int(tile[1], f"{arg}[1]", op)
+
+
+def gemm_tiles(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    a_tile: tuple[int, int],
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    b_tile: tuple[int, int],
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Returns ``[M, N]`` ``out_dtype``: ``dequant(a) @ dequant(b).T (+ bias)``.
+
+    ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are float8 codes (E4M3×E4M3, E4M3×E5M2 or E5M2×E4M3);
+    ``a_scale_inv`` and ``b_scale_inv`` are float32 in the layout of
+    :func:`fp8amp.ops.quantize_tiles` for ``a_tile`` and ``b_tile``: ``(1, 128)`` tiles,
+    ``(128, 128)`` blocks or rowwise ``(1, K)``, paired as ``(1, 128) × (128, 128)``,
+    ``(1, 128) × (1, 128)``, ``(128, 128) × (1, 128)`` or rowwise × rowwise. ``bias`` is ``[N]``:
+    of ``out_dtype``, or bfloat16 for a float32 output. K and N must be multiples of 16. On CUDA
+    it needs a Hopper GPU (cuBLASLt offers these scale modes there only).
+    """
+    op = "gemm_tiles"
+    a_tile_rows, a_tile_cols = _tile(a_tile, "a_tile", op)
+    b_tile_rows, b_tile_cols = _tile(b_tile, "b_tile", op)
+    out_dtype = _dtype(out_dtype, _OUT_DTYPES, "out_dtype", op)
+    bias = _optional_input(bias, "bias", op)
+    added_bias = None
+    if bias is not None:
+        accepted = _BIAS_DTYPES[out_dtype]
+        if bias.dtype not in accepted:
+            names = " or ".join(str(d) for d in accepted)
+            raise ValueError(f"fp8amp.ops.{op}: bias must be {names} for out_dtype {out_dtype}, got {bias.dtype}")
+        if bias.dtype == torch.float32:
+            # cuBLASLt's FP8 epilogue takes no float32 bias: it is added to the float32 result.
+            n = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() == 2 else None
+            if bias.dim() != 1 or bias.shape[0] != n:
+                raise ValueError(f"fp8amp.ops.{op}: bias must be [N] = [{n}] (the rows of b), got "
+                                 f"{list(bias.shape)}")
+            added_bias, bias = bias, None
+    out = _gemm_tiles(_input(a, "a", op), _input(a_scale_inv, "a_scale_inv", op), a_tile_rows, a_tile_cols,
+                      _input(b, "b", op), _input(b_scale_inv, "b_scale_inv", op), b_tile_rows, b_tile_cols,
+                      out_dtype, bias)
+    if added_bias is not None:
+        if added_bias.device != out.device:
+            raise ValueError(f"fp8amp.ops.{op}: bias must be on the device of a ({out.device}), got "
+                             f"{added_bias.device}")
+        out.add_(added_bias)
+    return out

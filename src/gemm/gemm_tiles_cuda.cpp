@@ -1,0 +1,205 @@
+// The tile-scaled FP8 GEMM on CUDA through cuBLASLt's scale modes (host code; CUDA builds only).
+//
+// Layout as in gemm_cuda.cpp: row-major out[M, N] = a · bᵀ is column-major outᵀ = b · aᵀ, so
+// cuBLASLt's A is our b (TRANSA = T) and its B our a (TRANSB = N); m = N, n = M, k = K. Each
+// operand's scales go to its side's scale pointer with its scale mode:
+//   (1, 128)    CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+//   (128, 128)  CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+//   rowwise     CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+// read from copies in the layouts cuBLASLt takes (CublasScaleLayout), which a small kernel
+// writes into the front of the caller's workspace; cuBLASLt gets the rest. cuBLAS 12.9+ offers
+// these modes on Hopper only: other devices are refused before any work is queued. The first
+// algorithm of cuBLASLt's heuristic runs, found once per problem and kept for the process.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+#include "common/cuda_check.h"
+#include "gemm/cublaslt_util.h"
+#include "gemm/gemm_kernels.h"
+#include "gemm/gemm_tiles_kernels.h"
+
+namespace fp8amp {
+namespace cuda {
+
+namespace {
+
+using namespace cublaslt;
+
+constexpr const char* kOp = "gemm_tiles";
+// The scale modes exist for FP8 on Hopper (compute capability 9.x) only.
+constexpr int kHopperMajor = 9;
+
+int32_t scale_mode(TileScaling s) {
+  switch (s) {
+    case TileScaling::kTile1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case TileScaling::kBlock128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    case TileScaling::kRowwise: break;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+}
+
+const char* scale_mode_name(TileScaling s) {
+  switch (s) {
+    case TileScaling::kTile1x128: return "VEC128_32F";
+    case TileScaling::kBlock128x128: return "BLK128x128_32F";
+    case TileScaling::kRowwise: break;
+  }
+  return "OUTER_VEC_32F";
+}
+
+// Everything the heuristic's answer depends on.
+using AlgoKey = std::array<int64_t, 18>;
+
+struct AlgoKeyHash {
+  size_t operator()(const AlgoKey& key) const {
+    size_t h = 0;
+    for (const int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h;
+  }
+};
+
+std::mutex algos_mutex;
+std::unordered_map<AlgoKey, cublasLtMatmulAlgo_t, AlgoKeyHash> algos;
+
+// The heuristic's first algorithm for the problem; NotImplementedError where it has none.
+cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                               cublasLtMatrixLayout_t a_layout, cublasLtMatrixLayout_t b_layout,
+                               cublasLtMatrixLayout_t out_layout, size_t workspace_bytes) {
+  const bool has_bias = g.bias != nullptr;
+  const AlgoKey key{g.device_index,
+                    g.m,
+                    g.n,
+                    g.k,
+                    g.lda,
+                    g.ldb,
+                    g.ldo,
+                    static_cast<int64_t>(g.a_dtype),
+                    static_cast<int64_t>(g.b_dtype),
+                    static_cast<int64_t>(g.out_dtype),
+                    has_bias ? static_cast<int64_t>(g.bias_dtype) : -1,
+                    static_cast<int64_t>(g.a_scales.scaling),
+                    static_cast<int64_t>(g.b_scales.scaling),
+                    static_cast<int64_t>(workspace_bytes),
+                    alignment(g.a),
+                    alignment(g.b),
+                    alignment(g.out),
+                    has_bias ? static_cast<int64_t>(alignment(g.bias)) : -1};
+  std::lock_guard<std::mutex> lock(algos_mutex);
+  const auto found = algos.find(key);
+  if (found != algos.end()) return found->second;
+
+  cublasLtMatmulPreference_t raw = nullptr;
+  FP8AMP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw));
+  const Preference pref(raw);
+  const uint64_t max_workspace = workspace_bytes;
+  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_workspace);
+  // cuBLASLt's A is our b and its B our a; C and D are out.
+  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(g.b));
+  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
+  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.out));
+  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
+  cublasLtMatmulHeuristicResult_t result{};
+  int count = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc, a_layout, b_layout, out_layout,
+                                                               out_layout, pref.get(), 1, &result, &count);
+  // NOT_SUPPORTED (and, for some scale-mode combinations, INVALID_VALUE) is cuBLASLt's way of
+  // saying it has no kernel for this problem.
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED && status != CUBLAS_STATUS_INVALID_VALUE) {
+    check_cublas(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+  }
+  FP8AMP_CHECK(status == CUBLAS_STATUS_SUCCESS && count > 0, kNotImplemented, kOp,
+               "cuBLASLt (", cublasLtGetVersion(), ") has no FP8 kernel with scale modes ",
+               scale_mode_name(g.a_scales.scaling), " for a and ", scale_mode_name(g.b_scales.scaling), " for b at M = ",
+               g.m, ", N = ", g.n, ", K = ", g.k, ", a ", dtype_name(g.a_dtype), ", b ", dtype_name(g.b_dtype), ", out ",
+               dtype_name(g.out_dtype), g.bias != nullptr ? " with bias" : "", " on cuda:", g.device_index, " (",
+               cublasLtGetStatusString(status), ")");
+  return algos.emplace(key, result.algo).first->second;
+}
+
+// p rounded up to the alignment of the scale copies.
+char* align_up(void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  return reinterpret_cast<char*>((address + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment);
+}
+
+}  // namespace
+
+void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
+  const DeviceScope scope(g.device_index);
+  const DeviceState& device = device_state(g.device_index);
+  // The scale copies at the front of the workspace, cuBLASLt's part after them.
+  const CublasScaleLayout a_layout_s = cublas_scale_layout(g.a_scales.scaling, g.m, g.k);
+  const CublasScaleLayout b_layout_s = cublas_scale_layout(g.b_scales.scaling, g.n, g.k);
+  const size_t needed = kScaleCopyAlignment + scale_copy_bytes(a_layout_s) + scale_copy_bytes(b_layout_s);
+  FP8AMP_CHECK_VALUE(g.workspace != nullptr && g.workspace_bytes >= needed, kOp, "options.workspace must hold at least ",
+                     needed, " bytes (gemm_tiles_scale_bytes) for the scales in cuBLASLt's layout, got ",
+                     g.workspace_bytes);
+  char* const base = static_cast<char*>(g.workspace);
+  char* const a_copy = align_up(base);
+  char* const b_copy = a_copy + scale_copy_bytes(a_layout_s);
+  char* const rest = b_copy + scale_copy_bytes(b_layout_s);
+  FP8AMP_CHECK(device.compute_capability / 10 == kHopperMajor, kNotImplemented, kOp,
+               "cuBLASLt offers its tile scale modes (VEC128_32F, BLK128x128_32F, OUTER_VEC_32F) for FP8 on Hopper "
+               "(compute capability 9.x) only; cuda:", g.device_index, " has ", device.compute_capability / 10, ".",
+               device.compute_capability % 10, ". Use per-tensor scaling (fp8amp.ops.gemm) on this GPU");
+  if (g.k == 0) {
+    // The empty sum, as gemm's K == 0: out = bias or 0, whatever the scales hold.
+    GemmArgs empty{};
+    empty.m = g.m;
+    empty.n = g.n;
+    empty.bias = g.bias;
+    empty.bias_dtype = g.bias_dtype;
+    empty.out = g.out;
+    empty.out_dtype = g.out_dtype;
+    empty.ldo = g.ldo;
+    gemm_empty_sum(empty, stream);
+    return;
+  }
+
+  const size_t cublas_bytes = g.workspace_bytes - static_cast<size_t>(rest - base);
+  copy_tile_scales(g.a_scales.data, g.a_scales.cols, a_layout_s, reinterpret_cast<float*>(a_copy), stream);
+  copy_tile_scales(g.b_scales.data, g.b_scales.cols, b_layout_s, reinterpret_cast<float*>(b_copy), stream);
+
+  cublasLtMatmulDesc_t raw = nullptr;
+  FP8AMP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const MatmulDesc desc(raw);
+  const int32_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, transa);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, transb);
+  const int32_t a_mode = scale_mode(g.b_scales.scaling), b_mode = scale_mode(g.a_scales.scaling);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_copy));
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_copy));
+  if (g.bias != nullptr) {
+    const uint32_t bias_epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t bias_type = cuda_type(g.bias_dtype);
+    FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, bias_epilogue);
+    FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type);
+  }
+  const Layout a_layout = layout(g.b_dtype, g.k, g.n, g.ldb);
+  const Layout b_layout = layout(g.a_dtype, g.k, g.m, g.lda);
+  const Layout out_layout = layout(g.out_dtype, g.n, g.m, g.ldo);
+
+  const cublasLtMatmulAlgo_t algo = find_algo(g, device.handle, desc.get(), a_layout.get(), b_layout.get(),
+                                              out_layout.get(), cublas_bytes);
+  const float alpha = 1.0f, beta = 0.0f;
+  const cublasStatus_t status =
+      cublasLtMatmul(device.handle, desc.get(), &alpha, g.b, a_layout.get(), g.a, b_layout.get(), &beta, g.out,
+                     out_layout.get(), g.out, out_layout.get(), &algo, rest, cublas_bytes,
+                     static_cast<cudaStream_t>(stream));
+  FP8AMP_CHECK(status != CUBLAS_STATUS_NOT_SUPPORTED, kNotImplemented, kOp,
+               "cuBLASLt refused to run the algorithm its heuristic chose for scale modes ",
+               scale_mode_name(g.a_scales.scaling), " x ", scale_mode_name(g.b_scales.scaling), " at M = ", g.m,
+               ", N = ", g.n, ", K = ", g.k, " (NOT_SUPPORTED)");
+  check_cublas(status, "cublasLtMatmul", __FILE__, __LINE__);
+}
+
+}  // namespace cuda
+}  // namespace fp8amp

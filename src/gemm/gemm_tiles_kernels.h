@@ -1,0 +1,97 @@
+// What the tile-scaled GEMM's backends see (gemm.h, gemm_tiles): raw pointers and sizes validated
+// by gemm_tiles.cpp. The CPU reference (gemm_tiles_cpu.cpp) defines correct; the CUDA path
+// (gemm_tiles_cuda.cpp, cuBLASLt) has the same signature plus a stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/numerics.h"
+#include "fp8amp/dtype.h"
+#include "fp8amp/tensor.h"
+
+namespace fp8amp {
+
+// The width of a K-block and the height of a weight block.
+constexpr int64_t kTileBlock = 128;
+
+// How one operand is scaled (gemm.h lists the tilings).
+enum class TileScaling : int8_t { kRowwise, kTile1x128, kBlock128x128 };
+
+// One operand's scales as the caller gives them: row-major [ceil(rows / row_tile), cols].
+struct TileScales {
+  const float* data;
+  TileScaling scaling;
+  int64_t cols;  // ceil(K / 128) for the tiled scalings, 1 for rowwise (0 when K == 0)
+
+  int64_t row_tile() const { return scaling == TileScaling::kBlock128x128 ? kTileBlock : 1; }
+  // The scale of row r (of M or N) in K-block kb.
+  float at(int64_t r, int64_t kb) const { return data[(r / row_tile()) * cols + kb]; }
+};
+
+// out[M, N] (row stride ldo) = sum over K-blocks of scales * a[M, K] · b[N, K]ᵀ (+ bias[N]).
+struct GemmTilesArgs {
+  int64_t m, n, k;
+  const void* a;
+  DType a_dtype;
+  int64_t lda;
+  TileScales a_scales;
+  const void* b;
+  DType b_dtype;
+  int64_t ldb;
+  TileScales b_scales;
+  const void* bias;  // nullptr: no bias
+  DType bias_dtype;  // meaningful only with a bias
+  void* out;
+  DType out_dtype;
+  int64_t ldo;
+  void* workspace;
+  size_t workspace_bytes;
+  int device_index;
+
+  // The K-blocks the sum is cut into: 128 wide for the tiled pairs, all of K for rowwise.
+  int64_t block_k() const { return a_scales.scaling == TileScaling::kRowwise ? k : kTileBlock; }
+};
+
+// The layout cuBLASLt reads an operand's scales in (the CUDA path copies them into it): `outer`
+// runs of `ld` floats; run o holds, at i < inner, the scale of
+//   kTile1x128:    row i, K-block o   (ld = rows rounded up to 4: the rows are contiguous)
+//   kBlock128x128: row block o, K-block i   (ld = the K-blocks rounded up to 4)
+//   kRowwise:      row i   (one run, ld = rows)
+// and zeros in the padding. The padding to 4 floats keeps every run 16-byte aligned.
+struct CublasScaleLayout {
+  int64_t outer, ld, inner;
+  bool transposed;  // run o, element i comes from the caller's [i][o] (else from [o][i])
+
+  FP8AMP_HD int64_t elements() const { return outer * ld; }
+};
+
+inline CublasScaleLayout cublas_scale_layout(TileScaling scaling, int64_t rows, int64_t k) {
+  const int64_t k_blocks = (k + kTileBlock - 1) / kTileBlock;
+  const auto round4 = [](int64_t v) { return (v + 3) / 4 * 4; };
+  switch (scaling) {
+    case TileScaling::kTile1x128: return {k_blocks, round4(rows), rows, true};
+    case TileScaling::kBlock128x128: return {(rows + kTileBlock - 1) / kTileBlock, round4(k_blocks), k_blocks, false};
+    case TileScaling::kRowwise: break;
+  }
+  return {1, rows, rows, true};
+}
+
+// Where the CUDA path puts each copy in the workspace: 256-byte aligned, a's then b's.
+constexpr size_t kScaleCopyAlignment = 256;
+inline size_t scale_copy_bytes(const CublasScaleLayout& layout) {
+  const size_t bytes = static_cast<size_t>(layout.elements()) * sizeof(float);
+  return (bytes + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
+}
+
+namespace cpu {
+void gemm_tiles(const GemmTilesArgs& g);
+}  // namespace cpu
+
+namespace cuda {
+void gemm_tiles(const GemmTilesArgs& g, Stream stream);
+// dst (layout) = the caller's scales src (row-major, src_cols wide), on stream (gemm_tiles_scales_cuda.cu).
+void copy_tile_scales(const float* src, int64_t src_cols, const CublasScaleLayout& layout, float* dst, Stream stream);
+}  // namespace cuda
+
+}  // namespace fp8amp
