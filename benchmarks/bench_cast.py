@@ -18,13 +18,20 @@ moves (each input read once, each output written once); "of copy" is that agains
 device-to-device tensor copy measured in the same run (bytes read + written). "speedup" is
 PyTorch's time over ours.
 
-Usage: python benchmarks/bench_cast.py [--shapes 4096x4096,16384x4096,8192x8192] [--iters 200]
-Prints a markdown table; with $OUT set, also writes it to $OUT/bench_cast.md.
+With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles and
+cast_transpose_tiles of bf16 matrices with (1, 128) tiles and (128, 128) blocks, against a
+device-to-device copy of the same bytes (half of them read, half written) in the same run. The
+copy runs as direct launches (a copy inside a CUDA graph becomes a memcpy node, which ran slower
+on the H200); "of copy" is the copy's time over the op's, the op's fraction of copy bandwidth.
+
+Usage: python benchmarks/bench_cast.py [--mode ops|tiles] [--shapes 4096x4096,16384x4096,8192x8192] [--iters 200]
+Prints a markdown table; with $OUT set, also writes it to $OUT/bench_cast.md (bench_cast_tiles.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -180,17 +187,77 @@ def bench_shape(rows_n: int, cols_n: int, iters: int) -> list[Row]:
     return rows
 
 
+# ---- --mode tiles ---------------------------------------------------------------------------
+
+
+def copy_ms(bytes_moved: int, iters: int) -> float:
+    """Median time of a device-to-device copy reading and writing bytes_moved / 2 bytes each: direct
+    launches back to back between two events, rotating over enough buffers to miss L2."""
+    n = bytes_moved // 2
+    pairs = [(torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8,
+                                                                                       device="cuda"))
+             for _ in range(rotation_sets(2 * n, min_sets=2, max_sets=None))]
+    for src, dst in pairs:
+        dst.copy_(src)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        for src, dst in pairs:
+            dst.copy_(src)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / len(pairs)
+
+
+def bench_tiles_shape(rows_n: int, cols_n: int, iters: int) -> list[list[str]]:
+    numel = rows_n * cols_n
+    xs = [torch.randn(rows_n, cols_n, device="cuda", dtype=torch.bfloat16)
+          for _ in range(rotation_sets(2 * numel, min_sets=2, max_sets=None))]
+    table = []
+    for tile in [(1, 128), (128, 128)]:
+        scales = 4 * math.ceil(rows_n / tile[0]) * math.ceil(cols_n / tile[1])  # float32 bytes, either layout
+        scales_t = 4 * math.ceil(cols_n / tile[0]) * math.ceil(rows_n / tile[1])
+        for op, fn, bytes_moved in [
+            ("quantize_tiles", lambda x, tile=tile: fp8amp.ops.quantize_tiles(x, E4M3, tile), 3 * numel + scales),
+            ("cast_transpose_tiles", lambda x, tile=tile: fp8amp.ops.cast_transpose_tiles(x, E4M3, tile),
+             4 * numel + scales + scales_t),
+        ]:
+            ours = median_ms(fn, xs, iters)
+            copy = copy_ms(bytes_moved, iters)
+            table.append([op, f"{tile[0]}x{tile[1]}", f"{rows_n}x{cols_n}", f"{ours * 1e3:.1f}",
+                          f"{bytes_moved / (ours * 1e-3) / 1e9:.0f}", f"{copy * 1e3:.1f}", f"{copy / ours:.0%}"])
+    del xs
+    torch.cuda.empty_cache()
+    return table
+
+
+def main_tiles(shapes: list[tuple[int, int]], iters: int) -> None:
+    table = []
+    for r, c in shapes:
+        table += bench_tiles_shape(r, c, iters)
+    header = ["op", "tile", "shape (bf16 -> E4M3)", "fp8amp µs", "GB/s", "copy of the same bytes µs", "of copy"]
+    title = (f"Tile casts, {torch.cuda.get_device_name()}, torch {torch.__version__}: GPU time per call "
+             f"(CUDA graph replay, median) against a device-to-device copy moving the same bytes\n\n")
+    report("cast_tiles", title + markdown_table(header, table) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("ops", "tiles"), default="ops",
+                        help="ops: the per-tensor casts against PyTorch; tiles: the tile casts against a copy")
     parser.add_argument("--shapes", default="4096x4096,16384x4096,8192x8192",
                         help="comma-separated ROWSxCOLS of the bf16 input")
     parser.add_argument("--iters", type=int, default=200, help="timed runs per measurement")
     args = parser.parse_args()
     require_gpu("bench_cast")
+    shapes = [tuple(int(v) for v in spec.lower().split("x")) for spec in args.shapes.split(",")]
+    if args.mode == "tiles":
+        main_tiles(shapes, args.iters)
+        return 0
     copy_bw = copy_bandwidth(args.iters)
     rows = []
-    for spec in args.shapes.split(","):
-        r, c = (int(v) for v in spec.lower().split("x"))
+    for r, c in shapes:
         rows += bench_shape(r, c, args.iters)
     device = torch.cuda.get_device_name()
     title = (f"Cast kernels, {device}, torch {torch.__version__}: GPU time per call (CUDA graph replay, "

@@ -16,9 +16,8 @@ namespace {
 // symbolic for the Meta kernels; the tile sizes are the core's to check first (a zero would divide
 // by zero here).
 at::Tensor empty_tile_scales(const at::Tensor& x, const c10::SymInt& rows, const c10::SymInt& cols, int64_t tile_rows,
-                             int64_t tile_cols, const char* op, const char* rows_name = "tile_rows",
-                             const char* cols_name = "tile_cols") {
-  call(x, [&](Stream) { fp8amp::check_tile_sizes(tile_rows, tile_cols, op, rows_name, cols_name); });
+                             int64_t tile_cols, const char* op, const char* owner = "") {
+  call(x, [&](Stream) { fp8amp::check_tile_sizes(tile_rows, tile_cols, op, owner); });
   return at::empty_symint({(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
                           x.options().dtype(at::kFloat));
 }
@@ -30,8 +29,7 @@ at::Tensor empty_tile_scales(const at::Tensor& x, int64_t tile_rows, int64_t til
 
 // The scale_inv of the tiles of x's transpose.
 at::Tensor empty_transposed_tile_scales(const at::Tensor& x, int64_t tile_rows_t, int64_t tile_cols_t, const char* op) {
-  return empty_tile_scales(x, columns(x), matrix_rows(x.sym_sizes()), tile_rows_t, tile_cols_t, op, "tile_rows_t",
-                           "tile_cols_t");
+  return empty_tile_scales(x, columns(x), matrix_rows(x.sym_sizes()), tile_rows_t, tile_cols_t, op, "tile_t's ");
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, at::ScalarType dtype, int64_t tile_rows,

@@ -46,8 +46,7 @@ void scaled_accumulate_tiles(const TensorView& acc, const TensorView& acc_scale_
                              const ScalingRecipe& recipe, Stream stream);
 
 // ValueError unless both tile sizes are positive (what a caller allocating scale_inv checks first);
-// the message names them rows_name and cols_name.
-void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* rows_name = "tile_rows",
-                      const char* cols_name = "tile_cols");
+// `owner` names the tile argument they belong to when it is not plain `tile` (e.g. "tile_t's ").
+void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* owner = "");
 
 }  // namespace fp8amp

@@ -49,15 +49,17 @@ TileShape check_tiles(const TensorView& x, const TensorView& out, const TensorVi
   return t;
 }
 
+// How messages name the transpose's tile sizes (tile_rows_t, tile_cols_t): the Python tile_t pair.
+constexpr char kTransposedTile[] = "tile_t's ";
+
 void check_fp8(DType dtype, const char* op, const char* arg) {
   FP8AMP_CHECK_VALUE(is_fp8(dtype), op, arg, " must be float8_e4m3fn or float8_e5m2, got ", dtype_name(dtype));
 }
 
 }  // namespace
 
-void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* rows_name,
-                      const char* cols_name) {
-  FP8AMP_CHECK_VALUE(tile_rows >= 1 && tile_cols >= 1, op, rows_name, " and ", cols_name, " must be positive, got ",
+void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* owner) {
+  FP8AMP_CHECK_VALUE(tile_rows >= 1 && tile_cols >= 1, op, owner, "tile_rows and tile_cols must be positive, got ",
                      tile_rows, " and ", tile_cols);
 }
 
@@ -94,7 +96,7 @@ void cast_transpose_tiles(const TensorView& x, const TensorView& out, const Tens
   check_fp8(out.dtype, op, "dtype");
   check_recipe(recipe, op);
   const TileShape t = matrix_tiles(x, tile_rows, tile_cols, op, "x");
-  check_tile_sizes(tile_rows_t, tile_cols_t, op, "tile_rows_t", "tile_cols_t");
+  check_tile_sizes(tile_rows_t, tile_cols_t, op, kTransposedTile);
   const TileShape t_t{t.cols, t.rows, tile_rows_t, tile_cols_t};
   check_like(x, out, op, "x", "out");
   FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == t.cols &&

@@ -1,7 +1,9 @@
-// CUDA twin of tiles_cpu.cpp, bit for bit. quantize_tiles: one block per tile, which finds the
+// CUDA twin of tiles_cpu.cpp, bit for bit. The (1, 128) and (128, 128) tilings of quantize_tiles
+// and cast_transpose_tiles run the one-pass region kernel (tiles_region_cuda.cu). Every other
+// tiling, and scaled_accumulate_tiles, runs tile_kernel: one block per tile, which finds the
 // tile's amax, then quantizes it (the second read hits L1/L2: a tile is at most a few tens of KB).
-// Threads run along a tile's rows, so a warp reads consecutive elements. The element codecs are
-// numerics.h's, shared with the CPU reference.
+// Threads run along a tile's rows, so a warp reads consecutive elements of a row-major matrix.
+// The element codecs are numerics.h's, shared with the CPU reference.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
+#include "tiles/tiles_cuda.cuh"
 #include "tiles/tiles_kernels.h"
 
 namespace fp8amp {
@@ -18,10 +21,37 @@ namespace {
 constexpr int kTileThreads = 128;
 constexpr int kDequantizeThreads = 256;
 
-template <class In, class Out>
+// The element values tile_kernel quantizes, as in tiles_cpu.cpp: x's own, its transpose's, or the
+// accumulated sums.
+template <class In>
+struct RowMajor {
+  const In* x;
+  int64_t cols;
+  __device__ float operator()(int64_t r, int64_t c) const { return numerics::to_float(x[r * cols + c]); }
+};
+
+template <class In>
+struct Transposed {  // element (r, c) is x[c, r]; x has x_cols columns
+  const In* x;
+  int64_t x_cols;
+  __device__ float operator()(int64_t r, int64_t c) const { return numerics::to_float(x[c * x_cols + r]); }
+};
+
+template <class Acc, class Update>
+struct Accumulated {
+  const Acc* acc;
+  const float* acc_scale_inv;
+  const Update* update;
+  TileShape t;
+  __device__ float operator()(int64_t r, int64_t c) const {
+    const float si = acc_scale_inv[(r / t.tile_rows) * t.grid_cols() + c / t.tile_cols];
+    return accumulated(acc[r * t.cols + c], si, update[r * t.cols + c]);
+  }
+};
+
+template <class Out, class Value>
 __global__ void __launch_bounds__(kTileThreads)
-    quantize_tiles_kernel(const In* __restrict__ x, Out* __restrict__ y, float* __restrict__ scale_inv, TileShape t,
-                          ScalingRecipe recipe) {
+    tile_kernel(Value value, Out* __restrict__ y, float* __restrict__ scale_inv, TileShape t, ScalingRecipe recipe) {
   const int64_t tile = blockIdx.x;
   const int64_t tr = tile / t.grid_cols();
   const int64_t tc = tile % t.grid_cols();
@@ -31,9 +61,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t c_end = min(t.cols, c0 + t.tile_cols);
   uint32_t key = 0;
   for (int64_t r = r0; r < r_end; ++r) {
-    for (int64_t c = c0 + threadIdx.x; c < c_end; c += kTileThreads) {
-      key = max(key, numerics::amax_key(numerics::to_float(x[r * t.cols + c])));
-    }
+    for (int64_t c = c0 + threadIdx.x; c < c_end; c += kTileThreads) key = max(key, numerics::amax_key(value(r, c)));
   }
   key = block_max_key<kTileThreads>(key);
   __shared__ float tile_scale_value;
@@ -46,9 +74,19 @@ __global__ void __launch_bounds__(kTileThreads)
   const float scale = tile_scale_value;
   for (int64_t r = r0; r < r_end; ++r) {
     for (int64_t c = c0 + threadIdx.x; c < c_end; c += kTileThreads) {
-      y[r * t.cols + c] = numerics::quantize_to<Out>(rn::mul(numerics::to_float(x[r * t.cols + c]), scale));
+      y[r * t.cols + c] = numerics::quantize_to<Out>(rn::mul(value(r, c), scale));
     }
   }
+}
+
+template <class Out, class Value>
+void launch_tiles(const Value& value, void* out, float* scale_inv, const TileShape& t, const ScalingRecipe& recipe,
+                  cudaStream_t stream, const char* op) {
+  const int64_t tiles = t.grid_rows() * t.grid_cols();
+  if (tiles == 0 || t.rows * t.cols == 0) return;
+  tile_kernel<Out><<<grid_size(tiles, op), kTileThreads, 0, stream>>>(value, static_cast<Out*>(out), scale_inv, t,
+                                                                       recipe);
+  FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
 template <class In, class Out>
@@ -69,15 +107,49 @@ __global__ void __launch_bounds__(kDequantizeThreads)
 
 void quantize_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv, const TileShape& t,
                     const ScalingRecipe& recipe, Stream stream) {
-  const int64_t tiles = t.grid_rows() * t.grid_cols();
-  if (tiles == 0 || t.rows * t.cols == 0) return;
+  if (region_tiling(t)) {
+    quantize_regions(in_dtype, out_dtype, CastTransposeTiles{x, out, scale_inv, nullptr, nullptr, t, t}, recipe,
+                     cuda_stream(stream));
+    return;
+  }
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    visit(Fp8Types{}, out_dtype, [&](auto o) {
+      using In = decltype(in);
+      launch_tiles<decltype(o)>(RowMajor<In>{static_cast<const In*>(x), t.cols}, out, scale_inv, t, recipe,
+                                cuda_stream(stream), "quantize_tiles");
+    });
+  });
+}
+
+void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe,
+                          Stream stream) {
+  if (region_tiling(p.t) && p.t_t.is(p.t.tile_rows, p.t.tile_cols)) {
+    quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
+    return;
+  }
+  // Other tilings: x, then its transpose, each by its own tiles (two reads of x).
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     visit(Fp8Types{}, out_dtype, [&](auto o) {
       using In = decltype(in);
       using Out = decltype(o);
-      quantize_tiles_kernel<In, Out><<<grid_size(tiles, "quantize_tiles"), kTileThreads, 0, cuda_stream(stream)>>>(
-          static_cast<const In*>(x), static_cast<Out*>(out), scale_inv, t, recipe);
-      FP8AMP_CUDA_CHECK_LAUNCH();
+      const In* x = static_cast<const In*>(p.x);
+      launch_tiles<Out>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, recipe, cuda_stream(stream),
+                        "cast_transpose_tiles");
+      launch_tiles<Out>(Transposed<In>{x, p.t.cols}, p.out_t, p.scale_inv_t, p.t_t, recipe, cuda_stream(stream),
+                        "cast_transpose_tiles");
+    });
+  });
+}
+
+void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,
+                             const ScalingRecipe& recipe, Stream stream) {
+  visit(Fp8Types{}, acc_dtype, [&](auto a) {
+    visit(HighPrecisionTypes{}, update_dtype, [&](auto u) {
+      using Acc = decltype(a);
+      using Update = decltype(u);
+      const Accumulated<Acc, Update> value{static_cast<const Acc*>(p.acc), p.acc_scale_inv,
+                                           static_cast<const Update*>(p.update), p.t};
+      launch_tiles<Acc>(value, p.out, p.scale_inv, p.t, recipe, cuda_stream(stream), "scaled_accumulate_tiles");
     });
   });
 }

@@ -1,8 +1,10 @@
 // The tile ops' CPU reference (tiles.h) against hand-derived cases: each tile its own power-of-two
 // scale, partial tiles at the edges, a non-finite tile read as NaN without touching the others,
-// the recipe's margin and TE rule, the round trip, and the argument checks.
+// the recipe's margin and TE rule, the round trip, cast_transpose_tiles as quantize_tiles of x and
+// of its transpose, scaled_accumulate_tiles' sums, and the argument checks.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -125,6 +127,97 @@ TEST(TilesCpu, ArgumentsAreChecked) {
         dequantize_tiles(view(x, DType::kFloat32, {2, 4}), si, view(x, DType::kFloat32, {2, 4}), 1, 4, nullptr);
       },
       "x must be float8_e4m3fn or float8_e5m2");
+}
+
+struct CastTransposed {
+  Quantized q, q_t;
+};
+
+CastTransposed cast_transpose(std::vector<float>& x, int64_t rows, int64_t cols, int64_t tr, int64_t tc, int64_t tr_t,
+                              int64_t tc_t) {
+  const int64_t gr = (rows + tr - 1) / tr, gc = (cols + tc - 1) / tc;
+  const int64_t gr_t = (cols + tr_t - 1) / tr_t, gc_t = (rows + tc_t - 1) / tc_t;
+  CastTransposed r{{std::vector<uint8_t>(x.size()), std::vector<float>(static_cast<size_t>(gr * gc))},
+                   {std::vector<uint8_t>(x.size()), std::vector<float>(static_cast<size_t>(gr_t * gc_t))}};
+  cast_transpose_tiles(view(x, DType::kFloat32, {rows, cols}), view(r.q.codes, DType::kFloat8E4M3, {rows, cols}),
+                       view(r.q.scale_inv, DType::kFloat32, {gr, gc}), view(r.q_t.codes, DType::kFloat8E4M3, {cols, rows}),
+                       view(r.q_t.scale_inv, DType::kFloat32, {gr_t, gc_t}), tr, tc, tr_t, tc_t, ScalingRecipe{},
+                       nullptr);
+  return r;
+}
+
+TEST(TilesCpu, CastTransposeTilesQuantizesXAndItsTransposeByTheirOwnTiles) {
+  // 3 x 5; x in 1 x 2 tiles, its transpose (5 x 3) in 1 x 2 tiles too: along x's columns.
+  std::vector<float> x = {1.0f, 2.0f, 3e4f, -0.5f, 0.25f,  //
+                          0.0f, 0.0f, 7.0f, 0.0f, 0.0f,    //
+                          -3.0f, 0.5f, 0.125f, 1e-3f, 4.0f};
+  std::vector<float> x_t(x.size());
+  for (int64_t r = 0; r < 3; ++r) {
+    for (int64_t c = 0; c < 5; ++c) x_t[static_cast<size_t>(c * 3 + r)] = x[static_cast<size_t>(r * 5 + c)];
+  }
+  for (const auto& [tr, tc, tr_t, tc_t] : {std::array<int64_t, 4>{1, 2, 1, 2}, {2, 2, 2, 2}, {1, 5, 1, 3}, {2, 3, 4, 1}}) {
+    const CastTransposed got = cast_transpose(x, 3, 5, tr, tc, tr_t, tc_t);
+    const Quantized want = quantize(x, 3, 5, tr, tc), want_t = quantize(x_t, 5, 3, tr_t, tc_t);
+    EXPECT_EQ(got.q.codes, want.codes) << tr << " x " << tc;
+    EXPECT_EQ(got.q.scale_inv, want.scale_inv) << tr << " x " << tc;
+    EXPECT_EQ(got.q_t.codes, want_t.codes) << tr_t << " x " << tc_t;
+    EXPECT_EQ(got.q_t.scale_inv, want_t.scale_inv) << tr_t << " x " << tc_t;
+  }
+  // Column 2 of x (3e4, 7, 0.125) is the transpose's row 2: its tiles [3e4, 7] and [0.125].
+  const CastTransposed rowwise = cast_transpose(x, 3, 5, 1, 2, 1, 2);
+  EXPECT_EQ(rowwise.q_t.scale_inv[2 * 2 + 0], std::ldexp(1.0f, 7));   // amax 3e4 -> scale 2^-7
+  EXPECT_EQ(rowwise.q_t.scale_inv[2 * 2 + 1], std::ldexp(1.0f, -11)); // amax 0.125 -> scale 2^11
+  EXPECT_EQ(rowwise.q_t.scale_inv[1 * 2 + 0], std::ldexp(1.0f, -7));  // column 1's [2, 0]: amax 2 -> scale 2^7
+  EXPECT_EQ(decode(rowwise.q_t.codes[2 * 3 + 2]) * rowwise.q_t.scale_inv[2 * 2 + 1], 0.125f);
+}
+
+TEST(TilesCpu, ScaledAccumulateTilesAddsAndRequantizesEachTile) {
+  // acc [1, 2, 1, 0.5] in 1 x 2 tiles (exact in E4M3) plus update [3, -0.5, 0, 0.25]: sums
+  // [4, 1.5] (amax 4: scale 2^6) and [1, 0.75] (amax 1: scale 2^8), all exact.
+  std::vector<float> x = {1.0f, 2.0f, 1.0f, 0.5f}, update = {3.0f, -0.5f, 0.0f, 0.25f};
+  Quantized acc = quantize(x, 1, 4, 1, 2);
+  std::vector<uint8_t> codes(4);
+  std::vector<float> scale_inv(2);
+  scaled_accumulate_tiles(view(acc.codes, DType::kFloat8E4M3, {1, 4}), view(acc.scale_inv, DType::kFloat32, {1, 2}),
+                          view(update, DType::kFloat32, {1, 4}), view(codes, DType::kFloat8E4M3, {1, 4}),
+                          view(scale_inv, DType::kFloat32, {1, 2}), 1, 2, ScalingRecipe{}, nullptr);
+  EXPECT_EQ(scale_inv[0], std::ldexp(1.0f, -6));
+  EXPECT_EQ(scale_inv[1], std::ldexp(1.0f, -8));
+  const float sums[] = {4.0f, 1.5f, 1.0f, 0.75f};
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(decode(codes[i]) * scale_inv[i / 2], sums[i]) << i;
+  // A NaN acc_scale_inv (a poisoned tile) poisons that tile again, and only that one.
+  acc.scale_inv[1] = std::nanf("");
+  scaled_accumulate_tiles(view(acc.codes, DType::kFloat8E4M3, {1, 4}), view(acc.scale_inv, DType::kFloat32, {1, 2}),
+                          view(update, DType::kFloat32, {1, 4}), view(codes, DType::kFloat8E4M3, {1, 4}),
+                          view(scale_inv, DType::kFloat32, {1, 2}), 1, 2, ScalingRecipe{}, nullptr);
+  EXPECT_EQ(scale_inv[0], std::ldexp(1.0f, -6));
+  EXPECT_TRUE(std::isnan(scale_inv[1]));
+}
+
+TEST(TilesCpu, NewOpsCheckTheirArguments) {
+  std::vector<float> x(6), scale_inv(3), scale_inv_t(2), new_scale_inv(3);
+  std::vector<uint8_t> codes(6), codes_t(6);
+  const TensorView xv = view(x, DType::kFloat32, {3, 2}), out = view(codes, DType::kFloat8E4M3, {3, 2}),
+                   si = view(scale_inv, DType::kFloat32, {3, 1}), si_t = view(scale_inv_t, DType::kFloat32, {2, 1});
+  const auto run = [&](TensorView out_t, TensorView scales_t, int64_t tr_t) {
+    cast_transpose_tiles(xv, out, si, out_t, scales_t, 1, 2, tr_t, 3, ScalingRecipe{}, nullptr);
+  };
+  run(view(codes_t, DType::kFloat8E4M3, {2, 3}), si_t, 1);  // accepted
+  expect_value_error([&] { run(view(codes_t, DType::kFloat8E4M3, {3, 2}), si_t, 1); },
+                     "out_t must be float8_e4m3fn[2, 3]");
+  expect_value_error([&] { run(view(codes_t, DType::kFloat8E4M3, {2, 3}), si_t, 0); },
+                     "tile_t's tile_rows and tile_cols must be positive");
+  expect_value_error([&] { run(view(codes_t, DType::kFloat8E4M3, {2, 3}), si, 1); }, "scale_inv_t must be float32 [2, 1]");
+  expect_value_error([&] { run(view(codes, DType::kFloat8E4M3, {2, 3}), si_t, 1); }, "out and out_t must not share memory");
+  const auto accumulate = [&](TensorView update, TensorView result) {
+    scaled_accumulate_tiles(out, si, update, result, view(new_scale_inv, DType::kFloat32, {3, 1}), 1, 2,
+                            ScalingRecipe{}, nullptr);
+  };
+  expect_value_error([&] { accumulate(xv, view(codes_t, DType::kFloat8E5M2, {3, 2})); },
+                     "out must be float8_e4m3fn (acc's format)");
+  expect_value_error([&] { accumulate(view(x, DType::kFloat32, {2, 3}), view(codes_t, DType::kFloat8E4M3, {3, 2})); },
+                     "acc and update must have the same shape");
+  expect_value_error([&] { accumulate(xv, out); }, "acc and out must not share memory");
 }
 
 }  // namespace

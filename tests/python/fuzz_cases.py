@@ -531,6 +531,70 @@ def tile_cases():
     yield "dequantize_tiles codes float32", lambda: ops.dequantize_tiles(x, scale_inv, (1, 16)), None, ("x",)
     yield "dequantize_tiles meta scale_inv", lambda: ops.dequantize_tiles(codes, scale_inv.to("meta"), (1, 16)), \
         None, ("scale_inv",)
+    yield from fused_tile_cases()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def fused_tile_cases():
+    """cast_transpose_tiles and scaled_accumulate_tiles: every kind of value, odd and empty shapes,
+    partial tiles, against the quantize_tiles / dequantize_tiles compositions they fuse; bad
+    dtypes, tiles, shapes and devices must be refused."""
+    for dtype, kind, shape, (tile, fmt) in itertools.product(HIGH, KINDS, SHAPES[:6],
+                                                             (((1, 16), E4M3), ((2, 3), E5M2))):
+        x = values(kind, shape, dtype)
+
+        def cast_transpose(x=x, fmt=fmt, tile=tile):
+            return x, ops.cast_transpose_tiles(x, fmt, tile, tile_t=tile[::-1])
+
+        def check_cast_transpose(r, fmt=fmt, tile=tile):
+            x, got = r
+            m = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+            want = (*ops.quantize_tiles(x, fmt, tile), *ops.quantize_tiles(m.t().contiguous(), fmt, tile[::-1]))
+            for name, a, b in zip(("codes", "scale_inv", "codes_t", "scale_inv_t"), got, want):
+                assert same_bits(a, b), (name, a.shape, b.shape)
+
+        def accumulate(update=x, fmt=fmt, tile=tile):
+            if update.dim() == 0:
+                acc, acc_scale_inv = torch.zeros((), dtype=fmt), torch.ones(1, 1)
+            else:
+                acc, acc_scale_inv = ops.quantize_tiles(values("normal", update.shape), fmt, tile)
+            return acc, acc_scale_inv, update, ops.scaled_accumulate_tiles(acc, acc_scale_inv, update, tile)
+
+        def check_accumulate(r, tile=tile):
+            acc, acc_scale_inv, update, (codes, scale_inv) = r
+            sums = ops.dequantize_tiles(acc, acc_scale_inv, tile) + update.float()
+            want_codes, want_scale_inv = ops.quantize_tiles(sums, acc.dtype, tile)
+            assert same_bits(codes, want_codes) and same_bits(scale_inv, want_scale_inv), (codes, want_codes)
+
+        name = f"{dtype}-{kind}-{shape}-{tile}-{fmt}"
+        yield f"cast_transpose_tiles {name}", cast_transpose, (None if shape == () else check_cast_transpose), ("x",)
+        yield f"scaled_accumulate_tiles {name}", accumulate, (None if shape == () else check_accumulate), ("acc",)
+    x = torch.randn(4, 16)
+    for dtype in BAD_DTYPES:
+        yield f"cast_transpose_tiles x {dtype}", \
+            lambda dtype=dtype: ops.cast_transpose_tiles(x.to(dtype), E4M3, (1, 16)), None, ("x",)
+    yield "cast_transpose_tiles dtype float16", lambda: ops.cast_transpose_tiles(x, FP16, (1, 16)), None, ("dtype",)
+    for tile in ((0, 16), (1, -1), (1,), 16, (1.0, 16)):
+        yield f"cast_transpose_tiles tile_t {tile}", \
+            lambda tile=tile: ops.cast_transpose_tiles(x, E4M3, (1, 16), tile_t=tile), None, ("tile_t",)
+    acc, acc_scale_inv = ops.quantize_tiles(x, E4M3, (1, 16))
+    for dtype in BAD_DTYPES:
+        yield f"scaled_accumulate_tiles update {dtype}", \
+            lambda dtype=dtype: ops.scaled_accumulate_tiles(acc, acc_scale_inv, x.to(dtype), (1, 16)), None, ("update",)
+    yield "scaled_accumulate_tiles acc float32", lambda: ops.scaled_accumulate_tiles(x, acc_scale_inv, x, (1, 16)), \
+        None, ("acc",)
+    yield "scaled_accumulate_tiles acc_scale_inv of other tiles", \
+        lambda: ops.scaled_accumulate_tiles(acc, acc_scale_inv, x, (2, 16)), None, ("acc_scale_inv",)
+    yield "scaled_accumulate_tiles update of another shape", \
+        lambda: ops.scaled_accumulate_tiles(acc, acc_scale_inv, x.reshape(16, 4), (1, 16)), None, ("update",)
+    yield "scaled_accumulate_tiles meta acc_scale_inv", \
+        lambda: ops.scaled_accumulate_tiles(acc, acc_scale_inv.to("meta"), x, (1, 16)), None, ("acc_scale_inv",)
+    for tile in ((0, 16), (1,), (1.0, 16)):
+        yield f"scaled_accumulate_tiles tile {tile}", \
+            lambda tile=tile: ops.scaled_accumulate_tiles(acc, acc_scale_inv, x, tile), None, ("tile",)
 
 
 def all_cases() -> list:

@@ -1,0 +1,25 @@
+// The CUDA tile kernels' internal interface between tiles_cuda.cu (the launchers, the any-tile
+// kernel) and tiles_region_cuda.cu (the one-pass kernel of 128 x 128 regions).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fp8amp/dtype.h"
+#include "fp8amp/scaling.h"
+#include "tiles/tiles_kernels.h"
+
+namespace fp8amp {
+namespace cuda {
+
+// Whether quantize_regions takes these tilings: (1, 128) tiles or (128, 128) blocks, the
+// transpose (when written) by the same tiles.
+inline bool region_tiling(const TileShape& t) { return t.is(1, 128) || t.is(128, 128); }
+
+// Quantizes p.x into p.out / p.scale_inv by p.t's tiles and, unless p.out_t is null, its transpose
+// into p.out_t / p.scale_inv_t by p.t_t's (the same tiles), reading x once: one block per 128 x 128
+// region of x. Needs region_tiling(p.t) (and p.t_t.is(p.t.tile_rows, p.t.tile_cols) with out_t).
+void quantize_regions(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe,
+                      cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fp8amp
