@@ -65,8 +65,9 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_in
 //   (128, 128)  a scale per 128 x 128 block (its weight blocks),
 //   (1, c), c >= K, c != 128   rowwise: a scale per row over all of K,
 // and the pair one of (1, 128) x (128, 128), (1, 128) x (1, 128), (128, 128) x (1, 128) or rowwise x
-// rowwise: the pairs cuBLASLt offers (VEC128_32F, BLK128x128_32F, OUTER_VEC_32F). Other tilings
-// and pairs: ValueError naming them and the accepted ones, on every device.
+// rowwise: the pairs cuBLASLt offers (VEC128_32F, BLK128x128_32F, OUTER_VEC_32F). With K <= 128 a
+// rowwise operand beside a tiled one counts as (1, 128) (the same scales). Other tilings and
+// pairs: ValueError naming them and the accepted ones, on every device.
 //
 //   out[m, n] = sum over the K-blocks kb of  a_scale_inv[m / a_tile_rows, kb] * b_scale_inv[n / b_tile_rows, kb]
 //                                           * sum over k in kb of a[m, k] * b[n, k]     (+ bias[n])
@@ -82,7 +83,8 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_in
 // accumulation across blocks, checked against the reference within a bound that follows from it.
 //
 // CUDA: cuBLASLt's scale modes, which it offers for FP8 on Hopper (compute capability 9.x) only;
-// other GPUs, and problems cuBLASLt has no kernel for, get NotImplementedError naming them. The
+// other GPUs, problems cuBLASLt has no kernel for, and (1, 128) scales of a with M % 4 != 0 (their
+// layout's runs would not be 16-byte aligned) get NotImplementedError naming them. The
 // scales are first copied into the layouts cuBLASLt reads (gemm_tiles_scale_bytes of the
 // workspace); the rest of the workspace goes to cuBLASLt.
 struct GemmTilesOptions {

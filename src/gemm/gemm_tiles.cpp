@@ -33,9 +33,11 @@ const char* scaling_name(TileScaling s) {
   return "rowwise";
 }
 
-// The pairs cuBLASLt has scale modes for (gemm.h).
-void check_pair(TileScaling a, TileScaling b) {
+// The pairs cuBLASLt has scale modes for (gemm.h). With K <= 128 a rowwise operand is also one
+// 1 x 128 tile per row (the same [rows, 1] scales), and is taken as such beside a tiled one.
+void resolve_pair(TileScaling& a, TileScaling& b, int64_t k) {
   using S = TileScaling;
+  if (k <= kTileBlock && (a == S::kRowwise) != (b == S::kRowwise)) (a == S::kRowwise ? a : b) = S::kTile1x128;
   const bool rowwise = a == S::kRowwise && b == S::kRowwise;
   const bool tiled = a != S::kRowwise && b != S::kRowwise && !(a == S::kBlock128x128 && b == S::kBlock128x128);
   FP8AMP_CHECK_VALUE(rowwise || tiled, kOp, "a_tile ", scaling_name(a), " with b_tile ", scaling_name(b),
@@ -60,8 +62,9 @@ TileScales check_scales(const TensorView& s, const TensorView& a, int64_t rows, 
 
 size_t gemm_tiles_scale_bytes(int64_t m, int64_t n, int64_t k, int64_t a_tile_rows, int64_t a_tile_cols,
                               int64_t b_tile_rows, int64_t b_tile_cols) {
-  const TileScaling a = tile_scaling(a_tile_rows, a_tile_cols, k, "a_tile");
-  const TileScaling b = tile_scaling(b_tile_rows, b_tile_cols, k, "b_tile");
+  TileScaling a = tile_scaling(a_tile_rows, a_tile_cols, k, "a_tile");
+  TileScaling b = tile_scaling(b_tile_rows, b_tile_cols, k, "b_tile");
+  resolve_pair(a, b, k);
   // Slack for aligning the first copy inside a workspace that is not 256-byte aligned.
   return kScaleCopyAlignment + scale_copy_bytes(cublas_scale_layout(a, m, k)) +
          scale_copy_bytes(cublas_scale_layout(b, n, k));
@@ -71,9 +74,9 @@ void gemm_tiles(const TensorView& a, const TensorView& a_scale_inv, int64_t a_ti
                 const TensorView& b, const TensorView& b_scale_inv, int64_t b_tile_rows, int64_t b_tile_cols,
                 const TensorView* bias, const TensorView& out, const GemmTilesOptions& options, Stream stream) {
   const gemm_checks::Operands ops = gemm_checks::check_operands(a, b, kOp);
-  const TileScaling a_scaling = tile_scaling(a_tile_rows, a_tile_cols, ops.k, "a_tile");
-  const TileScaling b_scaling = tile_scaling(b_tile_rows, b_tile_cols, ops.k, "b_tile");
-  check_pair(a_scaling, b_scaling);
+  TileScaling a_scaling = tile_scaling(a_tile_rows, a_tile_cols, ops.k, "a_tile");
+  TileScaling b_scaling = tile_scaling(b_tile_rows, b_tile_cols, ops.k, "b_tile");
+  resolve_pair(a_scaling, b_scaling, ops.k);
   const TileScales a_scales = check_scales(a_scale_inv, a, ops.m, ops.k, a_tile_rows, a_tile_cols, a_scaling,
                                            "a_scale_inv", "a [M, K]");
   const TileScales b_scales = check_scales(b_scale_inv, a, ops.n, ops.k, b_tile_rows, b_tile_cols, b_scaling,

@@ -147,6 +147,13 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
                "cuBLASLt offers its tile scale modes (VEC128_32F, BLK128x128_32F, OUTER_VEC_32F) for FP8 on Hopper "
                "(compute capability 9.x) only; cuda:", g.device_index, " has ", device.compute_capability / 10, ".",
                device.compute_capability % 10, ". Use per-tensor scaling (fp8amp.ops.gemm) on this GPU");
+  // cuBLASLt reads 1 x 128 scales as runs of M (or N) floats with no stride of their own: runs
+  // start 16-byte aligned only when the rows are a multiple of 4, and whether it pads otherwise is
+  // not documented to us, so such an M is refused rather than risk a wrong result (N already is
+  // a multiple of 16).
+  FP8AMP_CHECK(g.a_scales.scaling != TileScaling::kTile1x128 || g.m % 4 == 0, kNotImplemented, kOp,
+               "cuBLASLt's (1, 128) scales of a need M (the rows of a) to be a multiple of 4 on CUDA, got M = ", g.m,
+               "; pad the rows or use rowwise scaling for this GEMM");
   if (g.k == 0) {
     // The empty sum, as gemm's K == 0: out = bias or 0, whatever the scales hold.
     GemmArgs empty{};

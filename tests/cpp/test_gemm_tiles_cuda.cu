@@ -2,7 +2,8 @@
 // public API: every tiling pair x format pair x output dtype, with and without bias, on shapes
 // with partial tiles in every direction. Each combination must match the reference within the
 // bound of FP32 accumulation below, or be refused with NotImplementedError (kNotImplemented); the
-// log lists which. Skips without a GPU.
+// log lists which (M = 130 checks the refusal of (1, 128) scales of a with M % 4 != 0). Skips
+// without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -194,7 +195,7 @@ TEST(GemmTilesCuda, EveryCombinationMatchesTheReferenceOrIsRefused) {
   REQUIRE_GPU();
   const Tile pairs[][2] = {{{1, 128}, {128, 128}}, {{1, 128}, {1, 128}}, {{128, 128}, {1, 128}}, {{1, 0}, {1, 0}}};
   const DType formats[][2] = {{DType::kFloat8E4M3, DType::kFloat8E4M3}, {DType::kFloat8E5M2, DType::kFloat8E4M3}};
-  const int64_t shapes[][3] = {{256, 512, 384}, {130, 144, 272}, {1, 16, 128}};
+  const int64_t shapes[][3] = {{256, 512, 384}, {132, 144, 272}, {4, 16, 128}, {130, 144, 272}};
   int supported = 0, refused = 0;
   for (const auto& shape : shapes) {
     for (const auto& pair : pairs) {
