@@ -9,6 +9,7 @@ import warnings as _warnings
 from . import ops
 from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP16, FP16_MAX, format_max
 from .scaling import ScalingRecipe, ScalingState, fresh_scaling_if_missing
+from .recipes import RECIPES, Recipe
 from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .master_weight import MasterWeight
@@ -36,6 +37,8 @@ __all__ = [
     "Fp8Conv1D",
     "ScaledTensor",
     "MasterWeight",
+    "Recipe",
+    "RECIPES",
     "ScalingRecipe",
     "ScalingState",
     "fresh_scaling_if_missing",

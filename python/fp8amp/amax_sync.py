@@ -109,8 +109,10 @@ def _check_ranks_agree(group, device: torch.device, states: list[ScalingState]) 
 
 def delayed_states(model: nn.Module) -> list[ScalingState]:
     """The delayed-scaling states of ``model``'s Fp8Linears (inputs, output gradients), in module
-    order: what :func:`fp8amp.update_scaling` reduces and updates."""
-    return [s for m in model.modules() if isinstance(m, Fp8Linear) for s in (m.input_scaling, m.grad_output_scaling)]
+    order: what :func:`fp8amp.update_scaling` reduces and updates. Layers of a tiled recipe
+    (rowwise, blockwise: current scaling per tile) have none in use."""
+    return [s for m in model.modules() if isinstance(m, Fp8Linear) and not m.recipe.tiled
+            for s in (m.input_scaling, m.grad_output_scaling)]
 
 
 def _reducing(states: Iterable[ScalingState]):

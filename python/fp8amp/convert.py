@@ -40,8 +40,9 @@ from .convert_policy import (
     _decide_auto,
     _decision,
 )
-from .linear import Fp8Conv1D, Fp8Linear, fp8_linear_supported, is_hf_conv1d
-from .scaling import ScalingRecipe, update_states
+from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d
+from .recipes import resolve_recipe
+from .scaling import update_states
 
 __all__ = [
     "convert",
@@ -69,6 +70,8 @@ class ConversionReport:
     policy: str
     tokens: int
     min_speedup: float
+    #: The recipe's kind ("tensorwise", "rowwise", "blockwise").
+    recipe: str = "tensorwise"
     decisions: list[LayerDecision] = field(default_factory=list)
 
     @property
@@ -81,7 +84,8 @@ class ConversionReport:
         return [d for d in self.decisions if not d.converted]
 
     def __str__(self) -> str:
-        head = (f"fp8amp.convert(policy={self.policy!r}, tokens={self.tokens}, min_speedup={self.min_speedup}): "
+        head = (f"fp8amp.convert(policy={self.policy!r}, recipe={self.recipe!r}, tokens={self.tokens}, "
+                f"min_speedup={self.min_speedup}): "
                 f"{len(self.converted)} of {len(self.decisions)} Linear layers converted")
         return "\n".join([head] + [f"  {d}" for d in self.decisions])
 
@@ -92,7 +96,7 @@ def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     return model.__dict__.get("_fp8amp_conversion_report")
 
 
-def _check_convert_args(model, module_filter_fn, recipe, optimizer, policy, tokens, min_speedup, timer) -> None:
+def _check_convert_args(model, module_filter_fn, optimizer, policy, tokens, min_speedup, timer) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
     if module_filter_fn is not None and not callable(module_filter_fn):
@@ -101,14 +105,14 @@ def _check_convert_args(model, module_filter_fn, recipe, optimizer, policy, toke
         raise TypeError(f"convert: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"convert: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r}")
-    _check_policy_args(recipe, tokens, min_speedup, timer)
+    _check_policy_args(tokens, min_speedup, timer)
 
 
 def convert(
     model: nn.Module,
     *,
     module_filter_fn: Optional[ModuleFilter] = None,
-    recipe: Optional[ScalingRecipe] = None,
+    recipe: RecipeArg = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
     policy: str = "auto",
     tokens: int = DEFAULT_TOKENS,
@@ -125,7 +129,12 @@ def convert(
         module_filter_fn: ``(module, fully_qualified_name) -> bool``; a Linear is converted only
             if this returns True. Linears whose in/out features are not multiples of 16 (cuBLASLt's
             FP8 rule) are always left as they are.
-        recipe: the delayed-scaling recipe of the new layers (default ``ScalingRecipe()``).
+        recipe: how the new layers scale their FP8 operands (docs/tiles.md#recipes):
+            ``"tensorwise"`` (default: one scale per tensor, delayed scaling), ``"rowwise"``,
+            ``"blockwise"``, an :class:`fp8amp.Recipe`, or an :class:`fp8amp.ScalingRecipe`
+            (tensorwise with that history, margin and scale rule). A Linear whose shape the
+            recipe cannot take (blockwise: in/out features not multiples of 128) is left as it
+            is, with the reason in the report.
         optimizer: if given, :func:`update_scaling` runs after each of its ``step()`` calls, so the
             training loop needs no extra line.
         policy: ``"auto"`` (default): on a CUDA device, convert a Linear only if one forward +
@@ -142,12 +151,13 @@ def convert(
             used on every device (CPU included), so the policy can be tried with made-up timings.
 
     Raises:
-        ValueError: an unknown ``policy`` (the message names the accepted ones), ``tokens`` < 1,
+        ValueError: an unknown ``policy`` or ``recipe`` (the message names the accepted ones), ``tokens`` < 1,
             a ``min_speedup`` that is not a positive finite number.
         TypeError: an argument of the wrong type.
     """
-    _check_convert_args(model, module_filter_fn, recipe, optimizer, policy, tokens, min_speedup, timer)
-    report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup))
+    _check_convert_args(model, module_filter_fn, optimizer, policy, tokens, min_speedup, timer)
+    recipe = resolve_recipe(recipe, "convert")
+    report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind)
     model_in = model
 
     # Which Linears, and where a timing is needed.
@@ -173,12 +183,12 @@ def convert(
     for parent, child_name, fqn, linear in candidates:
         if id(linear) in decisions:  # a Linear reachable under two names is decided once
             continue
-        if not fp8_linear_supported(linear.in_features, linear.out_features):
-            decisions[id(linear)] = _decision(fqn, linear, False, "in/out features not multiples of 16 (cuBLASLt FP8)")
+        if (why := recipe.unsupported_reason(linear.in_features, linear.out_features)) is not None:
+            decisions[id(linear)] = _decision(fqn, linear, False, why)
         elif module_filter_fn is not None and not bool(module_filter_fn(getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")
         elif policy == "all":
-            decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'")
+            decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'" + _recipe_note(recipe))
         else:
             decisions[id(linear)] = None
             to_time.append((fqn, linear))
@@ -208,6 +218,10 @@ def convert(
     if optimizer is not None:
         register_scaling_hooks(model, optimizer)
     return model
+
+
+def _recipe_note(recipe) -> str:
+    return "" if recipe.kind == "tensorwise" else f", recipe {recipe}"
 
 
 def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .linear import Fp8Linear, fp8_linear_supported
-from .scaling import ScalingRecipe
+from .linear import Fp8Linear, RecipeArg
+from .recipes import Recipe, resolve_recipe
 
 __all__ = [
     "LayerDecision",
@@ -40,7 +40,7 @@ Timer = Callable[[nn.Module, int], float]
 DEFAULT_TOKENS = 8192
 DEFAULT_MIN_SPEEDUP = 1.05
 
-# (timer, device, in_features, out_features, bias, dtype, tokens) -> (nn.Linear s, Fp8Linear s)
+# (timer, device, in_features, out_features, bias, dtype, tokens, recipe) -> (nn.Linear s, Fp8Linear s)
 _TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 
@@ -98,11 +98,9 @@ def clear_timing_cache() -> None:
     _TIMINGS.clear()
 
 
-def _check_policy_args(recipe, tokens, min_speedup, timer) -> None:
+def _check_policy_args(tokens, min_speedup, timer) -> None:
     """The arguments of the timing, for convert and decide alike (named after convert, whose
-    arguments they are)."""
-    if recipe is not None and not isinstance(recipe, ScalingRecipe):
-        raise TypeError(f"convert: recipe must be a ScalingRecipe, got {type(recipe).__name__}")
+    arguments they are; the recipe is resolved by each)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int):
         raise TypeError(f"convert: tokens must be an int, got {type(tokens).__name__}")
     if tokens < 1:
@@ -115,9 +113,10 @@ def _check_policy_args(recipe, tokens, min_speedup, timer) -> None:
         raise TypeError("convert: timer must be a callable (module, tokens) -> seconds")
 
 
-def _timing_key(linear: nn.Linear, tokens: int, timer: Optional[Timer]) -> tuple:
+def _timing_key(linear: nn.Linear, tokens: int, timer: Optional[Timer], recipe: Recipe) -> tuple:
     w = linear.weight
-    return (timer, str(w.device), linear.in_features, linear.out_features, linear.bias is not None, w.dtype, tokens)
+    return (timer, str(w.device), linear.in_features, linear.out_features, linear.bias is not None, w.dtype, tokens,
+            recipe)
 
 
 def _untimed_reason(device: torch.device) -> Optional[str]:
@@ -143,7 +142,7 @@ def _decide_auto(to_time, decisions, tokens, min_speedup, timer, recipe) -> None
         if timer is None and (why := _untimed_reason(device)):
             decisions[id(linear)] = _decision(fqn, linear, False, why)
             continue
-        key = _timing_key(linear, tokens, timer)
+        key = _timing_key(linear, tokens, timer, recipe)
         if key not in measured:
             if key not in _TIMINGS:
                 _TIMINGS[key] = _time_pair(linear, tokens, timer or cuda_event_timer, recipe)
@@ -152,7 +151,7 @@ def _decide_auto(to_time, decisions, tokens, min_speedup, timer, recipe) -> None
     for fqn, linear in to_time:
         if decisions[id(linear)] is not None:
             continue
-        t_linear, t_fp8 = measured[_timing_key(linear, tokens, timer)]
+        t_linear, t_fp8 = measured[_timing_key(linear, tokens, timer, recipe)]
         speedup = t_linear / t_fp8 if t_fp8 > 0 else float("inf")
         converted = speedup >= min_speedup
         reason = (f"FP8 {speedup:.2f}x as fast as BF16 ({t_fp8 * 1e3:.3f} vs {t_linear * 1e3:.3f} ms per fwd+bwd "
@@ -174,7 +173,7 @@ def _agree_across_ranks(measured: dict) -> dict:
     return dict(zip(keys, values[0]))
 
 
-def _time_pair(linear: nn.Linear, tokens: int, timer: Timer, recipe: Optional[ScalingRecipe]) -> tuple[float, float]:
+def _time_pair(linear: nn.Linear, tokens: int, timer: Timer, recipe: Recipe) -> tuple[float, float]:
     """(nn.Linear seconds, Fp8Linear seconds) of fresh layers shaped like ``linear``; the global
     RNG states (CPU and the layer's GPU) are as they were before."""
     w = linear.weight
@@ -250,15 +249,16 @@ def decide(
     tokens: int = DEFAULT_TOKENS,
     min_speedup: float = DEFAULT_MIN_SPEEDUP,
     timer: Optional[Timer] = None,
-    recipe: Optional[ScalingRecipe] = None,
+    recipe: RecipeArg = None,
 ) -> LayerDecision:
     """What ``convert(policy="auto", ...)`` would decide for ``linear`` (timing it if needed, with
     the same cache), without converting anything."""
     if not isinstance(linear, nn.Linear) or isinstance(linear, Fp8Linear):
         raise TypeError(f"decide: linear must be an nn.Linear (not yet converted), got {type(linear).__name__}")
-    _check_policy_args(recipe, tokens, min_speedup, timer)
-    if not fp8_linear_supported(linear.in_features, linear.out_features):
-        return _decision("", linear, False, "in/out features not multiples of 16 (cuBLASLt FP8)")
+    _check_policy_args(tokens, min_speedup, timer)
+    recipe = resolve_recipe(recipe, "decide")
+    if (why := recipe.unsupported_reason(linear.in_features, linear.out_features)) is not None:
+        return _decision("", linear, False, why)
     decisions = {id(linear): None}
     _decide_auto([("", linear)], decisions, tokens, float(min_speedup), timer, recipe)
     return decisions[id(linear)]

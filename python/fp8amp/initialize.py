@@ -34,10 +34,9 @@ from torch import nn
 from . import optim as fp8_optim
 from .convert import ModuleFilter, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
-from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy
+from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
-from .scaling import ScalingRecipe
 
 __all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
 
@@ -55,7 +54,7 @@ def initialize(
     opt_level: str = "O1",
     *,
     module_filter_fn: Optional[ModuleFilter] = None,
-    recipe: Optional[ScalingRecipe] = None,
+    recipe: RecipeArg = None,
     weight_grad: str = "fp8",
     policy: str = "auto",
     tokens: int = DEFAULT_TOKENS,
@@ -70,7 +69,10 @@ def initialize(
             ``None``; build an :class:`fp8amp.optim.AdamW` over ``model.parameters()`` later).
         opt_level: ``"O1"`` or ``"O2"`` (docs/o1_o2.md#optimization-levels's table).
         module_filter_fn: ``(module, fully_qualified_name) -> bool``, which Linears to convert.
-        recipe: the delayed-scaling recipe of the Fp8Linear layers.
+        recipe: how the Fp8Linear layers scale their FP8 operands, as :func:`fp8amp.convert`
+            takes it: ``"tensorwise"`` (default), ``"rowwise"``, ``"blockwise"`` or an
+            :class:`fp8amp.Recipe` (docs/tiles.md#recipes). Under the tiled recipes the masters
+            carry no E4M3 copy: each forward quantizes the master with tile scales.
         weight_grad: ``"fp8"`` (docs/o1_o2.md#optimization-levels: E4M3 ScaledTensor gradients, 1 byte per element,
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
             (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
@@ -193,6 +195,8 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                              "values only (docs/numerics.md#non-finite-values)")
         with torch.no_grad():
             master = MasterWeight.from_tensor(param.detach())
+            if all(m.recipe.tiled for m, _ in owners):  # its per-tensor E4M3 copy would go unread
+                master.drop_fp8_copy()
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
             setattr(module, name, master)

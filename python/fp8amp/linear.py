@@ -24,20 +24,22 @@ count is padded with zero rows to a multiple of 16 when needed (zero rows change
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast, gemm
-from .formats import E4M3, E5M2
+from .formats import E4M3
+from .linear_common import fp8_weight_grad, output_dtype, pad_rows
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
+from .recipes import Recipe, resolve_recipe
 from .scaling import ScalingRecipe, ScalingState
+from .tiled_linear import TiledLinearFunction
 
 __all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d"]
 
@@ -49,17 +51,18 @@ def fp8_linear_supported(in_features: int, out_features: int) -> bool:
     return in_features % _ALIGN == 0 and out_features % _ALIGN == 0 and in_features > 0 and out_features > 0
 
 
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
+#: What ``recipe=`` takes: a name of :data:`fp8amp.recipes.RECIPES`, a Recipe, a ScalingRecipe (tensorwise), None.
+RecipeArg = Union[None, str, Recipe, ScalingRecipe]
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    rows = t.shape[0]
-    pad = -rows % _ALIGN
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
+def _recipe_for(caller: str, recipe: RecipeArg, in_features: int, out_features: int) -> Recipe:
+    """The resolved recipe, if it can take a Linear of this shape (else ValueError saying why)."""
+    recipe = resolve_recipe(recipe, caller)
+    why = recipe.unsupported_reason(in_features, out_features)
+    if why is not None:
+        raise ValueError(f"{caller}: in_features ({in_features}) and out_features ({out_features}): {why}; keep "
+                         "this layer as nn.Linear")
+    return recipe
 
 
 def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
@@ -84,13 +87,6 @@ def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_s
     amax = torch.zeros(1, dtype=torch.float32, device=codes.device)  # required output, unused
     _, transposed, _ = fast.cast_transpose(codes, master_scale_inv * copy_scale, amax, E4M3)
     return transposed
-
-
-def _fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
-    """The weight gradient as an E4M3 ScaledTensor with a current scale (docs/architecture.md#fp8linear-dataflow): an amax pass
-    and a quantize pass; a non-finite gradient reads as NaN (an E4M3 code cannot hold inf), so
-    GradScaler and the optimizer see it."""
-    return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)
 
 
 @dataclass(frozen=True)
@@ -122,12 +118,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fp8_weight_grad: bool,
         record_amax: bool,
     ) -> torch.Tensor:
-        out_dtype = _output_dtype(x)
+        out_dtype = output_dtype(x)
         # Host time: no reshape / pad / slice ops where the input is 2-D with aligned rows.
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
         padded = rows % _ALIGN != 0
-        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(_pad_rows(x2d) if padded else x2d,
+        x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(pad_rows(x2d, _ALIGN) if padded else x2d,
                                                                    record=record_amax)
         w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
@@ -160,7 +156,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         two_d = grad_output.dim() == 2
         dy2d = grad_output if two_d else grad_output.reshape(-1, grad_output.shape[-1])
         padded = ctx.rows % _ALIGN != 0
-        dy_in = _pad_rows(dy2d) if padded else dy2d
+        dy_in = pad_rows(dy2d, _ALIGN) if padded else dy2d
         grad_x = grad_weight = grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # The bias gradient from the same pass over dY (padding rows are zeros: they add nothing).
@@ -182,7 +178,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # bf16 autocast half the bytes of float32 for the GEMM to write and for the current
             # scaling to read twice, before the E4M3 rounding (2^-4) that dwarfs bf16's (2^-9).
             grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.output_dtype)
-            real, grad_weight = grad_weight, _fp8_weight_grad(grad_weight, ctx.weight_dtype)
+            real, grad_weight = grad_weight, fp8_weight_grad(grad_weight, ctx.weight_dtype)
             if recording:
                 cast_recorder.record(ctx.grad_output_scaling, "weight_grad", real, grad_weight.codes, grad_weight.scale_inv)
         elif ctx.needs_input_grad[1]:
@@ -229,13 +225,9 @@ class Fp8Linear(nn.Linear):
         device=None,
         dtype=None,
         *,
-        recipe: Optional[ScalingRecipe] = None,
+        recipe: RecipeArg = None,
     ) -> None:
-        if not fp8_linear_supported(in_features, out_features):
-            raise ValueError(
-                f"Fp8Linear: in_features ({in_features}) and out_features ({out_features}) must be positive "
-                f"multiples of {_ALIGN} (cuBLASLt FP8 GEMM rule); keep this layer as nn.Linear"
-            )
+        recipe = _recipe_for("Fp8Linear", recipe, in_features, out_features)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
@@ -257,22 +249,21 @@ class Fp8Linear(nn.Linear):
             raise TypeError(f"Fp8Linear.use_master: the weight must be a MasterWeight, got {type(self.weight).__name__}")
         self.master = master
 
-    def _add_scaling_states(self, recipe: Optional[ScalingRecipe], device) -> None:
-        self.input_scaling = ScalingState(1, E4M3, recipe, device=device)
-        self.weight_scaling = ScalingState(1, E4M3, recipe, device=device)
-        self.grad_output_scaling = ScalingState(1, E5M2, recipe, device=device)
+    def _add_scaling_states(self, recipe: Recipe, device) -> None:
+        # The tiled recipes keep the states too (unused): the state dict has the same keys
+        # whatever the recipe, so a checkpoint loads across recipes.
+        self.recipe = recipe
+        self.input_scaling = ScalingState(1, E4M3, recipe.scaling, device=device)
+        self.weight_scaling = ScalingState(1, E4M3, recipe.scaling, device=device)
+        self.grad_output_scaling = ScalingState(1, recipe.grad_format, recipe.scaling, device=device)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Optional[ScalingRecipe] = None) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, recipe: RecipeArg = None) -> "Fp8Linear":
         """Wraps an existing ``nn.Linear``, sharing its parameter objects (an optimizer built on
         the old module keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Fp8Linear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
-        if not fp8_linear_supported(linear.in_features, linear.out_features):
-            raise ValueError(
-                f"Fp8Linear.from_linear: in_features ({linear.in_features}) and out_features "
-                f"({linear.out_features}) must be positive multiples of {_ALIGN}"
-            )
+        recipe = _recipe_for("Fp8Linear.from_linear", recipe, linear.in_features, linear.out_features)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features = linear.in_features
@@ -297,9 +288,13 @@ class Fp8Linear(nn.Linear):
         master = self.master
         if master is not None:
             self._check_master(master)
+        fp8_grad = True if master is None else master.fp8_weight_grad
+        if self.recipe.tiled:
+            return TiledLinearFunction.apply(x, self._out_in_weight(), self.bias, self.recipe, self.input_scaling,
+                                             self.grad_output_scaling, fp8_grad)
         return _Fp8LinearFunction.apply(
             x, self._out_in_weight(), self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
-            True if master is None else master.fp8_weight_grad,
+            fp8_grad,
             self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
 
@@ -363,7 +358,9 @@ class Fp8Linear(nn.Linear):
         return self.weight
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", fp8=e4m3/e5m2"
+        if not self.recipe.tiled and self.recipe.grad_format == E5M2:
+            return super().extra_repr() + ", fp8=e4m3/e5m2"
+        return super().extra_repr() + f", recipe={self.recipe}"
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -386,14 +383,12 @@ class Fp8Conv1D(Fp8Linear):
     conv1d_type: type
 
     @classmethod
-    def from_conv1d(cls, conv: nn.Module, recipe: Optional[ScalingRecipe] = None) -> "Fp8Conv1D":
+    def from_conv1d(cls, conv: nn.Module, recipe: RecipeArg = None) -> "Fp8Conv1D":
         """Wraps an existing Conv1D, sharing its parameter objects."""
         if not is_hf_conv1d(conv):
             raise TypeError(f"Fp8Conv1D.from_conv1d: conv must be a transformers Conv1D, got {type(conv).__name__}")
         in_features, out_features = conv.weight.shape
-        if not fp8_linear_supported(in_features, out_features):
-            raise ValueError(f"Fp8Conv1D.from_conv1d: in ({in_features}) and out ({out_features}) features must be "
-                             f"positive multiples of {_ALIGN}")
+        recipe = _recipe_for("Fp8Conv1D.from_conv1d", recipe, in_features, out_features)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = in_features, out_features

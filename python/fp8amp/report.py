@@ -16,6 +16,11 @@ per tensor it quantizes:
 - ``nonfinite`` (elements), ``amax`` (over finite elements), ``scale`` (the last one used) and
   ``warming_up`` (delayed states still on current scaling).
 
+Under the rowwise and blockwise recipes (docs/tiles.md#recipes) each element is judged against
+its own tile's scale, so ``saturated`` and ``underflow`` count per tile; ``scale`` is then the
+smallest tile scale of the last call (the outliers' tile), and ``warming_up`` is empty (every tile
+is current-scaled).
+
 Statistics are summed on the device as the steps run and read back once, when the block exits.
 They cost a few passes over every recorded tensor (float32 copies included), so the report is a
 diagnostic to run for a step or two, not to leave on.
@@ -121,7 +126,8 @@ class NumericsReport:
                 total[:_AMAX] += stats[:_AMAX]
                 total[_AMAX] = torch.maximum(total[_AMAX], stats[_AMAX])
             calls = self._last[key][2] + 1 if key in self._last else 1
-            self._last[key] = (codes.dtype, scale_inv.detach().reshape(()).clone(), calls)
+            # One scale, or (tile scales spread over the elements) the smallest of them.
+            self._last[key] = (codes.dtype, scale_inv.detach().amax(), calls)
 
     def _finish(self) -> None:
         if not self._sums:
@@ -132,8 +138,9 @@ class NumericsReport:
         keys = list(self._sums)
         states = {}
         for name, m in self._layers:
-            states[(name, "input")] = m.input_scaling
-            states[(name, "grad_output")] = m.grad_output_scaling
+            if not m.recipe.tiled:  # the tiled recipes' states are unused
+                states[(name, "input")] = m.input_scaling
+                states[(name, "grad_output")] = m.grad_output_scaling
         device = self._sums[keys[0]].device
         nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
 

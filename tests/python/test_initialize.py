@@ -536,11 +536,13 @@ def test_module_to_device_keeps_masters():
 @functools.lru_cache(maxsize=None)
 def _gpt_loss(mode: str) -> float:
     """``mode``: bf16, fp8, O1 or O2; a "-fp8act" suffix adds fp8amp.save_activations_in_fp8, and
-    then "-compile" compiles each block (Inductor), where the context stores inside the graphs."""
+    then "-compile" compiles each block (Inductor), where the context stores inside the graphs;
+    a "-blockwise" suffix trains with the blockwise recipe (docs/tiles.md#recipes)."""
     from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
     compiled = mode.endswith("-compile")
-    level = mode.removesuffix("-compile").removesuffix("-fp8act")
+    recipe = "blockwise" if mode.endswith("-blockwise") else None
+    level = mode.removesuffix("-blockwise").removesuffix("-compile").removesuffix("-fp8act")
     saved_tensors_hooks = fp8amp.save_activations_in_fp8() if "-fp8act" in mode else None
     data = load_text_bytes(max_bytes=4 << 20)
     cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, d_model=256)
@@ -548,7 +550,7 @@ def _gpt_loss(mode: str) -> float:
     model = GPT(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     if level in ("O1", "O2"):
-        model, opt = fp8amp.initialize(model, opt, level, policy="all")  # small layers: convert anyway
+        model, opt = fp8amp.initialize(model, opt, level, policy="all", recipe=recipe)  # small layers: convert anyway
     elif level == "fp8":  # FP8 compute only: fp32 weights, torch's AdamW
         fp8amp.convert(model, optimizer=opt, policy="all")
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == (0 if level == "bf16" else 4 * cfg.n_layer)
@@ -567,7 +569,7 @@ def _gpt_loss(mode: str) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", ["fp8", "O1", "O2", "O2-fp8act", "O2-fp8act-compile"])
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2", "O2-fp8act", "O2-fp8act-compile", "O2-blockwise"])
 def test_small_gpt_loss_matches_bf16(level):
     bf16, fp8 = _gpt_loss("bf16"), _gpt_loss(level)
     assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)

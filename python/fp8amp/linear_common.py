@@ -1,0 +1,34 @@
+"""What both of Fp8Linear's autograd Functions share (per-tensor scaling in linear.py, tile
+scaling in tiled_linear.py): the output dtype, the padding of the token rows, and the E4M3 weight
+gradient of O1/O2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .formats import E4M3
+from .scaled_tensor import ScaledTensor
+
+__all__ = ["output_dtype", "pad_rows", "fp8_weight_grad"]
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on, else ``x``'s dtype."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` [rows, cols] with zero rows appended up to a multiple of ``multiple``."""
+    pad = -t.shape[0] % multiple
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
+    """The weight gradient as an E4M3 ScaledTensor with a current scale
+    (docs/architecture.md#fp8linear-dataflow): an amax pass and a quantize pass; a non-finite
+    gradient reads as NaN (an E4M3 code cannot hold inf), so GradScaler and the optimizer see it."""
+    return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)
