@@ -68,9 +68,21 @@ def collective_rank(rank: int, world: int) -> dict:
     return out
 
 
+def two_rank_runs(rank: int) -> dict:
+    """Everything the 2-rank tests need, in one spawn of the processes."""
+    return dict(collective=collective_rank(rank, 2), fsdp=fsdp_runs(rank))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_on_ranks(two_rank_runs, 2)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def collective(request):
-    return request.param, run_on_ranks(collective_rank, request.param, request.param)
+    if request.param == 2:
+        return 2, [r["collective"] for r in request.getfixturevalue("two_ranks")]
+    return 3, run_on_ranks(collective_rank, 3, 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -136,15 +148,10 @@ def fsdp_runs(rank: int) -> dict:
     return {(fp8, accumulate): fsdp_rank(rank, fp8, accumulate) for fp8 in (True, False) for accumulate in (False, True)}
 
 
-@pytest.fixture(scope="module")
-def fsdp_results():
-    return run_on_ranks(fsdp_runs, 2)
-
-
 @pytest.mark.parametrize("accumulate", [False, True], ids=["step", "accumulate"])
-def test_fsdp2_o2_fp8_reduce_scatter_within_fp8_precision_and_ranks_identical(fsdp_results, accumulate):
-    fp8 = [r[True, accumulate] for r in fsdp_results]
-    fp32 = [r[False, accumulate] for r in fsdp_results]
+def test_fsdp2_o2_fp8_reduce_scatter_within_fp8_precision_and_ranks_identical(two_ranks, accumulate):
+    fp8 = [r["fsdp"][True, accumulate] for r in two_ranks]
+    fp32 = [r["fsdp"][False, accumulate] for r in two_ranks]
     for r8, r32 in zip(fp8, fp32):
         for name, g32 in r32["grads"].items():
             g8 = r8["grads"][name]
