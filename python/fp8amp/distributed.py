@@ -22,12 +22,17 @@ amax, so every rank quantizes with the same scales. Two methods:
   headroom that keeps the FP8 partial sums from saturating; its error grows with N. A backend that
   cannot reduce float8 (gloo) raises a ValueError naming the methods.
 
-The algorithm, the headroom derivation, the error bound of each method and the measurements are
-in docs/distributed.md ("Algorithm", "Scales and headroom", "Accuracy: which method").
+The local work around the collectives is the comm kernels (``fp8amp.ops.comm_quantize``: the
+bucket into the send buffer with the shared scales; ``fp8amp.ops.comm_sum_shards``: the received
+copies summed in FP32, divided, requantized or written in the bucket's dtype). The algorithm, the
+headroom derivation, the error bound of each method and the measurements are in
+docs/distributed.md ("Algorithm", "FP8 communication kernels", "Scales and headroom", "Accuracy:
+which method").
 
 Non-finite gradients: an inf or NaN anywhere in a bucket on any rank makes that rank's amax
 ``+inf`` before the MAX all-reduce (NaN is mapped to inf first: a MAX reduction need not propagate
-NaN; gloo's does not), so every rank sees a non-finite ``A`` and writes NaN into its whole bucket.
+NaN; gloo's does not), so every rank sees a non-finite ``A``, comm_quantize makes every scale_inv
+of the bucket NaN, and every rank writes NaN into its whole bucket.
 GradScaler's ``unscale_`` then finds it, and fp8amp's optimizer skips the step, on every rank.
 
 No host synchronization: amaxes, scales and the non-finite flag stay on the device; the shard
