@@ -1,6 +1,6 @@
-"""FP8 gradient all-reduce (fp8amp.distributed, docs/distributed.md#design) against BF16 and FP32 all-reduce, on 2 GPUs.
+"""FP8 gradient all-reduce (fp8amp.distributed) and FP8 reduce-scatter (fp8amp.fsdp) against BF16 and FP32, on 2 GPUs.
 
-For buckets of a few sizes (default 2^20 .. 2^29 elements; docs/distributed.md#design measured 537M = 2^29) it
+For buckets of a few sizes (default 2^24 .. 2^29 elements; docs/distributed.md#design measured 537M = 2^29) it
 times, per call, on every rank (the table shows the slowest rank's median):
 
     fp32 all_reduce            dist.all_reduce of the float32 bucket (DDP's default, raw)
@@ -8,11 +8,18 @@ times, per call, on every rank (the table shows the slowest rank's median):
     bf16 compress              cast the bucket to bf16, all_reduce, cast back, divide
                                (torch's bf16_compress_hook: the fair end-to-end competitor)
     fp8 all_to_all             fp8amp's hook, method "all_to_all", end to end (amax, MAX all-reduce,
-                               quantize, uint8 all-to-all, FP32 sum, requantize, uint8 all-gather,
-                               dequantize)
-    fp8 native                 fp8amp's hook, method "native", end to end (NCCL only)
+                               comm_quantize into the send buffer, uint8 all-to-all, comm_sum_shards:
+                               FP32 sum + requantize, uint8 all-gather, dequantize)
+    fp8 native                 fp8amp's hook, method "native", end to end (NCCL only; comm_quantize,
+                               float8 all_reduce, comm_sum_shards: dequantize + divide)
     uint8 a2a + all_gather     the two uint8 collectives alone (docs/distributed.md#design's 1.97 ms at 2^29)
     fp8 native all_reduce      dist.all_reduce of a float8_e4m3fn tensor alone (docs/distributed.md#design's 1.75 ms)
+    fp32 / bf16 reduce_scatter dist.reduce_scatter_tensor (AVG) of the bucket as FSDP2 does it (raw; the bf16
+                               one on a bf16 copy)
+    fp8 reduce_scatter         fp8amp.fsdp.fp8_reduce_scatter, end to end (amax of each chunk, MAX
+                               all-reduce, comm_quantize, uint8 all-to-all, comm_sum_shards into the
+                               output); its accuracy against the exact mean of this rank's chunk
+    uint8 all_to_all           the FP8 reduce-scatter's collective alone
 
 "sent/rank" is the bytes one rank puts on the wire (fp8amp.distributed.wire_bytes: ring
 all-reduce 2 (N-1)/N of the payload; the FP8 methods include the amax all-reduce and the scales).
@@ -43,6 +50,7 @@ import torch.multiprocessing as mp
 
 import fp8amp
 from fp8amp import distributed as fd
+from fp8amp.fsdp import fp8_reduce_scatter
 from _common import markdown_table, report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,7 +70,7 @@ def parse_sizes(text: str) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help="bucket sizes in elements (default: 2^20,2^24,2^27,2^29 on cuda; 2^16,2^20 on cpu)")
+                   help="bucket sizes in elements (default: 2^24,2^26,2^27,2^28,2^29 on cuda; 2^16,2^20 on cpu)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per method and size (median)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl on cuda, gloo on cpu")
@@ -75,7 +83,7 @@ def parse_args(argv=None):
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.sizes is None:
-        args.sizes = [2**20, 2**24, 2**27, 2**29] if args.device == "cuda" else [2**16, 2**20]
+        args.sizes = [2**24, 2**26, 2**27, 2**28, 2**29] if args.device == "cuda" else [2**16, 2**20]
     if args.iters < 1 or args.tensors < 1 or args.nproc < 1:
         p.error("--iters, --tensors and --nproc must be positive")
     if args.backend == "nccl" and args.device != "cuda":
@@ -174,6 +182,33 @@ def run(args) -> None:
         gathered = torch.empty_like(send)
         shard = torch.zeros(L, dtype=torch.uint8, device=device)
 
+        # The reduce-scatter: the bucket (padded to N equal chunks) in, this rank's chunk out.
+        rs_in32 = torch.zeros(world * L, dtype=torch.float32, device=device)
+        rs_in32[:n] = x32
+        rs_in16 = rs_in32.to(torch.bfloat16)
+        rs_out32 = torch.empty(L, dtype=torch.float32, device=device)
+        rs_out16 = torch.empty(L, dtype=torch.bfloat16, device=device)
+        rs_exact = None
+        if exact is not None:
+            rs_exact = torch.zeros(world * L, dtype=torch.float64, device=device)
+            rs_exact[:n] = exact
+            rs_exact = rs_exact[rank * L:(rank + 1) * L]
+        avg = dist.ReduceOp.AVG if args.backend == "nccl" else dist.ReduceOp.SUM  # gloo has no AVG
+
+        def reduce_scatter(out, inp):
+            dist.reduce_scatter_tensor(out, inp, op=avg)
+            if avg == dist.ReduceOp.SUM:
+                out.div_(world)
+            return out
+
+        def fp8_rs():
+            fp8_reduce_scatter(rs_out32, rs_in32, divisor=float(world))
+            return rs_out32
+
+        # Ring reduce-scatter: (N-1)/N of the payload; FP8 adds the chunks' amax all-reduce.
+        rs_bytes = {"fp32": (world - 1) * L * 4, "bf16": (world - 1) * L * 2,
+                    "fp8": (world - 1) * L + 2 * (world - 1) * 4 * world // world}
+
         def bf16_compress(buf=x):
             t = buf.to(torch.bfloat16, copy=True)
             dist.all_reduce(t)
@@ -194,8 +229,12 @@ def run(args) -> None:
             ("fp8 native all_reduce (comm only)",
              (lambda: dist.all_reduce(codes.view(fp8amp.E4M3))) if native_ok else None, None,
              2 * (world - 1) * n // world),
+            ("bf16 reduce_scatter", lambda: reduce_scatter(rs_out16, rs_in16), None, rs_bytes["bf16"]),
+            ("fp32 reduce_scatter", lambda: reduce_scatter(rs_out32, rs_in32), None, rs_bytes["fp32"]),
+            ("fp8 reduce_scatter", fp8_rs, fp8_rs, rs_bytes["fp8"]),
+            ("uint8 all_to_all (comm only)", lambda: dist.all_to_all_single(recv, send), None, (world - 1) * L),
         ]
-        bf16_time = None
+        bf16_time = bf16_rs_time = None
         for name, fn, full, nbytes in methods:
             if fn is None:
                 rows.append([f"{n:,}", name, f"{nbytes / 1e6:.4g}", f"n/a ({why_no_native})", "", "", ""])
@@ -203,22 +242,28 @@ def run(args) -> None:
             t = slowest(timer(fn), device)
             if name == "bf16 all_reduce":
                 bf16_time = t
+            if name == "bf16 reduce_scatter":
+                bf16_rs_time = t
+            reduce_scatters = "reduce_scatter" in name or name.startswith("uint8 all_to_all")
             rms = worst = ""
             if full is not None and exact is not None:
-                r, w = accuracy(full(), exact)
+                r, w = accuracy(full(), rs_exact if reduce_scatters else exact)
                 rms, worst = f"{r:.2e}", f"{w:.2e}"
-            rel = f"{t / bf16_time:.2f}x" if bf16_time else ""
+            base = bf16_rs_time if reduce_scatters else bf16_time
+            rel = f"{t / base:.2f}x" if base else ""
             rows.append([f"{n:,}", name, f"{nbytes / 1e6:.4g}", f"{t * 1e3:.3f}", rel, rms, worst])
         methods = None  # the closures hold this size's buffers
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
         where = (f"{world} x {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"{world} CPU processes")
-        text = (f"## FP8 gradient all-reduce vs BF16/FP32 ({where}, backend {args.backend}, "
+        text = (f"## FP8 gradient all-reduce and reduce-scatter vs BF16/FP32 ({where}, backend {args.backend}, "
                 f"torch {torch.__version__}"
                 + (f", NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if args.backend == "nccl" else "")
                 + f", bucket {args.dtype}, {args.tensors} gradient(s) per bucket, median of {args.iters})\n\n")
-        text += markdown_table(["elements", "method", "sent/rank (MB)", "time (ms)", "vs bf16 all_reduce",
+        text += ("The reduce-scatter rows compare with the bf16 reduce_scatter, the others with the bf16 "
+                 "all_reduce.\n\n")
+        text += markdown_table(["elements", "method", "sent/rank (MB)", "time (ms)", "vs bf16 (same collective)",
                                 "rel. RMS error", "max err / max|mean|"], rows)
         report("comm", text)
 

@@ -22,12 +22,17 @@ amax, so every rank quantizes with the same scales. Two methods:
   headroom that keeps the FP8 partial sums from saturating; its error grows with N. A backend that
   cannot reduce float8 (gloo) raises a ValueError naming the methods.
 
-The algorithm, the headroom derivation, the error bound of each method and the measurements are
-in docs/distributed.md ("Algorithm", "Scales and headroom", "Accuracy: which method").
+The local work around the collectives is the comm kernels (``fp8amp.ops.comm_quantize``: the
+bucket into the send buffer with the shared scales; ``fp8amp.ops.comm_sum_shards``: the received
+copies summed in FP32, divided, requantized or written in the bucket's dtype). The algorithm, the
+headroom derivation, the error bound of each method and the measurements are in
+docs/distributed.md ("Algorithm", "FP8 communication kernels", "Scales and headroom", "Accuracy:
+which method").
 
 Non-finite gradients: an inf or NaN anywhere in a bucket on any rank makes that rank's amax
 ``+inf`` before the MAX all-reduce (NaN is mapped to inf first: a MAX reduction need not propagate
-NaN; gloo's does not), so every rank sees a non-finite ``A`` and writes NaN into its whole bucket.
+NaN; gloo's does not), so every rank sees a non-finite ``A``, comm_quantize makes every scale_inv
+of the bucket NaN, and every rank writes NaN into its whole bucket.
 GradScaler's ``unscale_`` then finds it, and fp8amp's optimizer skips the step, on every rank.
 
 No host synchronization: amaxes, scales and the non-finite flag stay on the device; the shard
@@ -63,9 +68,6 @@ NATIVE_BACKENDS = ("nccl",)
 #: Unit roundoff (half an ulp, relative) and half the smallest subnormal of each format.
 UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 HALF_MIN_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
-
-# The segments are quantized with the scale computed just before (no warm-up counter).
-_DELAYED = dict(warmup_counter=None, warmup_steps=0, margin=0, pow2_scale=True)
 
 @dataclass
 class FP8CommState:
@@ -116,7 +118,9 @@ class _Layout:
     to ``N L``); ``pieces[k]`` = ``(start, end, i)`` of every non-empty intersection of shard k
     with gradient i, ``start``/``end`` relative to the shard, in order; ``first[k]`` the index of
     the first gradient in shard k (pieces of a shard are consecutive gradients);
-    ``max_pieces`` = the most pieces in a shard (the scale slots each shard carries).
+    ``max_pieces`` = the most pieces in a shard (the scale slots each shard carries);
+    ``bounds`` the gradients' offsets and ``n`` (comm_sum_shards' pieces over the whole bucket);
+    ``shard_bounds[k]`` those of shard k's pieces, relative to the shard.
     """
 
     n: int
@@ -125,6 +129,8 @@ class _Layout:
     L: int
     pieces: tuple
     max_pieces: int
+    bounds: tuple
+    shard_bounds: tuple
 
 
 def _make_layout(numels: tuple, world: int) -> _Layout:
@@ -143,7 +149,10 @@ def _make_layout(numels: tuple, world: int) -> _Layout:
             if a < b:
                 shard.append((a - lo, b - lo, i))
         pieces.append(tuple(shard))
-    return _Layout(n, world, tuple(segments), L, tuple(pieces), max(1, max(len(p) for p in pieces)))
+    bounds = tuple(o for o, _ in segments) + (n,)
+    shard_bounds = tuple(tuple(a for a, _, _ in p) + (p[-1][1],) if p else () for p in pieces)
+    return _Layout(n, world, tuple(segments), L, tuple(pieces), max(1, max(len(p) for p in pieces)), bounds,
+                   shard_bounds)
 
 
 def _layout(state: FP8CommState, numels: tuple, world: int) -> _Layout:
@@ -197,18 +206,14 @@ def _side_stream(state: FP8CommState, device: torch.device):
     return torch.cuda.stream(stream)
 
 
-def _shared_scales(state, segs, fmax_eff, group):
-    """Steps 1-3: per-gradient amax, MAX all-reduce, power-of-two scales; and the non-finite flag."""
-    device = segs[0].device
-    amax = torch.zeros(len(segs), dtype=torch.float32, device=device)
+def _shared_amax(segs, group) -> torch.Tensor:
+    """Steps 1-2: the per-gradient amax, MAX all-reduced (NaN sent as inf: a MAX need not propagate
+    NaN, gloo's does not)."""
+    amax = torch.zeros(len(segs), dtype=torch.float32, device=segs[0].device)
     ops.multi_amax(segs, amax)
-    amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
+    amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    bad = torch.isinf(amax).any()
-    scale = torch.ones_like(amax)
-    scale_inv = torch.ones_like(amax)
-    ops.compute_scale(amax, scale, scale_inv, fmax_eff)
-    return amax, scale, scale_inv, bad
+    return amax
 
 
 def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch.Tensor:
@@ -231,75 +236,50 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     layout = _layout(state, numels, world)
     fmt, fmax = state.fmt, format_max(state.fmt)
     segs = [buf[o:o + c] for o, c in layout.segments]
+    amax = _shared_amax(segs, group)
 
-    # Each dequantized result is preallocated and written whole by one multi_dequantize into views
-    # of it: no torch.cat of separate outputs, no zero-fill (docs/distributed.md counts the bytes
-    # moved per element, before and after).
+    # The local work is the comm kernels (fp8amp.ops.comm_quantize, comm_sum_shards): the scales,
+    # the quantize into the send buffer, and the sum of the received copies with the division and
+    # the requantize, each one pass (docs/distributed.md counts the bytes). A non-finite amax makes
+    # every scale_inv NaN, so the whole bucket comes out NaN on every rank.
     if state.method == "native":
         u = UNIT_ROUNDOFF[fmt]
-        fmax_eff = fmax / (world * (1.0 + u) ** max(world - 2, 0))
-        amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax_eff, group)
         codes = torch.empty(layout.n, dtype=fmt, device=buf.device)
-        code_segs = [codes[o:o + c] for o, c in layout.segments]
-        fast.multi_quantize(segs, code_segs, scale, amax, **_DELAYED)
+        scale_inv = fast.comm_quantize(segs, amax, fmax / (world * (1.0 + u) ** max(world - 2, 0)), codes)
         try:
             _native_fp8_all_reduce(codes, group)
         except RuntimeError as e:
             raise ValueError(f"{where}: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); use "
                              f"method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
-        scale_inv = torch.where(bad, torch.nan, scale_inv)
-        total = torch.empty(layout.n, dtype=torch.float32, device=buf.device)
-        fast.multi_dequantize(code_segs, scale_inv, [total[o:o + c] for o, c in layout.segments])
-        if buf.dtype == torch.float32:
-            return total.div_(world)
-        # The float32 quotient rounded into the bucket's dtype as the division writes it (on CUDA, in
-        # the same kernel): the bits of div_ then .to(), one pass fewer.
-        return torch.div(total, world, out=torch.empty(layout.n, dtype=buf.dtype, device=buf.device))
+        mean = torch.empty(layout.n, dtype=buf.dtype, device=buf.device)
+        fast.comm_sum_shards(codes.view(1, layout.n), scale_inv, layout.bounds, float(world), mean)
+        return mean
 
-    # method "all_to_all"
-    amax, scale, scale_inv, bad = _shared_scales(state, segs, fmax, group)
+    # method "all_to_all". The send buffer's padding (the bucket's tail up to N L) is zeroed by
+    # comm_quantize and a payload's by hand: sent but never decoded, it is defined all the same, so
+    # that no stale memory of this process goes to the other ranks and the bytes sent are
+    # deterministic (compute-sanitizer's initcheck has nothing to report).
     L, P = layout.L, layout.max_pieces
     rank = dist.get_rank(group)
-    # Padding (here the bucket's tail up to N L, below a payload's tail after its last piece and its
-    # unused scale slots) is sent but never dequantized; it is zeroed all the same, a few bytes, so
-    # that the wire carries defined bytes: no stale memory of this process goes to the other ranks,
-    # the bytes sent are deterministic, and compute-sanitizer's initcheck has nothing to report.
     send = torch.empty(world * L, dtype=torch.uint8, device=buf.device)
-    send[layout.n:].zero_()
-    send8 = send.view(fmt)
-    fast.multi_quantize(segs, [send8[o:o + c] for o, c in layout.segments], scale, amax, **_DELAYED)
+    scale_inv = fast.comm_quantize(segs, amax, fmax, send.view(fmt))
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
 
-    # Rank `rank` owns shard `rank`: dequantize the N copies, sum in rank order, divide by N.
-    recv8 = recv.view(fmt)
+    # Rank `rank` owns shard `rank`: the N copies summed in rank order, divided by N, each piece
+    # (the part of one gradient in the shard) requantized with its own scale; the scales travel
+    # after the codes.
     mine = layout.pieces[rank]
-    shard_len = mine[-1][1] if mine else 0
     payload = torch.empty(L + 4 * P, dtype=torch.uint8, device=buf.device)
-    payload[shard_len:].zero_()
+    shard_len = mine[-1][1] if mine else 0
+    payload[shard_len:L].zero_()
+    payload[L + 4 * len(mine):].zero_()
     if mine:
         first = mine[0][2]
-        piece_scale_inv = scale_inv[first:first + len(mine)]
-        # Copy j of the shard into row j. Rows of L elements, as the copies lie in recv: a piece's
-        # codes and its row are then aligned alike, for the kernel's vector loads and stores.
-        copies = torch.empty(world, L, dtype=torch.float32, device=buf.device)
-        fast.multi_dequantize([recv8[j * L + a:j * L + b] for j in range(world) for a, b, _ in mine],
-                          piece_scale_inv.repeat(world), [copies[j, a:b] for j in range(world) for a, b, _ in mine])
-        shard_mean = copies[0, :shard_len]  # rank 0's copy, + rank 1's, ...: the sum in rank order
-        for j in range(1, world):
-            shard_mean.add_(copies[j, :shard_len])
-        shard_mean.div_(world)
-        # Requantize each piece with its own current scale; the scales travel after the codes.
-        mean_pieces = [shard_mean[a:b] for a, b, _ in mine]
-        amax2 = torch.zeros(len(mine), dtype=torch.float32, device=buf.device)
-        ops.multi_amax(mean_pieces, amax2)
-        scale2 = torch.ones_like(amax2)
-        scale_inv2 = torch.ones_like(amax2)
-        ops.compute_scale(amax2, scale2, scale_inv2, fmax)
-        payload8 = payload[:L].view(fmt)
-        scale_inv2 = fast.multi_quantize(mean_pieces, [payload8[a:b] for a, b, _ in mine], scale2, amax2,
-                                         **_DELAYED)
-        payload[L:L + 4 * len(mine)].copy_(scale_inv2.view(torch.uint8))
+        mean_scale_inv, _ = fast.comm_sum_requantize(recv.view(fmt).view(world, L), scale_inv[first:first + len(mine)],
+                                                     layout.shard_bounds[rank], float(world),
+                                                     payload[:shard_len].view(fmt))
+        payload[L:L + 4 * len(mine)].copy_(mean_scale_inv.view(torch.uint8))
     gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=buf.device)
     dist.all_gather_into_tensor(gathered, payload, group=group)
 
@@ -313,8 +293,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
             xs.extend(codes_k[a:b] for a, b, _ in layout.pieces[k])
             outs.extend(mean[k * L + a:k * L + b] for a, b, _ in layout.pieces[k])
             sinv.append(scales[k, :len(layout.pieces[k])])
-    sinv = torch.where(bad, torch.nan, torch.cat(sinv))
-    fast.multi_dequantize(xs, sinv, outs)
+    fast.multi_dequantize(xs, torch.cat(sinv), outs)
     return mean
 
 

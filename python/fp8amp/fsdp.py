@@ -19,19 +19,32 @@ O1/O2 masters (:class:`~fp8amp.MasterWeight`) take the same all-gather through M
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: both kinds of weight share
 :func:`fp8amp.master_weight.pre_all_gather` and :func:`~fp8amp.master_weight.post_all_gather`
 (docs/distributed.md, "FSDP2").
+
+:func:`enable_fp8_reduce_scatter` (after ``fully_shard``; not the default) makes FSDP2
+reduce-scatter the gradients in FP8 instead of its ``reduce_dtype``: :func:`fp8_reduce_scatter`,
+an all-to-all of E4M3 (or E5M2) codes with one shared scale per destination shard, summed in
+float32 by each receiving rank (docs/distributed.md, "FP8 reduce-scatter under FSDP2").
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp as torch_fsdp
 from torch.utils._pytree import tree_map_only
 
+from .distributed import FORMATS, _shared_amax
+from .formats import E4M3, HIGH_PRECISION_DTYPES, format_max
 from .linear import Fp8Linear
 from .master_weight import post_all_gather, pre_all_gather
+from .ops import fast
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather"]
+__all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather", "Fp8ReduceScatter", "enable_fp8_reduce_scatter",
+           "fp8_reduce_scatter"]
 
 _aten = torch.ops.aten
 
@@ -133,3 +146,116 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
         module.weight = nn.Parameter(Fp8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
         count += 1
     return count
+
+
+# ---------------------------------------------------------------------------- FP8 reduce-scatter
+
+
+def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
+                       fmt: torch.dtype = E4M3, divisor: float = 1.0) -> None:
+    """``output`` <- this rank's shard of the sum over ``group`` of ``input``, divided by ``divisor``,
+    with FP8 codes on the wire (``dist.reduce_scatter_tensor``'s contract: ``input`` holds N
+    consecutive chunks of ``output.numel()`` elements, rank k receives the sum of every rank's
+    chunk k).
+
+    1. the amax of each chunk, MAX all-reduced (N floats; NaN sent as inf): every rank quantizes
+       chunk k with the same power-of-two scale;
+    2. ``fp8amp.ops.comm_quantize`` of the N chunks into one FP8 send buffer;
+    3. ``all_to_all_single`` of the codes (1 byte an element; any backend);
+    4. ``fp8amp.ops.comm_sum_shards``: the N received copies of this rank's chunk decoded, summed in
+       float32 in rank order and divided, written into ``output`` (its dtype: float32, bfloat16 or
+       float16).
+
+    Error: one FP8 rounding of each contribution (relative 2^-4 for E4M3, plus the underflow of
+    values below the chunk's scale's subnormals) and the float32 sum. A non-finite value anywhere in
+    any rank's input makes every rank's whole output NaN. ``input`` and ``output`` of one dtype.
+    """
+    where = "fp8amp.fsdp.fp8_reduce_scatter"
+    if fmt not in FORMATS:
+        raise ValueError(f"{where}: fmt must be one of {', '.join(map(str, FORMATS))}; got {fmt!r}")
+    if input.dtype not in HIGH_PRECISION_DTYPES or output.dtype != input.dtype:
+        raise ValueError(f"{where}: input and output must share one dtype of "
+                         f"{', '.join(map(str, HIGH_PRECISION_DTYPES))}; got {input.dtype} and {output.dtype}")
+    world = dist.get_world_size(group)
+    n = output.numel()
+    if input.numel() != world * n:
+        raise ValueError(f"{where}: input must hold world size ({world}) x output.numel() ({n}) elements; got "
+                         f"{input.numel()}")
+    if not (input.is_contiguous() and output.is_contiguous()):
+        raise ValueError(f"{where}: input and output must be contiguous")
+    if n == 0:
+        return
+    chunks = list(input.view(world, n).unbind(0))
+    amax = _shared_amax(chunks, group)
+    send = torch.empty(world * n, dtype=torch.uint8, device=input.device)
+    scale_inv = fast.comm_quantize(chunks, amax, format_max(fmt), send.view(fmt))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    rank = dist.get_rank(group)
+    fast.comm_sum_shards(recv.view(fmt).view(world, n), scale_inv[rank:rank + 1], (0, n), float(divisor),
+                         output.view(-1))
+
+
+class Fp8ReduceScatter:
+    """FSDP2's reduce-scatter as :func:`fp8_reduce_scatter` (``FSDPModule.set_custom_reduce_scatter``;
+    :func:`enable_fp8_reduce_scatter` installs it). It has the methods of torch's ``ReduceScatter``
+    comm interface (``allocate`` and the call), which torch does not export publicly.
+
+    FSDP2 passes ``op`` SUM, or AVG (the mean: the default for float32 and bfloat16), after it has
+    copied the module's unsharded gradients into ``input`` in its ``reduce_dtype``; other ops
+    (``set_gradient_divide_factor`` with a factor other than the world size makes a PREMUL_SUM) are
+    refused by name.
+
+    Args:
+        fmt: ``fp8amp.E4M3`` (default) or ``fp8amp.E5M2``.
+    """
+
+    def __init__(self, fmt: torch.dtype = E4M3) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"fp8amp.fsdp.Fp8ReduceScatter: fmt must be one of {', '.join(map(str, FORMATS))}; "
+                             f"got {fmt!r}")
+        self.fmt = fmt
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op,
+                 async_op: bool = False):
+        if op == dist.ReduceOp.SUM:
+            divisor = 1.0
+        elif op == dist.ReduceOp.AVG:
+            divisor = float(dist.get_world_size(group))
+        else:
+            raise ValueError(f"fp8amp.fsdp.Fp8ReduceScatter: FSDP2 asked for reduce op {op}; the FP8 reduce-scatter "
+                             "does SUM and AVG (leave set_gradient_divide_factor unset, or set it to the world size)")
+        fp8_reduce_scatter(output_tensor, input_tensor, group, fmt=self.fmt, divisor=divisor)
+        return None  # done: the collectives above ran synchronously on the current stream
+
+
+def enable_fp8_reduce_scatter(model: nn.Module, fmt: torch.dtype = E4M3) -> int:
+    """Makes FSDP2 reduce-scatter the gradients of every ``fully_shard``-ed module of ``model`` in FP8
+    (:class:`Fp8ReduceScatter`), instead of in its ``reduce_dtype``; returns how many modules.
+
+    Call it after ``fully_shard`` (each block, then the model). Off by default: without it FSDP2
+    reduce-scatters in float32 (or ``MixedPrecisionPolicy.reduce_dtype``). It needs a torch whose
+    ``FSDPModule`` has ``set_custom_reduce_scatter``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: no module of ``model`` is ``fully_shard``-ed, or ``fmt`` is not E4M3 or E5M2.
+        NotImplementedError: this torch's FSDP2 has no ``set_custom_reduce_scatter``.
+    """
+    where = "fp8amp.fsdp.enable_fp8_reduce_scatter"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
+    comm = Fp8ReduceScatter(fmt)
+    if not hasattr(torch_fsdp.FSDPModule, "set_custom_reduce_scatter"):
+        raise NotImplementedError(f"{where}: torch {torch.__version__}'s FSDP2 has no "
+                                  "FSDPModule.set_custom_reduce_scatter, through which the FP8 reduce-scatter plugs "
+                                  "in; its gradients stay reduce-scattered in reduce_dtype (use a newer torch)")
+    sharded = [m for m in model.modules() if isinstance(m, torch_fsdp.FSDPModule)]
+    if not sharded:
+        raise ValueError(f"{where}: no module of model is fully_shard-ed; call it after fully_shard")
+    for module in sharded:
+        module.set_custom_reduce_scatter(comm)
+    return len(sharded)

@@ -171,8 +171,7 @@ def reference_mean(xs: list, sizes, fmt, method: str) -> torch.Tensor:
     docstring written out plainly in one process, with the single-tensor cast ops, one gradient (or
     piece of a shard) and one rank at a time, every intermediate a tensor of its own. ``xs``: every
     rank's flat bucket, finite. Method "native" sums the codes with fp8_ring_sum (its emulated
-    NCCL SUM); the division by N is a float32 division, as on the CPU (on CUDA torch multiplies
-    by 1 / N, which is the same only for N a power of two)."""
+    NCCL SUM); the division by N is a float32 division, as the comm kernels do it on both devices."""
     world, dtype, n = len(xs), xs[0].dtype, xs[0].numel()
     offsets = list(itertools.accumulate(sizes, initial=0))
     segments = list(zip(offsets[:-1], offsets[1:]))
@@ -492,8 +491,8 @@ def test_hook_single_gradient_and_fewer_elements_than_ranks(run):
 def test_hook_equals_plain_reference_bit_for_bit(run, method, fmt, dtype):
     """The hook's fused local work (multi-tensor ops into preallocated views, the rank-order sum in
     place) gives the very bits of reference_mean, the algorithm written out plainly; "native" with
-    the emulated FP8 SUM, whose rounding the reference knows. (On CUDA the division by N is a
-    product with 1 / N, the same bits as the reference's division for the nccl2 setup's N = 2.)"""
+    the emulated FP8 SUM, whose rounding the reference knows. (The division by N is an IEEE
+    division in the comm kernels on both devices, as the reference's on the CPU.)"""
     world, _, res = run
     key = ("hook", fmt, dtype) if method == "all_to_all" else ("native_emulated", fmt, dtype)
     expected = reference_mean([synth(r, SIZES, dtype) for r in range(world)], SIZES, fmt, method)

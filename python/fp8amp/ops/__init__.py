@@ -7,11 +7,12 @@ the argument). None reads device values on the host, so all of them trace under
 ``torch.compile(fullgraph=True)`` and never sync. fp8amp's own hot loops call
 :mod:`fp8amp.ops.fast` (the overloads resolved once, unchecked) with arguments checked where they
 entered fp8amp. The modules mirror the core's op families: cast, scaling, gemm (and gemm_tiles), accumulate, optim,
-tiles.
+tiles, comm.
 """
 
 from . import fast
 from ._accumulate import scaled_accumulate
+from ._comm import comm_quantize, comm_sum_shards
 from ._cast import (amax, cast_transpose, cast_transpose_dbias, dequantize, multi_amax, multi_dequantize,
                     multi_quantize, quantize, quantize_current)
 from ._gemm import bias_dtype, gemm, gemm_accumulate, gemm_autotune_enabled, gemm_autotune_stats, set_gemm_autotune
@@ -46,5 +47,7 @@ __all__ = [
     "dequantize_tiles",
     "cast_transpose_tiles",
     "scaled_accumulate_tiles",
+    "comm_quantize",
+    "comm_sum_shards",
     "fast",
 ]

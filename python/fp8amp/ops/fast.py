@@ -1,6 +1,6 @@
 """The trusted fast path: the core's op overloads, resolved once.
 
-For fp8amp's own hot loops (the scaling state, Fp8Linear, the optimizer, the FP8 all-reduce),
+For fp8amp's own hot loops (the scaling state, Fp8Linear, the optimizer, the FP8 all-reduce and reduce-scatter),
 whose arguments are checked where they enter fp8amp: a ``torch.ops`` attribute lookup and
 overload resolution per call would be host time on every step. Each takes the schema's
 positional arguments (``torch.ops.fp8amp.<name>`` documents them) and checks nothing in Python;
@@ -33,3 +33,6 @@ quantize_tiles = lib.quantize_tiles.default
 dequantize_tiles = lib.dequantize_tiles.default
 cast_transpose_tiles = lib.cast_transpose_tiles.default
 scaled_accumulate_tiles = lib.scaled_accumulate_tiles.default
+comm_quantize = lib.comm_quantize.default
+comm_sum_shards = lib.comm_sum_shards.default
+comm_sum_requantize = lib.comm_sum_requantize.default
