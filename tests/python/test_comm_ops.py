@@ -64,7 +64,7 @@ def test_comm_quantize_a_non_finite_amax_makes_every_scale_inv_nan():
     out = torch.empty(16, dtype=E4M3)
     scale_inv = ops.comm_quantize(xs, amax, 448.0, out)
     assert scale_inv.isnan().all()
-    assert out.view(torch.uint8)[8 + 3] == 0x7E  # inf at the fallback scale 1: saturated, decoded as NaN anyway
+    assert out.view(torch.uint8)[8 + 3] == 0x7F  # an inf is coded as NaN (docs/numerics.md#non-finite-values)
 
 
 def chain_sum(codes, scale_inv, bounds, divisor, out_dtype):
