@@ -49,7 +49,7 @@ from .convert_policy import (
     step_rule_applies,
 )
 from .linear import Fp8Conv1D, Fp8Linear, fp8_linear_supported, is_hf_conv1d
-from .scaling import ScalingRecipe, update_states
+from .scaling import ScalingRecipe, ScalingState, update_states
 
 __all__ = [
     "convert",
@@ -241,11 +241,20 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step
     (:func:`fp8amp.amax_sync.start_amax_reduction`)."""
+    # The states are found once a step, by the pre-hook, and updated by the post-hook: one walk of
+    # the module tree a step (host time in every step's hot loop), not two.
+    step_states: list[ScalingState] = []
+
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
-        start_amax_reduction(delayed_states(model))
+        step_states[:] = delayed_states(model)
+        start_amax_reduction(step_states)
+
+    def update(*_) -> None:
+        _update_states(step_states if step_states else delayed_states(model))
+        step_states.clear()
 
     optimizer.register_step_pre_hook(start)
-    optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    optimizer.register_step_post_hook(update)
 
 
 class _Conv1DShape:
@@ -265,7 +274,10 @@ def update_scaling(model: nn.Module) -> None:
     ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
     (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
     the group must call it."""
-    states = delayed_states(model)
+    _update_states(delayed_states(model))
+
+
+def _update_states(states: list[ScalingState]) -> None:
     with torch.no_grad():
         reduce_amaxes(states)
         update_states(states)
