@@ -1,52 +1,23 @@
-"""What one O2 training step of a small GPT issues, counted on the CPU
-(docs/benchmarks.md#where-a-small-models-step-goes): fp8amp op calls, the other ops fp8amp's own code issues, and walks of the module tree. Each is a
-fixed cost per Linear or per step that does not shrink with the model, so a change that adds one
-fails here."""
+"""What one O2 training step of a small GPT issues, counted on the CPU with
+benchmarks/count_step_ops.py's counter (docs/benchmarks.md#where-a-small-models-step-goes): fp8amp
+op calls, the other ops fp8amp's own code issues, and walks of the module tree. Each is a fixed
+cost per Linear or per step that does not shrink with the model, so a change that adds one fails
+here."""
 
 import collections
 import os
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
-PACKAGE = os.path.dirname(fp8amp.__file__)
-# Ops that launch nothing on a GPU: views, metadata, the wrapper's detach.
-NO_LAUNCH = {"view", "_unsafe_view", "detach", "transpose", "t", "as_strided", "alias", "unbind", "empty",
-             "empty_strided", "slice", "select", "expand", "reshape", "split", "split_with_sizes"}
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
+from count_step_ops import CountOps  # noqa: E402
 
-class CountOps(TorchDispatchMode):
-    """Every op dispatched (the top level: what runs under a ScaledTensor's own dispatch is not
-    seen), by name, and by the fp8amp source file that issued it."""
-
-    def __init__(self):
-        super().__init__()
-        self.fp8amp_ops = collections.Counter()
-        self.from_package = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace, name = func.namespace, func._opname
-        if namespace == "fp8amp":
-            self.fp8amp_ops[name] += 1
-        elif name not in NO_LAUNCH:
-            frame = _innermost_package_frame()
-            if frame is not None:
-                self.from_package[(name, frame)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _innermost_package_frame():
-    f = sys._getframe(2)
-    while f is not None:
-        path = f.f_code.co_filename
-        if path.startswith(PACKAGE) and not path.endswith("testing.py"):
-            return os.path.basename(path)
-        f = f.f_back
-    return None
+LINEARS, BIASED = 8, 4  # 2 blocks of qkv, proj (no bias), fc1, fc2
 
 
 def small_o2_gpt():
@@ -59,39 +30,41 @@ def small_o2_gpt():
     data = batches(load_text_bytes(max_bytes=1 << 20), 2, cfg.seq_len)
     for _ in range(3):  # past the warm-up of history_len steps
         train_step(model, optimizer, *next(data))
+    assert sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules()) == LINEARS
+    assert sum(isinstance(m, fp8amp.Fp8Linear) and m.bias is not None for m in model.modules()) == BIASED
     return model, optimizer, data
 
 
-def test_fp8amp_ops_a_step():
+def counted_step():
     model, optimizer, data = small_o2_gpt()
-    linears = sum(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())
-    biased = sum(isinstance(m, fp8amp.Fp8Linear) and m.bias is not None for m in model.modules())
-    assert (linears, biased) == (8, 4)
     count = CountOps()
     with count:
         train_step(model, optimizer, *next(data))
+    return count
+
+
+def test_fp8amp_ops_a_step():
+    count = counted_step()
     # a Linear: forward input cast + transpose, GEMM; backward weight transpose (from the master's
     # codes), output-gradient cast + transpose (with the bias gradient where there is a bias), two
     # GEMMs, the weight gradient's current-scaled cast. A step: one scaling update per format, one
     # fused optimizer call.
-    assert count.fp8amp_ops == {
-        "cast_transpose": 2 * linears + (linears - biased), "cast_transpose_dbias": biased, "gemm": 3 * linears,
-        "quantize_current": linears, "multi_update_delayed_scaling": 2, "adam_step": 1}
-    assert sum(count.fp8amp_ops.values()) == 7 * linears + 3
+    assert count.fp8amp == {
+        "cast_transpose": 2 * LINEARS + (LINEARS - BIASED), "cast_transpose_dbias": BIASED, "gemm": 3 * LINEARS,
+        "quantize_current": LINEARS, "multi_update_delayed_scaling": 2, "adam_step": 1}
+    assert sum(count.fp8amp.values()) == 7 * LINEARS + 3
 
 
 def test_other_ops_fp8amp_issues_a_step():
-    model, optimizer, data = small_o2_gpt()
-    count = CountOps()
-    with count:
-        train_step(model, optimizer, *next(data))
-    by_file = collections.Counter()
-    for (name, where), n in count.from_package.items():
-        by_file[where] += n
-    # linear.py: per Linear the backward's scale product and amax scratch of the weight transpose
-    # (2 x 8), per biased Linear the bias cast to the GEMM's dtype (4); optim.py: 3 for the whole
-    # step (the skip flag, the masters' scales, the step counters).
-    assert dict(by_file) == {"linear.py": 2 * 8 + 4, "optim.py": 3}, count.from_package
+    by_issuer = collections.Counter()
+    for (_, issuer), n in counted_step().launches.items():
+        by_issuer[issuer] += n
+    # linear.py: per Linear the backward's scale product and amax scratch of the weight transpose,
+    # per biased Linear the bias cast to the GEMM's dtype; optim.py: 3 for the whole step (the
+    # skip flag, the masters' scales, the step counters).
+    assert by_issuer["linear.py"] == 2 * LINEARS + BIASED
+    assert by_issuer["optim.py"] == 3
+    assert set(by_issuer) == {"linear.py", "optim.py", "model"}
 
 
 def test_one_walk_of_the_modules_a_step():
