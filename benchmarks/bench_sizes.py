@@ -176,12 +176,30 @@ def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: 
     return result
 
 
-def free_memory(device: torch.device) -> None:
+def free_memory(device: torch.device, reset_dynamo: bool) -> None:
+    """The last model's memory back. Dynamo is reset only between widths: within one, the modes
+    whose blocks trace to the same graph (O1, O2 and the default policy above the crossover; BF16
+    and the default below it) reuse the compiled code, which keeps the whole run short."""
     gc.collect()
-    torch._dynamo.reset()
-    gc.collect()
+    if reset_dynamo:
+        torch._dynamo.reset()
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def crossover_rows(results: dict[tuple[int, int], dict[str, Result]]) -> str:
+    """The O2 rows in the form of fp8amp.convert_policy.STEP_CROSSOVER."""
+    lines = []
+    for (d, tokens), by_mode in results.items():
+        ratios = []
+        for key in ("o2", "o2-compile"):
+            r, base = by_mode.get(key), by_mode.get(baseline_of(key))
+            ok = r is not None and base is not None and r.step_seconds and base.step_seconds
+            ratios.append(f"{base.step_seconds / r.step_seconds:.2f}" if ok else "None")
+        if ratios != ["None", "None"]:
+            lines.append(f"    ({d}, {tokens}, {ratios[0]}, {ratios[1]}),")
+    return "\n".join(lines)
 
 
 def baseline_of(key: str) -> str:
@@ -282,12 +300,16 @@ def main() -> None:
             print(f"  d {d}, {tokens} tokens, {MODES[key].label}: "
                   f"{f'{r.step_seconds * 1e3:.2f} ms' if r.step_seconds else r.failure} "
                   f"[{time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
-            free_memory(device)  # the next mode's model may not fit beside this one's (d 4096)
+            free_memory(device, reset_dynamo=False)  # the next mode's model may not fit beside this one's (d 4096)
+        free_memory(device, reset_dynamo=True)
 
     text = (f"GPT training step across widths on {where}, torch {torch.__version__}: seq {SEQ_LEN} (or the token "
             f"count if smaller), AdamW(fused), autocast bfloat16 on CUDA, compile per block; {args.warmup} warm-up "
             f"+ {args.steps} timed steps, median; {time.perf_counter() - start:.0f} s in all\n\n"
             f"{tables(results, args.modes)}\n")
+    rows = crossover_rows(results)
+    if rows:
+        text += f"\nO2 rows for fp8amp.convert_policy.STEP_CROSSOVER (d, tokens, eager, compiled):\n\n{rows}\n"
     report("sizes", text)
 
 
