@@ -243,15 +243,15 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     (:func:`fp8amp.amax_sync.start_amax_reduction`)."""
     # The states are found once a step, by the pre-hook, and updated by the post-hook: one walk of
     # the module tree a step (host time in every step's hot loop), not two.
-    step_states: list[ScalingState] = []
+    found: dict[str, list[ScalingState]] = {}
 
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
-        step_states[:] = delayed_states(model)
-        start_amax_reduction(step_states)
+        found["states"] = delayed_states(model)
+        start_amax_reduction(found["states"])
 
     def update(*_) -> None:
-        _update_states(step_states if step_states else delayed_states(model))
-        step_states.clear()
+        states = found.pop("states", None)
+        _update_states(delayed_states(model) if states is None else states)
 
     optimizer.register_step_pre_hook(start)
     optimizer.register_step_post_hook(update)

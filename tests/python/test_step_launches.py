@@ -79,3 +79,16 @@ def test_one_walk_of_the_modules_a_step():
     model.modules = counting_modules
     train_step(model, optimizer, *next(data))
     assert len(walks) == 1  # the optimizer hooks' pre-hook finds the states, the post-hook reuses them
+
+
+def test_one_walk_a_step_also_without_fp8_layers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))  # 8: not a multiple of 16, stays nn.Linear
+    optimizer = torch.optim.AdamW(model.parameters())
+    fp8amp.convert(model, optimizer=optimizer)
+    walks = []
+    modules = model.modules
+    model.modules = lambda: walks.append(1) or modules()
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    assert len(walks) == 1
