@@ -154,3 +154,21 @@ def test_initialize_above_the_crossover_adds_no_note(monkeypatch):
     report = conversion_report(model)
     assert report.step.fp8 and report.notes == [] and len(report.converted) == 4
     assert all(isinstance(layer.weight, fp8amp.MasterWeight) for layer in model[0])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_small_gpt_stays_in_bf16_and_a_wide_one_is_judged_per_layer():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9 or newer")
+    from fp8amp.testing import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    small = GPT(GPTConfig(seq_len=256, n_layer=2, n_head=4, d_model=256)).cuda()
+    small, optimizer = fp8amp.initialize(small, torch.optim.AdamW(small.parameters()), "O2", tokens=8192)
+    report = conversion_report(small)
+    assert report.step is not None and not report.step.fp8 and not report.converted, report
+    assert "O2: the optimizer states of every parameter still take the level's formats" in str(report)
+    wide = fp8amp.convert(gpt_blocks(4096, n=1, device="cuda"), tokens=16384)
+    report = conversion_report(wide)
+    assert report.step.fp8, report
+    assert all(d.linear_seconds is not None for d in report.decisions), report  # the per-layer stage timed them
