@@ -159,7 +159,10 @@ def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     if mode.compiled:
-        result.notes.append(dynamo_summary())
+        summary = dynamo_summary()
+        reused = summary.startswith("0 graphs, 0 breaks")  # free_memory kept an earlier mode's graphs
+        result.notes.append(summary + (" (the blocks' compiled code of an earlier mode of this width, reused)"
+                                       if reused else ""))
     clock = StepClock(device)
     losses = []
     clock.mark()
