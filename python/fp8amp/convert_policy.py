@@ -333,12 +333,13 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     return points[-1][1]
 
 
-def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=STEP_CROSSOVER) -> StepDecision:
+def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=None) -> StepDecision:
     """Whether a training step whose FP8-eligible Linears have these ``(in_features,
     out_features)`` ``shapes`` is above the FP8 crossover at ``tokens`` tokens a step. The speed is
     interpolated in log(GEMM size) between ``table``'s measured steps (flat beyond them), for
     eager and compiled steps apart; the step takes FP8 where the lower of the two is at least
-    :data:`STEP_MIN_SPEEDUP`."""
+    :data:`STEP_MIN_SPEEDUP`. ``table``: rows as :data:`STEP_CROSSOVER`'s (the default)."""
+    table = STEP_CROSSOVER if table is None else table
     shapes = list(shapes)
     if not shapes:
         raise ValueError("decide_step: shapes must name at least one (in_features, out_features)")
@@ -350,6 +351,8 @@ def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=STEP_CROSSOVER) -
                   if row[column] is not None]
         if points:
             estimates.append(_interpolate(points, math.log(work)))
+    if not estimates:
+        raise ValueError("decide_step: table holds no measured speed (every eager and compiled entry is None)")
     speedup = min(estimates)
     gpt_width = math.sqrt(work / _gemm_size(_gpt_shapes(1), tokens))
     return StepDecision(tokens=tokens, work=work, gpt_width=gpt_width, speedup=speedup,

@@ -83,6 +83,8 @@ def test_decide_step_bad_arguments():
         decide_step([], 8192)
     with pytest.raises(ValueError, match="tokens"):
         decide_step(_gpt_shapes(512), 0)
+    with pytest.raises(ValueError, match="no measured speed"):
+        decide_step(_gpt_shapes(512), 8192, table=((768, 16384, None, None),))
 
 
 def test_a_small_model_stays_in_bf16_and_the_report_says_why():
