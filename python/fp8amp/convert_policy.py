@@ -343,7 +343,10 @@ def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=None) -> StepDeci
     shapes = list(shapes)
     if not shapes:
         raise ValueError("decide_step: shapes must name at least one (in_features, out_features)")
-    _check_policy_args(None, tokens, DEFAULT_MIN_SPEEDUP, None)
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise TypeError(f"decide_step: tokens must be an int, got {type(tokens).__name__}")
+    if tokens < 1:
+        raise ValueError(f"decide_step: tokens must be >= 1, got {tokens}")
     work = _gemm_size(shapes, tokens)
     estimates = []
     for column in (2, 3):  # eager, compiled

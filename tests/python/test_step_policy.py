@@ -81,8 +81,10 @@ def test_the_default_table_is_well_formed():
 def test_decide_step_bad_arguments():
     with pytest.raises(ValueError, match="shapes"):
         decide_step([], 8192)
-    with pytest.raises(ValueError, match="tokens"):
+    with pytest.raises(ValueError, match="decide_step: tokens"):
         decide_step(_gpt_shapes(512), 0)
+    with pytest.raises(TypeError, match="decide_step: tokens"):
+        decide_step(_gpt_shapes(512), 8192.0)
     with pytest.raises(ValueError, match="no measured speed"):
         decide_step(_gpt_shapes(512), 8192, table=((768, 16384, None, None),))
 
