@@ -117,8 +117,10 @@ def delayed_states(model: nn.Module) -> list[ScalingState]:
 
 def _reducing(states: Iterable[ScalingState]):
     """(the states that reduce, their group), or None when there is nothing to reduce."""
+    if not dist.is_available() or not dist.is_initialized():  # first: no work a step on one process
+        return None
     states = [st for st in {id(st): st for st in states}.values() if st.amax_reduction]
-    if not states or not dist.is_available() or not dist.is_initialized():
+    if not states:
         return None
     group, explicit = _group_of(states)
     if not explicit and dist.get_world_size() == 1:

@@ -1,7 +1,12 @@
 """``convert``: swap a model's ``nn.Linear`` layers for :class:`~fp8amp.linear.Fp8Linear`.
 
-FP8 must never make a layer slower (docs/benchmarks.md#targets). ``convert``'s default ``policy="auto"`` therefore
-converts a Linear on a CUDA GPU only where FP8 is measured to be faster: for each distinct layer
+FP8 must never make a training step slower (docs/benchmarks.md#targets). ``convert``'s default
+``policy="auto"`` therefore first judges the whole step: on a CUDA GPU, a model whose step at
+``tokens`` tokens is below the FP8 crossover measured on whole GPT steps
+(:data:`~fp8amp.convert_policy.STEP_CROSSOVER`, docs/benchmarks.md#model-sizes) keeps every
+Linear in BF16 compute, since FP8's fixed per-layer costs outweigh its faster GEMMs there. Above
+the crossover it converts a Linear only where FP8 is measured to be faster (``policy="layers"``
+runs this stage alone): for each distinct layer
 shape it times one training micro-step (forward + backward, input and output gradient of
 ``tokens`` rows in bfloat16, under bfloat16 autocast) of a fresh ``nn.Linear`` and of a fresh
 ``Fp8Linear`` of that shape, parameters and device, with CUDA events, once per process (the
@@ -35,14 +40,17 @@ from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
     LayerDecision,
+    StepDecision,
     Timer,
     _check_policy_args,
     _decide_auto,
     _decision,
+    decide_step,
+    step_rule_applies,
 )
 from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d
 from .recipes import resolve_recipe
-from .scaling import update_states
+from .scaling import ScalingState, update_states
 
 __all__ = [
     "convert",
@@ -59,7 +67,7 @@ logger = logging.getLogger(__name__)
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 #: The accepted ``policy`` values of :func:`convert`.
-POLICIES = ("auto", "all")
+POLICIES = ("auto", "layers", "all")
 
 
 @dataclass
@@ -73,6 +81,10 @@ class ConversionReport:
     #: The recipe's kind ("tensorwise", "rowwise", "blockwise").
     recipe: str = "tensorwise"
     decisions: list[LayerDecision] = field(default_factory=list)
+    #: The whole-step stage of ``"auto"`` (None where it did not judge: other policies, a CPU).
+    step: Optional[StepDecision] = None
+    #: What the caller adds (initialize: which of the level's formats apply).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def converted(self) -> list[LayerDecision]:
@@ -87,7 +99,8 @@ class ConversionReport:
         head = (f"fp8amp.convert(policy={self.policy!r}, recipe={self.recipe!r}, tokens={self.tokens}, "
                 f"min_speedup={self.min_speedup}): "
                 f"{len(self.converted)} of {len(self.decisions)} Linear layers converted")
-        return "\n".join([head] + [f"  {d}" for d in self.decisions])
+        step = [] if self.step is None else [f"  whole step: {self.step}"]
+        return "\n".join([head] + step + [f"  {note}" for note in self.notes] + [f"  {d}" for d in self.decisions])
 
 
 def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
@@ -137,18 +150,24 @@ def convert(
             is, with the reason in the report.
         optimizer: if given, :func:`update_scaling` runs after each of its ``step()`` calls, so the
             training loop needs no extra line.
-        policy: ``"auto"`` (default): on a CUDA device, convert a Linear only if one forward +
+        policy: ``"auto"`` (default): on a CUDA device, first the whole step: if a step of the
+            Linears FP8 can take, at ``tokens`` tokens, is estimated below the FP8 crossover
+            measured on whole GPT steps (:func:`~fp8amp.convert_policy.decide_step`), none is
+            converted (the model stays in BF16 compute; the report says so); otherwise as
+            ``"layers"``. ``"layers"``: on a CUDA device, convert a Linear only if one forward +
             backward of it in FP8 is measured at least ``min_speedup`` times as fast as in
             bfloat16 autocast (measured once per distinct (in_features, out_features, bias,
-            dtype, device, tokens) per process); on other devices (CPU: FP8 emulation) convert
-            every Linear FP8 can take. ``"all"``: convert every Linear FP8 can take, no timing.
-        tokens: the number of rows (batch x sequence) ``"auto"`` times with; use your training
-            micro-batch's token count (default 8192). Ignored by ``"all"``.
+            dtype, device, tokens) per process). On other devices (CPU: FP8 emulation) both
+            convert every Linear FP8 can take. ``"all"``: convert every Linear FP8 can take, no
+            timing.
+        tokens: the tokens (batch x sequence) of one training micro-batch: what ``"auto"``
+            judges the step at and times each layer with (default 8192). Ignored by ``"all"``.
         min_speedup: the factor by which FP8 must be faster for ``"auto"`` to convert
             (default 1.05: a margin over timing noise and the per-step scale update).
         timer: ``(module, tokens) -> seconds`` of one forward + backward, replacing
             :func:`~fp8amp.convert_policy.cuda_event_timer` for ``"auto"``; a timer given here is
-            used on every device (CPU included), so the policy can be tried with made-up timings.
+            used on every device (CPU included), so the policy can be tried with made-up timings
+            (the whole-step stage of ``"auto"`` then judges as on a GPU).
 
     Raises:
         ValueError: an unknown ``policy`` or ``recipe`` (the message names the accepted ones), ``tokens`` < 1,
@@ -192,6 +211,14 @@ def convert(
         else:
             decisions[id(linear)] = None
             to_time.append((fqn, linear))
+    if to_time and policy == "auto" and step_rule_applies([linear for _, linear in to_time], timer):
+        report.step = decide_step([(linear.in_features, linear.out_features) for _, linear in to_time], tokens)
+        logger.info("whole step: %s", report.step)
+        if not report.step.fp8:
+            for fqn, linear in to_time:
+                decisions[id(linear)] = _decision(fqn, linear, False, "kept in BF16 compute: the whole step is below "
+                                                  "the measured FP8 crossover")
+            to_time = []
     if to_time:
         _decide_auto(to_time, decisions, tokens, float(min_speedup), timer, recipe)
 
@@ -228,11 +255,20 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step
     (:func:`fp8amp.amax_sync.start_amax_reduction`)."""
+    # The states are found once a step, by the pre-hook, and updated by the post-hook: one walk of
+    # the module tree a step (host time in every step's hot loop), not two.
+    found: dict[str, list[ScalingState]] = {}
+
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
-        start_amax_reduction(delayed_states(model))
+        found["states"] = delayed_states(model)
+        start_amax_reduction(found["states"])
+
+    def update(*_) -> None:
+        states = found.pop("states", None)
+        _update_states(delayed_states(model) if states is None else states)
 
     optimizer.register_step_pre_hook(start)
-    optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    optimizer.register_step_post_hook(update)
 
 
 class _Conv1DShape:
@@ -252,7 +288,10 @@ def update_scaling(model: nn.Module) -> None:
     ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
     (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
     the group must call it."""
-    states = delayed_states(model)
+    _update_states(delayed_states(model))
+
+
+def _update_states(states: list[ScalingState]) -> None:
     with torch.no_grad():
         reduce_amaxes(states)
         update_states(states)

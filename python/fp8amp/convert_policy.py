@@ -1,6 +1,12 @@
-"""The timing policy behind ``convert(policy="auto")``: whether a Linear is faster in FP8 than in
-bfloat16 (:func:`decide`), measured by :func:`cuda_event_timer` once per process and layer shape
-(:func:`clear_timing_cache` forgets the measurements). :mod:`fp8amp.convert` applies it.
+"""The policy behind ``convert(policy="auto")``, in two stages that :mod:`fp8amp.convert` applies:
+
+1. the whole step (:func:`decide_step`): whether a training step of this model, at ``tokens``
+   tokens a step, is above the FP8 crossover measured on whole GPT steps (:data:`STEP_CROSSOVER`);
+   below it every Linear stays in BF16 compute, whatever a single layer's timing says, because the
+   fixed per-layer costs of FP8 (casts, scaling, launches, host time) outweigh its faster GEMMs;
+2. each Linear (:func:`decide`, ``policy="layers"`` alone): whether it is faster in FP8 than in
+   bfloat16, measured by :func:`cuda_event_timer` once per process and layer shape
+   (:func:`clear_timing_cache` forgets the measurements).
 
 The timing is of the GPU's work in an eager step (:func:`cuda_event_timer` queues it behind a GPU
 sleep so that the host's Python and launch time is not in it): in a training step the host runs
@@ -12,6 +18,7 @@ every rank times, then all use rank 0's measurements, so the replicas' modules s
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,7 +32,10 @@ from .recipes import Recipe, resolve_recipe
 
 __all__ = [
     "LayerDecision",
+    "StepDecision",
+    "STEP_CROSSOVER",
     "decide",
+    "decide_step",
     "cuda_event_timer",
     "clear_timing_cache",
 ]
@@ -39,6 +49,17 @@ Timer = Callable[[nn.Module, int], float]
 
 DEFAULT_TOKENS = 8192
 DEFAULT_MIN_SPEEDUP = 1.05
+
+#: Whole training steps measured on one H200, fp8amp O2 against BF16 with fp8amp.testing's GPT
+#: (benchmarks/bench_sizes.py, docs/benchmarks.md#model-sizes, where the runs are):
+#: (d_model, tokens per step, BF16 step time / O2 step time eager, the same both compiled per
+#: block), None where not measured. Fill it from bench_sizes' O2 rows.
+STEP_CROSSOVER: tuple[tuple[int, int, Optional[float], Optional[float]], ...] = (
+    (768, 16384, None, 0.75),  # 12 layers, seq 1024 x batch 16 (torch 2.11, 2026-12-01)
+    (2048, 16384, 1.40, 1.38),  # the 1B GPT, 20 layers, seq 2048 x batch 8 (docs/benchmarks.md#gpt-training)
+)
+#: The whole step takes FP8 where its estimated speed is at least this times BF16's.
+STEP_MIN_SPEEDUP = 1.0
 
 # (timer, device, in_features, out_features, bias, dtype, tokens, recipe) -> (nn.Linear s, Fp8Linear s)
 _TIMINGS: dict[tuple, tuple[float, float]] = {}
@@ -262,3 +283,90 @@ def decide(
     decisions = {id(linear): None}
     _decide_auto([("", linear)], decisions, tokens, float(min_speedup), timer, recipe)
     return decisions[id(linear)]
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """The whole-step stage of ``policy="auto"`` (:func:`decide_step`).
+
+    ``work`` is the step's GEMM size: tokens x the work-weighted mean of in_features x
+    out_features over the Linears FP8 could take (the size of the GEMM an average FLOP of the step
+    runs in); ``gpt_width`` the width of fp8amp.testing's GPT whose step has that size;
+    ``speedup`` the speed of FP8 against BF16 estimated from :data:`STEP_CROSSOVER`, the lower of
+    the eager and compiled estimates (whichever the model runs).
+    """
+
+    tokens: int
+    work: float
+    gpt_width: float
+    speedup: float
+    fp8: bool
+
+    def __str__(self) -> str:
+        where = (f"estimated {self.speedup:.2f}x BF16's speed for {self.tokens:,} tokens a step at the GEMM sizes of a "
+                 f"GPT of width {self.gpt_width:.0f}")
+        if self.fp8:
+            return f"FP8: the step is above the measured FP8 crossover ({where})"
+        return (f"kept in BF16 compute: the step is below the measured FP8 crossover ({where}; "
+                "docs/benchmarks.md#model-sizes); policy='all' converts anyway")
+
+
+def _gemm_size(shapes, tokens: int) -> float:
+    """tokens x the work-weighted mean of in x out over (in_features, out_features) ``shapes``."""
+    sizes = [float(i) * float(o) for i, o in shapes]
+    return tokens * sum(m * m for m in sizes) / sum(sizes)
+
+
+def _gpt_shapes(d_model: int) -> list[tuple[int, int]]:
+    """The Linears of one block of fp8amp.testing's GPT (mlp_ratio 4)."""
+    return [(d_model, 3 * d_model), (d_model, d_model), (d_model, 4 * d_model), (4 * d_model, d_model)]
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through (x, y) points, flat beyond the ends."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else max(y0, y1)
+    return points[-1][1]
+
+
+def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=None) -> StepDecision:
+    """Whether a training step whose FP8-eligible Linears have these ``(in_features,
+    out_features)`` ``shapes`` is above the FP8 crossover at ``tokens`` tokens a step. The speed is
+    interpolated in log(GEMM size) between ``table``'s measured steps (flat beyond them), for
+    eager and compiled steps apart; the step takes FP8 where the lower of the two is at least
+    :data:`STEP_MIN_SPEEDUP`. ``table``: rows as :data:`STEP_CROSSOVER`'s (the default)."""
+    table = STEP_CROSSOVER if table is None else table
+    shapes = list(shapes)
+    if not shapes:
+        raise ValueError("decide_step: shapes must name at least one (in_features, out_features)")
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise TypeError(f"decide_step: tokens must be an int, got {type(tokens).__name__}")
+    if tokens < 1:
+        raise ValueError(f"decide_step: tokens must be >= 1, got {tokens}")
+    work = _gemm_size(shapes, tokens)
+    estimates = []
+    for column in (2, 3):  # eager, compiled
+        points = [(math.log(_gemm_size(_gpt_shapes(row[0]), row[1])), row[column]) for row in table
+                  if row[column] is not None]
+        if points:
+            estimates.append(_interpolate(points, math.log(work)))
+    if not estimates:
+        raise ValueError("decide_step: table holds no measured speed (every eager and compiled entry is None)")
+    speedup = min(estimates)
+    gpt_width = math.sqrt(work / _gemm_size(_gpt_shapes(1), tokens))
+    return StepDecision(tokens=tokens, work=work, gpt_width=gpt_width, speedup=speedup,
+                        fp8=speedup >= STEP_MIN_SPEEDUP)
+
+
+def step_rule_applies(linears, timer: Optional[Timer]) -> bool:
+    """Whether ``"auto"``'s whole-step stage judges these Linears: on a CUDA GPU with FP8 tensor
+    cores (where the crossover was measured), or anywhere with a ``timer`` given (which stands
+    for a GPU's timings)."""
+    if timer is not None:
+        return True
+    devices = {linear.weight.device for linear in linears}
+    return any(d.type == "cuda" and _untimed_reason(d) is None for d in devices)

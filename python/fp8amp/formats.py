@@ -31,12 +31,12 @@ def check_dtype(dtype: object, accepted, arg: str, where: str) -> torch.dtype:
     accepted; both messages name ``where`` (e.g. ``fp8amp.ops.quantize``), the argument and the
     accepted values.
     """
+    if isinstance(dtype, torch.dtype) and dtype in accepted:  # the hot path (every Fp8Linear step): no message
+        return dtype
     names = ", ".join(str(d) for d in accepted)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{where}: {arg} must be a torch.dtype, one of {names}; got {type(dtype).__name__}")
-    if dtype not in accepted:
-        raise ValueError(f"{where}: {arg} must be one of {names}; got {dtype}")
-    return dtype
+    raise ValueError(f"{where}: {arg} must be one of {names}; got {dtype}")
 
 
 def format_max(dtype: torch.dtype) -> float:

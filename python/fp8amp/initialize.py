@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import ModuleFilter, convert, register_scaling_hooks
+from .convert import ModuleFilter, conversion_report, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
@@ -77,8 +77,11 @@ def initialize(
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
             (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
         policy, tokens: which Linears FP8 takes, as :func:`fp8amp.convert` decides: ``"auto"``
-            (default) keeps ``nn.Linear`` where FP8 is measured slower on the GPU for a micro-batch
-            of ``tokens`` rows, ``"all"`` converts every Linear FP8 can take.
+            (default) keeps the whole model in BF16 compute where a step of ``tokens`` tokens (your
+            micro-batch's) is below the measured FP8 crossover, and otherwise keeps ``nn.Linear``
+            where FP8 is measured slower on the GPU; ``"layers"`` the second stage alone; ``"all"``
+            converts every Linear FP8 can take. Below the crossover the level's optimizer state
+            formats still apply (``conversion_report`` says so).
 
     Raises:
         ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
@@ -100,6 +103,7 @@ def initialize(
         _check_optimizer_of(model, optimizer)
 
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens)
+    _note_level_below_crossover(model, opt_level)
     masters = _make_masters(model)
     terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
     for module in model.modules():
@@ -110,6 +114,18 @@ def initialize(
     new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level)
     _retire(optimizer)
     return model, new_optimizer
+
+
+def _note_level_below_crossover(model: nn.Module, opt_level: str) -> None:
+    """A model that convert kept in BF16 compute (below the step crossover) still gets the level's
+    optimizer state formats: conversion_report says which of the level applies."""
+    report = conversion_report(model)
+    if report is None or report.step is None or report.step.fp8:
+        return
+    m_dtype, v_dtype = (str(d).removeprefix("torch.") for d in fp8_optim.STATE_DTYPES[opt_level])
+    report.notes.append(f"{opt_level}: the optimizer states of every parameter still take the level's formats "
+                        f"(exp_avg {m_dtype}, exp_avg_sq {v_dtype}); FP16 master weights are made for FP8 layers "
+                        "only, so the Linear weights keep their dtype")
 
 
 def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",

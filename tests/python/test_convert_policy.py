@@ -1,5 +1,6 @@
-"""convert(policy=...): "auto" keeps nn.Linear where FP8 is measured slower (docs/benchmarks.md#targets), "all"
-converts every Linear FP8 can take. The decision logic runs on the CPU with made-up timings (an
+"""convert(policy=...): "layers" keeps nn.Linear where FP8 is measured slower (docs/benchmarks.md#targets),
+"all" converts every Linear FP8 can take ("auto", which first judges the whole step and then runs
+"layers", is tests/python/test_step_policy.py's). The decision logic runs on the CPU with made-up timings (an
 injected timer); the real CUDA-event timer is exercised on a GPU."""
 
 import logging
@@ -59,13 +60,13 @@ def test_slower_layers_stay_faster_ones_convert():
     timer = FakeTimer(TABLE)
     m = model()
     params = [p for p in m.parameters()]
-    out = fp8amp.convert(m, timer=timer, tokens=4096)
+    out = fp8amp.convert(m, policy="layers", timer=timer, tokens=4096)
     assert out is m
     assert kinds(m) == [fp8amp.Fp8Linear, nn.Linear, fp8amp.Fp8Linear, nn.Linear, nn.Linear]
     assert [p for p in m.parameters()] == params  # converted layers share the parameters
     report = conversion_report(m)
     assert isinstance(report, ConversionReport)
-    assert (report.policy, report.tokens, report.min_speedup) == ("auto", 4096, 1.05)
+    assert (report.policy, report.tokens, report.min_speedup) == ("layers", 4096, 1.05)
     by_name = {d.name: d for d in report.decisions}
     assert list(by_name) == ["0", "2", "3.0", "3.1", "4"]
     assert [d.name for d in report.converted] == ["0", "3.0"]
@@ -83,7 +84,7 @@ def test_slower_layers_stay_faster_ones_convert():
 
 
 def test_the_converted_model_trains():
-    m = fp8amp.convert(model()[:3], timer=FakeTimer(TABLE))
+    m = fp8amp.convert(model()[:3], policy="layers", timer=FakeTimer(TABLE))
     x = torch.randn(16, 64, requires_grad=True)
     m(x).sum().backward()
     assert x.grad is not None and m[0].weight.grad is not None and m[2].weight.grad is not None
@@ -91,27 +92,27 @@ def test_the_converted_model_trains():
 
 def test_timings_are_cached_per_process():
     timer = FakeTimer(TABLE)
-    fp8amp.convert(model(), timer=timer)
+    fp8amp.convert(model(), policy="layers", timer=timer)
     assert len(timer.calls) == 6
     second = model()
-    fp8amp.convert(second, timer=timer)
+    fp8amp.convert(second, policy="layers", timer=timer)
     assert len(timer.calls) == 6  # nothing timed again
     assert kinds(second) == [fp8amp.Fp8Linear, nn.Linear, fp8amp.Fp8Linear, nn.Linear, nn.Linear]
     assert conversion_report(second).decisions[0].speedup == pytest.approx(2.0)
-    fp8amp.convert(model(), timer=timer, tokens=1024)  # another token count is another measurement
+    fp8amp.convert(model(), policy="layers", timer=timer, tokens=1024)  # another token count is another measurement
     assert len(timer.calls) == 12
-    fp8amp.convert(model(), timer=FakeTimer(TABLE))  # another timer too
-    fp8amp.convert(model(), timer=timer, min_speedup=1.5)  # the threshold is not part of the key
+    fp8amp.convert(model(), policy="layers", timer=FakeTimer(TABLE))  # another timer too
+    fp8amp.convert(model(), policy="layers", timer=timer, min_speedup=1.5)  # the threshold is not part of the key
     assert len(timer.calls) == 12
     clear_timing_cache()
-    fp8amp.convert(model(), timer=timer)
+    fp8amp.convert(model(), policy="layers", timer=timer)
     assert len(timer.calls) == 18
 
 
 def test_min_speedup_moves_the_threshold():
-    m = fp8amp.convert(model(), timer=FakeTimer(TABLE), min_speedup=1.0)
+    m = fp8amp.convert(model(), policy="layers", timer=FakeTimer(TABLE), min_speedup=1.0)
     assert kinds(m) == [fp8amp.Fp8Linear, nn.Linear, fp8amp.Fp8Linear, fp8amp.Fp8Linear, nn.Linear]
-    m = fp8amp.convert(model(), timer=FakeTimer(TABLE), min_speedup=3.0)
+    m = fp8amp.convert(model(), policy="layers", timer=FakeTimer(TABLE), min_speedup=3.0)
     assert kinds(m)[:4] == [nn.Linear] * 4
 
 
@@ -137,16 +138,16 @@ def test_policy_all_converts_without_timing():
 
 def test_filter_is_applied_before_timing():
     timer = FakeTimer(TABLE)
-    m = fp8amp.convert(model(), timer=timer, module_filter_fn=lambda mod, fqn: not fqn.startswith("3"))
+    m = fp8amp.convert(model(), policy="layers", timer=timer, module_filter_fn=lambda mod, fqn: not fqn.startswith("3"))
     assert kinds(m) == [fp8amp.Fp8Linear, nn.Linear, nn.Linear, nn.Linear, nn.Linear]
     assert {k for k, _, _ in timer.calls} == {(64, 256), (256, 64)}
     assert "module_filter_fn" in {d.name: d for d in conversion_report(m).decisions}["3.0"].reason
 
 
 def test_bare_linear_and_shared_linear():
-    slow = fp8amp.convert(nn.Linear(256, 64), timer=FakeTimer(TABLE))
+    slow = fp8amp.convert(nn.Linear(256, 64), policy="layers", timer=FakeTimer(TABLE))
     assert type(slow) is nn.Linear and not conversion_report(slow).converted
-    fast = fp8amp.convert(nn.Linear(64, 256), timer=FakeTimer(TABLE))
+    fast = fp8amp.convert(nn.Linear(64, 256), policy="layers", timer=FakeTimer(TABLE))
     assert type(fast) is fp8amp.Fp8Linear and conversion_report(fast).converted[0].name == ""
     shared = nn.Linear(64, 256)
     m = nn.Sequential(shared, nn.ReLU(), nn.Linear(256, 64), shared)
@@ -158,7 +159,7 @@ def test_bare_linear_and_shared_linear():
 def test_global_rng_is_left_alone():
     m = model()
     torch.manual_seed(123)
-    fp8amp.convert(m, timer=FakeTimer(TABLE))  # makes fresh layers to time
+    fp8amp.convert(m, policy="layers", timer=FakeTimer(TABLE))  # makes fresh layers to time
     after = torch.rand(4)
     torch.manual_seed(123)
     assert torch.equal(after, torch.rand(4))
@@ -166,7 +167,7 @@ def test_global_rng_is_left_alone():
 
 def test_decisions_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="fp8amp.convert"):
-        fp8amp.convert(model(), timer=FakeTimer(TABLE))
+        fp8amp.convert(model(), policy="layers", timer=FakeTimer(TABLE))
     text = caplog.text
     assert "2 of 5 Linear layers converted" in text
     assert "2 (256->64 +bias" in text and "kept" in text and "0.67x" in text
@@ -210,7 +211,7 @@ def test_bad_arguments(kwargs, error, words):
 def _rank_decisions(rank: int) -> list:
     # Rank 1 measures FP8 as slower, rank 0 as faster: both follow rank 0.
     table = {(64, 256): (1.0, 0.5 if rank == 0 else 2.0), (256, 64): (1.0, 2.0 if rank == 0 else 0.5)}
-    m = fp8amp.convert(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), timer=FakeTimer(table))
+    m = fp8amp.convert(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), policy="layers", timer=FakeTimer(table))
     return [type(layer).__name__ for layer in m]
 
 
@@ -224,7 +225,7 @@ def test_cuda_event_timer_decides_on_the_gpu():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4096, 4096, device="cuda"), nn.Linear(16, 16, device="cuda")).cuda()
     state = torch.cuda.get_rng_state()
-    fp8amp.convert(m, tokens=4096)
+    fp8amp.convert(m, policy="layers", tokens=4096)
     assert torch.equal(torch.cuda.get_rng_state(), state)
     report = conversion_report(m)
     if torch.cuda.get_device_capability() < (8, 9):  # no FP8 tensor cores: nothing converted
