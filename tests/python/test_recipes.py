@@ -242,7 +242,7 @@ def test_update_scaling_leaves_tiled_layers_alone():
     assert model[0].input_scaling.counter.tolist() == [0] and model[1].input_scaling.counter.tolist() == [1]
 
 
-def test_auto_policy_times_the_recipe_asked_for():
+def test_timing_policy_times_the_recipe_asked_for():
     from fp8amp.convert_policy import clear_timing_cache
 
     timed = []
@@ -252,8 +252,8 @@ def test_auto_policy_times_the_recipe_asked_for():
         return 1.0 if isinstance(module, Fp8Linear) else 2.0
 
     clear_timing_cache()
-    model = fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="blockwise", policy="auto", timer=timer)
-    fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="rowwise", policy="auto", timer=timer)
+    model = fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="blockwise", policy="layers", timer=timer)
+    fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="rowwise", policy="layers", timer=timer)
     assert timed == [None, Recipe("blockwise"), None, Recipe("rowwise")]  # one timing per recipe
     assert isinstance(model[0], Fp8Linear) and model[0].recipe == Recipe("blockwise")
     clear_timing_cache()
