@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .amax_sync import delayed_states, reduce_amaxes, start_amax_reduction
+from .amax_sync import delayed_states, end_step, reduce_amaxes, start_amax_reduction
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
@@ -215,10 +215,14 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     the amax reduction across ranks, so that the collective overlaps the step
     (:func:`fp8amp.amax_sync.start_amax_reduction`)."""
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
-        start_amax_reduction(delayed_states(model))
+        start_amax_reduction(delayed_states(model), step_bound=True)
+
+    def finish(*_) -> None:  # not run when the step raises: its reduction is then discarded
+        end_step(delayed_states(model))
+        update_scaling(model)
 
     optimizer.register_step_pre_hook(start)
-    optimizer.register_step_post_hook(lambda *_: update_scaling(model))
+    optimizer.register_step_post_hook(finish)
 
 
 class _Conv1DShape:
