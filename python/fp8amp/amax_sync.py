@@ -12,6 +12,14 @@ has the largest activations or gradients sets the scale for all. A NaN amax is r
 :func:`start_amax_reduction` issues the collective early (the optimizer hooks of
 :func:`fp8amp.initialize` do, before the step) and :func:`reduce_amaxes` then only waits for it.
 
+A pending reduction is never applied to other amaxes than those it reduced, nor twice: one that
+the optimizer's pre-hook issued belongs to that step (``step_bound``), and only the update after
+the step (:func:`end_step`, then :func:`reduce_amaxes`) applies it. If the step raises, the
+post-hook never runs; the next issue or reduction then waits for the stale collective, discards
+it, and reduces the amaxes as they are by then (the failed step's and any recorded since). Every
+rank issues the same collectives either way (one per issue or per reduction without a usable
+pending one), so a step that raised on some ranks only does not misalign them.
+
 Which group: each :class:`~fp8amp.ScalingState` carries ``amax_reduction`` (on by default) and
 ``amax_reduction_group`` (``None``: the default group, when one is initialized and has more than
 one rank); :func:`set_amax_reduction` sets both on all the states of a model.
@@ -29,7 +37,8 @@ from torch import nn
 from .linear import Fp8Linear
 from .scaling import ScalingState
 
-__all__ = ["set_amax_reduction", "start_amax_reduction", "reduce_amaxes", "delayed_states", "ranks_agree"]
+__all__ = ["set_amax_reduction", "start_amax_reduction", "end_step", "reduce_amaxes", "delayed_states",
+           "ranks_agree"]
 
 def set_amax_reduction(model: nn.Module, process_group: Optional[dist.ProcessGroup] = None, *,
                        enabled: bool = True) -> int:
@@ -128,34 +137,68 @@ def _reducing(states: Iterable[ScalingState]):
     return states, group
 
 
-def _issue(states: list[ScalingState], group) -> None:
-    """Issues one asynchronous all_reduce(MAX) per device; leaves them on the first state."""
+class _Pending:
+    """The collectives issued for one set of states: (work, flat maxima, history columns) per
+    device, and whether they belong to an optimizer step that has not ended yet."""
+
+    def __init__(self, ids: tuple, works: list, step_bound: bool) -> None:
+        self.ids, self.works, self.step_bound = ids, works, step_bound
+
+    def discard(self) -> None:
+        for work, _, _ in self.works:
+            work.wait()  # finished (on CUDA: the stream ordered after it), never applied
+
+
+def _issue(states: list[ScalingState], group, step_bound: bool = False) -> _Pending:
+    """Issues one asynchronous all_reduce(MAX) per device."""
     by_device: dict[torch.device, list[ScalingState]] = {}
     for st in states:
         by_device.setdefault(st.amax_history.device, []).append(st)
-    pending = []
+    works = []
     for device, device_states in by_device.items():
         _check_ranks_agree(group, device, device_states)
         columns = [st.amax_history[:, 0] for st in device_states]
         flat = torch.cat(columns)
         flat.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
-        pending.append((dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group, async_op=True), flat, columns))
-    states[0]._pending_amax_reduction = (tuple(id(st) for st in states), pending)
+        works.append((dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group, async_op=True), flat, columns))
+    return _Pending(tuple(id(st) for st in states), works, step_bound)
+
+
+def _take_pending(states: list[ScalingState]) -> "_Pending | None":
+    """The reduction pending for ``states`` (kept on the first), removed from it."""
+    return states[0].__dict__.pop("_pending_amax_reduction", None)
 
 
 @torch.compiler.disable  # the collective runs eagerly: a compiled region calling it breaks the graph here
-def start_amax_reduction(states: Iterable[ScalingState]) -> int:
+def start_amax_reduction(states: Iterable[ScalingState], *, step_bound: bool = False) -> int:
     """Issues the reduction of :func:`reduce_amaxes` without waiting for it, so that it runs while
     other work does: call it once all of the step's amaxes are recorded (after the backward; the
     optimizer hook of :func:`fp8amp.initialize` calls it before the step), and
     :func:`reduce_amaxes` (in :func:`fp8amp.update_scaling`) then waits for it and copies the
     maxima back. Amaxes recorded in between (a forward in an optimizer closure) are overwritten.
-    Returns the number of collectives issued."""
+    A reduction still pending for these states (issued earlier and not applied) is waited for
+    and discarded first. ``step_bound=True`` (the optimizer's pre-hook): the reduction belongs to
+    the step about to run, and is applied only after :func:`end_step`, which the post-hook calls;
+    if the step raises, the next issue or reduction discards it. Returns the number of
+    collectives issued."""
     plan = _reducing(states)
     if plan is None:
         return 0
-    _issue(*plan)
-    return len(plan[0][0]._pending_amax_reduction[1])
+    states, group = plan
+    stale = _take_pending(states)
+    if stale is not None:
+        stale.discard()
+    pending = states[0]._pending_amax_reduction = _issue(states, group, step_bound)
+    return len(pending.works)
+
+
+def end_step(states: Iterable[ScalingState]) -> None:
+    """Says that the optimizer step whose pre-hook started the reduction of ``states`` has ended
+    (its post-hook, before :func:`fp8amp.update_scaling`): the pending reduction may now be applied."""
+    plan = _reducing(states)
+    pending = None if plan is None else plan[0][0].__dict__.get("_pending_amax_reduction")
+    if pending is not None:
+        pending.step_bound = False
 
 
 @torch.compiler.disable
@@ -163,7 +206,8 @@ def reduce_amaxes(states: Iterable[ScalingState]) -> int:
     """MAX-reduces this step's amaxes (column 0 of the histories) of ``states`` over their process
     group, in place: one ``all_reduce`` of one flat float32 tensor per device, asynchronous
     (``wait`` orders the stream, the host does not block on CUDA), or the one
-    :func:`start_amax_reduction` issued for the same states. States with ``amax_reduction`` off
+    :func:`start_amax_reduction` issued for the same states (unless it is bound to a step that has
+    not ended: then it is discarded and the reduction issued anew). States with ``amax_reduction`` off
     are left alone; with the default group and no initialized process group, or one rank, nothing
     is done. Returns the number of collectives it issued.
 
@@ -174,15 +218,14 @@ def reduce_amaxes(states: Iterable[ScalingState]) -> int:
     if plan is None:
         return 0
     states, group = plan
-    pending = states[0].__dict__.pop("_pending_amax_reduction", None)
+    pending = _take_pending(states)
     issued = 0
-    if pending is None or pending[0] != tuple(id(st) for st in states):
-        for work, _, _ in () if pending is None else pending[1]:
-            work.wait()  # issued for another set of states: finished, not used
-        _issue(states, group)
-        pending = states[0].__dict__.pop("_pending_amax_reduction")
-        issued = len(pending[1])
-    for work, flat, columns in pending[1]:
+    if pending is None or pending.ids != tuple(id(st) for st in states) or pending.step_bound:
+        if pending is not None:  # for other states, or of a step that raised: stale
+            pending.discard()
+        pending = _issue(states, group)
+        issued = len(pending.works)
+    for work, flat, columns in pending.works:
         work.wait()
         torch._foreach_copy_(columns, flat.split([c.numel() for c in columns]))
     return issued

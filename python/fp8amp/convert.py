@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .amax_sync import delayed_states, reduce_amaxes, start_amax_reduction
+from .amax_sync import delayed_states, end_step, reduce_amaxes, start_amax_reduction
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
@@ -261,14 +261,16 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
 
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
         found["states"] = delayed_states(model)
-        start_amax_reduction(found["states"])
+        start_amax_reduction(found["states"], step_bound=True)
 
-    def update(*_) -> None:
+    def finish(*_) -> None:  # not run when the step raises: its reduction is then discarded
         states = found.pop("states", None)
-        _update_states(delayed_states(model) if states is None else states)
+        states = delayed_states(model) if states is None else states
+        end_step(states)
+        _update_states(states)
 
     optimizer.register_step_pre_hook(start)
-    optimizer.register_step_post_hook(update)
+    optimizer.register_step_post_hook(finish)
 
 
 class _Conv1DShape:

@@ -58,20 +58,19 @@ step is always one fused multi-tensor op call per param group.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import defaultdict
 
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed: no DTensor params
-    DTensor = Shard = ()
+    DTensor = ()
 
 from .ops import fast, multi_amax
 from .formats import E4M3, FP16
 from .master_weight import MasterWeight
-from .optim_state import MOMENT_KEYS, complete_groups, convert_state
+from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -189,14 +188,13 @@ class Adam(torch.optim.Optimizer):
         if isinstance(param, DTensor):
             # DTensors like the param's, so that a distributed checkpoint saves every rank's shard
             # (a plain tensor would count as replicated: one rank's copy for all). A scale is one
-            # value a shard: a DTensor of the shard count, which a load into another rank count
-            # refuses by its shape (the codes were scaled per shard: they cannot be resharded).
+            # value a shard: a DTensor of the shard count (state_dict saves real values instead).
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = DTensor.from_local(state[key], param.device_mesh, param.placements, run_check=False,
                                                 shape=param.shape, stride=param.stride())
             for key in _SCALES:
                 if key in state:
-                    state[key] = _one_per_shard(state[key], param)
+                    state[key] = one_per_shard(state[key], param)
         self._cohorts[param] = 0  # cohort 0: step count 0
 
     def _cohort_key(self, p: torch.Tensor) -> object:
@@ -218,10 +216,12 @@ class Adam(torch.optim.Optimizer):
         """torch's ``state_dict``, with each O2 moment saved as one :class:`ScaledMoment` (its codes
         and its scale together) instead of bare codes beside ``*_scale`` / ``*_scale_inv`` entries:
         a plain ``torch.optim`` optimizer that loads it reads real values (given bare codes, it took
-        them for the values, ignoring their scales). Sharded (DTensor) states are saved as they are,
-        for distributed checkpoints."""
+        them for the values, ignoring their scales). Sharded (DTensor) moments are saved as float32
+        DTensors of their real values, which a distributed checkpoint can reshard
+        (:func:`fp8amp.optim_state.real_sharded_moments`)."""
         saved = super().state_dict()
-        saved["state"] = {pid: _moments_with_scales(state) for pid, state in saved["state"].items()}
+        saved["state"] = {pid: _moments_with_scales(real_sharded_moments(state))
+                          for pid, state in saved["state"].items()}
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -435,15 +435,6 @@ def _local(t):
     works shard by shard: Adam is element-wise, and each shard of an O1/O2 master has its own
     scale."""
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _one_per_shard(value: torch.Tensor, param: "DTensor") -> "DTensor":
-    """A shard's [1] value as a DTensor of one value a shard, sharded over the param's shard dims."""
-    mesh = param.device_mesh
-    sharded = [isinstance(pl, Shard) for pl in param.placements]
-    shards = math.prod(mesh.size(i) for i, s in enumerate(sharded) if s)
-    placements = [Shard(0) if s else pl for s, pl in zip(sharded, param.placements)]
-    return DTensor.from_local(value, mesh, placements, run_check=False, shape=(shards,), stride=(1,))
 
 
 def _or_empty(entries: list) -> list:

@@ -11,22 +11,30 @@ optimizer passed into :func:`fp8amp.initialize`), or fp8amp's at another level.
   added. Scaled moments are kept as saved (the op takes both kinds in one call).
 - Every moment must be finite: an inf or NaN (a corrupt checkpoint) is a ``ValueError`` naming
   the param and the state, where the step would otherwise skip every step from then on.
+- Sharded (FSDP2, DTensor) moments: :func:`real_sharded_moments` saves each scaled moment as a
+  float32 DTensor of its real values, sharded as the param, without its per-shard scales, so that
+  ``torch.distributed.checkpoint`` reshards it as any plain state; on load each rank's new shard is
+  quantized with a new scale from its own amax (:func:`convert_state`). The codes and scales of a
+  same-layout load are not kept as saved; the real values are, and the next step depends on them
+  alone (docs/distributed.md#checkpoints).
 
 See docs/o1_o2.md#optimizer ("Loading a state dict").
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # a torch built without distributed
-    DTensor = ()
+    DTensor = Shard = ()
 
-from .ops import quantize_current
+from .ops import dequantize, quantize_current
 
-__all__ = ["complete_groups", "convert_state", "MOMENT_KEYS"]
+__all__ = ["complete_groups", "convert_state", "real_sharded_moments", "one_per_shard", "MOMENT_KEYS"]
 
 #: Each moment's state key with the keys of its scale and scale_inv (present when it is scaled).
 MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
@@ -49,19 +57,68 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
         if value is None:
             continue
         scale_inv = state.get(scale_inv_key)
-        if isinstance(value, DTensor):  # FSDP2: each shard would need its own scales
-            if dtype != value.dtype:
-                raise NotImplementedError(
-                    f"{where}: state {key!r} is {value.dtype} but the group stores it as {dtype}; converting "
-                    "the state of a sharded (DTensor) param is not supported: load the state dict before "
-                    "fully_shard, or build the optimizer with the state dict's state_dtypes")
+        if isinstance(value, DTensor):
+            _convert_sharded(state, (key, scale_key, scale_inv_key), dtype, where)
             continue
-        finite = value.float().isfinite().all() and (scale_inv is None or scale_inv.isfinite().all())
-        if not finite:  # one host read per state, at load time only
-            raise ValueError(f"{where}: state {key!r} holds inf or NaN; the checkpoint is corrupt (a step "
-                             "from it would be skipped, and every step after it)")
+        _check_finite(value, scale_inv, key, where)
         if value.dtype == torch.float32 and dtype != torch.float32:
             codes, scale_inv, _ = quantize_current(value, dtype)
             state[key] = codes
             state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
             state[scale_inv_key] = scale_inv
+
+
+def _check_finite(value: torch.Tensor, scale_inv: torch.Tensor | None, key: str, where: str) -> None:
+    finite = value.float().isfinite().all() and (scale_inv is None or scale_inv.isfinite().all())
+    if not finite:  # one host read per state, at load time only
+        raise ValueError(f"{where}: state {key!r} holds inf or NaN; the checkpoint is corrupt (a step "
+                         "from it would be skipped, and every step after it)")
+
+
+def _convert_sharded(state: dict, keys: tuple[str, str, str], dtype: torch.dtype, where: str) -> None:
+    """convert_state of one sharded (DTensor) moment: real values (float32, what
+    real_sharded_moments saves, resharded or not by the checkpoint) are quantized shard by shard,
+    each rank's shard with a new scale from its own amax; codes already in ``dtype`` (with their
+    per-shard scales, a same-layout load) are kept."""
+    key, scale_key, scale_inv_key = keys
+    value = state[key]
+    if value.dtype == dtype:
+        return
+    if value.dtype != torch.float32 or dtype == torch.float32:
+        raise NotImplementedError(
+            f"{where}: state {key!r} is {value.dtype} but the group stores it as {dtype}; a sharded (DTensor) "
+            "param's state converts from float32 real values only (what fp8amp's optimizer saves under FSDP2): "
+            "load the state dict before fully_shard, or build the optimizer with the state dict's state_dtypes")
+    local = value._local_tensor
+    _check_finite(local, None, key, where)
+    codes, scale_inv, _ = quantize_current(local, dtype)
+    state[key] = DTensor.from_local(codes, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                    stride=value.stride())
+    state[scale_key] = one_per_shard(scale_inv.reciprocal(), value)  # exact: a power of two
+    state[scale_inv_key] = one_per_shard(scale_inv, value)
+
+
+def real_sharded_moments(state: dict) -> dict:
+    """A param's state to save, its sharded (DTensor) scaled moments as float32 DTensors of their
+    real values, sharded as before, and their per-shard scale entries left out; other states as
+    they are (a new dict). A per-shard scale is a DTensor of one value a shard, which a checkpoint
+    cannot reshard; real values it can."""
+    state = dict(state)
+    for key, scale_key, scale_inv_key in MOMENT_KEYS:
+        value = state.get(key)
+        if isinstance(value, DTensor) and isinstance(state.get(scale_inv_key), DTensor):
+            real = dequantize(value._local_tensor, state.pop(scale_inv_key)._local_tensor, torch.float32)
+            state.pop(scale_key, None)
+            state[key] = DTensor.from_local(real, value.device_mesh, value.placements, run_check=False,
+                                            shape=value.shape, stride=value.stride())
+    return state
+
+
+def one_per_shard(value: torch.Tensor, sharded: "DTensor") -> "DTensor":
+    """A shard's [1] value as a DTensor of one value a shard, over the shard dims of ``sharded``
+    (a param, or a state sharded as its param)."""
+    mesh = sharded.device_mesh
+    is_shard = [isinstance(pl, Shard) for pl in sharded.placements]
+    shards = math.prod(mesh.size(i) for i, s in enumerate(is_shard) if s)
+    placements = [Shard(0) if s else pl for s, pl in zip(is_shard, sharded.placements)]
+    return DTensor.from_local(value, mesh, placements, run_check=False, shape=(shards,), stride=(1,))

@@ -140,6 +140,49 @@ def non_finite_gradient_run(rank: int, world: int) -> dict:
     return after
 
 
+class StepFailure(RuntimeError):
+    """What the failing optimizer step raises."""
+
+
+def failed_step_run(rank: int, failing: bool, manual_update: bool) -> list[dict]:
+    """O2 under DDP with initialize's optimizer hooks (the amax reduction issued before each step,
+    applied after it), STEPS + 1 steps. At step 1 the optimizer step raises after the reduction
+    was issued (``failing``) or is not taken (the reference); the loop drops that step's gradients
+    either way. With ``manual_update`` step 2 takes no optimizer step either and calls
+    update_scaling by hand (a loop that skips a step). The scaling buffers and parameters after
+    each step."""
+    model = make_model()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2", policy="all")
+    armed = [False]
+
+    def fail_once(*_):
+        if armed[0]:
+            armed[0] = False
+            raise StepFailure("the step failed")
+
+    optimizer.register_step_pre_hook(fail_once)  # after initialize's, which has issued the reduction
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    after = []
+    for step in range(STEPS + 1):
+        loss_of(ddp, *batch(step, rank)).backward()
+        if step == 1 and failing:
+            armed[0] = True
+            try:
+                optimizer.step()
+            except StepFailure:
+                pass
+            assert not armed[0]
+        elif step == 2 and manual_update:
+            fp8amp.update_scaling(model)
+        elif step != 1:
+            optimizer.step()
+        optimizer.zero_grad()
+        after.append(dict(buffers=scaling_buffers(model),
+                          params={n: p.dequantize() if isinstance(p, fp8amp.ScaledTensor) else p.detach().clone()
+                                  for n, p in model.named_parameters()}))
+    return after
+
+
 class OpCounter(TorchDispatchMode):
     """The ops a call dispatches, by name (each compute op is a kernel launch on the GPU)."""
 
@@ -254,6 +297,8 @@ def worker(rank: int, world: int, port: int, results) -> None:
     try:
         res = {scenario: train(rank, scenario) for scenario in SCENARIOS}
         res["non_finite"] = non_finite_gradient_run(rank, world)
+        res["failed_step"] = {(failing, manual): failed_step_run(rank, failing, manual)
+                              for failing in (True, False) for manual in (False, True)}
         res["launches"] = launches_run(rank)
         res["empty_shard"] = empty_shard_run(rank)
         res["errors"] = errors_run(rank, world)
@@ -377,6 +422,31 @@ def test_bad_input_is_a_clear_error_on_every_rank(run):
             assert errors[key][0] == "ValueError" and "gradients of different shapes" in errors[key][1], key
         mean = sum(range(world)) / world  # within E4M3's rounding of the mean
         assert torch.allclose(errors["agreed_mean"], torch.full((5,), mean), rtol=2.0 ** -4)
+
+
+@pytest.mark.parametrize("manual_update", [False, True], ids=["next_step", "manual_update"])
+def test_a_step_that_raises_leaves_no_stale_reduction(run, manual_update):
+    """The optimizer step raises after its pre-hook issued the amax reduction: the reduction is
+    never applied to another step's amaxes. The run goes on exactly as one that took no step
+    there (bit for bit: scaling buffers and parameters after every step), whether the next
+    reduction is the next step's (its pre-hook discards the stale one) or an update_scaling by
+    hand (which would otherwise have applied step 1's maxima over step 2's amaxes); and all ranks
+    agree after every step but the failed one (whose amaxes stay unreduced, as without a step)."""
+    world, res = run
+    for r in res:
+        failed, reference = r["failed_step"][(True, manual_update)], r["failed_step"][(False, manual_update)]
+        for step in range(STEPS + 1):
+            for kind in ("buffers", "params"):
+                for name, value in reference[step][kind].items():
+                    assert torch.equal(failed[step][kind][name], value), (step, kind, name)
+    for step in (0, 2, 3):
+        for kind in ("buffers", "params"):
+            for name, value in res[0]["failed_step"][(True, manual_update)][step][kind].items():
+                for r in res[1:]:
+                    assert torch.equal(r["failed_step"][(True, manual_update)][step][kind][name], value), (step, name)
+    # The runs trained and their amaxes moved: the comparison could fail.
+    first, last = (res[0]["failed_step"][(True, manual_update)][s] for s in (0, STEPS))
+    assert not torch.equal(first["buffers"]["0.input_scaling.amax_history"], last["buffers"]["0.input_scaling.amax_history"])
 
 
 @pytest.mark.gpu
