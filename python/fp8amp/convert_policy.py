@@ -55,7 +55,10 @@ DEFAULT_MIN_SPEEDUP = 1.05
 #: (d_model, tokens per step, BF16 step time / O2 step time eager, the same both compiled per
 #: block), None where not measured. Fill it from bench_sizes' O2 rows.
 STEP_CROSSOVER: tuple[tuple[int, int, Optional[float], Optional[float]], ...] = (
-    (768, 16384, None, 0.75),  # 12 layers, seq 1024 x batch 16 (torch 2.11, 2026-12-01)
+    # bench_sizes.py --tokens 16384, torch 2.11, 2026-12-02 (8, 12, 12 layers)
+    (512, 16384, 0.71, 0.52),
+    (768, 16384, 0.56, 0.51),
+    (1024, 16384, 1.01, 0.74),
     (2048, 16384, 1.40, 1.38),  # the 1B GPT, 20 layers, seq 2048 x batch 8 (docs/benchmarks.md#gpt-training)
 )
 #: The whole step takes FP8 where its estimated speed is at least this times BF16's.
