@@ -20,6 +20,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -203,3 +204,26 @@ def import_torchao() -> tuple[Optional[Callable], str]:
     except Exception as e:  # installed but broken (e.g. built for another torch)
         return None, f"torchao: import failed ({type(e).__name__}: {e})"
     return convert_to_float8_training, f"torchao {getattr(torchao, '__version__', '?')}"
+
+
+class StepClock:
+    """Per-step times: CUDA events on a GPU (the GPU's time, host gaps included), the host clock on
+    a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import fp8amp
 from _common import dynamo_reset_counters, dynamo_summary, import_torchao, markdown_table, parse_subset, report
-from _common import require_gpu, set_recompile_limit
+from _common import StepClock, require_gpu, set_recompile_limit
 
 
 @dataclass(frozen=True)
@@ -147,28 +147,6 @@ def vit_workload(args, device: torch.device, count: int) -> Workload:
         f"patch {shape['patch_size']}, {shape['img_size']}px, {shape['num_classes']} classes), batch {args.vit_batch}")
 
 
-class Timer:
-    """Per-step wall time: CUDA events on the GPU, the host clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-
 def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_convert) -> Result:
     result = Result()
     t0 = time.perf_counter()
@@ -214,7 +192,7 @@ def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_con
     result.warmup_seconds = time.perf_counter() - t0
     if mode.compiled:
         result.notes.append(dynamo_summary())
-    timer, losses = Timer(device), []
+    timer, losses = StepClock(device), []
     timer.mark()
     for i in range(args.steps):
         losses.append(step(work.batches[(args.warmup + i) % len(work.batches)]))

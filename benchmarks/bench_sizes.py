@@ -56,7 +56,8 @@ import torch
 
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
-from _common import dynamo_reset_counters, dynamo_summary, markdown_table, parse_subset, report, set_recompile_limit
+from _common import StepClock, dynamo_reset_counters, dynamo_summary, markdown_table, parse_subset, report
+from _common import set_recompile_limit
 
 SIZES = (512, 768, 1024, 1536, 2048, 4096)
 TOKENS = (16384, 8192)  # 16k first: the configuration of the figures known before, should --time-limit cut the run
@@ -102,29 +103,6 @@ class Result:
     final_loss: Optional[float] = None
     failure: Optional[str] = None
     notes: list[str] = field(default_factory=list)
-
-
-class StepClock:
-    """Per-step times: CUDA events on a GPU (the GPU's time, host gaps included), the host clock on
-    a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: torch.device) -> Result:
