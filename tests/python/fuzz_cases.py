@@ -24,7 +24,7 @@ import fp8amp
 from fp8amp import ops
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from cast_reference import NAN_CODE, assert_dequantized, assert_quantized, bits, torch_amax  # noqa: E402
+from cast_reference import assert_dequantized, assert_quantized, bits, torch_amax  # noqa: E402
 
 E4M3, E5M2, FP16 = fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16
 FORMATS = (E4M3, E5M2, FP16)
