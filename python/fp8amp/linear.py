@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast, gemm
-from .formats import E4M3
+from .formats import E4M3, E5M2
 from .linear_common import fp8_weight_grad, output_dtype, pad_rows
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor

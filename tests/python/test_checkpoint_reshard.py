@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import fp8amp
 from fp8amp.master_weight import MasterWeight

@@ -37,6 +37,13 @@ def run(module, x, grad_out):
     return y, x.grad
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_a_converted_model_prints(recipe):
+    model = fp8amp.convert(nn.Sequential(nn.Linear(128, 256)), recipe=recipe, policy="all")
+    text = repr(model)
+    assert ("fp8=e4m3/e5m2" if recipe == "tensorwise" else f"recipe={fp8amp.Recipe(recipe)}") in text
+
+
 def test_names_and_objects_resolve():
     assert Recipe().kind == "tensorwise" and Recipe().grad_format == E5M2  # today's behaviour
     assert Recipe("blockwise").grad_format == E4M3 and Recipe("blockwise", grad_format=E5M2).grad_format == E5M2
