@@ -11,16 +11,22 @@
 - import_torchao: torchao's float8 training conversion, or why it is not there.
 - dynamo_summary: how many graphs torch.compile made and where it broke them (a silent fallback
   to eager would otherwise pass for a slow compiled run).
+- RunResult, run_guarded, free_memory: one training mode's outcome, a mode run so that its failure
+  (out of memory, an error) becomes a table row, and the memory handed back between modes.
+- StepClock: per-step times of a training loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
 import sys
 import time
+import traceback
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -227,3 +233,39 @@ class StepClock:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) * 1e-3 for a, b in zip(self.marks, self.marks[1:])]
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+@dataclass
+class RunResult:
+    """One training mode of a benchmark: its median step, peak memory, last loss and warm-up time,
+    or why it has none (``failure``); ``notes`` for the table (graphs, layers in FP8, ...)."""
+
+    step_seconds: Optional[float] = None
+    peak_bytes: Optional[int] = None
+    final_loss: Optional[float] = None
+    warmup_seconds: Optional[float] = None
+    failure: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+
+def run_guarded(run: Callable[[], RunResult], detail_chars: int = 100) -> RunResult:
+    """``run()``, or a RunResult naming its failure (the traceback goes to stderr), so that one mode
+    that runs out of memory or breaks leaves the others' rows."""
+    try:
+        return run()
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        if isinstance(e, torch.OutOfMemoryError):
+            return RunResult(failure="out of memory")
+        return RunResult(failure=f"error: {type(e).__name__}: {str(e)[:detail_chars]}")
+
+
+def free_memory(reset_dynamo: bool = True) -> None:
+    """The last mode's memory back before the next mode builds its model; with ``reset_dynamo``,
+    its compiled graphs too."""
+    gc.collect()
+    if reset_dynamo:
+        torch._dynamo.reset()
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

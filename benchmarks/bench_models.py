@@ -35,20 +35,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import fp8amp
 from _common import dynamo_reset_counters, dynamo_summary, import_torchao, markdown_table, parse_subset, report
-from _common import StepClock, require_gpu, set_recompile_limit
+from _common import RunResult, StepClock, free_memory, require_gpu, run_guarded, set_recompile_limit
 
 
 @dataclass(frozen=True)
@@ -95,16 +93,6 @@ class Workload:
     describe: str = ""
 
 
-@dataclass
-class Result:
-    step_seconds: Optional[float] = None
-    peak_bytes: Optional[int] = None
-    final_loss: Optional[float] = None
-    warmup_seconds: float = 0.0
-    failure: Optional[str] = None
-    notes: list = field(default_factory=list)
-
-
 def llama_workload(args, device: torch.device, count: int) -> Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -147,8 +135,8 @@ def vit_workload(args, device: torch.device, count: int) -> Workload:
         f"patch {shape['patch_size']}, {shape['img_size']}px, {shape['num_classes']} classes), batch {args.vit_batch}")
 
 
-def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_convert) -> Result:
-    result = Result()
+def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_convert) -> RunResult:
+    result = RunResult()
     t0 = time.perf_counter()
     dynamo_reset_counters()
     torch.manual_seed(args.seed)
@@ -208,13 +196,13 @@ def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_con
     return result
 
 
-def table(work: Workload, results: dict[str, Result]) -> str:
+def table(work: Workload, results: dict[str, RunResult]) -> str:
     amp = {torch.bfloat16: "BF16 autocast", torch.float16: "FP16 AMP"}[work.autocast]
     labels = {"amp": amp, "torchao": "torchao float8", "O1": "fp8amp O1", "O2": "fp8amp O2"}
     header = ["mode", "step ms", f"{work.unit}/s", f"vs {amp} + compile", "peak GiB", f"memory vs {amp}",
               "final loss", "warm-up s", "notes"]
-    speed_base = results.get("amp-compile", Result()).step_seconds
-    mem_base = results.get("amp", Result()).peak_bytes
+    speed_base = results.get("amp-compile", RunResult()).step_seconds
+    mem_base = results.get("amp", RunResult()).peak_bytes
     rows = []
     for key, r in results.items():
         mode = MODES[key]
@@ -231,14 +219,6 @@ def table(work: Workload, results: dict[str, Result]) -> str:
             f"{r.final_loss:.4f}", f"{r.warmup_seconds:.0f}", "; ".join(r.notes),
         ])
     return markdown_table(header, rows)
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def positive(text: str) -> int:
@@ -297,18 +277,13 @@ def main(argv=None) -> None:
         with torch.device("meta"):
             n_params = sum(p.numel() for p in work.build().parameters())
         print(f"bench_models: {work.describe}: {n_params / 1e6:,.2f}M parameters", file=sys.stderr, flush=True)
-        results: dict[str, Result] = {}
+        results: dict[str, RunResult] = {}
         for key in args.modes:
             mode = MODES[key]
             if mode.kind == "torchao" and torchao_convert is None:
-                results[key] = Result(failure=torchao_note)
+                results[key] = RunResult(failure=torchao_note)
                 continue
-            try:
-                results[key] = run_mode(work, mode, args, device, torchao_convert)
-            except Exception as e:
-                traceback.print_exc(file=sys.stderr)
-                oom = isinstance(e, torch.OutOfMemoryError)
-                results[key] = Result(failure="out of memory" if oom else f"error: {type(e).__name__}: {str(e)[:100]}")
+            results[key] = run_guarded(lambda: run_mode(work, mode, args, device, torchao_convert))
             free_memory()
             r = results[key]
             text = (f"{work.per_step / r.step_seconds:,.0f} {work.unit}/s, loss {r.final_loss:.4f}"

@@ -43,13 +43,10 @@ CPU smoke run (FP8 emulated, no meaning as a measurement): --device cpu --sizes 
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
@@ -57,7 +54,7 @@ import torch
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 from _common import StepClock, dynamo_reset_counters, dynamo_summary, markdown_table, parse_subset, report
-from _common import set_recompile_limit
+from _common import RunResult, free_memory, run_guarded, set_recompile_limit
 
 SIZES = (512, 768, 1024, 1536, 2048, 4096)
 TOKENS = (16384, 8192)  # 16k first: the configuration of the figures known before, should --time-limit cut the run
@@ -96,17 +93,8 @@ def model_config(d_model: int, tokens: int) -> tuple[GPTConfig, int]:
     return GPTConfig(seq_len=seq, n_layer=layers, n_head=heads, d_model=d_model), tokens // seq
 
 
-@dataclass
-class Result:
-    step_seconds: Optional[float] = None
-    peak_bytes: Optional[int] = None
-    final_loss: Optional[float] = None
-    failure: Optional[str] = None
-    notes: list[str] = field(default_factory=list)
-
-
-def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: torch.device) -> Result:
-    result = Result()
+def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: torch.device) -> RunResult:
+    result = RunResult()
     dynamo_reset_counters()
     torch.manual_seed(args.seed)
     with device:  # made on the device: a wide model's init on the host would take longer than its run
@@ -158,19 +146,7 @@ def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: 
     return result
 
 
-def free_memory(device: torch.device, reset_dynamo: bool) -> None:
-    """The last model's memory back. Dynamo is reset only between widths: within one, the modes
-    whose blocks trace to the same graph (O1, O2 and the default policy above the crossover; BF16
-    and the default below it) reuse the compiled code, which keeps the whole run short."""
-    gc.collect()
-    if reset_dynamo:
-        torch._dynamo.reset()
-        gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def crossover_rows(results: dict[tuple[int, int], dict[str, Result]]) -> str:
+def crossover_rows(results: dict[tuple[int, int], dict[str, RunResult]]) -> str:
     """The O2 rows in the form of fp8amp.convert_policy.STEP_CROSSOVER."""
     lines = []
     for (d, tokens), by_mode in sorted(results.items()):
@@ -188,7 +164,7 @@ def baseline_of(key: str) -> str:
     return "bf16-compile" if MODES[key].compiled else "bf16"
 
 
-def tables(results: dict[tuple[int, int], dict[str, Result]], modes: list[str]) -> str:
+def tables(results: dict[tuple[int, int], dict[str, RunResult]], modes: list[str]) -> str:
     """Three markdown tables: step ms per mode, speed and memory ratios against the BF16 counterpart."""
     header = ["d", "layers", "tokens"]
     ms_rows, speed_rows, memory_rows, notes = [], [], [], []
@@ -262,7 +238,7 @@ def main() -> None:
           f"{args.steps} timed steps, time limit {args.time_limit:g} s", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    results: dict[tuple[int, int], dict[str, Result]] = {}
+    results: dict[tuple[int, int], dict[str, RunResult]] = {}
     for tokens, d in itertools.product(args.tokens, args.sizes):
         cfg, batch = model_config(d, tokens)
         loader = batches(text_bytes, batch, cfg.seq_len, device, seed=args.seed)
@@ -270,20 +246,17 @@ def main() -> None:
         results[(d, tokens)] = by_mode = {}
         for key in args.modes:
             if time.perf_counter() - start > args.time_limit:
-                by_mode[key] = Result(failure="not run (time limit)")
+                by_mode[key] = RunResult(failure="not run (time limit)")
                 continue
-            try:
-                by_mode[key] = run_mode(MODES[key], cfg, tokens, data, args, device)
-            except Exception as e:
-                traceback.print_exc(file=sys.stderr)
-                oom = isinstance(e, torch.OutOfMemoryError)
-                by_mode[key] = Result(failure="out of memory" if oom else f"error: {type(e).__name__}: {str(e)[:80]}")
+            by_mode[key] = run_guarded(lambda: run_mode(MODES[key], cfg, tokens, data, args, device), detail_chars=80)
             r = by_mode[key]
             print(f"  d {d}, {tokens} tokens, {MODES[key].label}: "
                   f"{f'{r.step_seconds * 1e3:.2f} ms' if r.step_seconds else r.failure} "
                   f"[{time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
-            free_memory(device, reset_dynamo=False)  # the next mode's model may not fit beside this one's (d 4096)
-        free_memory(device, reset_dynamo=True)
+            free_memory(reset_dynamo=False)  # the next mode's model may not fit beside this one's (d 4096)
+        # Dynamo is reset only between widths: within one, the modes whose blocks trace to the same graph
+        # (O1, O2 and the default policy above the crossover; BF16 and the default below it) reuse it.
+        free_memory(reset_dynamo=True)
 
     text = (f"GPT training step across widths on {where}, torch {torch.__version__}: seq {SEQ_LEN} (or the token "
             f"count if smaller), AdamW(fused), autocast bfloat16 on CUDA, compile per block; {args.warmup} warm-up "

@@ -57,27 +57,27 @@ Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_trai
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 from _common import (
+    RunResult,
     dynamo_reset_counters,
     dynamo_summary,
+    free_memory,
     import_torchao,
     markdown_table,
     parse_subset,
     report,
     require_gpu,
+    run_guarded,
     set_recompile_limit,
 )
 
@@ -120,25 +120,15 @@ MODES = {
 DEFAULT_MODES = ["bf16", "bf16-compile", "torchao-compile", "fp8amp-compile", "o1", "o2", "o2-compile", "o2-fp8act"]
 
 
-@dataclass
-class Result:
-    step_seconds: Optional[float] = None
-    peak_bytes: Optional[int] = None
-    final_loss: Optional[float] = None
-    warmup_seconds: Optional[float] = None
-    failure: Optional[str] = None
-    notes: list[str] = field(default_factory=list)
-
-
 def flops_per_token(model: GPT) -> float:
     cfg = model.cfg
     n = model.num_parameters() - model.pos.weight.numel()
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> Result:
+def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> RunResult:
     kind, compiled = mode.kind, mode.compiled
-    result = Result()
+    result = RunResult()
     t0 = time.perf_counter()
     dynamo_reset_counters()
     torch.manual_seed(args.seed)
@@ -221,18 +211,11 @@ def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> R
     return result
 
 
-def free_memory() -> None:
-    gc.collect()
-    torch._dynamo.reset()
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def table(results: dict[str, Result], tokens_per_step: int, flops_token: float) -> str:
+def table(results: dict[str, RunResult], tokens_per_step: int, flops_token: float) -> str:
     header = ["mode", "step ms", "tokens/s", "vs bf16 + compile", "model TFLOP/s", "peak GiB",
               "memory vs bf16 eager", "final loss", "warm-up s", "notes"]
-    speed_base = results.get("bf16-compile", Result()).step_seconds
-    mem_base = results.get("bf16", Result()).peak_bytes
+    speed_base = results.get("bf16-compile", RunResult()).step_seconds
+    mem_base = results.get("bf16", RunResult()).peak_bytes
     rows = []
     for key, r in results.items():
         label = MODES[key].label
@@ -299,18 +282,13 @@ def main() -> None:
           file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    results: dict[str, Result] = {}
+    results: dict[str, RunResult] = {}
     for key in args.modes:
         mode = MODES[key]
         if mode.kind == "torchao" and torchao_convert is None:
-            results[key] = Result(failure=torchao_note)
+            results[key] = RunResult(failure=torchao_note)
             continue
-        try:
-            results[key] = run_mode(mode, cfg, data, args, torchao_convert)
-        except Exception as e:
-            traceback.print_exc(file=sys.stderr)
-            oom = isinstance(e, torch.OutOfMemoryError)
-            results[key] = Result(failure="out of memory" if oom else f"error: {type(e).__name__}: {str(e)[:100]}")
+        results[key] = run_guarded(lambda: run_mode(mode, cfg, data, args, torchao_convert))
         free_memory()
         r = results[key]
         text = (f"{tokens_per_step / r.step_seconds:,.0f} tokens/s, loss {r.final_loss:.4f}"
