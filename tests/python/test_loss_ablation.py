@@ -1,0 +1,28 @@
+"""benchmarks/loss_ablation.py's CPU smoke run (FP8 emulated: it checks that every variant trains
+and fills the table, not what the losses say), so that a change that breaks the H200 run fails here first."""
+
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "loss_ablation.py")
+
+
+def test_loss_ablation_smoke_run_fills_its_table(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    run = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--steps", "3", "--window", "1:2"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = (tmp_path / "bench_loss_ablation.md").read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r[0].strip("| ") for r in rows] == ["bf16", "fp8", "fp8-adam", "O1-fp32grad", "O1", "O2"]
+    for row in rows:
+        losses = [float(x) for x in row[1:-2]]
+        assert all(0 < loss < 10 for loss in losses), row
+    assert rows[0][-2:] == ["+0.000", "+0.000 |"]  # bf16 against itself
+
+
+def test_loss_ablation_refuses_a_window_past_the_steps():
+    run = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--steps", "3", "--window", "1:5"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--window" in run.stderr and "Traceback" not in run.stderr
