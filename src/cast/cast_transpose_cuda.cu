@@ -18,34 +18,6 @@ namespace cuda {
 namespace {
 
 // ----------------------------------------------------------------------------------------------
-// Packs (common/word_pack.cuh) of a matrix whose every pack the caller knows to be aligned and
-// wholly inside or wholly outside it (kWhole): then valid is 0 or N, and no element-wise code is
-// compiled.
-
-template <bool kWhole, int N, class T>
-__device__ void load_matrix_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
-  if constexpr (kWhole) {
-    if (valid == N) {
-      load_words(p, w);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
-    }
-  } else {
-    load_pack<N>(p, valid, vector_ok, w);
-  }
-}
-
-template <bool kWhole, int N, class T>
-__device__ void store_matrix_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
-  if constexpr (kWhole) {
-    if (valid == N) store_words(p, w);
-  } else {
-    store_pack<N>(p, w, valid, vector_ok);
-  }
-}
-
-// ----------------------------------------------------------------------------------------------
 // Cast + transpose.
 //
 // A tile is kTileRows rows x 128 bytes of x (64 columns of bf16/fp16, 32 of fp32). A block
