@@ -64,8 +64,10 @@ def test_makes_non_contiguous_input_contiguous():
                       old_path(codes.t().contiguous(), scale_inv, scale, E4M3))
 
 
-def test_transposed_copy_is_the_masters_e4m3_copy_transposed():
-    master = fp8amp.MasterWeight.from_tensor(torch.randn(48, 32, generator=torch.Generator().manual_seed(1)) * 3)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_transposed_copy_is_the_masters_e4m3_copy_transposed(device):
+    weight = torch.randn(768, 320, generator=torch.Generator().manual_seed(1)) * 3
+    master = fp8amp.MasterWeight.from_tensor(weight.to(device))
     copy, _, _ = master.fp8_copy
     codes, scale_inv, copy_scale = master.fp8_operands()[3]
     assert_bits_equal(_transposed_copy(codes, scale_inv, copy_scale), copy.t().contiguous())
