@@ -7,6 +7,8 @@ dequantize, and the plain-PyTorch way of doing the same, eager and under torch.c
                     (x * scale).clamp(-448, 448).to(float8_e4m3fn)
     cast+transpose: the same, plus .t().contiguous() of the result
     ... + dbias:    the same, plus x.sum(0, dtype=float32) (a Linear's bias gradient)
+    re-scaled transpose (O1/O2's weight transpose from FP16 master codes, cast_transpose_rescaled):
+                    (x16.float() * (scale_inv * scale)).clamp(-448, 448).to(float8_e4m3fn).t().contiguous()
     dequantize:     (x8.float() * scale_inv).to(bfloat16)
 
 fp8amp's rows come in two flavours: delayed scaling (the scale is given; the amax is folded in
@@ -92,6 +94,11 @@ def torch_cast_transpose_dbias(x: torch.Tensor):
     return *torch_cast_transpose(x), x.sum(0, dtype=torch.float32)
 
 
+def torch_transpose_rescaled(args):
+    codes, scale_inv, scale = args
+    return (codes.float() * (scale_inv * scale)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).t().contiguous()
+
+
 def torch_dequantize(args):
     x8, scale_inv = args
     return (x8.float() * scale_inv).to(torch.bfloat16)
@@ -125,6 +132,10 @@ def ours_cast_transpose(current: bool) -> Callable:
 def ours_cast_transpose_dbias(current: bool) -> Callable:
     kwargs = scaling_args(current)
     return lambda x: fp8amp.ops.cast_transpose_dbias(x, **kwargs)
+
+
+def ours_transpose_rescaled(args):
+    return fp8amp.ops.cast_transpose_rescaled(*args, E4M3)
 
 
 def ours_dequantize(args):
@@ -183,7 +194,12 @@ def bench_shape(rows_n: int, cols_n: int, iters: int) -> list[Row]:
     measure("cast+transpose+amax+dbias", {" (delayed)": ours_cast_transpose_dbias(False)},
             torch_cast_transpose_dbias, xs, 4 * numel + 4 * cols_n)
     measure("dequantize", {"": ours_dequantize}, torch_dequantize, fp8s, 3 * numel)
-    del xs, fp8s
+    del fp8s
+    scale = torch.full((1,), 2.0**4, device="cuda")
+    masters = [(x.half(), scale_inv, scale) for x in xs]  # FP16 codes of a master, as O1/O2 keep them
+    measure("re-scaled transpose (fp16 codes)", {"": ours_transpose_rescaled}, torch_transpose_rescaled, masters,
+            3 * numel)
+    del xs, masters
     torch.cuda.empty_cache()
     return rows
 

@@ -80,6 +80,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const at::Tensor& 
   return {out, out_t, scale_inv};
 }
 
+at::Tensor cast_transpose_rescaled(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tensor& scale,
+                                   at::ScalarType dtype) {
+  const char* op = "cast_transpose_rescaled";
+  at::Tensor out_t = empty_transposed(x, dtype);
+  call(x, [&](Stream stream) {
+    fp8amp::cast_transpose_rescaled(view(x, op, "x"), view(scale_inv, op, "scale_inv"), view(scale, op, "scale"),
+                                    view(out_t, op, "dtype"), stream);
+  });
+  return out_t;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias(
     const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax, at::ScalarType dtype,
     const std::optional<at::Tensor>& warmup_counter, int64_t warmup_steps, int64_t margin, bool pow2_scale) {
@@ -200,6 +211,7 @@ constexpr char kQuantize[] = "quantize";
 constexpr char kQuantizeCurrent[] = "quantize_current";
 constexpr char kCastTranspose[] = "cast_transpose";
 constexpr char kCastTransposeDbias[] = "cast_transpose_dbias";
+constexpr char kCastTransposeRescaled[] = "cast_transpose_rescaled";
 constexpr char kDequantize[] = "dequantize";
 constexpr char kAmax[] = "amax";
 constexpr char kMultiAmax[] = "multi_amax";
@@ -226,6 +238,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_meta(const at::Ten
                                                                    const std::optional<at::Tensor>&, int64_t,
                                                                    int64_t, bool) {
   return {empty_as(x, dtype), empty_transposed(x, dtype), scale_inv_like(scale)};
+}
+
+at::Tensor cast_transpose_rescaled_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                        at::ScalarType dtype) {
+  return empty_transposed(x, dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias_meta(
@@ -269,6 +286,7 @@ TORCH_LIBRARY(fp8amp, m) {
         ") -> (Tensor, Tensor, Tensor)");
   m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType dtype, " FP8AMP_SCALING_ARGS
         ") -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("cast_transpose_rescaled(Tensor x, Tensor scale_inv, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("dequantize(Tensor x, Tensor scale_inv, ScalarType dtype) -> Tensor");
   // A compiled graph passes x with the strides it was traced with: the Python wrapper decides from
   // them whether x is read in place (row runs) or copied.
@@ -294,6 +312,7 @@ TORCH_LIBRARY(fp8amp, m) {
   m.impl("quantize_current", fp8amp::torch_binding::quantize_current##suffix); \
   m.impl("cast_transpose", fp8amp::torch_binding::cast_transpose##suffix); \
   m.impl("cast_transpose_dbias", fp8amp::torch_binding::cast_transpose_dbias##suffix); \
+  m.impl("cast_transpose_rescaled", fp8amp::torch_binding::cast_transpose_rescaled##suffix); \
   m.impl("dequantize", fp8amp::torch_binding::dequantize##suffix);         \
   m.impl("amax", fp8amp::torch_binding::amax##suffix);                     \
   m.impl("multi_amax", fp8amp::torch_binding::multi_amax##suffix);         \
@@ -311,6 +330,7 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("quantize_current", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kQuantizeCurrent, fp8amp::torch_binding::quantize_current_meta>::run);
   m.impl("cast_transpose", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCastTranspose, fp8amp::torch_binding::cast_transpose_meta>::run);
   m.impl("cast_transpose_dbias", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCastTransposeDbias, fp8amp::torch_binding::cast_transpose_dbias_meta>::run);
+  m.impl("cast_transpose_rescaled", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCastTransposeRescaled, fp8amp::torch_binding::cast_transpose_rescaled_meta>::run);
   m.impl("dequantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kDequantize, fp8amp::torch_binding::dequantize_meta>::run);
   m.impl("amax", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kAmax, fp8amp::torch_binding::amax_meta>::run);
   m.impl("multi_amax", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiAmax, fp8amp::torch_binding::multi_amax_meta>::run);

@@ -35,6 +35,15 @@ void dequantize(const TensorView& x, const TensorView& scale_inv, const TensorVi
 void cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t,
                     const Scaling& scaling, Stream stream);
 
+// The transpose of a scaled FP16 tensor re-quantized into another scale: x FP16 codes viewed as
+// [rows, cols] (its last dim is cols), whose real values are x * scale_inv; out_t [cols, rows] in
+// out_t.dtype (E4M3, E5M2 or FP16) holds encode(x * (scale_inv[0] * scale[0])), the product of the
+// two float32 [1] scales rounded once to float32 (exact when both are powers of two, as a
+// MasterWeight's are). Nothing else is written: no codes in x's layout, no amax, no scale_inv
+// (the caller already has 1 / scale). Fp8Linear's backward makes its weight's transpose with it.
+void cast_transpose_rescaled(const TensorView& x, const TensorView& scale_inv, const TensorView& scale,
+                             const TensorView& out_t, Stream stream);
+
 // cast_transpose, and in the same pass the column sums of x (the bias gradient, when x is a
 // layer's output gradient): dbias float32 [cols], dbias[c] = the sum over rows of x[r, c], in
 // float32 and in a fixed order (cast_kernels.h, "Column sums"), the same on the CPU and the GPU,

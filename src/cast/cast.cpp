@@ -141,23 +141,29 @@ struct Matrix {
   int64_t cols;
 };
 
-Matrix check_cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const char* op) {
-  check::high_precision(x, op, "x");
+// x (its dtype checked by the caller) and the transpose out_t of its matrix, in a scaled format.
+Matrix check_transposed(const TensorView& x, const TensorView& out_t, const char* op) {
   check::contiguous(x, op, "x");
   FP8AMP_CHECK_VALUE(x.dim() >= 1, op, "x must have at least 1 dimension, got ", x.describe());
+  check::scaled_format(out_t.dtype, op, "dtype");
+  const int64_t cols = x.shape.back();
+  const int64_t rows = matrix_rows(x.shape);
+  FP8AMP_CHECK_VALUE(out_t.dim() == 2 && out_t.shape[0] == cols && out_t.shape[1] == rows, op, "out_t must be ",
+                     dtype_name(out_t.dtype), "[", cols, ", ", rows, "], got ", out_t.describe());
+  check::contiguous(out_t, op, "out_t");
+  check::same_device(x, out_t, op, "x", "out_t");
+  return {rows, cols};
+}
+
+Matrix check_cast_transpose(const TensorView& x, const TensorView& out, const TensorView& out_t, const char* op) {
+  check::high_precision(x, op, "x");
   check::scaled_format(out.dtype, op, "dtype");
   check::same_shape(x, out, op, "x", "out");
   check::contiguous(out, op, "out");
   check::same_device(x, out, op, "x", "out");
-  const int64_t cols = x.shape.back();
-  const int64_t rows = matrix_rows(x.shape);
-  FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == cols &&
-                         out_t.shape[1] == rows,
-                     op, "out_t must be ", dtype_name(out.dtype), "[", cols, ", ", rows, "], got ",
+  FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype, op, "out_t must be ", dtype_name(out.dtype), " as out, got ",
                      out_t.describe());
-  check::contiguous(out_t, op, "out_t");
-  check::same_device(x, out_t, op, "x", "out_t");
-  return {rows, cols};
+  return check_transposed(x, out_t, op);
 }
 
 }  // namespace
@@ -176,6 +182,24 @@ void cast_transpose(const TensorView& x, const TensorView& out, const TensorView
         cuda::cast_transpose(x.dtype, out.dtype, x.data, out.data, out_t.data, rows, cols, s, nullptr, nullptr,
                              stream);
       });
+}
+
+void cast_transpose_rescaled(const TensorView& x, const TensorView& scale_inv, const TensorView& scale,
+                             const TensorView& out_t, Stream stream) {
+  const char* op = "cast_transpose_rescaled";
+  FP8AMP_CHECK_VALUE(x.dtype == DType::kFloat16, op, "x must hold float16 codes (a scaled FP16 tensor), got ",
+                     x.describe());
+  const auto [rows, cols] = check_transposed(x, out_t, op);
+  check_float32(scale_inv, x, op, "scale_inv");
+  check::numel_is(scale_inv, 1, op, "scale_inv");
+  check_float32(scale, x, op, "scale");
+  check::numel_is(scale, 1, op, "scale");
+  check::disjoint_writes({{&out_t, "out_t"}}, {{&x, "x"}, {&scale_inv, "scale_inv"}, {&scale, "scale"}}, op);
+  const auto* codes = x.ptr<const numerics::fp16>();
+  const RescalePtrs rescale{scale_inv.ptr<const float>(), scale.ptr<const float>()};
+  run_on(
+      x, op, [&] { cpu::cast_transpose_rescaled(out_t.dtype, codes, out_t.data, rows, cols, rescale); },
+      [&] { cuda::cast_transpose_rescaled(out_t.dtype, codes, out_t.data, rows, cols, rescale, stream); });
 }
 
 int64_t cast_transpose_dbias_workspace(int64_t rows, int64_t cols) { return column_sum_bands(rows) * cols; }

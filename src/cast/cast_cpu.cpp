@@ -156,5 +156,19 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
   });
 }
 
+void cast_transpose_rescaled(DType out_dtype, const numerics::fp16* x, void* out_t, int64_t rows, int64_t cols,
+                             const RescalePtrs& rescale) {
+  const float scale = rescaled_scale(rescale);
+  visit(ScaledFormatTypes{}, out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    Out* yt = static_cast<Out*>(out_t);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        yt[c * rows + r] = numerics::quantize_to<Out>(numerics::to_float(x[r * cols + c]) * scale);
+      }
+    }
+  });
+}
+
 }  // namespace cpu
 }  // namespace fp8amp

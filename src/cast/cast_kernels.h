@@ -38,6 +38,15 @@ constexpr int64_t kBandRows = kSumTiles * kSumTileRows;
 
 FP8AMP_HD int64_t column_sum_bands(int64_t rows) { return (rows + kBandRows - 1) / kBandRows; }
 
+// The scale of cast_transpose_rescaled: x's scale_inv times the output's scale, one float32
+// multiply (what torch's mul of the two gave before the op took both), the same on both devices.
+struct RescalePtrs {
+  const float* scale_inv;
+  const float* scale;
+};
+
+FP8AMP_HD float rescaled_scale(const RescalePtrs& r) { return rn::mul(r.scale_inv[0], r.scale[0]); }
+
 namespace cpu {
 // x: the runs of tensor.h's row_runs.
 void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const int32_t* warmup_counter,
@@ -49,6 +58,9 @@ void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>&
 // dbias (nullptr: none) and workspace: the column sums, see above.
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
                     int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace);
+// x: FP16 codes [rows, cols]; out_t [cols, rows] in out_dtype.
+void cast_transpose_rescaled(DType out_dtype, const numerics::fp16* x, void* out_t, int64_t rows, int64_t cols,
+                             const RescalePtrs& rescale);
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride);
 }  // namespace cpu
 
@@ -63,6 +75,8 @@ void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>&
                 Stream stream);
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
                     int64_t cols, const ScalingPtrs& s, float* dbias, float* workspace, Stream stream);
+void cast_transpose_rescaled(DType out_dtype, const numerics::fp16* x, void* out_t, int64_t rows, int64_t cols,
+                             const RescalePtrs& rescale, Stream stream);
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride,
                 Stream stream);
 }  // namespace cuda

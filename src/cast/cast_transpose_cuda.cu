@@ -1,7 +1,7 @@
-// CUDA twin of cast_cpu.cpp's cast_transpose (cast_transpose_dbias too): the same op, bit for bit,
-// as kernels that never sync with the host. cast_transpose_kernel quantizes a [rows, cols] matrix
-// into out and out_t through a shared tile, after the amax pre-pass of current scaling
-// (cast_cuda.cu's warmup_amax); sum_bands_kernel finishes the column sums.
+// CUDA twin of cast_cpu.cpp's cast_transpose (cast_transpose_dbias and cast_transpose_rescaled
+// too): the same ops, bit for bit, as kernels that never sync with the host. cast_transpose_kernel
+// quantizes a [rows, cols] matrix into out and out_t through a shared tile, after the amax pre-pass
+// of current scaling (cast_cuda.cu's warmup_amax); sum_bands_kernel finishes the column sums.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,34 +16,6 @@
 namespace fp8amp {
 namespace cuda {
 namespace {
-
-// ----------------------------------------------------------------------------------------------
-// Packs (common/word_pack.cuh) of a matrix whose every pack the caller knows to be aligned and
-// wholly inside or wholly outside it (kWhole): then valid is 0 or N, and no element-wise code is
-// compiled.
-
-template <bool kWhole, int N, class T>
-__device__ void load_matrix_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
-  if constexpr (kWhole) {
-    if (valid == N) {
-      load_words(p, w);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
-    }
-  } else {
-    load_pack<N>(p, valid, vector_ok, w);
-  }
-}
-
-template <bool kWhole, int N, class T>
-__device__ void store_matrix_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
-  if constexpr (kWhole) {
-    if (valid == N) store_words(p, w);
-  } else {
-    store_pack<N>(p, w, valid, vector_ok);
-  }
-}
 
 // ----------------------------------------------------------------------------------------------
 // Cast + transpose.
@@ -118,14 +90,21 @@ __device__ void transpose_words(uint32_t (&w)[4 / sizeof(Out)]) {
 static_assert(kSumTileRows == kTileRows && kSumTiles == kTilesPerBlock && kSumGroupRows == kThreadRows,
               "cast_kernels.h's column-sum order is this kernel's thread layout");
 
+// What cast_transpose_kernel writes. kCodes (cast_transpose): out and out_t with the scale of s,
+// folding x's amax and writing scale_inv; kCodesAndSums (cast_transpose_dbias): also this block's
+// column sums of x (its band, its columns) into band_sums [bands, cols]; kTransposed
+// (cast_transpose_rescaled): out_t alone, with the scale of rescale (s unused: no amax, no scale_inv).
+enum class Outputs { kCodes, kCodesAndSums, kTransposed };
+
 // kWholePacks: the launcher found x, out and out_t aligned to their packs and both dimensions whole
 // numbers of packs, so no element-wise code is compiled (the vector_ok flags are then all true).
-// kColumnSums: also this block's column sums of x (its band, its columns) into band_sums [bands, cols].
-template <class In, class Out, bool kWholePacks, bool kColumnSums>
+template <class In, class Out, bool kWholePacks, Outputs kOutputs>
 __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
     cast_transpose_kernel(const In* __restrict__ x, Out* __restrict__ out, Out* __restrict__ out_t, int64_t rows,
                           int64_t cols, bool x_vector_ok, bool out_vector_ok, bool out_t_vector_ok,
-                          float* __restrict__ band_sums, const ScalingPtrs s) {
+                          float* __restrict__ band_sums, const ScalingPtrs s, const RescalePtrs rescale) {
+  constexpr bool kColumnSums = kOutputs == Outputs::kCodesAndSums;
+  constexpr bool kRowCodes = kOutputs != Outputs::kTransposed;  // out, the amax and scale_inv
   using Tile = CodeTile<In, Out>;
   constexpr int NI = 16 / sizeof(In);   // columns of a thread's block: one 16-byte load per row
   constexpr int NT = 16 / sizeof(Out);  // codes in a 16-byte chunk of an out_t row
@@ -157,7 +136,12 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
     }
   };
   load(0);  // first, so that these loads are in flight while the scale is read
-  const float scale = quantize_scale<Out>(s, 0, blockIdx.x == 0);
+  float scale;
+  if constexpr (kRowCodes) {
+    scale = quantize_scale<Out>(s, 0, blockIdx.x == 0);
+  } else {
+    scale = rescaled_scale(rescale);
+  }
 
   uint32_t abs_max = 0;
   float group_sum[kColumnSums ? NI : 1] = {};  // this thread's row group, its NI columns
@@ -168,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
     uint32_t row_words[kThreadRows][NI / kPerWord];  // the codes of each row
 #pragma unroll
     for (int i = 0; i < kThreadRows; ++i) {
-      abs_max = abs_max_pack<In, NI>(xs[i], abs_max);
+      if constexpr (kRowCodes) abs_max = abs_max_pack<In, NI>(xs[i], abs_max);
       float v[NI];
       decode_pack<In>(xs[i], v);
       if constexpr (kColumnSums) {
@@ -178,8 +162,11 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
 #pragma unroll
       for (int e = 0; e < NI; ++e) v[e] *= scale;
       encode_pack<Out>(v, row_words[i]);
-      const int64_t r = r0 + tr + i;
-      store_matrix_pack<kWholePacks, NI>(out + r * cols + c, row_words[i], r < rows ? row_valid : 0, out_vector_ok);
+      if constexpr (kRowCodes) {
+        const int64_t r = r0 + tr + i;
+        store_matrix_pack<kWholePacks, NI>(out + r * cols + c, row_words[i], r < rows ? row_valid : 0,
+                                           out_vector_ok);
+      }
     }
 
     uint32_t col_words[NI][kPieceWords];  // the codes of each column, rows tr + [0, kThreadRows)
@@ -218,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm<Out>)
                                          out_t_vector_ok);
     }
   }
-  fold_block_amax(s.amax, amax_key_from<In>(abs_max));
+  if constexpr (kRowCodes) fold_block_amax(s.amax, amax_key_from<In>(abs_max));
   if constexpr (kColumnSums) {
     // The band's sum of each column: its row groups' sums, added in group order by one thread.
     __shared__ float group_sums[kTileRows / kThreadRows][Tile::kCols];
@@ -265,6 +252,26 @@ void sum_bands(const float* band_sums, int64_t rows, int64_t cols, float* dbias,
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
+// One launch of cast_transpose_kernel. out is nullptr for kTransposed (nothing of it then limits
+// the kernel); band_sums is read only for kCodesAndSums.
+template <Outputs kOutputs, class In, class Out>
+void launch_cast_transpose(const In* x, Out* out, Out* out_t, int64_t rows, int64_t cols, float* band_sums,
+                           const ScalingPtrs& s, const RescalePtrs& rescale, cudaStream_t stream) {
+  // Packs are used only where every pack of the matrix is whole and aligned; when all three are,
+  // the kernel without element-wise code (and its registers) runs.
+  constexpr int NI = 16 / sizeof(In), NT = 16 / sizeof(Out);
+  const bool x_vector_ok = cols % NI == 0 && is_aligned(x, 16);
+  const bool out_vector_ok = kOutputs == Outputs::kTransposed || (cols % NI == 0 && is_aligned(out, NI * sizeof(Out)));
+  const bool out_t_vector_ok = rows % NT == 0 && is_aligned(out_t, 16);
+  const int64_t blocks =
+      ceil_div(ceil_div(rows, kTileRows), kTilesPerBlock) * ceil_div(cols, CodeTile<In, Out>::kCols);
+  const auto kernel = x_vector_ok && out_vector_ok && out_t_vector_ok ? cast_transpose_kernel<In, Out, true, kOutputs>
+                                                                      : cast_transpose_kernel<In, Out, false, kOutputs>;
+  kernel<<<grid_size(blocks, "cast"), kThreads, 0, stream>>>(x, out, out_t, rows, cols, x_vector_ok, out_vector_ok,
+                                                             out_t_vector_ok, band_sums, s, rescale);
+  FP8AMP_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, void* out_t, int64_t rows,
@@ -284,24 +291,24 @@ void cast_transpose(DType in_dtype, DType out_dtype, const void* x, void* out, v
       const In* xi = static_cast<const In*>(x);
       Out* y = static_cast<Out*>(out);
       Out* yt = static_cast<Out*>(out_t);
-      // Packs are used only where every pack of the matrix is whole and aligned; when all three
-      // are, the kernel without element-wise code (and its registers) runs.
-      constexpr int NI = 16 / sizeof(In), NT = 16 / sizeof(Out);
-      const bool x_vector_ok = cols % NI == 0 && is_aligned(xi, 16);
-      const bool out_vector_ok = cols % NI == 0 && is_aligned(y, NI * sizeof(Out));
-      const bool out_t_vector_ok = rows % NT == 0 && is_aligned(yt, 16);
-      const int64_t blocks =
-          ceil_div(ceil_div(rows, kTileRows), kTilesPerBlock) * ceil_div(cols, CodeTile<In, Out>::kCols);
-      const bool whole = x_vector_ok && out_vector_ok && out_t_vector_ok;
-      const auto kernel = dbias != nullptr ? (whole ? cast_transpose_kernel<In, Out, true, true>
-                                                    : cast_transpose_kernel<In, Out, false, true>)
-                                           : (whole ? cast_transpose_kernel<In, Out, true, false>
-                                                    : cast_transpose_kernel<In, Out, false, false>);
-      kernel<<<grid_size(blocks, "cast"), kThreads, 0, cuda_stream(stream)>>>(
-          xi, y, yt, rows, cols, x_vector_ok, out_vector_ok, out_t_vector_ok, workspace, s);
-      FP8AMP_CUDA_CHECK_LAUNCH();
-      if (dbias != nullptr) sum_bands(workspace, rows, cols, dbias, cuda_stream(stream));
+      if (dbias != nullptr) {
+        launch_cast_transpose<Outputs::kCodesAndSums>(xi, y, yt, rows, cols, workspace, s, RescalePtrs{},
+                                                      cuda_stream(stream));
+        sum_bands(workspace, rows, cols, dbias, cuda_stream(stream));
+      } else {
+        launch_cast_transpose<Outputs::kCodes>(xi, y, yt, rows, cols, nullptr, s, RescalePtrs{}, cuda_stream(stream));
+      }
     });
+  });
+}
+
+void cast_transpose_rescaled(DType out_dtype, const numerics::fp16* x, void* out_t, int64_t rows, int64_t cols,
+                             const RescalePtrs& rescale, Stream stream) {
+  if (rows * cols == 0) return;  // no tile, and nothing else to write
+  visit(ScaledFormatTypes{}, out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    launch_cast_transpose<Outputs::kTransposed>(x, static_cast<Out*>(nullptr), static_cast<Out*>(out_t), rows, cols,
+                                                nullptr, ScalingPtrs{}, rescale, cuda_stream(stream));
   });
 }
 

@@ -1,6 +1,6 @@
 // Packs of elements as the 32-bit words they occupy in memory, and the numerics of numerics.h on
-// them: the element-wise kernels (cast_cuda.cu, accumulate_cuda.cu, adam_cuda.cu) load, convert and
-// store packs through these alone.
+// them: the element-wise kernels (cast_cuda.cu, accumulate_cuda.cu, adam_cuda.cu) and the tiled ones
+// (cast_transpose_cuda.cu, tiles_region_cuda.cu) load, convert and store packs through these alone.
 //
 // A pack of N elements of T travels as kWords<T, N> 32-bit words (4, 8 or 16 bytes), element k in
 // bytes [k * sizeof(T), (k + 1) * sizeof(T)) of the little-endian words. The conversions work on the
@@ -63,6 +63,34 @@ __device__ void store_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, b
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     if (k < valid) p[k] = from_bits<T>((w[k * sizeof(T) / 4] >> kShift<T>(k)) & kMask);
+  }
+}
+
+// load_pack and store_pack for a matrix whose every pack the caller knows to be aligned and wholly
+// inside or wholly outside it (kWhole: the launcher checked the pointers' alignment and that both
+// dimensions are whole numbers of packs): then valid is 0 or N, and no element-wise code is
+// compiled. Otherwise (the edges, misaligned tensors) load_pack and store_pack themselves. The
+// tiled kernels (cast_transpose_cuda.cu, tiles_region_cuda.cu) read and write through these.
+template <bool kWhole, int N, class T>
+__device__ __forceinline__ void load_matrix_pack(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
+  if constexpr (kWhole) {
+    if (valid == N) {
+      load_words(p, w);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
+    }
+  } else {
+    load_pack<N>(p, valid, vector_ok, w);
+  }
+}
+
+template <bool kWhole, int N, class T>
+__device__ __forceinline__ void store_matrix_pack(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
+  if constexpr (kWhole) {
+    if (valid == N) store_words(p, w);
+  } else {
+    store_pack<N>(p, w, valid, vector_ok);
   }
 }
 

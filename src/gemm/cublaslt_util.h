@@ -2,13 +2,17 @@
 // cuBLASLt calls, the per-device state (compute capability and one handle, created on first use
 // with that device current and never destroyed, because a static destructor can run after the
 // CUDA runtime has shut down; a handle is not tied to a stream, so one per device serves every
-// stream and thread), owners of descriptors, and matrix layouts. Host code; CUDA builds only.
+// stream and thread), owners of descriptors, matrix layouts, and the hash of the keys their
+// algorithm caches are looked up by. Host code; CUDA builds only.
 #pragma once
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -32,6 +36,17 @@ inline void check_cublas(cublasStatus_t status, const char* call, const char* fi
   }
 }
 #define FP8AMP_CUBLAS_CHECK(expr) ::fp8amp::cuda::cublaslt::check_cublas((expr), #expr, __FILE__, __LINE__)
+
+// The hash of an algorithm cache's key: the int64 fields the heuristic's answer depends on (each
+// GEMM path has its own fields, hence its own N).
+struct AlgoKeyHash {
+  template <size_t N>
+  size_t operator()(const std::array<int64_t, N>& key) const {
+    size_t h = 0;
+    for (const int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h;
+  }
+};
 
 // Makes `device` current for the call (the handle, the stream and cuBLASLt's launches belong to
 // it) and gives the caller's device back afterwards.

@@ -49,14 +49,6 @@ constexpr const char* kOp = "gemm";
 // Everything the heuristic's answer depends on, and whether the algorithm is autotuned.
 using AlgoKey = std::array<int64_t, 19>;
 
-struct AlgoKeyHash {
-  size_t operator()(const AlgoKey& key) const {
-    size_t h = 0;
-    for (const int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
-    return h;
-  }
-};
-
 AlgoKey algo_key(const GemmArgs& g) {
   const bool has_bias = g.bias != nullptr;
   return AlgoKey{g.device_index,

@@ -55,14 +55,6 @@ const char* scale_mode_name(TileScaling s) {
 // Everything the heuristic's answer depends on.
 using AlgoKey = std::array<int64_t, 18>;
 
-struct AlgoKeyHash {
-  size_t operator()(const AlgoKey& key) const {
-    size_t h = 0;
-    for (const int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
-    return h;
-  }
-};
-
 std::mutex algos_mutex;
 std::unordered_map<AlgoKey, cublasLtMatmulAlgo_t, AlgoKeyHash> algos;
 

@@ -48,31 +48,6 @@ static_assert(kRegion * (kRegion / kChunk) % kRegionThreads == 0, "the out_t chu
 
 enum class Tiling { kRowTiles, kBlocks };  // (1, 128) tiles, or (128, 128) blocks
 
-// A pack that is whole or wholly outside the matrix (kWhole: the launcher checked alignment and
-// that both dimensions are whole numbers of packs), or any pack (element-wise at the edges).
-template <bool kWhole, int N, class T>
-__device__ __forceinline__ void load_piece(const T* p, int valid, bool vector_ok, uint32_t (&w)[kWords<T, N>]) {
-  if constexpr (kWhole) {
-    if (valid == N) {
-      load_words(p, w);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords<T, N>; ++i) w[i] = 0;
-    }
-  } else {
-    load_pack<N>(p, valid, vector_ok, w);
-  }
-}
-
-template <bool kWhole, int N, class T>
-__device__ __forceinline__ void store_piece(T* p, const uint32_t (&w)[kWords<T, N>], int valid, bool vector_ok) {
-  if constexpr (kWhole) {
-    if (valid == N) store_words(p, w);
-  } else {
-    store_pack<N>(p, w, valid, vector_ok);
-  }
-}
-
 // What region_kernel quantizes: x's own values (CastSource) or scaled_accumulate_tiles' sums
 // (AccumulateSource). A source loads the packs of a thread's piece into a Piece of registers (pack
 // l of the piece's row i: kPack elements from element `offset` of the matrix, `valid` of them
@@ -97,7 +72,7 @@ struct CastSource {
   __device__ void begin(Piece&, int64_t, int64_t, int64_t, int64_t, int64_t) const {}
   template <bool kWhole>
   __device__ void load(Piece& piece, int i, int l, int64_t offset, int valid) const {
-    load_piece<kWhole, kPack>(x + offset, valid, vector_ok, piece.x[i][l]);
+    load_matrix_pack<kWhole, kPack>(x + offset, valid, vector_ok, piece.x[i][l]);
   }
   __device__ void values(const Piece& piece, int i, int l, float (&v)[kPack]) const { decode_pack<In>(piece.x[i][l], v); }
 };
@@ -135,8 +110,8 @@ struct AccumulateSource {
   }
   template <bool kWhole>
   __device__ void load(Piece& piece, int i, int l, int64_t offset, int valid) const {
-    load_piece<kWhole, kPack>(acc + offset, valid, acc_vector_ok, piece.acc[i][l]);
-    load_piece<kWhole, kPack>(update + offset, valid, update_vector_ok, piece.update[i][l]);
+    load_matrix_pack<kWhole, kPack>(acc + offset, valid, acc_vector_ok, piece.acc[i][l]);
+    load_matrix_pack<kWhole, kPack>(update + offset, valid, update_vector_ok, piece.update[i][l]);
   }
   __device__ void values(const Piece& piece, int i, int l, float (&v)[kPack]) const {
     float a[kPack], u[kPack];
@@ -290,7 +265,7 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
       uint32_t codes[kWords<Out, NI>];
       encode_pack<Out>(q, codes);
       const int64_t r = r0 + tr + i;
-      store_piece<kWhole, NI>(out + r * cols + c, codes, r < rows ? valid_count<NI>(c, cols) : 0, out_vector_ok);
+      store_matrix_pack<kWhole, NI>(out + r * cols + c, codes, r < rows ? valid_count<NI>(c, cols) : 0, out_vector_ok);
     }
     if constexpr (kTranspose) {
 #pragma unroll
@@ -317,8 +292,8 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
       const uint4 w4 = *reinterpret_cast<const uint4*>(&codes_t[col][(chunk ^ s) * 4]);
       const uint32_t words[4] = {w4.x, w4.y, w4.z, w4.w};
       const int64_t r = r0 + chunk * kChunk, cc = c0 + col;
-      store_piece<kWhole, kChunk>(out_t + cc * rows + r, words, cc < cols ? valid_count<kChunk>(r, rows) : 0,
-                                  out_t_vector_ok);
+      store_matrix_pack<kWhole, kChunk>(out_t + cc * rows + r, words, cc < cols ? valid_count<kChunk>(r, rows) : 0,
+                                        out_t_vector_ok);
     }
   }
 }

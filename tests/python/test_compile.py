@@ -28,6 +28,8 @@ def opcheck_cases():
         "cast_transpose_dbias": (ops.cast_transpose_dbias.default,
                                  (torch.randn(2, 300, 16), torch.ones(1), torch.zeros(1, 4), fp8amp.E5M2),
                                  dict(warmup_counter=counter, warmup_steps=4)),
+        "cast_transpose_rescaled": (ops.cast_transpose_rescaled.default,
+                                    (x.half(), torch.full((1,), 0.25), torch.full((1,), 8.0), fp8amp.FP16), {}),
         "dequantize": (ops.dequantize.default, (x.half(), torch.ones(1), torch.bfloat16), {}),
         "amax": (ops.amax.default, (x, torch.zeros(1, 4)), dict(warmup_counter=counter, warmup_steps=4)),
         "multi_amax": (ops.multi_amax.default, ([x, x[:3]], torch.zeros(2, 3)), {}),

@@ -373,6 +373,8 @@ def _meta_cases():
         "quantize": (torch.ops.fp8amp.quantize.default, (x, one, amax, E4M3), (1, 2)),
         "cast_transpose": (torch.ops.fp8amp.cast_transpose.default, (x, one, amax, E4M3), (0, 1, 2)),
         "cast_transpose_dbias": (torch.ops.fp8amp.cast_transpose_dbias.default, (x, one, amax, E4M3), (1,)),
+        "cast_transpose_rescaled": (torch.ops.fp8amp.cast_transpose_rescaled.default, (x.half(), one, one, E4M3),
+                                    (0, 2)),
         "dequantize": (torch.ops.fp8amp.dequantize.default, (x.half(), one, torch.float32), (1,)),
         "amax": (torch.ops.fp8amp.amax.default, (x, amax), (0, 1)),
         "multi_amax": (torch.ops.fp8amp.multi_amax.default, ([x, x], torch.zeros(2, 1)), (0, 1)),

@@ -65,6 +65,13 @@ def test_quantizing_ops(shape, x_dtype, fmt):
 
 
 @pytest.mark.parametrize("shape", X_SHAPES)
+@pytest.mark.parametrize("fmt", (E4M3, E5M2, FP16))
+def test_cast_transpose_rescaled(shape, fmt):
+    assert_same_metadata(ops.cast_transpose_rescaled.default,
+                         (randn(shape).to(FP16), torch.full((1,), 0.5), torch.full((1,), 4.0), fmt))
+
+
+@pytest.mark.parametrize("shape", X_SHAPES)
 @pytest.mark.parametrize("out_dtype", HIGH)
 def test_dequantize(shape, out_dtype):
     assert_same_metadata(ops.dequantize.default, (randn(shape).to(FP16), torch.ones(1), out_dtype))

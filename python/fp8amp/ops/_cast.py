@@ -28,6 +28,7 @@ __all__ = [
     "quantize_current",
     "cast_transpose",
     "cast_transpose_dbias",
+    "cast_transpose_rescaled",
     "dequantize",
     "amax",
     "multi_amax",
@@ -156,6 +157,28 @@ def cast_transpose_dbias(
     return fast.cast_transpose_dbias(
         _input(x, "x", op),
         *_scaling_args(op, scale, amax, dtype, warmup_counter, warmup_steps, margin, pow2_scale),
+    )
+
+
+def cast_transpose_rescaled(
+    x: torch.Tensor, scale_inv: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The transpose of a scaled FP16 tensor, quantized into ``dtype`` (E4M3, E5M2 or FP16) with a
+    new scale, in one pass that writes nothing else.
+
+    ``x`` (float16 codes of shape ``[..., N]``, viewed as ``[M, N]``) holds the real values ``x *
+    scale_inv``; returns ``out_t`` ``[N, M]`` = ``saturate(round(x * (scale_inv * scale)))``, the
+    product of the two float32 ``[1]`` scales rounded to float32 once, as ``scale_inv * scale`` in
+    torch. With power-of-two scales this is the transpose of quantizing the real values with
+    ``scale`` (a :class:`~fp8amp.MasterWeight`'s E4M3 copy). Unlike :func:`cast_transpose` there is
+    no amax to fold, no codes in ``x``'s layout and no ``scale_inv`` returned.
+    """
+    op = "cast_transpose_rescaled"
+    return fast.cast_transpose_rescaled(
+        _input(x, "x", op),
+        _input(scale_inv, "scale_inv", op),
+        _input(scale, "scale", op),
+        _dtype(dtype, _SCALED_FORMATS, "dtype", op),
     )
 
 

@@ -14,6 +14,7 @@ quantize = lib.quantize.default
 quantize_current = lib.quantize_current.default
 cast_transpose = lib.cast_transpose.default
 cast_transpose_dbias = lib.cast_transpose_dbias.default
+cast_transpose_rescaled = lib.cast_transpose_rescaled.default
 dequantize = lib.dequantize.default
 amax = lib.amax.default
 multi_amax = lib.multi_amax.default
