@@ -39,11 +39,8 @@ std::vector<float> scale_values(const TensorView& s) {
 }  // namespace
 
 size_t gemm_mx_scale_bytes(int64_t m, int64_t n, int64_t k) {
-  const auto copy = [&](int64_t rows) {
-    const auto bytes = static_cast<size_t>(MxScaleLayout{rows, k / kMxBlock}.bytes());
-    return (bytes + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
-  };
-  return kScaleCopyAlignment + copy(m) + copy(n);
+  // Slack for aligning the first copy inside a workspace that is not 256-byte aligned.
+  return kScaleCopyAlignment + MxScaleLayout{m, k / kMxBlock}.copy_bytes() + MxScaleLayout{n, k / kMxBlock}.copy_bytes();
 }
 
 void gemm_mx(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& b_scales,

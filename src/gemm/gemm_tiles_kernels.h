@@ -85,7 +85,7 @@ inline size_t scale_copy_bytes(const CublasScaleLayout& layout) {
 }
 
 // MXFP8's copy of an operand's E8M0 scales [rows, k_blocks] in cuBLASLt's 128 x 4 tiled layout:
-// rows padded to 128 and K-blocks to 4 (the padding holds code 127, a scale of 1, for zero codes),
+// rows padded to 128 and K-blocks to 4 (the padding holds code 127, a scale of 1),
 // tile (rows / 128, k_blocks / 4) at ((row tile) * (padded k_blocks / 4) + k tile) * 512 bytes,
 // inside it row r and K-block j at (r % 32) * 16 + (r % 128) / 32 * 4 + j % 4.
 struct MxScaleLayout {
@@ -98,6 +98,11 @@ struct MxScaleLayout {
     const int64_t tile = (r / 128) * (padded_k_blocks() / 4) + j / 4;
     return tile * 512 + (r % 32) * 16 + (r % 128) / 32 * 4 + j % 4;
   }
+  // Its place in the workspace, kScaleCopyAlignment-aligned like the tile scales' copies.
+  size_t copy_bytes() const {
+    const auto b = static_cast<size_t>(bytes());
+    return (b + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
+  }
 };
 
 namespace cpu {
@@ -106,6 +111,21 @@ void gemm_tiles(const GemmTilesArgs& g);
 
 namespace cuda {
 void gemm_tiles(const GemmTilesArgs& g, Stream stream);
+// cuBLASLt's scale modes (cublasLtMatmulMatrixScale_t values) and scale copies of both operands,
+// and how messages name them and the op.
+struct ScaleModes {
+  int32_t a_mode, b_mode;
+  const void* a_scales;
+  const void* b_scales;
+  const char* a_name;
+  const char* b_name;
+  const char* op;
+};
+// out = a · bᵀ (+ bias) through cuBLASLt with those scales, in workspace (cuBLASLt's part), on the
+// current device g.device_index (gemm_tiles_cuda.cpp): the first algorithm of the heuristic, kept
+// per problem; NotImplementedError where cuBLASLt has none.
+void scaled_matmul(const GemmTilesArgs& g, const ScaleModes& modes, void* workspace, size_t workspace_bytes,
+                   Stream stream);
 // dst (layout) = the caller's scales src (row-major, src_cols wide), on stream (gemm_tiles_scales_cuda.cu).
 void copy_tile_scales(const float* src, int64_t src_cols, const CublasScaleLayout& layout, float* dst, Stream stream);
 // The MXFP8 GEMM through cuBLASLt (gemm_mx_cuda.cpp): g's a_scales / b_scales are unused, the E8M0
