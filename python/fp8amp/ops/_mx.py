@@ -13,6 +13,7 @@ import torch
 
 from ..formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from ._args import _dtype, _input, _optional_input
+from ._gemm_tiles import add_bias, split_bias
 from ._library import lib
 
 __all__ = ["MX_BLOCK", "quantize_mx", "dequantize_mx", "cast_transpose_mx", "gemm_mx", "e8m0_to_float"]
@@ -76,10 +77,12 @@ def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: 
 
     ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are float8 codes (E4M3×E4M3, E4M3×E5M2 or E5M2×E4M3),
     both K-major, with the uint8 E8M0 ``scales`` :func:`quantize_mx` returns (``[rows, K / 32]``).
-    K must be a multiple of 32 and N of 16. ``bias`` is ``[N]`` of ``out_dtype`` (bfloat16 for a
-    float32 output). On CUDA it needs a Blackwell GPU (compute capability 10.0+): elsewhere it
+    K must be a multiple of 32 and N of 16. ``bias`` is ``[N]`` of ``out_dtype``, or bfloat16 for
+    a float32 output (a float32 bias is added to the float32 result). On CUDA it needs a Blackwell GPU (compute capability 10.0+): elsewhere it
     raises NotImplementedError. On the CPU it is the reference (exact 32-element block sums)."""
     op = "gemm_mx"
-    return _gemm_mx(_input(a, "a", op), _input(a_scales, "a_scales", op), _input(b, "b", op),
-                    _input(b_scales, "b_scales", op), _dtype(out_dtype, _OUT_DTYPES, "out_dtype", op),
-                    _optional_input(bias, "bias", op))
+    out_dtype = _dtype(out_dtype, _OUT_DTYPES, "out_dtype", op)
+    bias, added_bias = split_bias(_optional_input(bias, "bias", op), out_dtype, b, op)
+    out = _gemm_mx(_input(a, "a", op), _input(a_scales, "a_scales", op), _input(b, "b", op),
+                   _input(b_scales, "b_scales", op), out_dtype, bias)
+    return add_bias(out, added_bias, op)
