@@ -22,7 +22,8 @@ PyTorch's time over ours.
 
 With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles,
 cast_transpose_tiles and scaled_accumulate_tiles (an E4M3 accumulator plus a bf16 update) of bf16
-matrices with (1, 128) tiles and (128, 128) blocks, against a
+matrices with (1, 128) tiles and (128, 128) blocks, and MXFP8's quantize_mx and cast_transpose_mx
+(1 x 32 blocks), against a
 device-to-device copy of the same bytes (half of them read, half written) in the same run. The
 copy runs as direct launches (a copy inside a CUDA graph becomes a memcpy node, which ran slower
 on the H200); "of copy" is the copy's time over the op's, the op's fraction of copy bandwidth.
@@ -227,6 +228,14 @@ def copy_ms(bytes_moved: int, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / len(pairs)
 
 
+def tile_row(op: str, tile: str, shape: str, fn: Callable, xs: list, bytes_moved: int, iters: int) -> list[str]:
+    """One row of the tiles table: fn's median time against a copy of the same bytes."""
+    ours = median_ms(fn, xs, iters)
+    copy = copy_ms(bytes_moved, iters)
+    return [op, tile, shape, f"{ours * 1e3:.1f}", f"{bytes_moved / (ours * 1e-3) / 1e9:.0f}", f"{copy * 1e3:.1f}",
+            f"{copy / ours:.0%}"]
+
+
 def bench_tiles_shape(rows_n: int, cols_n: int, iters: int) -> list[list[str]]:
     numel = rows_n * cols_n
     xs = [torch.randn(rows_n, cols_n, device="cuda", dtype=torch.bfloat16)
@@ -245,10 +254,14 @@ def bench_tiles_shape(rows_n: int, cols_n: int, iters: int) -> list[list[str]]:
              lambda x, tile=tile, acc=acc, si=acc_scale_inv: fp8amp.ops.scaled_accumulate_tiles(acc, si, x, tile),
              4 * numel + 2 * scales),
         ]:
-            ours = median_ms(fn, xs, iters)
-            copy = copy_ms(bytes_moved, iters)
-            table.append([op, f"{tile[0]}x{tile[1]}", f"{rows_n}x{cols_n}", f"{ours * 1e3:.1f}",
-                          f"{bytes_moved / (ours * 1e-3) / 1e9:.0f}", f"{copy * 1e3:.1f}", f"{copy / ours:.0%}"])
+            table.append(tile_row(op, f"{tile[0]}x{tile[1]}", f"{rows_n}x{cols_n}", fn, xs, bytes_moved, iters))
+    # MXFP8 (docs/tiles.md#mxfp8): 1 x 32 blocks, one uint8 E8M0 scale each.
+    mx_scales, mx_scales_t = rows_n * math.ceil(cols_n / 32), cols_n * math.ceil(rows_n / 32)
+    for op, fn, bytes_moved in [
+        ("quantize_mx", lambda x: fp8amp.ops.quantize_mx(x, E4M3), 3 * numel + mx_scales),
+        ("cast_transpose_mx", lambda x: fp8amp.ops.cast_transpose_mx(x, E4M3), 4 * numel + mx_scales + mx_scales_t),
+    ]:
+        table.append(tile_row(op, "1x32 E8M0", f"{rows_n}x{cols_n}", fn, xs, bytes_moved, iters))
     del xs
     torch.cuda.empty_cache()
     return table

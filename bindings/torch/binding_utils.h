@@ -29,9 +29,10 @@ inline DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
     case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
     case at::kFloat8_e5m2: return DType::kFloat8E5M2;
     case at::kInt: return DType::kInt32;
+    case at::kByte: return DType::kUInt8;
     default:
       detail::throw_error(ErrorKind::kValue, op, arg, " has unsupported dtype ", c10::toString(t),
-                          "; accepted: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (int32 for counters)");
+                          "; accepted: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (int32 for counters, uint8 for E8M0 scales)");
   }
 }
 

@@ -15,6 +15,7 @@ enum class DType : int8_t {
   kFloat8E4M3 = 3,  // torch.float8_e4m3fn: no infinities, NaN = 0x7F / 0xFF
   kFloat8E5M2 = 4,  // torch.float8_e5m2: IEEE-like, has infinities
   kInt32 = 5,
+  kUInt8 = 6,  // torch.uint8: MXFP8's E8M0 block scales (docs/tiles.md#mxfp8)
 };
 
 struct DTypeInfo {
@@ -36,6 +37,7 @@ inline constexpr DTypeInfo kDTypeTable[] = {
     {DType::kFloat8E4M3, "float8_e4m3fn", 1, 448.0f, 4, 3, false},
     {DType::kFloat8E5M2, "float8_e5m2", 1, 57344.0f, 5, 2, true},
     {DType::kInt32, "int32", 4, 0.0f, 0, 0, false},
+    {DType::kUInt8, "uint8", 1, 0.0f, 0, 0, false},
 };
 inline constexpr size_t kNumDTypes = sizeof(kDTypeTable) / sizeof(kDTypeTable[0]);
 

@@ -103,6 +103,24 @@ void gemm_tiles(const TensorView& a, const TensorView& a_scale_inv, int64_t a_ti
                 const TensorView& b, const TensorView& b_scale_inv, int64_t b_tile_rows, int64_t b_tile_cols,
                 const TensorView* bias, const TensorView& out, const GemmTilesOptions& options, Stream stream);
 
+// ---- The MXFP8 GEMM (docs/tiles.md#mxfp8) ----
+//
+// The same TN GEMM with OCP MX block scales: a [M, K] and b [N, K] (E4M3 x E4M3, E4M3 x E5M2 or
+// E5M2 x E4M3 codes, K-major) each with uint8 E8M0 scales [rows, K / 32] as quantize_mx (tiles.h)
+// writes them, one per 1 x 32 block along K. K must be a multiple of 32; N, bias and out follow
+// gemm's rules; M is free. The CPU reference is gemm_tiles' with 32-wide K-blocks: each block's
+// exact product sum times 2^(ea - 127) * 2^(eb - 127), blocks added in double, rounded once (a NaN
+// code, 0xFF, makes its block's products NaN).
+//
+// CUDA: cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 on both operands, which it offers on
+// Blackwell (compute capability 10.0 and newer); every other GPU gets NotImplementedError before
+// any work is queued. The scales are first copied into the 128 x 4 tiled layout cuBLASLt reads
+// (gemm_mx_scale_bytes of the workspace).
+size_t gemm_mx_scale_bytes(int64_t m, int64_t n, int64_t k);
+
+void gemm_mx(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& b_scales,
+             const TensorView* bias, const TensorView& out, const GemmTilesOptions& options, Stream stream);
+
 // Autotuning of the CUDA path's cuBLASLt algorithm (process-wide, off by default). Off, a problem
 // (device, shape, leading dims, dtypes, bias, flags, alignments, workspace) runs the first
 // algorithm of cuBLASLt's heuristic. On, each problem first seen while it is on has its first 24

@@ -45,6 +45,28 @@ void scaled_accumulate_tiles(const TensorView& acc, const TensorView& acc_scale_
                              const TensorView& out, const TensorView& scale_inv, int64_t tile_rows, int64_t tile_cols,
                              const ScalingRecipe& recipe, Stream stream);
 
+// ---- MXFP8 (OCP Microscaling, docs/tiles.md#mxfp8) ----
+constexpr int64_t kMxBlock = 32;  // the elements of an MX block
+
+// Blocks of 1 x 32 consecutive elements of a row (the last one of a row may be partial), each with
+// one E8M0 scale: a uint8 exponent code, X = 2^(code - 127), 0xFF = NaN. scales is uint8
+// [rows, ceil(cols / 32)], row-major. Each block's X = 2^(floor(log2(amax)) - emax) by OCP MX
+// (emax = 8 for E4M3, 15 for E5M2; exact from the bits), clamped to 2^-127 at the bottom; the
+// elements are encode(v / X), saturating. A block of zeros gets X = 1 (code 127); a block holding
+// an inf or NaN gets code 0xFF (it reads NaN) and no other block changes. x fp32/bf16/fp16,
+// contiguous; out E4M3 or E5M2.
+void quantize_mx(const TensorView& x, const TensorView& out, const TensorView& scales, Stream stream);
+
+// out (fp32/bf16/fp16, IEEE rounding) = decode(x) * X[block]; x E4M3/E5M2 with scales as above.
+void dequantize_mx(const TensorView& x, const TensorView& scales, const TensorView& out, Stream stream);
+
+// x and its transpose, each cut into 1 x 32 blocks along its own rows, bit for bit quantize_mx of
+// x and of x's transpose: out [rows, cols] with scales [rows, ceil(cols / 32)], out_t [cols, rows]
+// with scales_t [cols, ceil(rows / 32)] (blocks of 32 rows of x for each column): the operands of
+// the forward GEMM (along x's columns) and of the weight-gradient GEMM (along its rows).
+void cast_transpose_mx(const TensorView& x, const TensorView& out, const TensorView& scales, const TensorView& out_t,
+                       const TensorView& scales_t, Stream stream);
+
 // ValueError unless both tile sizes are positive (what a caller allocating scale_inv checks first);
 // `owner` names the tile argument they belong to when it is not plain `tile` (e.g. "tile_t's ").
 void check_tile_sizes(int64_t tile_rows, int64_t tile_cols, const char* op, const char* owner = "");

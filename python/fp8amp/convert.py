@@ -78,7 +78,7 @@ class ConversionReport:
     policy: str
     tokens: int
     min_speedup: float
-    #: The recipe's kind ("tensorwise", "rowwise", "blockwise").
+    #: The recipe's kind ("tensorwise", "rowwise", "blockwise", "mxfp8").
     recipe: str = "tensorwise"
     decisions: list[LayerDecision] = field(default_factory=list)
     #: The whole-step stage of ``"auto"`` (None where it did not judge: other policies, a CPU).
@@ -144,10 +144,12 @@ def convert(
             FP8 rule) are always left as they are.
         recipe: how the new layers scale their FP8 operands (docs/tiles.md#recipes):
             ``"tensorwise"`` (default: one scale per tensor, delayed scaling), ``"rowwise"``,
-            ``"blockwise"``, an :class:`fp8amp.Recipe`, or an :class:`fp8amp.ScalingRecipe`
+            ``"blockwise"``, ``"mxfp8"`` (OCP MX 1 x 32 blocks; CPU emulation or a Blackwell
+            GPU: on a CUDA GPU below sm_100 convert raises NotImplementedError before changing
+            anything), an :class:`fp8amp.Recipe`, or an :class:`fp8amp.ScalingRecipe`
             (tensorwise with that history, margin and scale rule). A Linear whose shape the
-            recipe cannot take (blockwise: in/out features not multiples of 128) is left as it
-            is, with the reason in the report.
+            recipe cannot take (blockwise: in/out features not multiples of 128; mxfp8: of 32)
+            is left as it is, with the reason in the report.
         optimizer: if given, :func:`update_scaling` runs after each of its ``step()`` calls, so the
             training loop needs no extra line.
         policy: ``"auto"`` (default): on a CUDA device, first the whole step: if a step of the
@@ -176,6 +178,8 @@ def convert(
     """
     _check_convert_args(model, module_filter_fn, optimizer, policy, tokens, min_speedup, timer)
     recipe = resolve_recipe(recipe, "convert")
+    for device in {p.device for p in model.parameters()}:  # before any layer changes (mxfp8 below Blackwell)
+        recipe.check_device(device, "fp8amp.convert")
     report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind)
     model_in = model
 

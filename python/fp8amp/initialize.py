@@ -70,8 +70,8 @@ def initialize(
         opt_level: ``"O1"`` or ``"O2"`` (docs/o1_o2.md#optimization-levels's table).
         module_filter_fn: ``(module, fully_qualified_name) -> bool``, which Linears to convert.
         recipe: how the Fp8Linear layers scale their FP8 operands, as :func:`fp8amp.convert`
-            takes it: ``"tensorwise"`` (default), ``"rowwise"``, ``"blockwise"`` or an
-            :class:`fp8amp.Recipe` (docs/tiles.md#recipes). Under the tiled recipes the masters
+            takes it: ``"tensorwise"`` (default), ``"rowwise"``, ``"blockwise"``, ``"mxfp8"``
+            (docs/tiles.md#mxfp8) or an :class:`fp8amp.Recipe` (docs/tiles.md#recipes). Under the tiled recipes the masters
             carry no E4M3 copy: each forward quantizes the master with tile scales.
         weight_grad: ``"fp8"`` (docs/o1_o2.md#optimization-levels: E4M3 ScaledTensor gradients, 1 byte per element,
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``

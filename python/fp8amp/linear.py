@@ -251,6 +251,7 @@ class Fp8Linear(nn.Linear):
     def _add_scaling_states(self, recipe: Recipe, device) -> None:
         # The tiled recipes keep the states too (unused): the state dict has the same keys
         # whatever the recipe, so a checkpoint loads across recipes.
+        recipe.check_device(device, type(self).__name__)  # mxfp8 below Blackwell: refused here
         self.recipe = recipe
         self.input_scaling = ScalingState(1, E4M3, recipe.scaling, device=device)
         self.weight_scaling = ScalingState(1, E4M3, recipe.scaling, device=device)

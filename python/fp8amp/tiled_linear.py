@@ -1,4 +1,4 @@
-"""Fp8Linear's GEMMs under the tiled recipes, rowwise and blockwise (docs/tiles.md#recipes).
+"""Fp8Linear's GEMMs under the tiled recipes, rowwise, blockwise and mxfp8 (docs/tiles.md#recipes).
 
 Every operand gets current scales, one per tile, from the tile's own amax; each cast writes the
 operand and its transpose in one pass (:func:`fp8amp.ops.cast_transpose_tiles`), because each of
@@ -18,6 +18,10 @@ are W's columns, so the weight is scaled again along its other dimension. A 128 
 holds the values of one block of W, so blockwise's Wᵀ is W's codes transposed, with the block
 scales transposed.
 
+mxfp8 (docs/tiles.md#mxfp8) cuts every operand into 1 x 32 blocks along its own rows, with uint8
+E8M0 scales: the same three GEMMs through :func:`fp8amp.ops.cast_transpose_mx` and
+:func:`fp8amp.ops.gemm_mx`, its branches below marked ``# mxfp8``.
+
 At O1/O2 the weight is an FP16 master (:class:`~fp8amp.MasterWeight`, with no E4M3 copy: a
 per-tensor copy would not serve) and the forward quantizes its codes with tile scales: with the
 master's power-of-two scale the codes give the same E4M3 values as its real values, and the
@@ -36,7 +40,7 @@ from . import cast_recorder, ops
 from .formats import E4M3, FP16
 from .linear_common import fp8_weight_grad, output_dtype, pad_rows
 from .master_weight import MasterWeight
-from .recipes import BLOCK, Recipe
+from .recipes import BLOCK, MX_BLOCK, Recipe
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["TiledLinearFunction"]
@@ -46,12 +50,16 @@ def _tile(recipe: Recipe, role: str, cols: int) -> tuple[int, int]:
     """The tile of an operand of ``cols`` columns (its GEMM's contraction) in ``role``."""
     if recipe.kind == "rowwise":
         return 1, cols
+    if recipe.kind == "mxfp8":  # mxfp8
+        return 1, MX_BLOCK
     return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
 
 
 def _cast(recipe: Recipe, role: str, t: torch.Tensor, fmt: torch.dtype):
     """``(codes, scale_inv, codes_t, scale_inv_t)`` of ``t`` [rows, cols] and its transpose, each
-    cut into tiles along its own rows."""
+    cut into tiles along its own rows (mxfp8: E8M0 codes for scale_inv)."""
+    if recipe.kind == "mxfp8":  # mxfp8
+        return ops.cast_transpose_mx(t, fmt)
     rows, cols = t.shape
     return ops.cast_transpose_tiles(t, fmt, _tile(recipe, role, cols), tile_t=_tile(recipe, role, rows),
                                     margin=recipe.margin, pow2_scale=recipe.pow2_scale)
@@ -60,6 +68,8 @@ def _cast(recipe: Recipe, role: str, t: torch.Tensor, fmt: torch.dtype):
 def _gemm(recipe: Recipe, a: torch.Tensor, a_scale_inv: torch.Tensor, a_role: str, b: torch.Tensor,
           b_scale_inv: torch.Tensor, b_role: str, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
     """``a @ b.T`` of two tiled operands (K-major: their columns are the contraction)."""
+    if recipe.kind == "mxfp8":  # mxfp8
+        return ops.gemm_mx(a, a_scale_inv, b, b_scale_inv, out_dtype=out_dtype, bias=bias)
     return ops.gemm_tiles(a, a_scale_inv, _tile(recipe, a_role, a.shape[1]), b, b_scale_inv,
                           _tile(recipe, b_role, b.shape[1]), out_dtype=out_dtype, bias=bias)
 
@@ -67,9 +77,10 @@ def _gemm(recipe: Recipe, a: torch.Tensor, a_scale_inv: torch.Tensor, a_role: st
 def _weight_operands(weight: torch.Tensor, recipe: Recipe):
     """W's cast (as :func:`_cast`) from what the weight holds: an FP16 master's codes (its scale
     a power of two, so the codes times a tile scale round as the real values do, and the scale
-    joins scale_inv; exact), any other ScaledTensor's real values, or the plain tensor."""
+    joins scale_inv; exact), any other ScaledTensor's real values, or the plain tensor. mxfp8
+    casts the master's real values (its E8M0 codes cannot take the master's scale as a product)."""
     if isinstance(weight, ScaledTensor):
-        if weight.storage_format == FP16:
+        if weight.storage_format == FP16 and recipe.kind != "mxfp8":
             codes, scale_inv, codes_t, scale_inv_t = _cast(recipe, "weight", weight.codes, E4M3)
             return codes, scale_inv * weight.scale_inv, codes_t, scale_inv_t * weight.scale_inv
         weight = weight.dequantize(torch.float32)
@@ -83,6 +94,8 @@ def _per_element(scale_inv: torch.Tensor, tile: tuple[int, int], shape: torch.Si
 
 def _record(state, role: str, real: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor,
             tile: tuple[int, int]) -> None:
+    if scale_inv.dtype == torch.uint8:  # mxfp8's E8M0 codes
+        scale_inv = ops.e8m0_to_float(scale_inv)
     cast_recorder.record(state, role, real, codes, _per_element(scale_inv, tile, codes.shape))
 
 

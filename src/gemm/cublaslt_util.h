@@ -97,7 +97,8 @@ inline cudaDataType_t cuda_type(DType dtype) {
     case DType::kBFloat16: return CUDA_R_16BF;
     case DType::kFloat8E4M3: return CUDA_R_8F_E4M3;
     case DType::kFloat8E5M2: return CUDA_R_8F_E5M2;
-    case DType::kInt32: break;
+    case DType::kInt32:
+    case DType::kUInt8: break;
   }
   detail::throw_error(ErrorKind::kRuntime, "cublasLt", "internal error: no cuBLASLt type for ", dtype_name(dtype));
 }

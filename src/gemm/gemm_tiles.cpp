@@ -111,6 +111,7 @@ void gemm_tiles(const TensorView& a, const TensorView& a_scale_inv, int64_t a_ti
   g.workspace = options.workspace;
   g.workspace_bytes = options.workspace_bytes;
   g.device_index = a.device_index;
+  g.block_k = a_scaling == TileScaling::kRowwise ? ops.k : kTileBlock;
   run_on(
       a, kOp, [&] { cpu::gemm_tiles(g); }, [&] { cuda::gemm_tiles(g, stream); });
 }

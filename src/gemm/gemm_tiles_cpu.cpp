@@ -29,7 +29,7 @@ void gemm_tiles_into(const GemmTilesArgs& g, Out* out) {
   const std::array<double, 256> b_value = fp8_decode_table(g.b_dtype);
   const auto* a = static_cast<const uint8_t*>(g.a);
   const auto* b = static_cast<const uint8_t*>(g.b);
-  const int64_t block = std::max<int64_t>(g.block_k(), 1);
+  const int64_t block = std::max<int64_t>(g.block_k, 1);
   const int64_t blocks = (g.k + block - 1) / block;  // 0 for K == 0: the empty sum
 
   std::vector<double> bias(g.bias != nullptr ? g.n : 0);

@@ -10,6 +10,7 @@
 // writes into the front of the caller's workspace; cuBLASLt gets the rest. cuBLAS 12.9+ offers
 // these modes on Hopper only: other devices are refused before any work is queued. The first
 // algorithm of cuBLASLt's heuristic runs, found once per problem and kept for the process.
+// scaled_matmul, the call with given scale modes and scale copies, also serves gemm_mx.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -59,7 +60,8 @@ std::mutex algos_mutex;
 std::unordered_map<AlgoKey, cublasLtMatmulAlgo_t, AlgoKeyHash> algos;
 
 // The heuristic's first algorithm for the problem; NotImplementedError where it has none.
-cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, const ScaleModes& modes, cublasLtHandle_t handle,
+                               cublasLtMatmulDesc_t desc,
                                cublasLtMatrixLayout_t a_layout, cublasLtMatrixLayout_t b_layout,
                                cublasLtMatrixLayout_t out_layout, size_t workspace_bytes) {
   const bool has_bias = g.bias != nullptr;
@@ -74,8 +76,8 @@ cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, cublasLtHandle_t handle, 
                     static_cast<int64_t>(g.b_dtype),
                     static_cast<int64_t>(g.out_dtype),
                     has_bias ? static_cast<int64_t>(g.bias_dtype) : -1,
-                    static_cast<int64_t>(g.a_scales.scaling),
-                    static_cast<int64_t>(g.b_scales.scaling),
+                    modes.a_mode,
+                    modes.b_mode,
                     static_cast<int64_t>(workspace_bytes),
                     alignment(g.a),
                     alignment(g.b),
@@ -104,9 +106,9 @@ cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, cublasLtHandle_t handle, 
   if (status != CUBLAS_STATUS_NOT_SUPPORTED && status != CUBLAS_STATUS_INVALID_VALUE) {
     check_cublas(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
   }
-  FP8AMP_CHECK(status == CUBLAS_STATUS_SUCCESS && count > 0, kNotImplemented, kOp,
-               "cuBLASLt (", cublasLtGetVersion(), ") has no FP8 kernel with scale modes ",
-               scale_mode_name(g.a_scales.scaling), " for a and ", scale_mode_name(g.b_scales.scaling), " for b at M = ",
+  FP8AMP_CHECK(status == CUBLAS_STATUS_SUCCESS && count > 0, kNotImplemented, modes.op,
+               "cuBLASLt (", cublasLtGetVersion(), ") has no FP8 kernel with scale modes ", modes.a_name, " for a and ",
+               modes.b_name, " for b at M = ",
                g.m, ", N = ", g.n, ", K = ", g.k, ", a ", dtype_name(g.a_dtype), ", b ", dtype_name(g.b_dtype), ", out ",
                dtype_name(g.out_dtype), g.bias != nullptr ? " with bias" : "", " on cuda:", g.device_index, " (",
                cublasLtGetStatusString(status), ")");
@@ -163,18 +165,28 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
   const size_t cublas_bytes = g.workspace_bytes - static_cast<size_t>(rest - base);
   copy_tile_scales(g.a_scales.data, g.a_scales.cols, a_layout_s, reinterpret_cast<float*>(a_copy), stream);
   copy_tile_scales(g.b_scales.data, g.b_scales.cols, b_layout_s, reinterpret_cast<float*>(b_copy), stream);
+  const ScaleModes modes{scale_mode(g.a_scales.scaling),      scale_mode(g.b_scales.scaling),
+                         a_copy,
+                         b_copy,
+                         scale_mode_name(g.a_scales.scaling), scale_mode_name(g.b_scales.scaling),
+                         kOp};
+  scaled_matmul(g, modes, rest, cublas_bytes, stream);
+}
 
+void scaled_matmul(const GemmTilesArgs& g, const ScaleModes& modes, void* workspace, size_t workspace_bytes,
+                   Stream stream) {
+  const DeviceState& device = device_state(g.device_index);
   cublasLtMatmulDesc_t raw = nullptr;
   FP8AMP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const MatmulDesc desc(raw);
   const int32_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
   FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, transa);
   FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, transb);
-  const int32_t a_mode = scale_mode(g.b_scales.scaling), b_mode = scale_mode(g.a_scales.scaling);
-  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode);
-  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode);
-  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(b_copy));
-  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(a_copy));
+  // cuBLASLt's A is our b and its B our a.
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, modes.b_mode);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, modes.a_mode);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, modes.b_scales);
+  FP8AMP_SET_DESC(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, modes.a_scales);
   if (g.bias != nullptr) {
     const uint32_t bias_epilogue = CUBLASLT_EPILOGUE_BIAS;
     const int32_t bias_type = cuda_type(g.bias_dtype);
@@ -186,17 +198,16 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
   const Layout b_layout = layout(g.a_dtype, g.k, g.m, g.lda);
   const Layout out_layout = layout(g.out_dtype, g.n, g.m, g.ldo);
 
-  const cublasLtMatmulAlgo_t algo = find_algo(g, device.handle, desc.get(), a_layout.get(), b_layout.get(),
-                                              out_layout.get(), cublas_bytes);
+  const cublasLtMatmulAlgo_t algo = find_algo(g, modes, device.handle, desc.get(), a_layout.get(), b_layout.get(),
+                                              out_layout.get(), workspace_bytes);
   const float alpha = 1.0f, beta = 0.0f;
   const cublasStatus_t status =
       cublasLtMatmul(device.handle, desc.get(), &alpha, g.b, a_layout.get(), g.a, b_layout.get(), &beta, g.out,
-                     out_layout.get(), g.out, out_layout.get(), &algo, rest, cublas_bytes,
+                     out_layout.get(), g.out, out_layout.get(), &algo, workspace, workspace_bytes,
                      static_cast<cudaStream_t>(stream));
-  FP8AMP_CHECK(status != CUBLAS_STATUS_NOT_SUPPORTED, kNotImplemented, kOp,
-               "cuBLASLt refused to run the algorithm its heuristic chose for scale modes ",
-               scale_mode_name(g.a_scales.scaling), " x ", scale_mode_name(g.b_scales.scaling), " at M = ", g.m,
-               ", N = ", g.n, ", K = ", g.k, " (NOT_SUPPORTED)");
+  FP8AMP_CHECK(status != CUBLAS_STATUS_NOT_SUPPORTED, kNotImplemented, modes.op,
+               "cuBLASLt refused to run the algorithm its heuristic chose for scale modes ", modes.a_name, " x ",
+               modes.b_name, " at M = ", g.m, ", N = ", g.n, ", K = ", g.k, " (NOT_SUPPORTED)");
   check_cublas(status, "cublasLtMatmul", __FILE__, __LINE__);
 }
 

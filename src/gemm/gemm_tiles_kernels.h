@@ -48,9 +48,9 @@ struct GemmTilesArgs {
   void* workspace;
   size_t workspace_bytes;
   int device_index;
-
-  // The K-blocks the sum is cut into: 128 wide for the tiled pairs, all of K for rowwise.
-  int64_t block_k() const { return a_scales.scaling == TileScaling::kRowwise ? k : kTileBlock; }
+  // The K-blocks the sum is cut into: 128 wide for the tiled pairs, all of K for rowwise, 32 for
+  // MXFP8 (whose scales the CPU path gets as float32 scale_inv, per row like (1, 128) tiles).
+  int64_t block_k;
 };
 
 // The layout cuBLASLt reads an operand's scales in (the CUDA path copies them into it): `outer`
@@ -84,14 +84,55 @@ inline size_t scale_copy_bytes(const CublasScaleLayout& layout) {
   return (bytes + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
 }
 
+// MXFP8's copy of an operand's E8M0 scales [rows, k_blocks] in cuBLASLt's 128 x 4 tiled layout:
+// rows padded to 128 and K-blocks to 4 (the padding holds code 127, a scale of 1),
+// tile (rows / 128, k_blocks / 4) at ((row tile) * (padded k_blocks / 4) + k tile) * 512 bytes,
+// inside it row r and K-block j at (r % 32) * 16 + (r % 128) / 32 * 4 + j % 4.
+struct MxScaleLayout {
+  int64_t rows, k_blocks;
+
+  FP8AMP_HD int64_t padded_rows() const { return (rows + 127) / 128 * 128; }
+  FP8AMP_HD int64_t padded_k_blocks() const { return (k_blocks + 3) / 4 * 4; }
+  FP8AMP_HD int64_t bytes() const { return padded_rows() * padded_k_blocks(); }
+  FP8AMP_HD int64_t offset(int64_t r, int64_t j) const {
+    const int64_t tile = (r / 128) * (padded_k_blocks() / 4) + j / 4;
+    return tile * 512 + (r % 32) * 16 + (r % 128) / 32 * 4 + j % 4;
+  }
+  // Its place in the workspace, kScaleCopyAlignment-aligned like the tile scales' copies.
+  size_t copy_bytes() const {
+    const auto b = static_cast<size_t>(bytes());
+    return (b + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
+  }
+};
+
 namespace cpu {
 void gemm_tiles(const GemmTilesArgs& g);
 }  // namespace cpu
 
 namespace cuda {
 void gemm_tiles(const GemmTilesArgs& g, Stream stream);
+// cuBLASLt's scale modes (cublasLtMatmulMatrixScale_t values) and scale copies of both operands,
+// and how messages name them and the op.
+struct ScaleModes {
+  int32_t a_mode, b_mode;
+  const void* a_scales;
+  const void* b_scales;
+  const char* a_name;
+  const char* b_name;
+  const char* op;
+};
+// out = a · bᵀ (+ bias) through cuBLASLt with those scales, in workspace (cuBLASLt's part), on the
+// current device g.device_index (gemm_tiles_cuda.cpp): the first algorithm of the heuristic, kept
+// per problem; NotImplementedError where cuBLASLt has none.
+void scaled_matmul(const GemmTilesArgs& g, const ScaleModes& modes, void* workspace, size_t workspace_bytes,
+                   Stream stream);
 // dst (layout) = the caller's scales src (row-major, src_cols wide), on stream (gemm_tiles_scales_cuda.cu).
 void copy_tile_scales(const float* src, int64_t src_cols, const CublasScaleLayout& layout, float* dst, Stream stream);
+// The MXFP8 GEMM through cuBLASLt (gemm_mx_cuda.cpp): g's a_scales / b_scales are unused, the E8M0
+// codes [rows, K / 32] come as a_scales / b_scales.
+void gemm_mx(const GemmTilesArgs& g, const uint8_t* a_scales, const uint8_t* b_scales, Stream stream);
+// dst (layout) = the E8M0 codes src [layout.rows, layout.k_blocks], padding 127 (gemm_mx_scales_cuda.cu).
+void copy_mx_scales(const uint8_t* src, const MxScaleLayout& layout, uint8_t* dst, Stream stream);
 }  // namespace cuda
 
 }  // namespace fp8amp

@@ -20,13 +20,29 @@ TileShape matrix_tiles(const TensorView& x, int64_t tile_rows, int64_t tile_cols
   return TileShape{matrix_rows(x.shape), x.shape.back(), tile_rows, tile_cols};
 }
 
-// scale_inv (named `arg`): float32 [grid_rows, grid_cols] of t, on x's device.
+// scale_inv (named `arg`): float32 (uint8 for MXFP8's E8M0 codes) [grid_rows, grid_cols] of t,
+// contiguous, on x's device.
 void check_tile_scales(const TensorView& scale_inv, const TensorView& x, const TileShape& t, const char* op,
-                       const char* arg) {
-  check_float32(scale_inv, x, op, arg);
+                       const char* arg, DType dtype = DType::kFloat32) {
+  if (dtype == DType::kFloat32) {
+    check_float32(scale_inv, x, op, arg);
+  } else {
+    check::dtype_is(scale_inv, dtype, op, arg);
+    check::contiguous(scale_inv, op, arg);
+    check::same_device(scale_inv, x, op, arg, "x");
+  }
   FP8AMP_CHECK_VALUE(scale_inv.dim() == 2 && scale_inv.shape[0] == t.grid_rows() && scale_inv.shape[1] == t.grid_cols(),
-                     op, arg, " must be float32 [", t.grid_rows(), ", ", t.grid_cols(), "] (one per ", t.tile_rows,
-                     " x ", t.tile_cols, " tile of a [", t.rows, ", ", t.cols, "] matrix), got ", scale_inv.describe());
+                     op, arg, " must be ", dtype_name(dtype), " [", t.grid_rows(), ", ", t.grid_cols(), "] (one per ",
+                     t.tile_rows, " x ", t.tile_cols, " tile of a [", t.rows, ", ", t.cols, "] matrix), got ",
+                     scale_inv.describe());
+}
+
+// The transposed copy out_t of a cast: `dtype` [cols, rows] of x viewed as t, contiguous, on x's device.
+void check_transposed(const TensorView& x, const TensorView& out_t, DType dtype, const TileShape& t, const char* op) {
+  FP8AMP_CHECK_VALUE(out_t.dtype == dtype && out_t.dim() == 2 && out_t.shape[0] == t.cols && out_t.shape[1] == t.rows,
+                     op, "out_t must be ", dtype_name(dtype), "[", t.cols, ", ", t.rows, "], got ", out_t.describe());
+  check::contiguous(out_t, op, "out_t");
+  check::same_device(x, out_t, op, "x", "out_t");
 }
 
 // out (named `out_name`) of x's shape, contiguous, on x's device.
@@ -99,12 +115,7 @@ void cast_transpose_tiles(const TensorView& x, const TensorView& out, const Tens
   check_tile_sizes(tile_rows_t, tile_cols_t, op, kTransposedTile);
   const TileShape t_t{t.cols, t.rows, tile_rows_t, tile_cols_t};
   check_like(x, out, op, "x", "out");
-  FP8AMP_CHECK_VALUE(out_t.dtype == out.dtype && out_t.dim() == 2 && out_t.shape[0] == t.cols &&
-                         out_t.shape[1] == t.rows,
-                     op, "out_t must be ", dtype_name(out.dtype), "[", t.cols, ", ", t.rows, "], got ",
-                     out_t.describe());
-  check::contiguous(out_t, op, "out_t");
-  check::same_device(x, out_t, op, "x", "out_t");
+  check_transposed(x, out_t, out.dtype, t, op);
   check_tile_scales(scale_inv, x, t, op, "scale_inv");
   check_tile_scales(scale_inv_t, x, t_t, op, "scale_inv_t");
   check::disjoint_writes({{&out, "out"}, {&scale_inv, "scale_inv"}, {&out_t, "out_t"}, {&scale_inv_t, "scale_inv_t"}},
@@ -135,6 +146,61 @@ void scaled_accumulate_tiles(const TensorView& acc, const TensorView& acc_scale_
   run_on(
       acc, op, [&] { cpu::scaled_accumulate_tiles(acc.dtype, update.dtype, p, recipe); },
       [&] { cuda::scaled_accumulate_tiles(acc.dtype, update.dtype, p, recipe, stream); });
+}
+
+namespace {
+
+// MXFP8's casts: x (fp32/bf16/fp16) into out (E4M3/E5M2) with scales, and, when out_t is given,
+// its transpose into out_t with scales_t, each by 1 x 32 blocks along its own rows.
+void cast_mx(const TensorView& x, const TensorView& out, const TensorView& scales, const TensorView* out_t,
+             const TensorView* scales_t, const char* op, Stream stream) {
+  check::high_precision(x, op, "x");
+  check_fp8(out.dtype, op, "dtype");
+  const TileShape t = matrix_tiles(x, 1, kMxBlock, op, "x");
+  const TileShape t_t = mx_blocks(t.cols, t.rows);
+  check_like(x, out, op, "x", "out");
+  check_tile_scales(scales, x, t, op, "scales", DType::kUInt8);
+  if (out_t != nullptr) {
+    check_transposed(x, *out_t, out.dtype, t, op);
+    check_tile_scales(*scales_t, x, t_t, op, "scales_t", DType::kUInt8);
+  }
+  check::disjoint_writes({{&out, "out"}, {&scales, "scales"}, {out_t, "out_t"}, {scales_t, "scales_t"}}, {{&x, "x"}},
+                         op);
+  const CastTransposeMx p{x.data,
+                          out.data,
+                          scales.ptr<uint8_t>(),
+                          out_t != nullptr ? out_t->data : nullptr,
+                          scales_t != nullptr ? scales_t->ptr<uint8_t>() : nullptr,
+                          t,
+                          t_t};
+  run_on(
+      x, op, [&] { cpu::quantize_mx(x.dtype, out.dtype, p); },
+      [&] { cuda::quantize_mx(x.dtype, out.dtype, p, stream); });
+}
+
+}  // namespace
+
+void quantize_mx(const TensorView& x, const TensorView& out, const TensorView& scales, Stream stream) {
+  cast_mx(x, out, scales, nullptr, nullptr, "quantize_mx", stream);
+}
+
+void cast_transpose_mx(const TensorView& x, const TensorView& out, const TensorView& scales, const TensorView& out_t,
+                       const TensorView& scales_t, Stream stream) {
+  cast_mx(x, out, scales, &out_t, &scales_t, "cast_transpose_mx", stream);
+}
+
+void dequantize_mx(const TensorView& x, const TensorView& scales, const TensorView& out, Stream stream) {
+  const char* op = "dequantize_mx";
+  check_fp8(x.dtype, op, "x");
+  check::high_precision(out, op, "dtype");
+  const TileShape t = matrix_tiles(x, 1, kMxBlock, op, "x");
+  check_like(x, out, op, "x", "out");
+  check_tile_scales(scales, x, t, op, "scales", DType::kUInt8);
+  check::disjoint_writes({{&out, "out"}}, {{&x, "x"}, {&scales, "scales"}}, op);
+  const uint8_t* s = scales.ptr<const uint8_t>();
+  run_on(
+      x, op, [&] { cpu::dequantize_mx(x.dtype, out.dtype, x.data, s, out.data, t); },
+      [&] { cuda::dequantize_mx(x.dtype, out.dtype, x.data, s, out.data, t, stream); });
 }
 
 }  // namespace fp8amp

@@ -1,6 +1,6 @@
 // CPU reference of the tile ops: the readable definition of correct for the CUDA kernels. Every
-// quantizing op is quantize_by_tiles over some element value: x's own, its transpose's, or the
-// accumulated sum.
+// quantizing op is quantize_by_tiles over some element value (x's own, its transpose's, or the
+// accumulated sum) and a scale rule (a ScalingRecipe's float32 scales, or MXFP8's E8M0 codes).
 #include <algorithm>
 
 #include "common/dispatch.h"
@@ -21,46 +21,77 @@ void for_tile(const TileShape& t, int64_t tr, int64_t tc, F&& f) {
   }
 }
 
-// y [t.rows, t.cols] (row-major) = the quantized value(r, c), each tile with the scale of its own
-// amax; scale_inv [t.grid_rows(), t.grid_cols()].
-template <class Out, class Value>
-void quantize_by_tiles(const Value& value, Out* y, float* scale_inv, const TileShape& t, const ScalingRecipe& recipe) {
+// y [t.rows, t.cols] (row-major) = the quantized value(r, c), each tile with the scale `rule`
+// gives its own amax; scales [t.grid_rows(), t.grid_cols()] what the rule stores.
+template <class Out, class Value, class Rule>
+void quantize_by_tiles(const Value& value, Out* y, typename Rule::Stored* scales, const TileShape& t,
+                       const Rule& rule) {
   for (int64_t tr = 0; tr < t.grid_rows(); ++tr) {
     for (int64_t tc = 0; tc < t.grid_cols(); ++tc) {
       uint32_t key = 0;
       for_tile(t, tr, tc, [&](int64_t r, int64_t c) { key = std::max(key, numerics::amax_key(value(r, c))); });
-      const numerics::ScalePair pair = tile_scale(numerics::amax_from_key(key), numerics::format_max<Out>(), recipe);
-      scale_inv[tr * t.grid_cols() + tc] = pair.scale_inv;
+      const auto block = rule(numerics::amax_from_key(key), numerics::format_max<Out>());
+      scales[tr * t.grid_cols() + tc] = block.stored;
       for_tile(t, tr, tc, [&](int64_t r, int64_t c) {
-        y[r * t.cols + c] = numerics::quantize_to<Out>(rn::mul(value(r, c), pair.scale));
+        y[r * t.cols + c] = numerics::quantize_to<Out>(rn::mul(value(r, c), block.scale));
       });
     }
   }
+}
+
+// x and, unless p.out_t is null, its transpose, each by its own tiles and the rule.
+template <class Rule>
+void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeOf<typename Rule::Stored>& p,
+                             const Rule& rule) {
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    visit(Fp8Types{}, out_dtype, [&](auto o) {
+      using Out = decltype(o);
+      const auto* xi = static_cast<const decltype(in)*>(p.x);
+      const auto value = [&](int64_t r, int64_t c) { return numerics::to_float(xi[r * p.t.cols + c]); };
+      quantize_by_tiles(value, static_cast<Out*>(p.out), p.scale_inv, p.t, rule);
+      if (p.out_t == nullptr) return;
+      // Element (r, c) of the transpose is x[c, r].
+      const auto value_t = [&](int64_t r, int64_t c) { return numerics::to_float(xi[c * p.t.cols + r]); };
+      quantize_by_tiles(value_t, static_cast<Out*>(p.out_t), p.scale_inv_t, p.t_t, rule);
+    });
+  });
+}
+
+// out = decode(x) * the scale_inv of its tile's stored scale, rounded once to out's dtype.
+template <class Rule>
+void dequantize_by_tiles(DType in_dtype, DType out_dtype, const void* x, const typename Rule::Stored* scales,
+                         void* out, const TileShape& t) {
+  visit(Fp8Types{}, in_dtype, [&](auto in) {
+    visit(HighPrecisionTypes{}, out_dtype, [&](auto o) {
+      using In = decltype(in);
+      using Out = decltype(o);
+      const In* xi = static_cast<const In*>(x);
+      Out* y = static_cast<Out*>(out);
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const auto* row_scales = scales + (r / t.tile_rows) * t.grid_cols();
+        for (int64_t c = 0; c < t.cols; ++c) {
+          const float v = rn::mul(numerics::to_float(xi[r * t.cols + c]), Rule::scale_inv(row_scales[c / t.tile_cols]));
+          y[r * t.cols + c] = numerics::round_to<Out>(v);
+        }
+      }
+    });
+  });
 }
 
 }  // namespace
 
 void quantize_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv, const TileShape& t,
                     const ScalingRecipe& recipe) {
-  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
-    visit(Fp8Types{}, out_dtype, [&](auto o) {
-      const auto* xi = static_cast<const decltype(in)*>(x);
-      const auto value = [&](int64_t r, int64_t c) { return numerics::to_float(xi[r * t.cols + c]); };
-      quantize_by_tiles(value, static_cast<decltype(o)*>(out), scale_inv, t, recipe);
-    });
-  });
+  cast_transpose_by_tiles(in_dtype, out_dtype, CastTransposeTiles{x, out, scale_inv, nullptr, nullptr, t, t},
+                          RecipeScaleRule{recipe});
 }
 
 void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe) {
-  quantize_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.t, recipe);
-  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
-    visit(Fp8Types{}, out_dtype, [&](auto o) {
-      const auto* xi = static_cast<const decltype(in)*>(p.x);
-      // Element (r, c) of the transpose is x[c, r].
-      const auto value = [&](int64_t r, int64_t c) { return numerics::to_float(xi[c * p.t.cols + r]); };
-      quantize_by_tiles(value, static_cast<decltype(o)*>(p.out_t), p.scale_inv_t, p.t_t, recipe);
-    });
-  });
+  cast_transpose_by_tiles(in_dtype, out_dtype, p, RecipeScaleRule{recipe});
+}
+
+void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p) {
+  cast_transpose_by_tiles(in_dtype, out_dtype, p, E8M0ScaleRule{});
 }
 
 void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,
@@ -75,28 +106,19 @@ void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const Accumula
         const float si = p.acc_scale_inv[(r / t.tile_rows) * t.grid_cols() + c / t.tile_cols];
         return accumulated(acc[r * t.cols + c], si, update[r * t.cols + c]);
       };
-      quantize_by_tiles(value, static_cast<Acc*>(p.out), p.scale_inv, t, recipe);
+      quantize_by_tiles(value, static_cast<Acc*>(p.out), p.scale_inv, t, RecipeScaleRule{recipe});
     });
   });
 }
 
 void dequantize_tiles(DType in_dtype, DType out_dtype, const void* x, const float* scale_inv, void* out,
                       const TileShape& t) {
-  visit(Fp8Types{}, in_dtype, [&](auto in) {
-    visit(HighPrecisionTypes{}, out_dtype, [&](auto o) {
-      using In = decltype(in);
-      using Out = decltype(o);
-      const In* xi = static_cast<const In*>(x);
-      Out* y = static_cast<Out*>(out);
-      for (int64_t r = 0; r < t.rows; ++r) {
-        const float* row_scales = scale_inv + (r / t.tile_rows) * t.grid_cols();
-        for (int64_t c = 0; c < t.cols; ++c) {
-          const float v = rn::mul(numerics::to_float(xi[r * t.cols + c]), row_scales[c / t.tile_cols]);
-          y[r * t.cols + c] = numerics::round_to<Out>(v);
-        }
-      }
-    });
-  });
+  dequantize_by_tiles<RecipeScaleRule>(in_dtype, out_dtype, x, scale_inv, out, t);
+}
+
+void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
+                   const TileShape& t) {
+  dequantize_by_tiles<E8M0ScaleRule>(in_dtype, out_dtype, x, scales, out, t);
 }
 
 }  // namespace cpu

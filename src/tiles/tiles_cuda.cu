@@ -3,6 +3,7 @@
 // (tiles_region_cuda.cu). Every other tiling runs tile_kernel: one block per tile, which finds the
 // tile's amax, then quantizes it (the second read hits L1/L2: a tile is at most a few tens of KB).
 // Threads run along a tile's rows, so a warp reads consecutive elements of a row-major matrix.
+// MXFP8's casts run tile_kernel too, by E8M0ScaleRule, with one warp per 1 x 32 block.
 // The element codecs are numerics.h's, shared with the CPU reference.
 #include <cuda_runtime.h>
 
@@ -19,6 +20,7 @@ namespace cuda {
 namespace {
 
 constexpr int kTileThreads = 128;
+constexpr int kMxThreads = static_cast<int>(kMxBlock);  // one thread per element of an MX block
 constexpr int kDequantizeThreads = 256;
 
 // The element values tile_kernel quantizes, as in tiles_cpu.cpp: x's own, its transpose's, or the
@@ -49,9 +51,11 @@ struct Accumulated {
   }
 };
 
-template <class Out, class Value>
-__global__ void __launch_bounds__(kTileThreads)
-    tile_kernel(Value value, Out* __restrict__ y, float* __restrict__ scale_inv, TileShape t, ScalingRecipe recipe) {
+// One block of kThreads per tile: the tile's amax, its scale by `rule` (the stored value into
+// scales), then its codes.
+template <int kThreads, class Out, class Value, class Rule>
+__global__ void __launch_bounds__(kThreads)
+    tile_kernel(Value value, Out* __restrict__ y, typename Rule::Stored* __restrict__ scales, TileShape t, Rule rule) {
   const int64_t tile = blockIdx.x;
   const int64_t tr = tile / t.grid_cols();
   const int64_t tc = tile % t.grid_cols();
@@ -61,64 +65,93 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t c_end = min(t.cols, c0 + t.tile_cols);
   uint32_t key = 0;
   for (int64_t r = r0; r < r_end; ++r) {
-    for (int64_t c = c0 + threadIdx.x; c < c_end; c += kTileThreads) key = max(key, numerics::amax_key(value(r, c)));
+    for (int64_t c = c0 + threadIdx.x; c < c_end; c += kThreads) key = max(key, numerics::amax_key(value(r, c)));
   }
-  key = block_max_key<kTileThreads>(key);
+  key = block_max_key<kThreads>(key);
   __shared__ float tile_scale_value;
   if (threadIdx.x == 0) {
-    const numerics::ScalePair pair = tile_scale(numerics::amax_from_key(key), numerics::format_max<Out>(), recipe);
-    scale_inv[tile] = pair.scale_inv;
-    tile_scale_value = pair.scale;
+    const auto block = rule(numerics::amax_from_key(key), numerics::format_max<Out>());
+    scales[tile] = block.stored;
+    tile_scale_value = block.scale;
   }
   __syncthreads();
   const float scale = tile_scale_value;
   for (int64_t r = r0; r < r_end; ++r) {
-    for (int64_t c = c0 + threadIdx.x; c < c_end; c += kTileThreads) {
+    for (int64_t c = c0 + threadIdx.x; c < c_end; c += kThreads) {
       y[r * t.cols + c] = numerics::quantize_to<Out>(rn::mul(value(r, c), scale));
     }
   }
 }
 
-template <class Out, class Value>
-void launch_tiles(const Value& value, void* out, float* scale_inv, const TileShape& t, const ScalingRecipe& recipe,
+template <class Out, int kThreads = kTileThreads, class Value, class Rule>
+void launch_tiles(const Value& value, void* out, typename Rule::Stored* scales, const TileShape& t, const Rule& rule,
                   cudaStream_t stream, const char* op) {
   const int64_t tiles = t.grid_rows() * t.grid_cols();
   if (tiles == 0 || t.rows * t.cols == 0) return;
-  tile_kernel<Out><<<grid_size(tiles, op), kTileThreads, 0, stream>>>(value, static_cast<Out*>(out), scale_inv, t,
-                                                                       recipe);
+  tile_kernel<kThreads, Out><<<grid_size(tiles, op), kThreads, 0, stream>>>(value, static_cast<Out*>(out), scales, t,
+                                                                            rule);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
-template <class In, class Out>
+template <class In, class Out, class Rule>
 __global__ void __launch_bounds__(kDequantizeThreads)
-    dequantize_tiles_kernel(const In* __restrict__ x, const float* __restrict__ scale_inv, Out* __restrict__ y,
-                            TileShape t) {
+    dequantize_tiles_kernel(const In* __restrict__ x, const typename Rule::Stored* __restrict__ scales,
+                            Out* __restrict__ y, TileShape t) {
   const int64_t numel = t.rows * t.cols;
   for (int64_t i = blockIdx.x * int64_t{kDequantizeThreads} + threadIdx.x; i < numel;
        i += int64_t{gridDim.x} * kDequantizeThreads) {
     const int64_t r = i / t.cols;
     const int64_t c = i % t.cols;
-    const float s = scale_inv[(r / t.tile_rows) * t.grid_cols() + c / t.tile_cols];
+    const float s = Rule::scale_inv(scales[(r / t.tile_rows) * t.grid_cols() + c / t.tile_cols]);
     y[i] = numerics::round_to<Out>(rn::mul(numerics::to_float(x[i]), s));
   }
+}
+
+// x and, unless p.out_t is null, its transpose, each by its own tiles (two reads of x).
+template <int kThreads, class Rule>
+void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeOf<typename Rule::Stored>& p,
+                             const Rule& rule, cudaStream_t stream, const char* op) {
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    visit(Fp8Types{}, out_dtype, [&](auto o) {
+      using In = decltype(in);
+      using Out = decltype(o);
+      const In* x = static_cast<const In*>(p.x);
+      launch_tiles<Out, kThreads>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, rule, stream, op);
+      if (p.out_t != nullptr) {
+        launch_tiles<Out, kThreads>(Transposed<In>{x, p.t.cols}, p.out_t, p.scale_inv_t, p.t_t, rule, stream, op);
+      }
+    });
+  });
+}
+
+template <class Rule>
+void dequantize_by_tiles(DType in_dtype, DType out_dtype, const void* x, const typename Rule::Stored* scales,
+                         void* out, const TileShape& t, cudaStream_t stream, const char* op) {
+  const int64_t numel = t.rows * t.cols;
+  if (numel == 0) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(numel, kDequantizeThreads), int64_t{1} << 20);
+  visit(Fp8Types{}, in_dtype, [&](auto in) {
+    visit(HighPrecisionTypes{}, out_dtype, [&](auto o) {
+      using In = decltype(in);
+      using Out = decltype(o);
+      dequantize_tiles_kernel<In, Out, Rule><<<grid_size(blocks, op), kDequantizeThreads, 0, stream>>>(
+          static_cast<const In*>(x), scales, static_cast<Out*>(out), t);
+      FP8AMP_CUDA_CHECK_LAUNCH();
+    });
+  });
 }
 
 }  // namespace
 
 void quantize_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv, const TileShape& t,
                     const ScalingRecipe& recipe, Stream stream) {
+  const CastTransposeTiles p{x, out, scale_inv, nullptr, nullptr, t, t};
   if (region_tiling(t)) {
-    quantize_regions(in_dtype, out_dtype, CastTransposeTiles{x, out, scale_inv, nullptr, nullptr, t, t}, recipe,
-                     cuda_stream(stream));
+    quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
     return;
   }
-  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
-    visit(Fp8Types{}, out_dtype, [&](auto o) {
-      using In = decltype(in);
-      launch_tiles<decltype(o)>(RowMajor<In>{static_cast<const In*>(x), t.cols}, out, scale_inv, t, recipe,
-                                cuda_stream(stream), "quantize_tiles");
-    });
-  });
+  cast_transpose_by_tiles<kTileThreads>(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
+                                        "quantize_tiles");
 }
 
 void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe,
@@ -127,18 +160,13 @@ void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTi
     quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
     return;
   }
-  // Other tilings: x, then its transpose, each by its own tiles (two reads of x).
-  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
-    visit(Fp8Types{}, out_dtype, [&](auto o) {
-      using In = decltype(in);
-      using Out = decltype(o);
-      const In* x = static_cast<const In*>(p.x);
-      launch_tiles<Out>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, recipe, cuda_stream(stream),
-                        "cast_transpose_tiles");
-      launch_tiles<Out>(Transposed<In>{x, p.t.cols}, p.out_t, p.scale_inv_t, p.t_t, recipe, cuda_stream(stream),
-                        "cast_transpose_tiles");
-    });
-  });
+  cast_transpose_by_tiles<kTileThreads>(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
+                                        "cast_transpose_tiles");
+}
+
+void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p, Stream stream) {
+  cast_transpose_by_tiles<kMxThreads>(in_dtype, out_dtype, p, E8M0ScaleRule{}, cuda_stream(stream),
+                                      p.out_t != nullptr ? "cast_transpose_mx" : "quantize_mx");
 }
 
 void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,
@@ -153,26 +181,21 @@ void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const Accumula
       using Update = decltype(u);
       const Accumulated<Acc, Update> value{static_cast<const Acc*>(p.acc), p.acc_scale_inv,
                                            static_cast<const Update*>(p.update), p.t};
-      launch_tiles<Acc>(value, p.out, p.scale_inv, p.t, recipe, cuda_stream(stream), "scaled_accumulate_tiles");
+      launch_tiles<Acc>(value, p.out, p.scale_inv, p.t, RecipeScaleRule{recipe}, cuda_stream(stream),
+                        "scaled_accumulate_tiles");
     });
   });
 }
 
 void dequantize_tiles(DType in_dtype, DType out_dtype, const void* x, const float* scale_inv, void* out,
                       const TileShape& t, Stream stream) {
-  const int64_t numel = t.rows * t.cols;
-  if (numel == 0) return;
-  const int64_t blocks = std::min<int64_t>(ceil_div(numel, kDequantizeThreads), int64_t{1} << 20);
-  visit(Fp8Types{}, in_dtype, [&](auto in) {
-    visit(HighPrecisionTypes{}, out_dtype, [&](auto o) {
-      using In = decltype(in);
-      using Out = decltype(o);
-      dequantize_tiles_kernel<In, Out><<<grid_size(blocks, "dequantize_tiles"), kDequantizeThreads, 0,
-                                         cuda_stream(stream)>>>(static_cast<const In*>(x), scale_inv,
-                                                                static_cast<Out*>(out), t);
-      FP8AMP_CUDA_CHECK_LAUNCH();
-    });
-  });
+  dequantize_by_tiles<RecipeScaleRule>(in_dtype, out_dtype, x, scale_inv, out, t, cuda_stream(stream),
+                                       "dequantize_tiles");
+}
+
+void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
+                   const TileShape& t, Stream stream) {
+  dequantize_by_tiles<E8M0ScaleRule>(in_dtype, out_dtype, x, scales, out, t, cuda_stream(stream), "dequantize_mx");
 }
 
 }  // namespace cuda

@@ -1,6 +1,6 @@
 // What the tile kernels see: raw pointers and sizes, validated by tiles.cpp, and the per-tile
 // math both implementations share. Each function has a CPU reference (tiles_cpu.cpp) and a CUDA
-// twin (tiles_cuda.cu, tiles_transpose_cuda.cu) with the same signature; the CPU one defines
+// twin (tiles_cuda.cu, tiles_region_cuda.cu) with the same signature; the CPU one defines
 // correct.
 #pragma once
 
@@ -10,6 +10,7 @@
 #include "fp8amp/dtype.h"
 #include "fp8amp/scaling.h"
 #include "fp8amp/tensor.h"
+#include "fp8amp/tiles.h"
 
 namespace fp8amp {
 
@@ -33,6 +34,60 @@ FP8AMP_HD numerics::ScalePair tile_scale(float amax, float fmax, const ScalingRe
   return numerics::scale_from_amax(amax, fmax, recipe.margin, recipe.pow2_scale, one);
 }
 
+// What a quantizing tile op gets from a tile's amax: the scale its elements are multiplied by,
+// and what is stored for the tile (Rule::Stored). A rule also says what a stored value means as a
+// scale_inv (Rule::scale_inv). Two rules share every tile kernel:
+template <class Stored>
+struct BlockScale {
+  float scale;
+  Stored stored;
+};
+
+// The tile ops' float32 scales by a ScalingRecipe (tile_scale): scale_inv is stored.
+struct RecipeScaleRule {
+  using Stored = float;
+  ScalingRecipe recipe;
+  FP8AMP_HD BlockScale<float> operator()(float amax, float fmax) const {
+    const numerics::ScalePair pair = tile_scale(amax, fmax, recipe);
+    return {pair.scale, pair.scale_inv};
+  }
+  static FP8AMP_HD float scale_inv(float stored) { return stored; }
+};
+
+// ---- MXFP8 (tiles.h, docs/tiles.md#mxfp8): blocks of 1 x kMxBlock, one E8M0 scale each ----
+constexpr int kE8M0Bias = 127;
+constexpr uint8_t kE8M0Nan = 0xFF;
+
+// The scale_inv an E8M0 code stands for: 2^(code - 127) (code 0 is 2^-127, a float subnormal,
+// exact), NaN for 0xFF.
+FP8AMP_HD float e8m0_scale_inv(uint8_t code) {
+  if (code == kE8M0Nan) return numerics::bits_float(numerics::kCanonicalNanBits);
+  if (code == 0) return numerics::bits_float(0x00400000u);
+  return numerics::pow2(static_cast<int>(code) - kE8M0Bias);
+}
+
+// OCP MX's scale of a block: X = 2^(floor(log2(amax)) - emax_elem), emax_elem = floor(log2(fmax))
+// (8 for E4M3, 15 for E5M2), both floors exact from the float bits; the elements are then
+// v / X = v * 2^-e (exact: a power of two), cast with saturation. e is clamped to E8M0's smallest,
+// -127 (it cannot exceed 127 - 8 for a finite float amax). A block of zeros gets X = 1 (code 127);
+// a block holding an inf or NaN gets the NaN code and scale 1 (it reads NaN; no other block changes).
+FP8AMP_HD BlockScale<uint8_t> mx_block_scale(float amax, float fmax) {
+  if (!numerics::is_finite(amax)) return {1.0f, kE8M0Nan};
+  if (amax == 0.0f) return {1.0f, static_cast<uint8_t>(kE8M0Bias)};
+  int e = numerics::floor_log2(amax) - numerics::floor_log2(fmax);
+  if (e < -kE8M0Bias) e = -kE8M0Bias;
+  return {numerics::pow2(-e), static_cast<uint8_t>(e + kE8M0Bias)};
+}
+
+struct E8M0ScaleRule {
+  using Stored = uint8_t;
+  FP8AMP_HD BlockScale<uint8_t> operator()(float amax, float fmax) const { return mx_block_scale(amax, fmax); }
+  static FP8AMP_HD float scale_inv(uint8_t stored) { return e8m0_scale_inv(stored); }
+};
+
+// A [rows, cols] matrix cut into MX blocks along its rows.
+inline TileShape mx_blocks(int64_t rows, int64_t cols) { return TileShape{rows, cols, 1, kMxBlock}; }
+
 // scaled_accumulate_tiles' value of one element: fl(fl(decode(acc) * acc_scale_inv) + update),
 // each operation rounded once (what dequantize_tiles to float32, then a float32 add, computes).
 template <class Acc, class Update>
@@ -41,16 +96,20 @@ FP8AMP_HD float accumulated(Acc acc, float acc_scale_inv, Update update) {
 }
 
 // cast_transpose_tiles' buffers: x [t.rows, t.cols] quantized into out by t's tiles and into
-// out_t [t.cols, t.rows] (x's transpose) by t_t's tiles, t_t being the tiling of that transpose.
-struct CastTransposeTiles {
+// out_t [t.cols, t.rows] (x's transpose) by t_t's tiles, t_t being the tiling of that transpose;
+// each tile's scale stored as Stored (float32 scale_inv, or an E8M0 code for MXFP8).
+template <class Stored>
+struct CastTransposeOf {
   const void* x;
   void* out;
-  float* scale_inv;
+  Stored* scale_inv;
   void* out_t;
-  float* scale_inv_t;
+  Stored* scale_inv_t;
   TileShape t;
   TileShape t_t;
 };
+using CastTransposeTiles = CastTransposeOf<float>;
+using CastTransposeMx = CastTransposeOf<uint8_t>;  // scale_inv, scale_inv_t: the E8M0 scales
 
 // scaled_accumulate_tiles' buffers: acc (FP8 codes) with acc_scale_inv by t's tiles, plus update,
 // requantized into out (acc's format) with scale_inv by the same tiles.
@@ -71,6 +130,10 @@ void dequantize_tiles(DType in_dtype, DType out_dtype, const void* x, const floa
 void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe);
 void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,
                              const ScalingRecipe& recipe);
+// MXFP8 (t = mx_blocks(...)): p.out_t null for the rowwise copy only.
+void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p);
+void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
+                   const TileShape& t);
 }  // namespace cpu
 
 namespace cuda {
@@ -82,6 +145,9 @@ void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTi
                           Stream stream);
 void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,
                              const ScalingRecipe& recipe, Stream stream);
+void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p, Stream stream);
+void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
+                   const TileShape& t, Stream stream);
 }  // namespace cuda
 
 }  // namespace fp8amp

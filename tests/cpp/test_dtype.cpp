@@ -30,6 +30,7 @@ TEST(DTypeTable, MatchesTheKnownFormats) {
       {DType::kFloat8E4M3, "float8_e4m3fn", 1, 448.0f, 4, 3, false},
       {DType::kFloat8E5M2, "float8_e5m2", 1, 57344.0f, 5, 2, true},
       {DType::kInt32, "int32", 4, 0.0f, 0, 0, false},
+      {DType::kUInt8, "uint8", 1, 0.0f, 0, 0, false},
   };
   ASSERT_EQ(kNumDTypes, sizeof(known) / sizeof(known[0]));
   for (const Known& k : known) {
@@ -76,7 +77,7 @@ TEST(DTypeTable, FormatsAndFormatMaxDeriveFromIt) {
 }
 
 TEST(DTypeTable, RefusesWhatIsNotInIt) {
-  expect_value_error([] { dtype_info(static_cast<DType>(6)); }, "unknown dtype code 6");
+  expect_value_error([] { dtype_info(static_cast<DType>(7)); }, "unknown dtype code 7");
   expect_value_error([] { dtype_info(static_cast<DType>(-1)); }, "unknown dtype code -1");
   expect_value_error([] { format_max(DType::kBFloat16); }, "format_max");
 }

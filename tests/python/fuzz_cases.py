@@ -598,8 +598,13 @@ def fused_tile_cases():
 
 
 def all_cases() -> list:
+    from fuzz_cases_mx import mx_cases  # noqa: E402 (beside this file, on sys.path above)
+
+    def mx():
+        return mx_cases(values, KINDS, SHAPES[:6], HIGH, BAD_DTYPES)
+
     return [c for gen in (cast_cases, scaling_cases, gemm_cases, accumulate_adam_cases, meta_and_alias_cases,
-                          tile_cases, module_cases) for c in gen()]
+                          tile_cases, module_cases, mx) for c in gen()]
 
 
 def outcome(case) -> tuple[str, str]:

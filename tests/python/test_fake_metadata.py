@@ -141,3 +141,16 @@ def test_tile_ops(shape, tile, fmt):
     assert_same_metadata(ops.quantize_tiles.default, (x, fmt, *tile))
     codes, scale_inv = ops.quantize_tiles.default(x, fmt, *tile)
     assert_same_metadata(ops.dequantize_tiles.default, (codes, scale_inv, *tile, torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", X_SHAPES + ((0, 64),))
+@pytest.mark.parametrize("fmt", (E4M3, E5M2))
+def test_mx_ops(shape, fmt):
+    x = randn(shape)
+    assert_same_metadata(ops.quantize_mx.default, (x, fmt))
+    assert_same_metadata(ops.cast_transpose_mx.default, (x, fmt))
+    codes, scales = ops.quantize_mx.default(x, fmt)
+    assert_same_metadata(ops.dequantize_mx.default, (codes, scales, torch.bfloat16))
+    if len(shape) == 2 and shape[1] % 32 == 0 and fmt == E4M3:
+        b, b_scales = ops.quantize_mx.default(randn((16, shape[1]), seed=3), E4M3)
+        assert_same_metadata(ops.gemm_mx.default, (codes, scales, b, b_scales, torch.float32, None))

@@ -56,7 +56,7 @@ def test_names_and_objects_resolve():
 
 
 def test_unknown_names_and_bad_values_are_refused():
-    accepted = "'tensorwise', 'rowwise', 'blockwise'"
+    accepted = "'tensorwise', 'rowwise', 'blockwise', 'mxfp8'"
     with pytest.raises(ValueError, match=f"Fp8Linear: recipe must be one of {accepted}"):
         Fp8Linear(256, 128, recipe="deepseek")
     with pytest.raises(ValueError, match=f"convert: recipe must be one of {accepted}"):
@@ -66,7 +66,7 @@ def test_unknown_names_and_bad_values_are_refused():
     with pytest.raises(TypeError, match="Fp8Linear.from_linear: recipe must be one of"):
         Fp8Linear.from_linear(nn.Linear(256, 128), recipe=128)
     with pytest.raises(ValueError, match="fp8amp.Recipe: kind must be one of"):
-        Recipe("mxfp8")
+        Recipe("nvfp4")
     with pytest.raises(ValueError, match="grad_format must be torch.float8_e4m3fn or torch.float8_e5m2"):
         Recipe("blockwise", grad_format=torch.float16)
     with pytest.raises(ValueError, match="margin must be in"):

@@ -7,7 +7,7 @@ the argument). None reads device values on the host, so all of them trace under
 ``torch.compile(fullgraph=True)`` and never sync. fp8amp's own hot loops call
 :mod:`fp8amp.ops.fast` (the overloads resolved once, unchecked) with arguments checked where they
 entered fp8amp. The modules mirror the core's op families: cast, scaling, gemm (and gemm_tiles), accumulate, optim,
-tiles, comm.
+tiles (and mx: MXFP8's block casts and GEMM), comm.
 """
 
 from . import fast
@@ -17,6 +17,7 @@ from ._cast import (amax, cast_transpose, cast_transpose_dbias, cast_transpose_r
                     multi_dequantize, multi_quantize, quantize, quantize_current)
 from ._gemm import bias_dtype, gemm, gemm_accumulate, gemm_autotune_enabled, gemm_autotune_stats, set_gemm_autotune
 from ._gemm_tiles import gemm_tiles
+from ._mx import cast_transpose_mx, dequantize_mx, e8m0_to_float, gemm_mx, quantize_mx
 from ._optim import adam_step
 from ._scaling import compute_scale, multi_update_delayed_scaling, update_delayed_scaling
 from ._tiles import cast_transpose_tiles, dequantize_tiles, quantize_tiles, scaled_accumulate_tiles
@@ -48,6 +49,11 @@ __all__ = [
     "dequantize_tiles",
     "cast_transpose_tiles",
     "scaled_accumulate_tiles",
+    "quantize_mx",
+    "dequantize_mx",
+    "cast_transpose_mx",
+    "gemm_mx",
+    "e8m0_to_float",
     "comm_quantize",
     "comm_sum_shards",
     "fast",

@@ -57,23 +57,34 @@ def gemm_tiles(
     a_tile_rows, a_tile_cols = _tile(a_tile, "a_tile", op)
     b_tile_rows, b_tile_cols = _tile(b_tile, "b_tile", op)
     out_dtype = _dtype(out_dtype, _OUT_DTYPES, "out_dtype", op)
-    bias = _optional_input(bias, "bias", op)
-    added_bias = None
-    if bias is not None:
-        accepted = _BIAS_DTYPES[out_dtype]
-        if bias.dtype not in accepted:
-            names = " or ".join(str(d) for d in accepted)
-            raise ValueError(f"fp8amp.ops.{op}: bias must be {names} for out_dtype {out_dtype}, got {bias.dtype}")
-        if bias.dtype == torch.float32:
-            # cuBLASLt's FP8 epilogue takes no float32 bias: it is added to the float32 result.
-            n = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() == 2 else None
-            if bias.dim() != 1 or bias.shape[0] != n:
-                raise ValueError(f"fp8amp.ops.{op}: bias must be [N] = [{n}] (the rows of b), got "
-                                 f"{list(bias.shape)}")
-            added_bias, bias = bias, None
+    bias, added_bias = split_bias(_optional_input(bias, "bias", op), out_dtype, b, op)
     out = _gemm_tiles(_input(a, "a", op), _input(a_scale_inv, "a_scale_inv", op), a_tile_rows, a_tile_cols,
                       _input(b, "b", op), _input(b_scale_inv, "b_scale_inv", op), b_tile_rows, b_tile_cols,
                       out_dtype, bias)
+    return add_bias(out, added_bias, op)
+
+
+def split_bias(bias: torch.Tensor | None, out_dtype: torch.dtype, b: object,
+               op: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(the kernel's bias, a float32 bias to add after)`` of a block-scaled GEMM (gemm_tiles,
+    gemm_mx): cuBLASLt's FP8 epilogue takes ``out_dtype``'s 16-bit bias (bfloat16 for a float32
+    output) but no float32 one, which is added to the float32 result instead."""
+    if bias is None:
+        return None, None
+    accepted = _BIAS_DTYPES[out_dtype]
+    if bias.dtype not in accepted:
+        names = " or ".join(str(d) for d in accepted)
+        raise ValueError(f"fp8amp.ops.{op}: bias must be {names} for out_dtype {out_dtype}, got {bias.dtype}")
+    if bias.dtype != torch.float32:
+        return bias, None
+    n = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() == 2 else None
+    if bias.dim() != 1 or bias.shape[0] != n:
+        raise ValueError(f"fp8amp.ops.{op}: bias must be [N] = [{n}] (the rows of b), got {list(bias.shape)}")
+    return None, bias
+
+
+def add_bias(out: torch.Tensor, added_bias: torch.Tensor | None, op: str) -> torch.Tensor:
+    """``out`` plus the float32 bias :func:`split_bias` kept for after the GEMM (in place)."""
     if added_bias is not None:
         if added_bias.device != out.device:
             raise ValueError(f"fp8amp.ops.{op}: bias must be on the device of a ({out.device}), got "
