@@ -50,9 +50,9 @@ constexpr int64_t kMxBlock = 32;  // the elements of an MX block
 
 // Blocks of 1 x 32 consecutive elements of a row (the last one of a row may be partial), each with
 // one E8M0 scale: a uint8 exponent code, X = 2^(code - 127), 0xFF = NaN. scales is uint8
-// [rows, ceil(cols / 32)], row-major. Each block's X = 2^(floor(log2(amax)) - emax) by OCP MX
-// (emax = 8 for E4M3, 15 for E5M2; exact from the bits), clamped to 2^-127 at the bottom; the
-// elements are encode(v / X), saturating. A block of zeros gets X = 1 (code 127); a block holding
+// [rows, ceil(cols / 32)], row-major. Each block's X is the smallest 2^e, e >= -127, with
+// amax / X <= fmax (OCP MX's floor(log2(amax)) - emax, or one more; exact from the bits), so the
+// elements encode(v / X) never saturate. A block of zeros gets X = 1 (code 127); a block holding
 // an inf or NaN gets code 0xFF (it reads NaN) and no other block changes. x fp32/bf16/fp16,
 // contiguous; out E4M3 or E5M2.
 void quantize_mx(const TensorView& x, const TensorView& out, const TensorView& scales, Stream stream);

@@ -51,8 +51,8 @@ class Recipe:
         grad_format: the output gradient's format, E4M3 or E5M2. None (default): E5M2 for
             ``"tensorwise"`` (its delayed scale needs the range), E4M3 for the tiled recipes
             (each tile's own scale gives the range, E4M3 the precision).
-        margin: scales are divided by ``2^margin`` (headroom). ``"mxfp8"`` takes 0 only (OCP MX
-            fixes its scale rule).
+        margin: scales are divided by ``2^margin`` (headroom). ``"mxfp8"`` takes 0 only (its
+            E8M0 scale rule is fixed: docs/tiles.md#mxfp8).
         pow2_scale: power-of-two scales (exact ``scale_inv``), as :class:`~fp8amp.ScalingRecipe`.
             ``"mxfp8"`` takes True only (E8M0 scales are powers of two).
         history_len: the delayed-scaling history of ``"tensorwise"`` (the tiled recipes scale
@@ -77,7 +77,7 @@ class Recipe:
                              f"got {self.grad_format!r}")
         ScalingRecipe(self.history_len, self.margin, self.pow2_scale)  # checks the three, naming them
         if self.kind == "mxfp8" and (self.margin != 0 or not self.pow2_scale):
-            raise ValueError(f"fp8amp.Recipe: kind 'mxfp8' has OCP MX's fixed scale rule: margin must be 0 and "
+            raise ValueError(f"fp8amp.Recipe: kind 'mxfp8' has a fixed E8M0 scale rule: margin must be 0 and "
                              f"pow2_scale True; got margin={self.margin}, pow2_scale={self.pow2_scale}")
 
     @property

@@ -66,16 +66,21 @@ FP8AMP_HD float e8m0_scale_inv(uint8_t code) {
   return numerics::pow2(static_cast<int>(code) - kE8M0Bias);
 }
 
-// OCP MX's scale of a block: X = 2^(floor(log2(amax)) - emax_elem), emax_elem = floor(log2(fmax))
-// (8 for E4M3, 15 for E5M2), both floors exact from the float bits; the elements are then
-// v / X = v * 2^-e (exact: a power of two), cast with saturation. e is clamped to E8M0's smallest,
-// -127 (it cannot exceed 127 - 8 for a finite float amax). A block of zeros gets X = 1 (code 127);
-// a block holding an inf or NaN gets the NaN code and scale 1 (it reads NaN; no other block changes).
+// A block's scale X = 2^e: the smallest e >= -127 (E8M0's smallest) with amax * 2^-e <= fmax, so
+// that no element saturates (docs/tiles.md#the-ops-and-the-scale-rule). OCP MX's floor rule,
+// floor(log2(amax)) - floor(log2(fmax)), is e or e - 1: one more when amax's mantissa is above
+// fmax's, the test below (amax * 2^-e is then in [2^emax, 2^(emax+1)): exact). The elements are
+// v * 2^-e (exact), rounded to nearest. A block of zeros gets X = 1 (code 127); a block holding an
+// inf or NaN gets the NaN code and scale 1 (it reads NaN; no other block changes).
 FP8AMP_HD BlockScale<uint8_t> mx_block_scale(float amax, float fmax) {
   if (!numerics::is_finite(amax)) return {1.0f, kE8M0Nan};
   if (amax == 0.0f) return {1.0f, static_cast<uint8_t>(kE8M0Bias)};
   int e = numerics::floor_log2(amax) - numerics::floor_log2(fmax);
-  if (e < -kE8M0Bias) e = -kE8M0Bias;
+  if (e < -kE8M0Bias) {
+    e = -kE8M0Bias;  // amax < 2^-119: amax * 2^127 < 2^8, below fmax
+  } else if (amax * numerics::pow2(-e) > fmax) {
+    ++e;  // at most 128 - 8 for a finite float amax
+  }
   return {numerics::pow2(-e), static_cast<uint8_t>(e + kE8M0Bias)};
 }
 

@@ -1,6 +1,6 @@
 """The MXFP8 ops' cases of the public-API fuzz (fuzz_cases.py, docs/hardening.md): quantize_mx,
 dequantize_mx and cast_transpose_mx over every value kind, odd and empty shapes and both formats,
-against test_mx.py's torch reference of OCP MX's rule (finite blocks bit for bit, non-finite
+against test_mx.py's torch reference of the E8M0 rule (finite blocks bit for bit, non-finite
 blocks NaN), and gemm_mx's refusals: bad dtypes, shapes, K not whole blocks, foreign devices."""
 
 from __future__ import annotations

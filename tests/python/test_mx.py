@@ -18,8 +18,9 @@ FMAX = {E4M3: 448.0, E5M2: 57344.0}
 
 
 def reference_mx(x: torch.Tensor, fmt: torch.dtype):
-    """(codes, scales) of OCP MX in plain torch: per 1 x 32 block of each row, X = 2^(floor(log2
-    amax) - emax) (from frexp: exact), clamped below at 2^-127; zeros X = 1; non-finite code 255."""
+    """(codes, scales) of fp8amp's MX rule in plain torch: per 1 x 32 block of each row, X = 2^e with
+    e = floor(log2 amax) - emax (from frexp: exact), plus one where amax / 2^e > fmax (nothing
+    saturates), clamped below at 2^-127; zeros X = 1; non-finite code 255."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     rows, cols = x2.shape
     padded = torch.nn.functional.pad(x2, (0, (-cols) % 32))  # zeros change no amax
@@ -27,7 +28,9 @@ def reference_mx(x: torch.Tensor, fmt: torch.dtype):
     amax = blocks.abs().amax(-1)
     finite, nonzero = torch.isfinite(amax), amax > 0
     exponent = torch.frexp(torch.where(finite & nonzero, amax, torch.ones_like(amax))).exponent - 1
-    e = (exponent - EMAX[fmt]).clamp(min=-127)
+    e = exponent - EMAX[fmt]
+    e = torch.where(torch.where(finite & nonzero, amax, 0) * torch.exp2(-e.float()) > FMAX[fmt], e + 1, e)
+    e = e.clamp(min=-127)
     codes = torch.where(finite, torch.where(nonzero, e + 127, 127), 255).to(torch.uint8)
     scale = torch.where(finite & nonzero, torch.exp2(-e.float()), torch.ones_like(amax))
     q = (blocks * scale[..., None]).clamp(-FMAX[fmt], FMAX[fmt]).to(fmt).view(torch.uint8)
@@ -76,13 +79,16 @@ def test_scales_are_e8m0_exactly():
                        torch.tensor([2.0 ** -127, 2.0 ** -126, 1.0, 2.0 ** 127]))
 
 
-def test_floor_rule_saturates_the_top_of_the_binade():
-    # amax 500: X = 2^(8 - 8) = 1, and 500 saturates to 448 (OCP MX's floor rule); 1.0 stays exact.
-    x = torch.zeros(1, 32)
+def test_the_scale_rounds_up_so_that_nothing_saturates():
+    # amax 500 > 448 * 2^0: X = 2 (code 128; OCP MX's floor rule gives X = 1 and clips 500 to 448);
+    # 500 / 2 = 250 rounds to E4M3's 256, 1.0 / 2 is exact. amax 448 exactly keeps X = 1.
+    x = torch.zeros(2, 32)
     x[0, 0], x[0, 1] = 500.0, 1.0
+    x[1, 0] = 448.0
     codes, scales = ops.quantize_mx(x, E4M3)
-    assert scales.item() == 127
-    assert codes.float()[0, :2].tolist() == [448.0, 1.0]
+    assert scales[:, 0].tolist() == [128, 127]
+    assert codes.float()[0, :2].tolist() == [256.0, 0.5] and codes.float()[1, 0] == 448.0
+    assert ops.dequantize_mx(codes, scales)[0, :2].tolist() == [512.0, 1.0]
 
 
 def test_zero_and_non_finite_blocks_poison_no_other():

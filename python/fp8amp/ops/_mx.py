@@ -32,8 +32,9 @@ _gemm_mx = lib.gemm_mx.default
 
 def quantize_mx(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(codes, scales)``: ``x`` (float32, bfloat16 or float16) in ``dtype`` (E4M3 or
-    E5M2), one E8M0 scale per 1 x 32 block. A block's scale is ``X = 2^(floor(log2(amax)) -
-    emax)`` (OCP MX; emax 8 for E4M3, 15 for E5M2), its elements ``v / X`` cast with saturation. A
+    E5M2), one E8M0 scale per 1 x 32 block. A block's scale is the smallest ``X = 2^e`` (``e >= -127``)
+    with ``amax / X <= fmax`` (448 for E4M3, 57344 for E5M2), so that no element saturates
+    (docs/tiles.md#mxfp8: OCP MX's exponent, or one more), its elements ``v / X`` rounded to nearest. A
     block of zeros gets ``X = 1`` (code 127); a block holding an inf or NaN gets code 0xFF (it reads
     NaN; no other block changes)."""
     op = "quantize_mx"
