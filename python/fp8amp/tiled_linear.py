@@ -38,6 +38,7 @@ from .linear_common import fp8_weight_grad, output_dtype, pad_rows
 from .master_weight import MasterWeight
 from .recipes import BLOCK, Recipe
 from .scaled_tensor import ScaledTensor
+from .tiled_weight import TiledWeight
 
 __all__ = ["TiledLinearFunction"]
 
@@ -65,9 +66,15 @@ def _gemm(recipe: Recipe, a: torch.Tensor, a_scale_inv: torch.Tensor, a_role: st
 
 
 def _weight_operands(weight: torch.Tensor, recipe: Recipe):
-    """W's cast (as :func:`_cast`) from what the weight holds: an FP16 master's codes (its scale
-    a power of two, so the codes times a tile scale round as the real values do, and the scale
-    joins scale_inv; exact), any other ScaledTensor's real values, or the plain tensor."""
+    """W's cast (as :func:`_cast`) from what the weight holds: FSDP2's gathered blocks (a
+    TiledWeight, already the blockwise cast), an FP16 master's codes (its scale a power of two,
+    so the codes times a tile scale round as the real values do, and the scale joins scale_inv;
+    exact), any other ScaledTensor's real values, or the plain tensor."""
+    if isinstance(weight, TiledWeight):
+        if recipe.kind != "blockwise":
+            raise ValueError(f"Fp8Linear: the weight holds 128 x 128 blocks (FSDP2's blockwise all-gather) but the "
+                             f"layer's recipe is {recipe}")
+        return weight.block_operands()
     if isinstance(weight, ScaledTensor):
         if weight.storage_format == FP16:
             codes, scale_inv, codes_t, scale_inv_t = _cast(recipe, "weight", weight.codes, E4M3)
@@ -104,7 +111,7 @@ class TiledLinearFunction(torch.autograd.Function):
                   None if bias is None else bias.to(out_dtype))
         if cast_recorder.recording():
             _record(input_state, "input", x2d, x_fp8[:rows], x_si, _tile(recipe, "input", x2d.shape[1]))
-            w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
+            w_real = weight.dequantize(torch.float32) if isinstance(weight, (ScaledTensor, TiledWeight)) else weight
             _record(input_state, "weight", w_real, w_fp8, w_si, _tile(recipe, "weight", w_fp8.shape[1]))
         ctx.save_for_backward(x_fp8_t, x_si_t, w_fp8_t, w_si_t)
         ctx.recipe, ctx.grad_state, ctx.rows = recipe, grad_state, rows
