@@ -40,7 +40,7 @@ from .scaled_tensor import ScaledTensor
 from .recipes import Recipe, resolve_recipe
 from .scaling import ScalingRecipe, ScalingState
 from .tiled_linear import TiledLinearFunction
-from .tiled_weight import TiledWeight
+from .block_scaled_tensor import BlockScaledTensor
 
 __all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d"]
 
@@ -305,7 +305,7 @@ class Fp8Linear(nn.Linear):
         FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
         does not hold (fully_shard replaced them after that optimizer was built)."""
         weight = self.weight
-        if not isinstance(weight, (ScaledTensor, TiledWeight)):
+        if not isinstance(weight, (ScaledTensor, BlockScaledTensor)):
             raise RuntimeError(
                 f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
                 f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "

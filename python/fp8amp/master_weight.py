@@ -16,7 +16,7 @@ from torch import nn
 from .formats import E4M3, FP16
 from .scaled_tensor import ScaledTensor, _quantize_current
 from .scaling import ScalingState
-from .tiled_weight import tiled_post_all_gather, tiled_pre_all_gather
+from .tiled_all_gather import tiled_post_all_gather, tiled_pre_all_gather
 
 __all__ = ["MasterWeight", "pre_all_gather", "post_all_gather"]
 
@@ -146,7 +146,7 @@ def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn
     """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear, whose
     ``weight_scaling`` gives the scale): this rank's shard (a plain tensor or a master) as E4M3
     codes with the whole weight's scale, padded to the first rank's shard size, and that scale's
-    inverse. Under the tiled recipes: :func:`fp8amp.tiled_weight.tiled_pre_all_gather`."""
+    inverse. Under the tiled recipes: :func:`fp8amp.tiled_all_gather.tiled_pre_all_gather`."""
     if not isinstance(getattr(module, "weight_scaling", None), ScalingState):
         raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
                         f"{type(module).__name__}")
@@ -168,7 +168,7 @@ def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn
 def post_all_gather(all_gather_outputs, scale_inv, param_dtype: torch.dtype, out=None):
     """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
     dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are (a tiled recipe's metadata, a
-    tuple: :func:`fp8amp.tiled_weight.tiled_post_all_gather`)."""
+    tuple: :func:`fp8amp.tiled_all_gather.tiled_post_all_gather`)."""
     if isinstance(scale_inv, tuple):
         return tiled_post_all_gather(all_gather_outputs, scale_inv, param_dtype, out)
     (data,) = all_gather_outputs

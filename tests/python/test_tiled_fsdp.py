@@ -13,7 +13,8 @@ from torch import nn
 import fp8amp
 from fp8amp import ScaledTensor, ops
 from fp8amp.fsdp import enable_fp8_all_gather
-from fp8amp.tiled_weight import TiledWeight, blocks_align
+from fp8amp.block_scaled_tensor import BlockScaledTensor
+from fp8amp.tiled_all_gather import blocks_align
 from ranks import run_on_ranks
 from test_fsdp import O3_LR, shard
 
@@ -55,7 +56,7 @@ def build(recipe: str, mode: str, optimizer_for=None):
 
 
 def weight_kind(w) -> str:
-    if isinstance(w, TiledWeight):
+    if isinstance(w, BlockScaledTensor):
         return "blocks"
     if isinstance(w, ScaledTensor):
         return str(w.storage_format).removeprefix("torch.")
@@ -77,7 +78,7 @@ def tiled_rank(rank: int) -> dict:
 
             def look(m, _):
                 seen.append(weight_kind(m.weight))
-                if isinstance(m.weight, TiledWeight) and len(blocks) < 1:
+                if isinstance(m.weight, BlockScaledTensor) and len(blocks) < 1:
                     blocks.append((m.weight._codes.view(torch.uint8).clone(), m.weight._scale_inv.clone()))
 
             for module in (model[0], model[2]):

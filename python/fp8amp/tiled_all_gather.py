@@ -7,8 +7,8 @@ to :func:`tiled_pre_all_gather`, which picks by recipe and shard layout:
   ``ceil(rows / world)`` rows a rank is a multiple of 128): each rank quantizes its own shard with
   its own 128 x 128 block scales (the blocks of the whole weight, since none crosses a shard
   boundary) and FSDP2 moves the E4M3 codes and the float32 block scales. The layer gets a
-  :class:`TiledWeight`, whose codes and scales are bit for bit the blockwise cast of the whole
-  weight, and its GEMMs read them as they are.
+  :class:`~fp8amp.block_scaled_tensor.BlockScaledTensor`, whose codes and scales are bit for bit
+  the blockwise cast of the whole weight, and its GEMMs read them as they are.
 * ``"fp16"`` (an O1/O2 master otherwise: rowwise, whose transpose needs per-column scales over
   every rank's rows, or blockwise shards that split a block): each rank rescales its master
   shard's FP16 codes to one scale shared by all ranks (the largest ``scale_inv``, one 4-byte MAX
@@ -23,94 +23,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 
 from . import ops
+from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 from .formats import E4M3, FP16
 from .recipes import BLOCK
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["TiledWeight", "tiled_pre_all_gather", "tiled_post_all_gather", "blocks_align"]
-
-_aten = torch.ops.aten
-_BLOCK_TILE = (BLOCK, BLOCK)
+__all__ = ["tiled_pre_all_gather", "tiled_post_all_gather", "blocks_align"]
 
 
 def blocks_align(rows: int, world: int) -> bool:
     """Whether FSDP2's row shards of a ``rows``-row weight on ``world`` ranks (``ceil(rows /
     world)`` rows each, the last ones fewer or none) are whole 128-row blocks."""
     return rows % BLOCK == 0 and -(-rows // world) % BLOCK == 0
-
-
-class TiledWeight(torch.Tensor):
-    """A weight of logical dtype ``dtype`` held as E4M3 ``codes`` with float32 ``scale_inv``, one
-    per 128 x 128 block (``[ceil(rows / 128), ceil(cols / 128)]``, as
-    :func:`fp8amp.ops.quantize_tiles` gives): what FSDP2 gathers for a blockwise Fp8Linear.
-
-    It keeps its type through what FSDP2 does to the gathered weight (``as_strided`` to the
-    weight's rows, ``detach`` into a Parameter); any other op sees its real values
-    (:meth:`dequantize`) and returns plain tensors.
-    """
-
-    _codes: torch.Tensor
-    _scale_inv: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, codes: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
-        rows, cols = codes.shape
-        if codes.dtype != E4M3 or scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != (
-                -(-rows // BLOCK), -(-cols // BLOCK)):
-            raise ValueError(f"fp8amp.TiledWeight: codes must be float8_e4m3fn [rows, cols] and scale_inv float32 "
-                             f"[ceil(rows / {BLOCK}), ceil(cols / {BLOCK})]; got {codes.dtype} {list(codes.shape)} "
-                             f"and {scale_inv.dtype} {list(scale_inv.shape)}")
-        self = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
-        self._codes, self._scale_inv = codes, scale_inv
-        return self
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def __repr__(self, *, tensor_contents=None) -> str:
-        return f"TiledWeight(shape={list(self.shape)}, dtype={self.dtype}, blocks={list(self._scale_inv.shape)})"
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The real values, a plain tensor of ``dtype`` (default: the logical dtype)."""
-        return ops.dequantize_tiles(self._codes, self._scale_inv, _BLOCK_TILE, dtype or self.dtype)
-
-    def block_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(codes, scale_inv, codes_t, scale_inv_t)`` as the blockwise cast of the weight gives
-        them: a 128 x 128 block of the transpose holds one block of W, so the transpose is the
-        codes transposed with their scales transposed (copies: FSDP2 frees the gathered buffers
-        after the forward and gathers them again for the backward)."""
-        return self._codes, self._scale_inv, self._codes.t().contiguous(), self._scale_inv.t().contiguous().clone()
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self = args[0] if args and isinstance(args[0], TiledWeight) else None
-        if self is not None and func in (_aten.detach.default, _aten.alias.default):
-            return TiledWeight(self._codes, self._scale_inv, self.dtype)
-        if self is not None and func is _aten.as_strided.default:
-            rows = _leading_rows(self, *args[1:], **kwargs)
-            if rows is not None:
-                return TiledWeight(self._codes[:rows], self._scale_inv[: -(-rows // BLOCK)], self.dtype)
-        args, kwargs = tree_map_only(TiledWeight, lambda t: t.dequantize(), (args, kwargs))
-        return func(*args, **kwargs)
-
-    def __tensor_flatten__(self):
-        return ["_codes", "_scale_inv"], self.dtype
-
-    @staticmethod
-    def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
-        return TiledWeight(inner_tensors["_codes"], inner_tensors["_scale_inv"], dtype)
-
-
-def _leading_rows(t: TiledWeight, size, stride, storage_offset=0):
-    """The row count of an ``as_strided`` that keeps the first rows of ``t`` (FSDP2's view of the
-    gathered, padded weight at the weight's size); None for any other."""
-    rows, cols = t._codes.shape
-    if storage_offset == 0 and len(size) == 2 and size[1] == cols and size[0] <= rows and tuple(stride) == (cols, 1):
-        return size[0]
-    return None
 
 
 # ---------------------------------------------------------------------------- FSDP2's hooks
@@ -135,7 +61,7 @@ def tiled_pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, modu
             scale_inv = torch.ones(0, -(-cols // BLOCK), device=shard.device)
         else:
             source = shard.codes if is_master else shard
-            codes, scale_inv = ops.quantize_tiles(source, E4M3, _BLOCK_TILE, margin=recipe.margin,
+            codes, scale_inv = ops.quantize_tiles(source, E4M3, BLOCK_TILE, margin=recipe.margin,
                                                   pow2_scale=recipe.pow2_scale)
             if is_master:  # its codes times a power-of-two scale: the real values' blocks (exact)
                 scale_inv = scale_inv * shard.scale_inv
@@ -159,7 +85,7 @@ def tiled_post_all_gather(all_gather_outputs, metadata: tuple, param_dtype: torc
         return None
     if kind == "blocks":
         codes, scale_inv = all_gather_outputs
-        return TiledWeight(codes.view(E4M3), scale_inv, param_dtype), (codes, scale_inv)
+        return BlockScaledTensor(codes.view(E4M3), scale_inv, param_dtype), (codes, scale_inv)
     (data,) = all_gather_outputs
     if kind == "fp16":
         return ScaledTensor(data.view(FP16), metadata[1], param_dtype), (data,)
