@@ -2,7 +2,8 @@
 "FSDP2"): a Linear 128 -> 256 (2 x 128 rows: each rank's shard one whole 128-row block, gathered
 as E4M3 codes with block scales under blockwise) and a Linear 256 -> 128 (64 rows a rank, which
 split a block: the fallbacks, plain weights or FP16 master codes). FP8 compute with and without
-``enable_fp8_all_gather``, and O2 masters, against one process on both ranks' batches."""
+``enable_fp8_all_gather``, and O2 masters, against one process on both ranks' batches; and stock
+DDP over blockwise O2, whose weight gradients are in 128 x 128 blocks."""
 
 from __future__ import annotations
 
@@ -177,3 +178,34 @@ def test_o2_trains_as_one_process(ranks, recipe):
             assert torch.equal(value, ranks[0][recipe, "O2"]["params"][name]), name
             torch.testing.assert_close(value, params[name], rtol=0, atol=2 * O3_LR * STEPS, msg=name)
     assert (ranks[0][recipe, "O2"]["params"]["0.weight"] - make_model()[0].weight.detach()).abs().max() > O3_LR
+
+
+def ddp_rank(rank: int) -> dict:
+    """Blockwise O2 under stock DDP: the block gradient DDP all-reduced, this rank's own, and the
+    weight after one step."""
+    model = make_model()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=O3_LR), "O2", recipe="blockwise",
+                                   policy="all")
+    local, _ = build("blockwise", "O2")  # the same weights, no DDP
+    loss_of(local, *batch(0, rank)).backward()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    loss_of(ddp, *batch(0, rank)).backward()
+    grad = model[0].weight.grad
+    result = dict(grad_type=type(grad).__name__, grad=grad.dequantize(), local_grad=local[0].weight.grad.dequantize())
+    opt.step()
+    return dict(result, weight=model[0].weight.dequantize())
+
+
+def test_ddp_averages_blockwise_gradients():
+    """DDP copies each block gradient into its float32 bucket (its real values), averages there and
+    copies the mean back, which writes it with fresh block scales: the mean of the ranks' block
+    gradients rounded once more to E4M3 (2^-4 relative, or the subnormal step of its block), the
+    replicas identical."""
+    res = run_on_ranks(ddp_rank, WORLD)
+    assert res[0]["grad_type"] == "BlockScaledTensor"
+    mean = (res[0]["local_grad"] + res[1]["local_grad"]) / 2
+    block_amax = mean.abs().view(2, 128, 1, 128).amax(dim=(1, 3), keepdim=True)
+    step = (2.0 ** -9 * block_amax / 448 * 2).expand(2, 128, 1, 128).reshape(mean.shape)  # within 2x of the scale
+    for r in res:
+        assert ((r["grad"] - mean).abs() <= mean.abs() * 2.0 ** -4 + step).all()
+    assert torch.equal(res[0]["grad"], res[1]["grad"]) and torch.equal(res[0]["weight"], res[1]["weight"])
