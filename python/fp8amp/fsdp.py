@@ -114,7 +114,7 @@ class Fp8AllGatherWeight(torch.Tensor):
     # FSDP2's all-gather extension (torch.distributed.fsdp, "fsdp_pre_all_gather").
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        return pre_all_gather(self._tensor, mesh, outer_size, module)
+        return pre_all_gather(self._tensor, mesh, outer_size, module, mp_policy.param_dtype or self.dtype)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)

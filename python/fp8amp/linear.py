@@ -40,6 +40,7 @@ from .scaled_tensor import ScaledTensor
 from .recipes import Recipe, resolve_recipe
 from .scaling import ScalingRecipe, ScalingState
 from .tiled_linear import TiledLinearFunction
+from .block_scaled_tensor import BlockScaledTensor
 
 __all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d"]
 
@@ -304,13 +305,13 @@ class Fp8Linear(nn.Linear):
         FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
         does not hold (fully_shard replaced them after that optimizer was built)."""
         weight = self.weight
-        if not isinstance(weight, ScaledTensor):
+        if not isinstance(weight, (ScaledTensor, BlockScaledTensor)):
             raise RuntimeError(
                 f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
                 f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "
                 "load_state_dict(..., assign=True)). The optimizer that initialize returned would update the old "
                 "master and this layer would not train; load without assign=True")
-        if weight.storage_format == E4M3 and master.optimizer_built:
+        if not isinstance(weight, MasterWeight) and master.optimizer_built:  # gathered by FSDP2
             raise RuntimeError(
                 "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "
                 "optimizer over the unsharded masters: that optimizer would update the old masters and the model "

@@ -16,6 +16,7 @@ from torch import nn
 from .formats import E4M3, FP16
 from .scaled_tensor import ScaledTensor, _quantize_current
 from .scaling import ScalingState
+from .tiled_all_gather import tiled_post_all_gather, tiled_pre_all_gather
 
 __all__ = ["MasterWeight", "pre_all_gather", "post_all_gather"]
 
@@ -116,7 +117,7 @@ class MasterWeight(ScaledTensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2's all-gather extension for a master sharded by ``fully_shard``: this rank's shard
         of real values goes out as E4M3 codes with the whole weight's scale (fp8amp.fsdp)."""
-        return pre_all_gather(self.dequantize(torch.float32), mesh, outer_size, module)
+        return pre_all_gather(self, mesh, outer_size, module, mp_policy.param_dtype or self.dtype)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
@@ -140,15 +141,21 @@ class MasterWeight(ScaledTensor):
 # Shared by masters (the hooks above) and fp8amp.fsdp.Fp8AllGatherWeight.
 
 
-def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module) -> tuple:
+def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn.Module,
+                   param_dtype: torch.dtype) -> tuple:
     """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear, whose
-    ``weight_scaling`` gives the scale): this rank's shard (real values) as E4M3 codes with the
-    whole weight's scale, padded to the first rank's shard size, and that scale's inverse."""
+    ``weight_scaling`` gives the scale): this rank's shard (a plain tensor or a master) as E4M3
+    codes with the whole weight's scale, padded to the first rank's shard size, and that scale's
+    inverse. Under the tiled recipes: :func:`fp8amp.tiled_all_gather.tiled_pre_all_gather`."""
     if not isinstance(getattr(module, "weight_scaling", None), ScalingState):
         raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
                         f"{type(module).__name__}")
     if mesh.ndim != 1:
         raise NotImplementedError(f"fp8amp.fsdp: the FP8 all-gather needs a 1-D shard mesh, got {mesh.ndim}-D {mesh}")
+    if module.recipe.tiled:
+        return tiled_pre_all_gather(shard, mesh, outer_size, module, param_dtype)
+    if isinstance(shard, ScaledTensor):
+        shard = shard.dequantize(torch.float32)
     codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
     codes = codes.view(torch.uint8)
     # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
@@ -158,9 +165,12 @@ def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn
     return (codes,), scale_inv
 
 
-def post_all_gather(all_gather_outputs, scale_inv: torch.Tensor, param_dtype: torch.dtype, out=None):
+def post_all_gather(all_gather_outputs, scale_inv, param_dtype: torch.dtype, out=None):
     """FSDP2's fsdp_post_all_gather: the gathered codes as an E4M3 ScaledTensor of the logical
-    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are."""
+    dtype ``param_dtype``, which Fp8Linear's GEMMs read as they are (a tiled recipe's metadata, a
+    tuple: :func:`fp8amp.tiled_all_gather.tiled_post_all_gather`)."""
+    if isinstance(scale_inv, tuple):
+        return tiled_post_all_gather(all_gather_outputs, scale_inv, param_dtype, out)
     (data,) = all_gather_outputs
     if out is not None:  # later all-gathers: the codes arrived in the same buffer; the scale is new
         out._scale_inv = scale_inv  # not copy_: the forward saved the old one for its backward

@@ -71,6 +71,7 @@ from .ops import fast, multi_amax
 from .formats import E4M3, FP16
 from .master_weight import MasterWeight
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
+from .block_scaled_tensor import BlockScaledTensor
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -331,7 +332,7 @@ class Adam(torch.optim.Optimizer):
     def _call(self, group: dict, sharded: list[torch.Tensor], found_inf: torch.Tensor) -> None:
         states = [self.state[p] for p in sharded]
         params = [_local(p) for p in sharded]
-        grads_of = {id(p): _local(q.grad) for p, q in zip(params, sharded)}
+        grads_of = {id(p): _one_scale_form(_local(q.grad)) for p, q in zip(params, sharded)}
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"{self._name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
@@ -377,6 +378,13 @@ class Adam(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(p)
         if len(steps) > 1:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+
+
+def _one_scale_form(grad: torch.Tensor) -> torch.Tensor:
+    """A blockwise weight gradient (128 x 128 block scales) as its float32 real values, the one
+    place the optimizer dequantizes it: the fused step reads one scale a gradient, and reading
+    block scales would need a change of its kernel (docs/tiles.md)."""
+    return grad.dequantize(torch.float32) if isinstance(grad, BlockScaledTensor) else grad
 
 
 class ScaledMoment(ScaledTensor):

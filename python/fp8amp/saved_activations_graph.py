@@ -134,6 +134,17 @@ def _is_statistic(node: torch.fx.Node) -> bool:
     return _packet(node.target) in _STATISTIC_OPS
 
 
+def _scales_a_statistic(node: torch.fx.Node) -> bool:
+    """A product or quotient of statistics and graph inputs, at least one a statistic: the tile
+    scales of an O1/O2 master's FP8 cast times the master's scale (tiled_linear), which the
+    backward's GEMM reads as scales (an FP8 rounding of them would be a second quantization)."""
+    if node.op != "call_function" or _packet(node.target) not in (_aten.mul, _aten.div):
+        return False
+    sources = [_source(a) for a in node.args if isinstance(a, torch.fx.Node)]
+    return (any(_is_statistic(s) for s in sources)
+            and all(_is_statistic(s) or s.op == "placeholder" for s in sources))
+
+
 def _backward_exponentiates(name: str, bw_graph: torch.fx.Graph) -> bool:
     frontier = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
     seen: set[torch.fx.Node] = set()
@@ -192,7 +203,8 @@ def _is_graph_activation(x: torch.Tensor, min_numel: int, state: dict) -> bool:
         if source is not node and source.meta.get("is_static_input", True):
             return False
         return _input_gets_gradient(source, fw_graph, bw_graph)
-    if _is_statistic(node) or _is_statistic(source) or source in _graph_outputs(fw_graph, bw_graph):
+    if (_is_statistic(node) or _is_statistic(source) or _scales_a_statistic(source)
+            or source in _graph_outputs(fw_graph, bw_graph)):
         return False
     return not _backward_exponentiates(node.name, bw_graph)
 

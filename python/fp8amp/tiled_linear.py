@@ -25,8 +25,9 @@ E8M0 scales: the same three GEMMs through :func:`fp8amp.ops.cast_transpose_mx` a
 At O1/O2 the weight is an FP16 master (:class:`~fp8amp.MasterWeight`, with no E4M3 copy: a
 per-tensor copy would not serve) and the forward quantizes its codes with tile scales: with the
 master's power-of-two scale the codes give the same E4M3 values as its real values, and the
-tile scales come out multiplied by the master's. The weight gradient is as in the per-tensor path
-(an E4M3 ScaledTensor with one current scale at O1/O2).
+tile scales come out multiplied by the master's. The O1/O2 weight gradient is E4M3: a
+BlockScaledTensor with 128 x 128 block scales under blockwise, a per-tensor ScaledTensor under
+rowwise.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .linear_common import fp8_weight_grad, output_dtype, pad_rows
 from .master_weight import MasterWeight
 from .recipes import BLOCK, MX_BLOCK, Recipe
 from .scaled_tensor import ScaledTensor
+from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 
 __all__ = ["TiledLinearFunction"]
 
@@ -75,10 +77,16 @@ def _gemm(recipe: Recipe, a: torch.Tensor, a_scale_inv: torch.Tensor, a_role: st
 
 
 def _weight_operands(weight: torch.Tensor, recipe: Recipe):
-    """W's cast (as :func:`_cast`) from what the weight holds: an FP16 master's codes (its scale
-    a power of two, so the codes times a tile scale round as the real values do, and the scale
-    joins scale_inv; exact), any other ScaledTensor's real values, or the plain tensor. mxfp8
-    casts the master's real values (its E8M0 codes cannot take the master's scale as a product)."""
+    """W's cast (as :func:`_cast`) from what the weight holds: FSDP2's gathered blocks (a
+    BlockScaledTensor, already the blockwise cast), an FP16 master's codes (its scale a power of two,
+    so the codes times a tile scale round as the real values do, and the scale joins scale_inv;
+    exact), any other ScaledTensor's real values, or the plain tensor. mxfp8 casts the master's
+    real values (its E8M0 codes cannot take the master's scale as a product)."""
+    if isinstance(weight, BlockScaledTensor):
+        if recipe.kind != "blockwise":
+            raise ValueError(f"Fp8Linear: the weight holds 128 x 128 blocks (FSDP2's blockwise all-gather) but the "
+                             f"layer's recipe is {recipe}")
+        return weight.block_operands()
     if isinstance(weight, ScaledTensor):
         if weight.storage_format == FP16 and recipe.kind != "mxfp8":
             codes, scale_inv, codes_t, scale_inv_t = _cast(recipe, "weight", weight.codes, E4M3)
@@ -99,8 +107,17 @@ def _record(state, role: str, real: torch.Tensor, codes: torch.Tensor, scale_inv
     cast_recorder.record(state, role, real, codes, _per_element(scale_inv, tile, codes.shape))
 
 
+def _fp8_weight_grad(recipe: Recipe, grad: torch.Tensor, dtype: torch.dtype):
+    """O1/O2's E4M3 weight gradient: in 128 x 128 blocks under blockwise (accumulated over
+    micro-batches by scaled_accumulate_tiles), per tensor under rowwise (whose weight tiles are
+    no blocks the optimizer or an accumulation could keep)."""
+    if recipe.kind == "blockwise":
+        return BlockScaledTensor.from_tensor(grad, E4M3, dtype)
+    return fp8_weight_grad(grad, dtype)
+
+
 class TiledLinearFunction(torch.autograd.Function):
-    """``y = x @ W.T + b`` with rowwise or blockwise tile scales. ``input_state`` and
+    """``y = x @ W.T + b`` with rowwise, blockwise or mxfp8 tile scales. ``input_state`` and
     ``grad_state`` are the layer's scaling states, which name the layer to the numerics report."""
 
     @staticmethod
@@ -117,7 +134,7 @@ class TiledLinearFunction(torch.autograd.Function):
                   None if bias is None else bias.to(out_dtype))
         if cast_recorder.recording():
             _record(input_state, "input", x2d, x_fp8[:rows], x_si, _tile(recipe, "input", x2d.shape[1]))
-            w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
+            w_real = weight.dequantize(torch.float32) if isinstance(weight, (ScaledTensor, BlockScaledTensor)) else weight
             _record(input_state, "weight", w_real, w_fp8, w_si, _tile(recipe, "weight", w_fp8.shape[1]))
         ctx.save_for_backward(x_fp8_t, x_si_t, w_fp8_t, w_si_t)
         ctx.recipe, ctx.grad_state, ctx.rows = recipe, grad_state, rows
@@ -149,8 +166,10 @@ class TiledLinearFunction(torch.autograd.Function):
             grad_weight = _gemm(recipe, dy_fp8_t, dy_si_t, "grad_output", x_fp8_t, x_si_t, "input",
                                 ctx.output_dtype if ctx.fp8_grad else ctx.weight_dtype)
             if ctx.fp8_grad:
-                real, grad_weight = grad_weight, fp8_weight_grad(grad_weight, ctx.weight_dtype)
+                real, grad_weight = grad_weight, _fp8_weight_grad(recipe, grad_weight, ctx.weight_dtype)
                 if cast_recorder.recording():
-                    cast_recorder.record(ctx.grad_state, "weight_grad", real, grad_weight.codes,
-                                         grad_weight.scale_inv)
+                    scale_inv = grad_weight.scale_inv
+                    if isinstance(grad_weight, BlockScaledTensor):
+                        scale_inv = _per_element(scale_inv, BLOCK_TILE, real.shape)
+                    cast_recorder.record(ctx.grad_state, "weight_grad", real, grad_weight.codes, scale_inv)
         return grad_x, grad_weight, grad_bias, None, None, None, None

@@ -1,7 +1,8 @@
 """The whole training step in one CUDA graph (GPU): forward, backward, gradient clipping, the
 optimizer step and fp8amp's delayed-scaling update, captured once with ``torch.cuda.graph`` and
 replayed, give bit for bit what the same steps give in eager mode, at every level (FP8 compute with
-torch's capturable AdamW, O1 and O2 with fp8amp's optimizer, O2 with FP8 activations).
+torch's capturable AdamW, O1 and O2 with fp8amp's optimizer, O2 with FP8 activations), with each
+recipe (tensorwise, rowwise, blockwise).
 
 That holds because nothing in a step reads device values on the host: scales, amax histories, the
 warm-up counters and the optimizer's step counts live on the device, so the captured kernels make
@@ -47,7 +48,7 @@ class Net(nn.Module):
         return out, nn.functional.mse_loss(out.float(), y)
 
 
-def setup(mode: str):
+def setup(mode: str, recipe: str = "tensorwise"):
     torch.manual_seed(0)
     model = Net().cuda()
     level = mode.removesuffix("-fp8act")
@@ -55,9 +56,9 @@ def setup(mode: str):
     # optimizer, which accepts it (it always is).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
     if level == "fp8":  # FP8 compute: float32 weights, torch's AdamW
-        fp8amp.convert(model, optimizer=optimizer, policy="all")
+        fp8amp.convert(model, optimizer=optimizer, policy="all", recipe=recipe)
     else:
-        model, optimizer = fp8amp.initialize(model, optimizer, level, policy="all")
+        model, optimizer = fp8amp.initialize(model, optimizer, level, policy="all", recipe=recipe)
         assert isinstance(model.head.weight, ScaledTensor)
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 5
     hooks = fp8amp.save_activations_in_fp8() if mode.endswith("-fp8act") else None
@@ -103,16 +104,18 @@ def assert_bit_identical(a: dict, b: dict) -> None:
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key  # bits
 
 
-@pytest.mark.parametrize("mode", ["fp8", "O1", "O2", "O2-fp8act"])
-def test_whole_step_in_a_cuda_graph_matches_eager(mode):
+def eager_and_replayed(mode: str, recipe: str = "tensorwise"):
+    """The steps of ``data()`` in eager mode, and WARMUP eager steps then REPLAYS replays of one
+    captured step: (eager losses, eager snapshot, the losses, the model, the optimizer, the input
+    scaling counters right after the capture)."""
     batches = data()
 
-    model, optimizer, hooks = setup(mode)
+    model, optimizer, hooks = setup(mode, recipe)
     eager_losses = [train_step(model, optimizer, x, y, saved_tensors_hooks=hooks) for x, y in batches]
     torch.cuda.synchronize()
     eager = snapshot(model, optimizer)
 
-    model, optimizer, hooks = setup(mode)
+    model, optimizer, hooks = setup(mode, recipe)
     static_x, static_y = (t.clone() for t in batches[0])
     side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
     side.wait_stream(torch.cuda.current_stream())
@@ -129,10 +132,29 @@ def test_whole_step_in_a_cuda_graph_matches_eager(mode):
         graph.replay()
         losses.append(static_loss.clone())
     torch.cuda.synchronize()
+    return eager_losses, eager, losses, model, optimizer, counters
 
+
+@pytest.mark.parametrize("mode", ["fp8", "O1", "O2", "O2-fp8act"])
+def test_whole_step_in_a_cuda_graph_matches_eager(mode):
+    eager_losses, eager, losses, model, optimizer, counters = eager_and_replayed(mode)
     # The capture ran nothing (the counters stayed at the warm-up's); the replays made the steps.
     assert all(int(c.max()) <= WARMUP for c in counters)
     assert int(model.head.input_scaling.counter.max()) >= 16
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    assert_bit_identical(snapshot(model, optimizer), eager)
+    assert torch.isfinite(torch.stack(losses)).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("mode", ["fp8", "O1", "O2", "O2-fp8act"])
+def test_tiled_recipes_step_in_a_cuda_graph_matches_eager(recipe, mode):
+    """The tiled recipes (current tile scales; blockwise pads the 72 tokens to 128): their casts,
+    tile GEMMs (the scale copies into cuBLASLt's layouts, the workspace from torch's allocator)
+    and, at O1/O2, the masters' per-forward tile casts and the per-tensor E4M3 weight gradients
+    capture and replay bit for bit as eager steps."""
+    eager_losses, eager, losses, model, optimizer, _ = eager_and_replayed(mode, recipe)
+    assert all(m.recipe.kind == recipe for m in model.modules() if isinstance(m, Fp8Linear))
     assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
     assert_bit_identical(snapshot(model, optimizer), eager)
     assert torch.isfinite(torch.stack(losses)).all() and losses[-1] < losses[0]

@@ -1,0 +1,145 @@
+"""``BlockScaledTensor``: FP8 codes with one float32 scale per 128 x 128 block (docs/tiles.md).
+
+The blockwise recipe's two tensors that live outside a GEMM call: the weight FSDP2 gathers as
+blocks (:mod:`fp8amp.tiled_all_gather`), and the O1/O2 weight gradient, accumulated over micro-batches
+by :func:`fp8amp.ops.scaled_accumulate_tiles` (one fused dequantize-add-requantize, fresh block
+scales, no float32 copy). To torch it is a tensor of its logical dtype: it keeps its type through
+what FSDP2 and autograd's gradient accumulation do to it (``detach``, ``alias``, ``clone``, FSDP2's
+``as_strided`` to the weight's rows, ``add`` / ``add_``); every other op reads its real values
+(:meth:`dequantize`) and returns plain tensors, and an op that writes into it (``mul_`` of
+``clip_grad_norm_``, GradScaler's unscale, ``copy_``, ``zero_``) writes its result back, quantized
+with fresh block scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from . import ops
+from .formats import E4M3, E5M2
+from .recipes import BLOCK
+from .scaled_tensor import _written_args
+
+__all__ = ["BlockScaledTensor"]
+
+_aten = torch.ops.aten
+BLOCK_TILE = (BLOCK, BLOCK)
+
+
+class BlockScaledTensor(torch.Tensor):
+    """Real values ``codes * scale_inv[block]`` of logical dtype ``dtype``: ``codes`` E4M3 or
+    E5M2 ``[rows, cols]``, ``scale_inv`` float32 ``[ceil(rows / 128), ceil(cols / 128)]``, as
+    :func:`fp8amp.ops.quantize_tiles` with tile (128, 128) gives them.
+
+    Build one from real values with :meth:`from_tensor`."""
+
+    _codes: torch.Tensor
+    _scale_inv: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+        if codes.dim() != 2 or codes.dtype not in (E4M3, E5M2) or scale_inv.dtype != torch.float32 or tuple(
+                scale_inv.shape) != (-(-codes.shape[0] // BLOCK), -(-codes.shape[1] // BLOCK)):
+            raise ValueError(f"fp8amp.BlockScaledTensor: codes must be float8_e4m3fn or float8_e5m2 [rows, cols] and "
+                             f"scale_inv float32 [ceil(rows / {BLOCK}), ceil(cols / {BLOCK})]; got {codes.dtype} "
+                             f"{list(codes.shape)} and {scale_inv.dtype} {list(scale_inv.shape)}")
+        self = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
+        self._codes, self._scale_inv = codes, scale_inv
+        return self
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, fmt: torch.dtype = E4M3, dtype: torch.dtype | None = None):
+        """``x`` [rows, cols] quantized with one current power-of-two scale per 128 x 128 block (a
+        block holding an inf or NaN reads NaN); logical dtype ``dtype`` (default ``x.dtype``)."""
+        codes, scale_inv = ops.quantize_tiles(x, fmt, BLOCK_TILE)
+        return cls(codes, scale_inv, dtype or x.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"BlockScaledTensor(shape={list(self.shape)}, codes={self._codes.dtype}, dtype={self.dtype}, "
+                f"blocks={list(self._scale_inv.shape)})")
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self._codes
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self._scale_inv
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The real values, a plain tensor of ``dtype`` (default: the logical dtype)."""
+        return ops.dequantize_tiles(self._codes, self._scale_inv, BLOCK_TILE, dtype or self.dtype)
+
+    def block_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes, scale_inv, codes_t, scale_inv_t)`` as the blockwise cast of a weight gives
+        them: a 128 x 128 block of the transpose holds one block of W, so the transpose is the
+        codes transposed with their scales transposed (copies: FSDP2 frees the gathered buffers
+        after the forward and gathers them again for the backward)."""
+        return self._codes, self._scale_inv, self._codes.t().contiguous(), self._scale_inv.t().contiguous().clone()
+
+    def _accumulate(self, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        update = update.dequantize(torch.float32) if isinstance(update, BlockScaledTensor) else update
+        return ops.scaled_accumulate_tiles(self._codes, self._scale_inv, update, BLOCK_TILE)
+
+    def _write(self, real: torch.Tensor) -> None:
+        codes, scale_inv = ops.quantize_tiles(real, self._codes.dtype, BLOCK_TILE)
+        self._codes.copy_(codes)
+        self._scale_inv.copy_(scale_inv)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args and isinstance(args[0], BlockScaledTensor) else None
+        if self is not None:
+            if func in (_aten.detach.default, _aten.alias.default):
+                return BlockScaledTensor(self._codes, self._scale_inv, self.dtype)
+            if func is _aten.clone.default:
+                return BlockScaledTensor(self._codes.clone(), self._scale_inv.clone(), self.dtype)
+            if func is _aten.as_strided.default and (rows := _leading_rows(self, *args[1:], **kwargs)) is not None:
+                return BlockScaledTensor(self._codes[:rows], self._scale_inv[: -(-rows // BLOCK)], self.dtype)
+            # Gradient accumulation (autograd's AccumulateGrad): the fused dequantize-add-requantize.
+            if func in (_aten.add.Tensor, _aten.add_.Tensor) and kwargs.get("alpha", 1) == 1 and len(args) == 2 \
+                    and isinstance(args[1], torch.Tensor) and args[1].shape == self.shape:
+                codes, scale_inv = self._accumulate(args[1])
+                if func is _aten.add.Tensor:
+                    return BlockScaledTensor(codes, scale_inv, self.dtype)
+                self._codes.copy_(codes)
+                self._scale_inv.copy_(scale_inv)
+                return self
+        real = {}
+
+        def unwrap(t: BlockScaledTensor) -> torch.Tensor:
+            if id(t) not in real:
+                real[id(t)] = (t, t.dequantize())
+            return real[id(t)][1]
+
+        plain_args, plain_kwargs = tree_map_only(BlockScaledTensor, unwrap, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        written = {id(t) for t in _written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}
+        if not written:
+            return out
+        back = {}
+        for key in written:
+            tensor, value = real[key]
+            tensor._write(value)
+            back[id(value)] = tensor
+        return tree_map_only(torch.Tensor, lambda t: back.get(id(t), t), out)
+
+    def __tensor_flatten__(self):
+        return ["_codes", "_scale_inv"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
+        return BlockScaledTensor(inner_tensors["_codes"], inner_tensors["_scale_inv"], dtype)
+
+
+def _leading_rows(t: BlockScaledTensor, size, stride, storage_offset=0):
+    """The row count of an ``as_strided`` that keeps the first rows of ``t`` (FSDP2's view of the
+    gathered, padded weight at the weight's size); None for any other."""
+    rows, cols = t._codes.shape
+    if storage_offset == 0 and len(size) == 2 and size[1] == cols and size[0] <= rows and tuple(stride) == (cols, 1):
+        return size[0]
+    return None
