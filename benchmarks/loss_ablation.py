@@ -1,5 +1,5 @@
 """Which part of O1/O2 moves the early loss: the same GPT trained from the same weights on the same
-batches, adding one of fp8amp's formats at a time (docs/benchmarks.md#the-main-job).
+batches, adding one of fp8amp's formats at a time (docs/benchmarks.md#the-main-job-scriptstrainsh).
 
 Variants, each adding one format to the row above it:
 
