@@ -35,4 +35,6 @@ def fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
     What ``ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype)`` makes, without its checks:
     ``grad`` is a GEMM's contiguous output of a high-precision dtype, ``dtype`` the master's."""
     codes, scale_inv, _ = fast.quantize_current(grad, E4M3, 0, True)
+    if torch.compiler.is_compiling():  # Dynamo traces the class's constructor, not _make_wrapper_subclass
+        return ScaledTensor(codes, scale_inv, dtype)
     return ScaledTensor._wrap(codes, scale_inv, dtype)
