@@ -275,10 +275,10 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        calls: list[tuple[dict, list[torch.Tensor]]] = []
+        calls: list[tuple[dict, list[torch.Tensor], list[dict]]] = []  # (group, params, their states)
         for group in self.param_groups:
             self._check_hyper(group)
-            parts: dict[tuple, list[torch.Tensor]] = {}
+            parts: dict[tuple, tuple[list[torch.Tensor], list[dict]]] = {}
             for p in group["params"]:
                 grad = p.grad
                 if grad is None:
@@ -289,13 +289,14 @@ class Adam(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state, group)
-                parts.setdefault((p.device, self._cohort_key(p)), []).append(p)
-            calls += [(group, ps) for ps in parts.values()]
+                params, states = parts.setdefault((p.device, self._cohort_key(p)), ([], []))
+                params.append(p)
+                states.append(state)
+            calls += [(group, *part) for part in parts.values()]
 
         found_infs = self._found_infs(calls)
         kept, self._call_lists = self._call_lists, {}
-        for group, params in calls:
-            states = [self.state[p] for p in params]
+        for group, params, states in calls:
             key = tuple(map(id, params))
             lists = kept.get(key)
             if lists is None or lists.fingerprint != fingerprint(params, states):
@@ -312,7 +313,7 @@ class Adam(torch.optim.Optimizer):
         call on a device, it starts as "some grad there is non-finite" (one amax pass), so the whole
         step skips together."""
         by_device: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(list)
-        for _, params in calls:
+        for _, params, _ in calls:
             by_device[params[0].device].append(params)
         found = {}
         for device, lists in by_device.items():
