@@ -146,13 +146,19 @@ class CallLists:
 
 def _weak(tensors: list) -> tuple[list, int]:
     """Weak references to a list of tensors or Nones, and how many Nones it holds."""
-    return [None if t is None else weakref.ref(t) for t in tensors], tensors.count(None)
+    return [None if t is None else weakref.ref(t) for t in tensors], _nones(tensors)
 
 
 def _strong(refs: tuple[list, int]) -> list:
     """The list _weak took; LookupError if one of its tensors is gone."""
     weak, nones = refs
     tensors = [None if r is None else r() for r in weak]
-    if tensors.count(None) != nones:
+    if _nones(tensors) != nones:
         raise LookupError("a tensor of the call's lists was freed")
     return tensors
+
+
+def _nones(tensors: list) -> int:
+    """How many entries are None, by identity (``list.count(None)`` would compare each tensor with
+    ``==``, which raises and catches a C++ error inside torch for every one)."""
+    return [t is None for t in tensors].count(True)
