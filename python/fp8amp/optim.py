@@ -299,11 +299,10 @@ class Adam(torch.optim.Optimizer):
         for group, params, states in calls:
             key = tuple(map(id, params))
             lists = kept.get(key)
-            if lists is None or lists.fingerprint != fingerprint(params, states) or not lists.acquire():
+            if lists is None or lists.fingerprint != fingerprint(params, states):
                 lists = CallLists(params, states, self._name)
-            self._call(group, params, lists, found_infs[params[0].device])
-            lists.release()
             self._call_lists[key] = lists
+            self._call(group, params, lists, found_infs[params[0].device])
             cohort = next(self._cohort_ids)
             for p in params:
                 self._cohorts[p] = cohort

@@ -10,16 +10,12 @@ replaced, loaded, moved to another device, a param's first state) and of every p
 tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` / ``attach_fp8_copy``; a shard's
 local tensor) and every param's dtype. What is new every step is read every step: the grads, the
 masters' scales (the reciprocals of their ``scale_inv``, never stored), the float32 copies of
-bfloat16/float16 params. Hyperparameters are the group's, read at every call. Between steps the
-lists hold weak references only (:meth:`CallLists.release`): a state moved off the device or a
-model deleted frees its memory as it would without them, and a list whose tensor is gone is
-built again.
+bfloat16/float16 params. Hyperparameters are the group's, read at every call.
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from operator import attrgetter
 
 import torch
@@ -93,33 +89,9 @@ class CallLists:
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
-        self.step_tensor = steps[0].view(1)  # held: a view only this holds (4 bytes)
+        self.step_tensor = steps[0].view(1)
         # the cohort's counts were equal: after the call they are copied from the first
         self.other_steps, self.first_steps = steps[1:], [steps[0]] * (len(steps) - 1)
-
-    #: The attributes that hold tensors: lists of tensors (or None), two of them lists of such lists.
-    _HELD = ("params", "masters", "master_scale_invs", "data", "param_scale_invs", "exp_avgs", "exp_avg_sqs",
-             "other_steps", "first_steps")
-    _HELD_NESTED = ("scale_lists", "copy_lists")
-
-    def release(self) -> None:
-        """After the step: the tensors held by weak references only, until :meth:`acquire`."""
-        self._weak = ([_weak(getattr(self, name)) for name in self._HELD],
-                      [[_weak(inner) for inner in getattr(self, name)] for name in self._HELD_NESTED])
-        for name in self._HELD + self._HELD_NESTED:
-            delattr(self, name)
-
-    def acquire(self) -> bool:
-        """The tensors held again for a step; False (and nothing held) if one of them is gone."""
-        flat, nested = self._weak
-        try:
-            values = [_strong(refs) for refs in flat]
-            nested_values = [[_strong(refs) for refs in lists] for lists in nested]
-        except LookupError:
-            return False
-        for name, value in zip(self._HELD + self._HELD_NESTED, values + nested_values):
-            setattr(self, name, value)
-        return True
 
     def data_and_param_scales(self) -> tuple[list, list, list]:
         """This step's ``(data, param_scales, widened)``: ``widened`` the (param, float32 copy)
@@ -142,23 +114,3 @@ class CallLists:
         for i, scale in zip(self.master_positions, scales):
             param_scales[i] = scale
         return data, param_scales, widened
-
-
-def _weak(tensors: list) -> tuple[list, int]:
-    """Weak references to a list of tensors or Nones, and how many Nones it holds."""
-    return [None if t is None else weakref.ref(t) for t in tensors], _nones(tensors)
-
-
-def _strong(refs: tuple[list, int]) -> list:
-    """The list _weak took; LookupError if one of its tensors is gone."""
-    weak, nones = refs
-    tensors = [None if r is None else r() for r in weak]
-    if _nones(tensors) != nones:
-        raise LookupError("a tensor of the call's lists was freed")
-    return tensors
-
-
-def _nones(tensors: list) -> int:
-    """How many entries are None, by identity (``list.count(None)`` would compare each tensor with
-    ``==``, which raises and catches a C++ error inside torch for every one)."""
-    return [t is None for t in tensors].count(True)

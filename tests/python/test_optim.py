@@ -21,10 +21,8 @@ Bounds, derived rather than tuned:
 from __future__ import annotations
 
 import copy
-import gc
 import io
 import math
-import weakref
 
 import pytest
 import torch
@@ -446,19 +444,3 @@ def test_kept_call_lists_follow_every_change_of_params_states_and_groups():
         opt.load_state_dict({**state, "param_groups": state["param_groups"] + [opt.state_dict()["param_groups"][2]]})
     step(9, load)
     step(10)
-
-
-def test_kept_call_lists_are_reused_and_hold_no_tensor_alive():
-    """From one step to the next the same lists serve (none built again), and between steps they
-    hold no tensor: a state replaced (moved off the device, say) is freed at once."""
-    model, opt = o2_twins()[0]
-    for step in (0, 1):
-        loss_of(model, step).backward()
-        kept = dict(opt._call_lists)
-        opt.step()
-    assert kept and all(opt._call_lists[key] is lists for key, lists in kept.items())
-    state = opt.state[model[2].weight]
-    replaced = weakref.ref(state["exp_avg_sq"])
-    state["exp_avg_sq"] = state["exp_avg_sq"].clone()
-    gc.collect()
-    assert replaced() is None
