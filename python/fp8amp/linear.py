@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
-from .ops import bias_dtype, fast, gemm
+from .ops import bias_dtype, fast
 from .formats import E4M3, E5M2
 from .linear_common import fp8_weight_grad, output_dtype, pad_rows
 from .master_weight import MasterWeight
@@ -126,8 +126,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(pad_rows(x2d, _ALIGN) if padded else x2d,
                                                                    record=record_amax)
         w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
-        bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype))
-        y = gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, bias=bias_cast, out_dtype=out_dtype, fast_accum=True)
+        bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype)).contiguous()
+        # The GEMMs' operands come from fp8amp's casts (contiguous, FP8, [1] scales) and their
+        # dtypes passed the casts' checks: the op is called unchecked (host time of every step).
+        y = fast.gemm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias_cast, True)
         if cast_recorder.recording():
             cast_recorder.record(input_scaling, "input", x2d, x_fp8[:rows], x_scale_inv)
             w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
@@ -168,7 +170,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if recording:
             cast_recorder.record(ctx.grad_output_scaling, "grad_output", dy2d, dy_fp8[: ctx.rows], dy_scale_inv)
         if ctx.needs_input_grad[0]:
-            grad_x = gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, out_dtype=ctx.input_dtype)
+            grad_x = fast.gemm(dy_fp8, w_fp8_t, dy_scale_inv, w_scale_inv, ctx.input_dtype, None, False)
             if padded:
                 grad_x = grad_x[: ctx.rows]
             if not two_d:
@@ -177,12 +179,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # In the autocast dtype, as the forward's output (docs/numerics.md#numerics; MS-AMP does the same): under
             # bf16 autocast half the bytes of float32 for the GEMM to write and for the current
             # scaling to read twice, before the E4M3 rounding (2^-4) that dwarfs bf16's (2^-9).
-            grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.output_dtype)
+            grad_weight = fast.gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, ctx.output_dtype, None, False)
             real, grad_weight = grad_weight, fp8_weight_grad(grad_weight, ctx.weight_dtype)
             if recording:
                 cast_recorder.record(ctx.grad_output_scaling, "weight_grad", real, grad_weight.codes, grad_weight.scale_inv)
         elif ctx.needs_input_grad[1]:
-            grad_weight = gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, out_dtype=ctx.weight_dtype)
+            grad_weight = fast.gemm(dy_fp8_t, x_fp8_t, dy_scale_inv, x_scale_inv, ctx.weight_dtype, None, False)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -281,30 +283,30 @@ class Fp8Linear(nn.Linear):
         raise NotImplementedError(_NO_TORCHSCRIPT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _refuse_unsupported_input(x, self.weight)
+        weight = self.weight  # one lookup (nn.Module.__getattr__) a forward, not three
+        _refuse_unsupported_input(x, weight)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
             )
         master = self.master
         if master is not None:
-            self._check_master(master)
+            self._check_master(master, weight)
         fp8_grad = True if master is None else master.fp8_weight_grad
         if self.recipe.tiled:
-            return TiledLinearFunction.apply(x, self._out_in_weight(), self.bias, self.recipe, self.input_scaling,
-                                             self.grad_output_scaling, fp8_grad)
+            return TiledLinearFunction.apply(x, self._out_in_weight(weight), self.bias, self.recipe,
+                                             self.input_scaling, self.grad_output_scaling, fp8_grad)
         return _Fp8LinearFunction.apply(
-            x, self._out_in_weight(), self.bias, self.input_scaling, self.weight_scaling, self.grad_output_scaling,
-            fp8_grad,
+            x, self._out_in_weight(weight), self.bias, self.input_scaling, self.weight_scaling,
+            self.grad_output_scaling, fp8_grad,
             self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
 
-    def _check_master(self, master: MasterPolicy) -> None:
+    def _check_master(self, master: MasterPolicy, weight: torch.Tensor) -> None:
         """Refuses a forward whose O1/O2 master the optimizer no longer updates: a weight that is
         not a ScaledTensor any more (load_state_dict(..., assign=True) replaced it), or one that
         FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
         does not hold (fully_shard replaced them after that optimizer was built)."""
-        weight = self.weight
         if not isinstance(weight, (ScaledTensor, BlockScaledTensor)):
             raise RuntimeError(
                 f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
@@ -354,9 +356,9 @@ class Fp8Linear(nn.Linear):
         self.input_scaling.update()
         self.grad_output_scaling.update()
 
-    def _out_in_weight(self) -> torch.Tensor:
-        """The weight as the GEMMs take it, ``[out_features, in_features]``."""
-        return self.weight
+    def _out_in_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The layer's ``weight`` as the GEMMs take it, ``[out_features, in_features]``."""
+        return weight
 
     def extra_repr(self) -> str:
         if not self.recipe.tiled and self.recipe.grad_format == E5M2:
@@ -401,5 +403,5 @@ class Fp8Conv1D(Fp8Linear):
         apply_inductor_config()
         return new
 
-    def _out_in_weight(self) -> torch.Tensor:
-        return self.weight.t()
+    def _out_in_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t()

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import E4M3
+from .ops import fast
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["output_dtype", "pad_rows", "fp8_weight_grad"]
@@ -28,7 +29,12 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
-    """The weight gradient as an E4M3 ScaledTensor with a current scale
+    """The weight gradient as an E4M3 ScaledTensor of logical ``dtype`` with a current scale
     (docs/architecture.md#fp8linear-dataflow): an amax pass and a quantize pass; a non-finite
-    gradient reads as NaN (an E4M3 code cannot hold inf), so GradScaler and the optimizer see it."""
-    return ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype, nan_if_nonfinite=True)
+    gradient reads as NaN (an E4M3 code cannot hold inf), so GradScaler and the optimizer see it.
+    What ``ScaledTensor.from_tensor(grad, E4M3, orig_dtype=dtype)`` makes, without its checks:
+    ``grad`` is a GEMM's contiguous output of a high-precision dtype, ``dtype`` the master's."""
+    codes, scale_inv, _ = fast.quantize_current(grad, E4M3, 0, True)
+    if torch.compiler.is_compiling():  # Dynamo traces the class's constructor, not _make_wrapper_subclass
+        return ScaledTensor(codes, scale_inv, dtype)
+    return ScaledTensor._wrap(codes, scale_inv, dtype)

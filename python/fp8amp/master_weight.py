@@ -97,8 +97,13 @@ class MasterWeight(ScaledTensor):
         return self._fp8, None, self._fp8_scale_inv, (self._data, self._scale_inv, self._fp8_scale)
 
     def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
-        copy = None if self._fp8 is None else (data_fn(self._fp8), scale_fn(self._fp8_scale), scale_fn(self._fp8_scale_inv))
-        return MasterWeight(data_fn(self._data), scale_fn(self._scale_inv), self.dtype, fp8_copy=copy)
+        out = MasterWeight._wrap(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
+        if self._fp8 is None:
+            out._fp8 = out._fp8_scale = out._fp8_scale_inv = None
+        else:
+            out._fp8, out._fp8_scale, out._fp8_scale_inv = (data_fn(self._fp8), scale_fn(self._fp8_scale),
+                                                            scale_fn(self._fp8_scale_inv))
+        return out
 
     def _after_write(self, source: ScaledTensor | None = None) -> None:
         if self._fp8 is None:

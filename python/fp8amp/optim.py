@@ -69,7 +69,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 
 from .ops import fast, multi_amax
 from .formats import E4M3, FP16
-from .master_weight import MasterWeight
+from .optim_calls import SCALE_KEYS as _SCALES, CallLists, fingerprint, local as _local, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
 from .block_scaled_tensor import BlockScaledTensor
 from .scaled_tensor import ScaledTensor
@@ -84,8 +84,6 @@ STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
 
 #: The dtypes of plain (not ScaledTensor) params; bfloat16/float16 ones step in float32.
 _PLAIN_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_SCALES = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
 
 
 class Adam(torch.optim.Optimizer):
@@ -127,6 +125,8 @@ class Adam(torch.optim.Optimizer):
         # before super().__init__, which calls add_param_group.
         self._cohorts: dict[torch.Tensor, object] = {}
         self._cohort_ids = itertools.count(1)
+        # The lists of last step's op calls, by the ids of their params (fp8amp.optim_calls).
+        self._call_lists: dict[tuple[int, ...], CallLists] = {}
         super().__init__(params, defaults)
 
     @property
@@ -212,6 +212,7 @@ class Adam(torch.optim.Optimizer):
         super().__setstate__(state)
         self._cohorts = {}
         self._cohort_ids = itertools.count(1)
+        self._call_lists = {}
 
     def state_dict(self) -> dict:
         """torch's ``state_dict``, with each O2 moment saved as one :class:`ScaledMoment` (its codes
@@ -243,6 +244,7 @@ class Adam(torch.optim.Optimizer):
         params = itertools.chain.from_iterable(((p, g, f"param {i} of group {k}") for i, p in enumerate(g["params"]))
                                                for k, g in enumerate(self.param_groups))
         self._cohorts = {}
+        self._call_lists = {}  # the states are new tensors (the fingerprints would tell too)
         for pid, (p, group, which) in zip(ids, params):
             if pid not in saved:
                 continue
@@ -266,32 +268,42 @@ class Adam(torch.optim.Optimizer):
         """One Adam/AdamW step over every param with a grad; returns ``closure()``'s loss if given.
 
         Per param group (and device and cohort, see ``_cohort_key``), one call of the fused op
-        with the group's current hyperparameters. No host sync.
+        with the group's current hyperparameters. No host sync. The calls' lists of tensors are
+        kept from the step before while they still name the same tensors (fp8amp.optim_calls).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
 
-        calls: list[tuple[dict, list[torch.Tensor]]] = []
+        calls: list[tuple[dict, list[torch.Tensor], list[dict]]] = []  # (group, params, their states)
         for group in self.param_groups:
             self._check_hyper(group)
-            parts: dict[tuple, list[torch.Tensor]] = {}
+            parts: dict[tuple, tuple[list[torch.Tensor], list[dict]]] = {}
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise ValueError(f"{self._name}: sparse grads are not supported (param of shape "
                                      f"{tuple(p.shape)}); accepted: dense float32/bfloat16/float16 grads")
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state, group)
-                parts.setdefault((p.device, self._cohort_key(p)), []).append(p)
-            calls += [(group, ps) for ps in parts.values()]
+                params, states = parts.setdefault((p.device, self._cohort_key(p)), ([], []))
+                params.append(p)
+                states.append(state)
+            calls += [(group, *part) for part in parts.values()]
 
         found_infs = self._found_infs(calls)
-        for group, params in calls:
-            self._call(group, params, found_infs[params[0].device])
+        kept, self._call_lists = self._call_lists, {}
+        for group, params, states in calls:
+            key = tuple(map(id, params))
+            lists = kept.get(key)
+            if lists is None or lists.fingerprint != fingerprint(params, states):
+                lists = CallLists(params, states, self._name)
+            self._call_lists[key] = lists
+            self._call(group, params, lists, found_infs[params[0].device])
             cohort = next(self._cohort_ids)
             for p in params:
                 self._cohorts[p] = cohort
@@ -302,7 +314,7 @@ class Adam(torch.optim.Optimizer):
         call on a device, it starts as "some grad there is non-finite" (one amax pass), so the whole
         step skips together."""
         by_device: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(list)
-        for _, params in calls:
+        for _, params, _ in calls:
             by_device[params[0].device].append(params)
         found = {}
         for device, lists in by_device.items():
@@ -329,55 +341,35 @@ class Adam(torch.optim.Optimizer):
             found[device] = torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
         return found
 
-    def _call(self, group: dict, sharded: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-        states = [self.state[p] for p in sharded]
-        params = [_local(p) for p in sharded]
-        grads_of = {id(p): _one_scale_form(_local(q.grad)) for p, q in zip(params, sharded)}
-        for p in params:
-            if not p.is_contiguous():
-                raise ValueError(f"{self._name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
-        scale_lists = [_or_empty([_local(s.get(key)) for s in states]) for key in _SCALES]
-        masters = [p for p in params if isinstance(p, ScaledTensor)]
-        # The op writes each master's new scale as well as its scale_inv; the scale is derived
-        # here (exactly: powers of two) rather than stored, so it can never go stale.
-        master_scales = iter(torch._foreach_reciprocal([p.scale_inv for p in masters]) if masters else [])
-        copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
-        data, param_scales, param_scale_invs, grads, grad_scale_invs = [], [], [], [], []
-        # bfloat16/float16 params step through a float32 copy rounded back once (the op keeps
-        # low-precision params only as FP16 codes with a scale): one rounding per step, as
-        # torch's fused AdamW does for such params.
-        widened = []
-        for p in params:
-            scaled = isinstance(p, ScaledTensor)
-            if scaled:
-                data.append(p.codes)
-            elif p.dtype != torch.float32:
-                widened.append((p, p.float()))
-                data.append(widened[-1][1])
+    def _call(self, group: dict, sharded: list[torch.Tensor], lists: CallLists, found_inf: torch.Tensor) -> None:
+        """The fused op over ``sharded`` (the params of one cohort) with their ``lists`` and this
+        step's grads. bfloat16/float16 params step through a float32 copy rounded back once (the op
+        keeps low-precision params only as FP16 codes with a scale): one rounding per step, as
+        torch's fused AdamW does for such params."""
+        grads, grad_scale_invs = [], []
+        for q in sharded:
+            g = _one_scale_form(_local(q.grad))
+            if isinstance(g, ScaledTensor):
+                grads.append(g.codes)
+                grad_scale_invs.append(g.scale_inv)
             else:
-                data.append(p)
-            param_scales.append(next(master_scales) if scaled else None)
-            param_scale_invs.append(p.scale_inv if scaled else None)
-            g = grads_of[id(p)]
-            grads.append(g.codes if isinstance(g, ScaledTensor) else g.contiguous())
-            grad_scale_invs.append(g.scale_inv if isinstance(g, ScaledTensor) else None)
-        steps = [s["step"] for s in states]
+                grads.append(g.contiguous())
+                grad_scale_invs.append(None)
+        data, param_scales, widened = lists.data_and_param_scales()
         beta1, beta2 = group["betas"]
         fast.adam_step(
-            data, grads, [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-            _or_empty(param_scales), _or_empty(param_scale_invs), _or_empty(grad_scale_invs),
-            *scale_lists,
-            *(_or_empty([c and c[i] for c in copies]) for i in range(3)),  # codes, scale, scale_inv
+            data, grads, lists.exp_avgs, lists.exp_avg_sqs, param_scales, lists.param_scale_invs,
+            _or_empty(grad_scale_invs), *lists.scale_lists, *lists.copy_lists,
             lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
-            maximize=bool(group["maximize"]), step_tensor=steps[0].view(1), found_inf=found_inf,
+            maximize=bool(group["maximize"]), step_tensor=lists.step_tensor, found_inf=found_inf,
         )
         for p, wide in widened:
             p.copy_(wide)
-        for p in masters:  # changed in place under a custom op on their inner codes: say so
+        for p in lists.masters:  # changed in place under a custom op on their inner codes: say so
             torch.autograd.graph.increment_version(p)
-        if len(steps) > 1:  # the cohort's counts were equal: they stay equal
-            torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+        if lists.other_steps:  # the cohort's counts were equal: they stay equal
+            torch._foreach_copy_(lists.other_steps, lists.first_steps)
 
 
 def _one_scale_form(grad: torch.Tensor) -> torch.Tensor:
@@ -436,18 +428,6 @@ def _moments_as_codes(state: dict) -> dict:
             state[scale_key] = moments[key].scale_inv.reciprocal()
             state[scale_inv_key] = moments[key].scale_inv
     return state
-
-
-def _local(t):
-    """This rank's shard of a DTensor (an FSDP2 parameter or gradient), or t itself. The fused op
-    works shard by shard: Adam is element-wise, and each shard of an O1/O2 master has its own
-    scale."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _or_empty(entries: list) -> list:
-    """The op's per-param optional lists: empty when no param of the call has the entry."""
-    return [] if all(e is None for e in entries) else entries
 
 
 class AdamW(Adam):

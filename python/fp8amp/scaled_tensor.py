@@ -109,6 +109,15 @@ class ScaledTensor(torch.Tensor):
                              f"{list(scale_inv.shape)}")
         if scale_inv.device != data.device:
             raise ValueError(f"{where}: scale_inv must be on data's device {data.device}, got {scale_inv.device}")
+        return cls._wrap(data, scale_inv, dtype, requires_grad)
+
+    @classmethod
+    def _wrap(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+              requires_grad: bool = False) -> "ScaledTensor":
+        """A ``cls`` over ``data`` and ``scale_inv`` without the checks of ``__new__``: for fp8amp's
+        own constructions, whose inner tensors are valid by how they were made (a detach, a view,
+        a cast op's outputs). Autograd detaches every new gradient, so this runs for every FP8
+        weight gradient of every step: host time in the hot loop."""
         self = torch.Tensor._make_wrapper_subclass(
             cls, data.shape, strides=data.stride(), storage_offset=0, dtype=dtype, device=data.device,
             layout=data.layout, requires_grad=requires_grad)
@@ -161,8 +170,9 @@ class ScaledTensor(torch.Tensor):
 
     def _rewrap(self, data_fn, scale_fn) -> "ScaledTensor":
         """A tensor of this type over ``data_fn(codes)`` and ``scale_fn(scale_inv)``: what detach,
-        clone, views and device moves make (a subclass maps what else it holds the same way)."""
-        return ScaledTensor(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
+        clone, views and device moves make (a subclass maps what else it holds the same way). Each
+        fn keeps dtype, contiguity and device alike for both, so the checks of ``__new__`` hold."""
+        return ScaledTensor._wrap(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
 
     def _after_write(self, source: "ScaledTensor | None" = None) -> None:
         """Called after every in-place write of the codes or the scale (``source``: the tensor

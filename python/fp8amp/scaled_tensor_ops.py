@@ -86,11 +86,25 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- special cases
 
 
-def _detach(func, args, kwargs):
+def _alias(func, args, kwargs):
+    """detach and alias: the same op on each inner tensor."""
     (x,) = args
     out = x._rewrap(func, func)
     out._base_rows = x._base_rows
     return out
+
+
+def _detach(func, args, kwargs):
+    """_alias for detach, which autograd applies to every new gradient (each FP8 weight gradient, a
+    step): the inner tensors' ``detach`` method runs the same op without the Python call of the
+    op overload."""
+    (x,) = args
+    out = x._rewrap(_detach_inner, _detach_inner)
+    out._base_rows = x._base_rows
+    return out
+
+
+_detach_inner = torch.Tensor.detach
 
 
 def _clone(func, args, kwargs):
@@ -380,7 +394,7 @@ def _amp_unscale(func, args, kwargs):
 OP_TABLE.update({
     aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
     aten.detach.default: _detach,
-    aten.alias.default: _detach,
+    aten.alias.default: _alias,
     aten.clone.default: _clone,
     aten.view.default: _view,
     aten.as_strided.default: _as_strided,

@@ -360,3 +360,87 @@ def test_cuda_matches_cpu_bit_for_bit(level):
     opt_f.load_state_dict(opt_c.state_dict())
     assert all(v.device.type == "cuda" for p in fresh.parameters() for v in opt_f.state[p].values())
     assert same(snapshot(cpu, opt_c), snapshot(fresh, opt_f))
+
+
+# ------------------------------------------------------------------------------------------------
+# The op calls' lists kept from step to step (fp8amp.optim_calls)
+
+
+def o2_twins():
+    """Two identical O2 models with their fp8amp optimizers: the middle Linear an Fp8Linear (an FP16
+    master with an E4M3 copy), the others plain."""
+    twins = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 4))
+        twins.append(fp8amp.initialize(model, torch.optim.AdamW(groups(model)), "O2", policy="all"))
+    assert isinstance(twins[0][0][2].weight, fp8amp.MasterWeight)
+    return twins
+
+
+def all_bits(model, opt):
+    """A copy of every stored bit: params (a master's codes, scale and E4M3 copy), then every state
+    tensor."""
+    out = []
+    for p in [p for g in opt.param_groups for p in g["params"]]:
+        if isinstance(p, fp8amp.MasterWeight):
+            out += [bits(p.codes), bits(p.scale_inv)] + [bits(t) for t in p.fp8_copy]
+        else:
+            out.append(bits(p))
+        out += [bits(v) for v in opt.state[p].values()]
+    return [b.clone() for b in out]
+
+
+def test_kept_call_lists_follow_every_change_of_params_states_and_groups():
+    """The optimizer that keeps its calls' lists across steps against one that rebuilds them every
+    step, bit for bit, through every change the lists depend on: hyperparameters, a cohort split
+    (a param without grad), a new param group (of a bfloat16 param, stepped through float32), a
+    state tensor replaced, a master's E4M3 copy dropped and attached anew, load_state_dict."""
+    (kept_model, kept), (fresh_model, fresh) = twins = o2_twins()
+    saved = {}
+
+    def step(n, change=lambda model, opt: None):
+        for model, opt in twins:
+            change(model, opt)
+            loss_of(model, n).backward()
+            if opt is fresh:
+                opt._call_lists.clear()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert same(all_bits(*twins[0]), all_bits(*twins[1])), f"step {n}"
+        assert kept._call_lists  # kept for the next step
+
+    step(0)
+    step(1, lambda model, opt: saved.setdefault(id(opt), copy.deepcopy(opt.state_dict())))
+    step(2, lambda model, opt: opt.param_groups[0].update(lr=1e-2, betas=(0.8, 0.99)))
+    before = all_bits(*twins[0])
+    biases = [bits(p).clone() for p in kept.param_groups[1]["params"]]
+    step(3, lambda model, opt: opt.param_groups[1].update(lr=0.0))  # the biases must not move
+    assert not same(before, all_bits(*twins[0]))
+    assert same(biases, [bits(p) for p in kept.param_groups[1]["params"]])
+    step(4, lambda model, opt: model[4].weight.requires_grad_(False))  # two cohorts from now on
+    step(5, lambda model, opt: model[4].weight.requires_grad_(True))
+
+    def add_group(model, opt):
+        torch.manual_seed(7)
+        extra = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+        model.register_parameter("extra", extra)
+        model.register_forward_hook(lambda m, args, out: out + m.extra.float())
+        opt.add_param_group(dict(params=[extra], lr=1e-2))
+    step(6, add_group)
+
+    def replace_state(model, opt):
+        state = opt.state[model[2].weight]
+        state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+    step(7, replace_state)
+    step(8, lambda model, opt: model[2].weight.drop_fp8_copy().attach_fp8_copy())
+    # the copy the forward reads now is the new one: the step must have rewritten it
+    master = kept_model[2].weight
+    assert torch.equal(bits(master.fp8_copy[0]), bits(fp8amp.ScaledTensor.from_tensor(master.dequantize(), E4M3).codes))
+
+    def load(model, opt):
+        state = saved[id(opt)]
+        opt.load_state_dict({**state, "param_groups": state["param_groups"] + [opt.state_dict()["param_groups"][2]]})
+    step(9, load)
+    step(10)

@@ -138,6 +138,24 @@ def test_detach_clone_to_device_keep_subclass():
     assert torch.equal(s.dequantize(), expected)
 
 
+def test_detach_and_alias_are_views_of_every_inner_tensor():
+    """detach (autograd's, of every new gradient) and alias build the wrapper without __new__'s
+    checks: the same type, logical dtype and shape over views of each inner tensor (the master's
+    E4M3 copy included), and a row view stays one."""
+    grad = ScaledTensor.from_tensor(torch.randn(8, 16), fp8amp.E4M3, orig_dtype=torch.bfloat16)
+    master = MasterWeight.from_tensor(torch.randn(8, 16))
+    for s in (grad, master, master[2:4]):
+        for out in (s.detach(), torch.ops.aten.alias.default(s)):
+            assert type(out) is type(s) and out is not s
+            assert (out.dtype, out.shape, out.stride(), out.requires_grad) == (s.dtype, s.shape, s.stride(), False)
+            inner = ["_data", "_scale_inv"] + (["_fp8", "_fp8_scale", "_fp8_scale_inv"] if type(s) is MasterWeight else [])
+            for name in inner:
+                mine, theirs = getattr(out, name), getattr(s, name)
+                assert mine is not theirs and mine.data_ptr() == theirs.data_ptr() and mine.dtype == theirs.dtype
+            assert out._base_rows is s._base_rows
+    assert master[2:4].detach()._base_rows is master
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mul_div_touch_only_scale_inv(fmt):
     x, s = make(fmt)

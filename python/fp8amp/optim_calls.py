@@ -1,0 +1,116 @@
+"""The argument lists of :class:`fp8amp.optim.Adam`'s fused op calls, kept from step to step.
+
+The optimizer steps each cohort of params (one param group, device and step count) in one
+``adam_step`` call whose lists name, per param, its codes (or values), its moments and their
+scales, its scale, its E4M3 copy and its step count. Those are the same tensor objects from one
+step to the next, and building the lists was most of the optimizer's host time (about 15 us a
+param on a CPU), so :class:`CallLists` builds them once per cohort and the optimizer reuses them
+while their :func:`fingerprint` is unchanged: the identity of every state tensor (a state
+replaced, loaded, moved to another device, a param's first state) and of every param's inner
+tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` / ``attach_fp8_copy``; a shard's
+local tensor) and every param's dtype. What is new every step is read every step: the grads, the
+masters' scales (the reciprocals of their ``scale_inv``, never stored), the float32 copies of
+bfloat16/float16 params. Hyperparameters are the group's, read at every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+from operator import attrgetter
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: no DTensor params
+    DTensor = ()
+
+from .master_weight import MasterWeight
+from .optim_state import MOMENT_KEYS
+from .scaled_tensor import ScaledTensor
+
+__all__ = ["CallLists", "fingerprint", "local", "or_empty", "SCALE_KEYS"]
+
+#: The state keys of the moments' scales, in the op's order of its scale lists.
+SCALE_KEYS = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
+_DTYPE = attrgetter("dtype")
+_INNER = attrgetter("_data", "_scale_inv")
+_COPY = attrgetter("_fp8", "_fp8_scale", "_fp8_scale_inv")
+
+
+def local(t):
+    """This rank's shard of a DTensor (an FSDP2 parameter or gradient), or t itself. The fused op
+    works shard by shard: Adam is element-wise, and each shard of an O1/O2 master has its own
+    scale."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def or_empty(entries: list) -> list:
+    """The op's per-param optional lists: empty when no param of the call has the entry."""
+    return [] if all(e is None for e in entries) else entries
+
+
+def fingerprint(sharded: list[torch.Tensor], states: list[dict]) -> tuple:
+    """What the lists of a call over ``sharded`` (the optimizer's params) with ``states`` (theirs)
+    depend on: equal fingerprints, equal lists."""
+    params = [local(p) for p in sharded]
+    inner = []
+    for p in params:
+        if isinstance(p, ScaledTensor):
+            inner.extend(_INNER(p))
+            if isinstance(p, MasterWeight):
+                inner.extend(_COPY(p))
+    return (tuple(map(id, params)), tuple(map(_DTYPE, params)), tuple(map(id, inner)),
+            tuple(map(id, itertools.chain.from_iterable(map(dict.values, states)))))
+
+
+class CallLists:
+    """The lists of one cohort's ``adam_step`` call that stay from step to step (see the module
+    docstring), built from the params ``sharded`` and their ``states``."""
+
+    def __init__(self, sharded: list[torch.Tensor], states: list[dict], name: str) -> None:
+        self.fingerprint = fingerprint(sharded, states)
+        self.params = params = [local(p) for p in sharded]
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"{name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
+        self.scale_lists = [or_empty([local(s.get(key)) for s in states]) for key in SCALE_KEYS]
+        #: positions of the ScaledTensor params (masters), whose scale is made anew each step
+        self.master_positions = [i for i, p in enumerate(params) if isinstance(p, ScaledTensor)]
+        self.masters = [params[i] for i in self.master_positions]
+        self.master_scale_invs = [p.scale_inv for p in self.masters]
+        #: positions of the bfloat16/float16 plain params, which step through a float32 copy
+        self.widened_positions = [i for i, p in enumerate(params)
+                                  if not isinstance(p, ScaledTensor) and p.dtype != torch.float32]
+        self.data = [p.codes if isinstance(p, ScaledTensor) else p for p in params]
+        self.param_scale_invs = or_empty([p.scale_inv if isinstance(p, ScaledTensor) else None for p in params])
+        copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
+        self.copy_lists = [or_empty([c and c[i] for c in copies]) for i in range(3)]  # codes, scale, scale_inv
+        self.exp_avgs = [local(s["exp_avg"]) for s in states]
+        self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
+        steps = [s["step"] for s in states]
+        self.step_tensor = steps[0].view(1)
+        # the cohort's counts were equal: after the call they are copied from the first
+        self.other_steps, self.first_steps = steps[1:], [steps[0]] * (len(steps) - 1)
+
+    def data_and_param_scales(self) -> tuple[list, list, list]:
+        """This step's ``(data, param_scales, widened)``: ``widened`` the (param, float32 copy)
+        pairs to round back after the call."""
+        data, widened = self.data, []
+        if self.widened_positions:
+            data = list(data)
+            for i in self.widened_positions:
+                wide = self.params[i].float()
+                widened.append((self.params[i], wide))
+                data[i] = wide
+        if not self.masters:
+            return data, [], widened
+        # The op writes each master's new scale as well as its scale_inv; the scale is derived
+        # here (exactly: powers of two) rather than stored, so it can never go stale.
+        scales = torch._foreach_reciprocal(self.master_scale_invs)
+        if len(scales) == len(self.params):
+            return data, scales, widened
+        param_scales = [None] * len(self.params)
+        for i, scale in zip(self.master_positions, scales):
+            param_scales[i] = scale
+        return data, param_scales, widened
