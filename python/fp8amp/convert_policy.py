@@ -55,11 +55,12 @@ DEFAULT_MIN_SPEEDUP = 1.05
 #: (d_model, tokens per step, BF16 step time / O2 step time eager, the same both compiled per
 #: block), None where not measured. Fill it from bench_sizes' O2 rows.
 STEP_CROSSOVER: tuple[tuple[int, int, Optional[float], Optional[float]], ...] = (
-    # bench_sizes.py --tokens 16384, torch 2.11, 2026-12-02 (8, 12, 12 layers)
+    # bench_sizes.py --tokens 16384, torch 2.11, 2026-12-02: 512 from the first run (8 layers),
+    # the others from the second, after the host-time cuts (12, 12, 8 layers)
     (512, 16384, 0.71, 0.52),
-    (768, 16384, 0.56, 0.51),
-    (1024, 16384, 1.01, 0.74),
-    (2048, 16384, 1.40, 1.38),  # the 1B GPT, 20 layers, seq 2048 x batch 8 (docs/benchmarks.md#gpt-training)
+    (768, 16384, 0.53, 0.59),
+    (1024, 16384, 1.16, 0.74),
+    (2048, 16384, 1.43, 1.41),
 )
 #: The whole step takes FP8 where its estimated speed is at least this times BF16's.
 STEP_MIN_SPEEDUP = 1.0
