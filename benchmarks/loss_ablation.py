@@ -13,8 +13,8 @@ Variants, each adding one format to the row above it:
 Prints, per variant, the loss at some steps, the mean gap to bf16 over a window of early steps and
 over the last steps, so that the row where the gap appears names the format that makes it.
 
-Usage: python benchmarks/loss_ablation.py [--variants bf16,fp8,...] [--steps 60] [--preset medium]
-       [--window 5:20]
+Usage: python benchmarks/loss_ablation.py [--variants bf16,fp8,...] [--steps 60] [--size medium]
+       [--window 5:20] [--history-len 16] [--show 17,18,19,20]
 On a CPU the default is the tiny model (FP8 emulated), a smoke run: its losses say little.
 """
 
@@ -41,24 +41,25 @@ SIZES = {  # name: (model, batch, peak lr), as examples/train_gpt.py's presets o
 WARMUP = 20  # steps of linear lr warm-up, then cosine, as the main job
 
 
-def build(variant: str, init_state: dict, cfg: GPTConfig, lr: float, device: torch.device):
+def build(variant: str, init_state: dict, cfg: GPTConfig, lr: float, device: torch.device, history_len: int):
     model = GPT(cfg).to(device)
     model.load_state_dict(init_state)
     adamw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    recipe = fp8amp.Recipe("tensorwise", history_len=history_len)
     if variant == "bf16":
         return model, torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
     if variant in ("fp8", "fp8-adam"):
         optimizer = (torch.optim.AdamW(model.parameters(), **adamw) if variant == "fp8"
                      else fp8amp.optim.AdamW(model.parameters(), state_dtypes="O1", **adamw))
-        return fp8amp.convert(model, optimizer=optimizer, policy="all"), optimizer
+        return fp8amp.convert(model, optimizer=optimizer, policy="all", recipe=recipe), optimizer
     level, _, grad = variant.partition("-")
     return fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), **adamw), opt_level=level,
-                             weight_grad="fp32" if grad == "fp32grad" else "fp8", policy="all")
+                             weight_grad="fp32" if grad == "fp32grad" else "fp8", policy="all", recipe=recipe)
 
 
 def losses_of(variant: str, args, cfg: GPTConfig, batch: int, lr: float, data: torch.Tensor,
               init_state: dict, device: torch.device) -> list[float]:
-    model, optimizer = build(variant, init_state, cfg, lr, device)
+    model, optimizer = build(variant, init_state, cfg, lr, device, args.history_len)
     steps = args.steps
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -89,9 +90,18 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=window, default=(5, 20),
                    help="the early steps whose mean loss gap is reported (default: 5:20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default: 0)")
+    p.add_argument("--history-len", type=int, default=16,
+                   help="the FP8 variants' delayed-scaling history, also their warm-up steps of current scaling "
+                        "(default: 16, fp8amp's)")
+    p.add_argument("--show", type=lambda t: [int(v) for v in t.split(",")], default=None, metavar="S[,S...]",
+                   help="the steps whose losses the table shows (default: 1, the window's ends and middle, the last)")
     args = p.parse_args(argv)
     if args.steps < args.window[1]:
         p.error(f"--steps ({args.steps}) must reach the end of --window ({args.window[1]})")
+    if args.history_len < 1:
+        p.error(f"argument --history-len: must be at least 1, got {args.history_len}")
+    if args.show is not None and not all(1 <= step <= args.steps for step in args.show):
+        p.error(f"argument --show: steps must lie in 1..{args.steps} (--steps), got {args.show}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg, batch, lr = SIZES[args.size or ("medium" if device.type == "cuda" else "tiny")]
     data = load_text_bytes()
@@ -102,7 +112,7 @@ def main(argv=None) -> None:
         runs[variant] = losses_of(variant, args, cfg, batch, lr, data, init_state, device)
         print(f"  {variant}: final loss {runs[variant][-1]:.4f}", file=sys.stderr)
     first, last = args.window
-    shown = sorted({1, first, (first + last) // 2, last, args.steps})
+    shown = sorted(set(args.show) if args.show else {1, first, (first + last) // 2, last, args.steps})
     base = runs.get("bf16")
     rows = []
     for variant, losses in runs.items():
@@ -112,7 +122,8 @@ def main(argv=None) -> None:
         rows.append([variant, *(f"{losses[s - 1]:.3f}" for s in shown), *gaps])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (FP8 emulated)"
     title = (f"Loss ablation on {where}, torch {torch.__version__}: GPT d_model {cfg.d_model}, {cfg.n_layer} layers, "
-             f"batch {batch} x {cfg.seq_len}, peak lr {lr}, {WARMUP} warm-up steps, {args.steps} steps")
+             f"batch {batch} x {cfg.seq_len}, peak lr {lr}, {WARMUP} warm-up steps, {args.steps} steps, FP8 "
+             f"history_len {args.history_len}")
     header = ["variant", *(f"loss @{s}" for s in shown), f"mean gap to bf16, steps {first}-{last}",
               "mean gap, last 10 steps"]
     report(Path(__file__).stem, title + "\n\n" + markdown_table(header, rows))
