@@ -45,6 +45,7 @@ from .convert_policy import (
     _check_policy_args,
     _decide_auto,
     _decision,
+    check_compiled,
     decide_step,
     step_rule_applies,
 )
@@ -78,6 +79,8 @@ class ConversionReport:
     policy: str
     tokens: int
     min_speedup: float
+    #: How the caller said the model runs (convert's ``compiled``: None, not said).
+    compiled: Optional[bool] = None
     #: The recipe's kind ("tensorwise", "rowwise", "blockwise", "mxfp8").
     recipe: str = "tensorwise"
     decisions: list[LayerDecision] = field(default_factory=list)
@@ -97,6 +100,7 @@ class ConversionReport:
 
     def __str__(self) -> str:
         head = (f"fp8amp.convert(policy={self.policy!r}, recipe={self.recipe!r}, tokens={self.tokens}, "
+                + ("" if self.compiled is None else f"compiled={self.compiled}, ") +
                 f"min_speedup={self.min_speedup}): "
                 f"{len(self.converted)} of {len(self.decisions)} Linear layers converted")
         step = [] if self.step is None else [f"  whole step: {self.step}"]
@@ -129,6 +133,7 @@ def convert(
     optimizer: Optional[torch.optim.Optimizer] = None,
     policy: str = "auto",
     tokens: int = DEFAULT_TOKENS,
+    compiled: Optional[bool] = None,
     min_speedup: float = DEFAULT_MIN_SPEEDUP,
     timer: Optional[Timer] = None,
 ) -> nn.Module:
@@ -164,6 +169,11 @@ def convert(
             timing.
         tokens: the tokens (batch x sequence) of one training micro-batch: what ``"auto"``
             judges the step at and times each layer with (default 8192). Ignored by ``"all"``.
+        compiled: how the model will run, for ``"auto"``'s whole-step stage: ``True`` (under
+            ``torch.compile``) or ``False`` (eager) judges by that column of the measured
+            crossover; ``None`` (default: not known) by the lower of the two, so that neither way
+            is slower (docs/benchmarks.md#model-sizes: at width 1024 and 16k tokens, O2 is 1.16x
+            BF16 eager but 0.74x compiled). Ignored by ``"layers"`` and ``"all"``.
         min_speedup: the factor by which FP8 must be faster for ``"auto"`` to convert
             (default 1.05: a margin over timing noise and the per-step scale update).
         timer: ``(module, tokens) -> seconds`` of one forward + backward, replacing
@@ -177,10 +187,12 @@ def convert(
         TypeError: an argument of the wrong type.
     """
     _check_convert_args(model, module_filter_fn, optimizer, policy, tokens, min_speedup, timer)
+    check_compiled(compiled, "convert")
     recipe = resolve_recipe(recipe, "convert")
     for device in {p.device for p in model.parameters()}:  # before any layer changes (mxfp8 below Blackwell)
         recipe.check_device(device, "fp8amp.convert")
-    report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind)
+    report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind,
+                              compiled=compiled)
     model_in = model
 
     # Which Linears, and where a timing is needed.
@@ -216,7 +228,8 @@ def convert(
             decisions[id(linear)] = None
             to_time.append((fqn, linear))
     if to_time and policy == "auto" and step_rule_applies([linear for _, linear in to_time], timer):
-        report.step = decide_step([(linear.in_features, linear.out_features) for _, linear in to_time], tokens)
+        report.step = decide_step([(linear.in_features, linear.out_features) for _, linear in to_time], tokens,
+                                  compiled=compiled)
         logger.info("whole step: %s", report.step)
         if not report.step.fp8:
             for fqn, linear in to_time:

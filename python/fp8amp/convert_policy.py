@@ -36,6 +36,7 @@ __all__ = [
     "STEP_CROSSOVER",
     "decide",
     "decide_step",
+    "check_compiled",
     "cuda_event_timer",
     "clear_timing_cache",
 ]
@@ -296,8 +297,9 @@ class StepDecision:
     ``work`` is the step's GEMM size: tokens x the work-weighted mean of in_features x
     out_features over the Linears FP8 could take (the size of the GEMM an average FLOP of the step
     runs in); ``gpt_width`` the width of fp8amp.testing's GPT whose step has that size;
-    ``speedup`` the speed of FP8 against BF16 estimated from :data:`STEP_CROSSOVER`, the lower of
-    the eager and compiled estimates (whichever the model runs).
+    ``speedup`` the speed of FP8 against BF16 estimated from :data:`STEP_CROSSOVER`: the compiled
+    or the eager estimate where ``compiled`` says how the model runs, the lower of the two where
+    it is None (not known).
     """
 
     tokens: int
@@ -305,10 +307,12 @@ class StepDecision:
     gpt_width: float
     speedup: float
     fp8: bool
+    compiled: Optional[bool] = None
 
     def __str__(self) -> str:
-        where = (f"estimated {self.speedup:.2f}x BF16's speed for {self.tokens:,} tokens a step at the GEMM sizes of a "
-                 f"GPT of width {self.gpt_width:.0f}")
+        how = {None: "eager or compiled", False: "eager", True: "compiled"}[self.compiled]
+        where = (f"estimated {self.speedup:.2f}x BF16's speed ({how}) for {self.tokens:,} tokens a step at the GEMM "
+                 f"sizes of a GPT of width {self.gpt_width:.0f}")
         if self.fp8:
             return f"FP8: the step is above the measured FP8 crossover ({where})"
         return (f"kept in BF16 compute: the step is below the measured FP8 crossover ({where}; "
@@ -337,12 +341,15 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     return points[-1][1]
 
 
-def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=None) -> StepDecision:
+def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, compiled: Optional[bool] = None,
+                table=None) -> StepDecision:
     """Whether a training step whose FP8-eligible Linears have these ``(in_features,
     out_features)`` ``shapes`` is above the FP8 crossover at ``tokens`` tokens a step. The speed is
     interpolated in log(GEMM size) between ``table``'s measured steps (flat beyond them), for
-    eager and compiled steps apart; the step takes FP8 where the lower of the two is at least
-    :data:`STEP_MIN_SPEEDUP`. ``table``: rows as :data:`STEP_CROSSOVER`'s (the default)."""
+    eager and compiled steps apart; the step takes FP8 where the estimate of how the model runs
+    (``compiled``: True, torch.compile; False, eager; None, not known: the lower of the two) is
+    at least :data:`STEP_MIN_SPEEDUP`. ``table``: rows as :data:`STEP_CROSSOVER`'s (the default)."""
+    check_compiled(compiled, "decide_step")
     table = STEP_CROSSOVER if table is None else table
     shapes = list(shapes)
     if not shapes:
@@ -353,17 +360,26 @@ def decide_step(shapes, tokens: int = DEFAULT_TOKENS, *, table=None) -> StepDeci
         raise ValueError(f"decide_step: tokens must be >= 1, got {tokens}")
     work = _gemm_size(shapes, tokens)
     estimates = []
-    for column in (2, 3):  # eager, compiled
+    columns = {None: (2, 3), False: (2,), True: (3,)}[compiled]  # the table's eager, compiled columns
+    for column in columns:
         points = [(math.log(_gemm_size(_gpt_shapes(row[0]), row[1])), row[column]) for row in table
                   if row[column] is not None]
         if points:
             estimates.append(_interpolate(points, math.log(work)))
     if not estimates:
-        raise ValueError("decide_step: table holds no measured speed (every eager and compiled entry is None)")
+        which = {None: "eager and compiled", False: "eager", True: "compiled"}[compiled]
+        raise ValueError(f"decide_step: table holds no measured speed (every {which} entry is None)")
     speedup = min(estimates)
     gpt_width = math.sqrt(work / _gemm_size(_gpt_shapes(1), tokens))
     return StepDecision(tokens=tokens, work=work, gpt_width=gpt_width, speedup=speedup,
-                        fp8=speedup >= STEP_MIN_SPEEDUP)
+                        fp8=speedup >= STEP_MIN_SPEEDUP, compiled=compiled)
+
+
+def check_compiled(compiled: object, caller: str) -> None:
+    """``compiled`` is True, False or None (a clear TypeError otherwise)."""
+    if compiled is not None and not isinstance(compiled, bool):
+        raise TypeError(f"{caller}: compiled must be True (torch.compile), False (eager) or None (not known), "
+                        f"got {compiled!r}")
 
 
 def step_rule_applies(linears, timer: Optional[Timer]) -> bool:

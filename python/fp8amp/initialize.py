@@ -58,6 +58,7 @@ def initialize(
     weight_grad: str = "fp8",
     policy: str = "auto",
     tokens: int = DEFAULT_TOKENS,
+    compiled: Optional[bool] = None,
 ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
     """Converts ``model`` (in place) and ``optimizer`` to ``opt_level``; returns ``(model, optimizer)``.
 
@@ -84,6 +85,9 @@ def initialize(
             where FP8 is measured slower on the GPU; ``"layers"`` the second stage alone; ``"all"``
             converts every Linear FP8 can take. Below the crossover the level's optimizer state
             formats still apply (``conversion_report`` says so).
+        compiled: whether the model will run under ``torch.compile`` (True) or eagerly (False),
+            for the crossover, as :func:`fp8amp.convert` takes it; None (default): not known, the
+            lower of the two estimates.
 
     Raises:
         ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
@@ -104,7 +108,8 @@ def initialize(
         _check_optimizer(optimizer)
         _check_optimizer_of(model, optimizer)
 
-    model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens)
+    model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
+                    compiled=compiled)
     _note_level_below_crossover(model, opt_level)
     masters = _make_masters(model)
     terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)

@@ -89,6 +89,38 @@ def test_decide_step_bad_arguments():
         decide_step(_gpt_shapes(512), 8192, table=((768, 16384, None, None),))
 
 
+def test_compiled_says_which_column_decides():
+    split = ((1024, 16384, 1.16, 0.74),)  # the H200's width 1024: faster eager, slower compiled
+    eager = decide_step(_gpt_shapes(1024), 16384, compiled=False, table=split)
+    compiled = decide_step(_gpt_shapes(1024), 16384, compiled=True, table=split)
+    unknown = decide_step(_gpt_shapes(1024), 16384, table=split)
+    assert (eager.speedup, eager.fp8) == (pytest.approx(1.16), True)
+    assert (compiled.speedup, compiled.fp8) == (pytest.approx(0.74), False)
+    assert unknown == decide_step(_gpt_shapes(1024), 16384, compiled=None, table=split)
+    assert (unknown.speedup, unknown.fp8) == (pytest.approx(0.74), False)  # the lower: neither way slower
+    assert "(eager)" in str(eager) and "(compiled)" in str(compiled) and "(eager or compiled)" in str(unknown)
+    with pytest.raises(ValueError, match="every compiled entry is None"):
+        decide_step(_gpt_shapes(1024), 16384, compiled=True, table=((1024, 16384, 1.16, None),))
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(TypeError, match=r"decide_step: compiled must be True \(torch.compile\), False"):
+            decide_step(_gpt_shapes(1024), 16384, compiled=bad)
+
+
+def test_convert_and_initialize_pass_compiled_to_the_step(monkeypatch):
+    monkeypatch.setattr(convert_policy, "STEP_CROSSOVER", ((1024, 16384, 1.16, 0.74),))
+    eager = fp8amp.convert(gpt_blocks(1024), timer=CountingTimer(), tokens=16384, compiled=False)
+    compiled = fp8amp.convert(gpt_blocks(1024), timer=CountingTimer(), tokens=16384, compiled=True)
+    assert conversion_report(eager).step.fp8 and not conversion_report(compiled).step.fp8
+    assert "compiled=True" in str(conversion_report(compiled))
+    assert "compiled=" not in str(conversion_report(fp8amp.convert(gpt_blocks(1024), timer=CountingTimer())))
+    with pytest.raises(TypeError, match="convert: compiled must be"):
+        fp8amp.convert(gpt_blocks(64), compiled="eager")
+    monkeypatch.setattr(importlib.import_module("fp8amp.convert"), "step_rule_applies", lambda linears, timer: True)
+    model, _ = fp8amp.initialize(gpt_blocks(1024, n=1, device="cpu"), None, "O2", tokens=16384, compiled=False,
+                                 policy="auto")
+    assert conversion_report(model).step.fp8 and conversion_report(model).compiled is False
+
+
 def test_a_small_model_stays_in_bf16_and_the_report_says_why():
     timer = CountingTimer()
     m = fp8amp.convert(gpt_blocks(256, device="cpu"), timer=timer, tokens=8192)

@@ -119,7 +119,7 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
             :class:`~fp8amp.distributed.FP8CommState` (its format, method and group), or ``False``.
             Ignored when the model is not wrapped in DDP (one process).
         **options: passed to :func:`fp8amp.initialize`: ``module_filter_fn``, ``recipe``,
-            ``weight_grad``, ``policy``, ``tokens``.
+            ``weight_grad``, ``policy``, ``tokens``, ``compiled``.
 
     The optimizers ``configure_optimizers`` returns must be ``torch.optim.Adam`` / ``AdamW`` (or
     fp8amp's); another one is refused with a ``ValueError`` that names the accepted ones.
