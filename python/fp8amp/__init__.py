@@ -13,6 +13,7 @@ from .recipes import RECIPES, Recipe
 from .scaled_tensor import ScaledTensor
 from . import scaled_tensor_ops  # noqa: F401 (fills ScaledTensor.OP_TABLE)
 from .master_weight import MasterWeight
+from .block_scaled_tensor import BlockScaledTensor
 from .linear import Fp8Conv1D, Fp8Linear
 from .convert import (ConversionReport, LayerDecision, conversion_report, convert, register_scaling_hooks,
                       update_scaling)
@@ -37,6 +38,7 @@ __all__ = [
     "Fp8Conv1D",
     "ScaledTensor",
     "MasterWeight",
+    "BlockScaledTensor",
     "Recipe",
     "RECIPES",
     "ScalingRecipe",
