@@ -14,7 +14,7 @@ Prints, per variant, the loss at some steps, the mean gap to bf16 over a window 
 over the last steps, so that the row where the gap appears names the format that makes it.
 
 Usage: python benchmarks/loss_ablation.py [--variants bf16,fp8,...] [--steps 60] [--size medium]
-       [--window 5:20] [--history-len 16] [--show 17,18,19,20]
+       [--schedule-steps 400] [--window 5:20] [--history-len 16] [--show 17,18,19,20]
 On a CPU the default is the tiny model (FP8 emulated), a smoke run: its losses say little.
 """
 
@@ -60,11 +60,11 @@ def build(variant: str, init_state: dict, cfg: GPTConfig, lr: float, device: tor
 def losses_of(variant: str, args, cfg: GPTConfig, batch: int, lr: float, data: torch.Tensor,
               init_state: dict, device: torch.device) -> list[float]:
     model, optimizer = build(variant, init_state, cfg, lr, device, args.history_len)
-    steps = args.steps
+    span = args.schedule_steps or args.steps
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, span) / span)))
     loader = batches(data, batch, cfg.seq_len, device, seed=args.seed)
-    losses = [train_step(model, optimizer, *next(loader), scheduler=schedule) for _ in range(steps)]
+    losses = [train_step(model, optimizer, *next(loader), scheduler=schedule) for _ in range(args.steps)]
     return torch.stack(losses).float().tolist()
 
 
@@ -86,6 +86,9 @@ def main(argv=None) -> None:
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="model size (default: medium on a GPU, tiny on a CPU)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="the steps the cosine learning-rate decay spans (default: --steps); e.g. 400 to follow "
+                        "the main job's first steps in a shorter run")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is a GPU)")
     p.add_argument("--window", type=window, default=(5, 20),
                    help="the early steps whose mean loss gap is reported (default: 5:20)")
@@ -98,6 +101,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.steps < args.window[1]:
         p.error(f"--steps ({args.steps}) must reach the end of --window ({args.window[1]})")
+    if args.schedule_steps is not None and args.schedule_steps < args.steps:
+        p.error(f"argument --schedule-steps: must be at least --steps ({args.steps}), got {args.schedule_steps}")
     if args.history_len < 1:
         p.error(f"argument --history-len: must be at least 1, got {args.history_len}")
     if args.show is not None and not all(1 <= step <= args.steps for step in args.show):
@@ -122,7 +127,8 @@ def main(argv=None) -> None:
         rows.append([variant, *(f"{losses[s - 1]:.3f}" for s in shown), *gaps])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (FP8 emulated)"
     title = (f"Loss ablation on {where}, torch {torch.__version__}: GPT d_model {cfg.d_model}, {cfg.n_layer} layers, "
-             f"batch {batch} x {cfg.seq_len}, peak lr {lr}, {WARMUP} warm-up steps, {args.steps} steps, FP8 "
+             f"batch {batch} x {cfg.seq_len}, peak lr {lr}, {WARMUP} warm-up steps, {args.steps} steps (cosine over "
+             f"{args.schedule_steps or args.steps}), FP8 "
              f"history_len {args.history_len}")
     header = ["variant", *(f"loss @{s}" for s in shown), f"mean gap to bf16, steps {first}-{last}",
               "mean gap, last 10 steps"]

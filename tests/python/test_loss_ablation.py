@@ -26,16 +26,19 @@ def test_loss_ablation_refuses_a_window_past_the_steps():
     run = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--steps", "3", "--window", "1:5"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--window" in run.stderr and "Traceback" not in run.stderr
+    short = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--steps", "3", "--window", "1:2",
+                            "--schedule-steps", "2"], capture_output=True, text=True, timeout=120)
+    assert short.returncode == 2 and "--schedule-steps" in short.stderr and "Traceback" not in short.stderr
 
 
 def test_loss_ablation_takes_a_history_len_and_the_steps_to_show(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path))
     run = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--steps", "3", "--window", "1:2",
-                          "--variants", "bf16,O2", "--history-len", "2", "--show", "2,3"],
+                          "--variants", "bf16,O2", "--history-len", "2", "--show", "2,3", "--schedule-steps", "400"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     text = (tmp_path / "bench_loss_ablation.md").read_text()
-    assert "history_len 2" in text and "| variant | loss @2 | loss @3 |" in text
+    assert "history_len 2" in text and "cosine over 400" in text and "| variant | loss @2 | loss @3 |" in text
     bad = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--steps", "3", "--show", "4", "--window", "1:2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--show" in bad.stderr and "Traceback" not in bad.stderr
