@@ -21,6 +21,7 @@
 #include "common/cuda_check.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/error.h"
+#include "gemm/gemm_kernels.h"
 
 namespace fp8amp {
 namespace cuda {
@@ -110,6 +111,34 @@ inline uint32_t alignment(const void* p) {
   uint32_t a = 256;
   while (a > 1 && address % a != 0) a /= 2;
   return a;
+}
+
+// The fields of a problem that every GEMM path's algorithm depends on (device, shape, leading
+// dimensions, dtypes, pointer alignments; -1 for an absent bias), followed by the path's own
+// (flags, scale modes, workspace size...): the key of the path's algorithm cache.
+constexpr size_t kProblemKeyFields = 15;
+template <size_t Own>
+using AlgoKey = std::array<int64_t, kProblemKeyFields + Own>;
+
+template <class... Own>
+AlgoKey<sizeof...(Own)> algo_key(const GemmProblem& g, Own... own) {
+  const bool has_bias = g.bias != nullptr;
+  return {g.device_index,
+          g.m,
+          g.n,
+          g.k,
+          g.lda,
+          g.ldb,
+          g.ldo,
+          static_cast<int64_t>(g.a_dtype),
+          static_cast<int64_t>(g.b_dtype),
+          static_cast<int64_t>(g.out_dtype),
+          has_bias ? static_cast<int64_t>(g.bias_dtype) : -1,
+          static_cast<int64_t>(alignment(g.a)),
+          static_cast<int64_t>(alignment(g.b)),
+          static_cast<int64_t>(alignment(g.out)),
+          has_bias ? static_cast<int64_t>(alignment(g.bias)) : -1,
+          static_cast<int64_t>(own)...};
 }
 
 // Owners of cuBLASLt descriptors. Destroying a descriptor only frees host memory; its status

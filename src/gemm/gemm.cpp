@@ -30,11 +30,10 @@ void check_scale_inv(const TensorView& s, const TensorView& a, const char* arg) 
 void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_inv, const TensorView& b_scale_inv,
           const TensorView* bias, const TensorView& out, const GemmOptions& options, Stream stream) {
   const gemm_checks::Operands ops = gemm_checks::check_operands(a, b, kOp);
-  const int64_t m = ops.m, n = ops.n, k = ops.k;
   check_scale_inv(a_scale_inv, a, "a_scale_inv");
   check_scale_inv(b_scale_inv, a, "b_scale_inv");
-  const int64_t ldo = gemm_checks::check_out(out, a, m, n, kOp);
-  if (bias != nullptr) gemm_checks::check_bias(*bias, a, out.dtype, n, kOp);
+  const int64_t ldo = gemm_checks::check_out(out, a, ops.m, ops.n, kOp);
+  if (bias != nullptr) gemm_checks::check_bias(*bias, a, out.dtype, ops.n, kOp);
   FP8AMP_CHECK_VALUE(options.workspace != nullptr || options.workspace_bytes == 0, kOp,
                      "options.workspace is null but options.workspace_bytes is ",
                      options.workspace_bytes);
@@ -46,29 +45,13 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale_in
                           {bias, "bias"}},
                          kOp);
 
-  if (m == 0 || n == 0) return;  // nothing to write
-  GemmArgs g;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.a = a.data;
-  g.a_dtype = a.dtype;
-  g.lda = ops.lda;
-  g.b = b.data;
-  g.b_dtype = b.dtype;
-  g.ldb = ops.ldb;
+  if (ops.m == 0 || ops.n == 0) return;  // nothing to write
+  GemmArgs g{};
+  gemm_checks::fill_problem(g, ops, a, b, bias, out, ldo, options.workspace, options.workspace_bytes);
   g.a_scale_inv = a_scale_inv.ptr<const float>();
   g.b_scale_inv = b_scale_inv.ptr<const float>();
-  g.bias = bias != nullptr ? bias->data : nullptr;
-  g.bias_dtype = gemm_checks::bias_dtype_for(out.dtype);
-  g.out = out.data;
-  g.out_dtype = out.dtype;
-  g.ldo = ldo;
   g.accumulate = options.accumulate;
   g.fast_accum = options.fast_accum;
-  g.workspace = options.workspace;
-  g.workspace_bytes = options.workspace_bytes;
-  g.device_index = a.device_index;
   run_on(
       a, kOp, [&] { cpu::gemm(g); }, [&] { cuda::gemm(g, stream); });
 }

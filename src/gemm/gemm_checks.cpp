@@ -81,5 +81,27 @@ void check_bias(const TensorView& bias, const TensorView& a, DType out, int64_t 
   check_aligned(bias, op, "bias");
 }
 
+void fill_problem(GemmProblem& g, const Operands& ops, const TensorView& a, const TensorView& b,
+                  const TensorView* bias, const TensorView& out, int64_t ldo, void* workspace,
+                  size_t workspace_bytes) {
+  g.m = ops.m;
+  g.n = ops.n;
+  g.k = ops.k;
+  g.a = a.data;
+  g.a_dtype = a.dtype;
+  g.lda = ops.lda;
+  g.b = b.data;
+  g.b_dtype = b.dtype;
+  g.ldb = ops.ldb;
+  g.bias = bias != nullptr ? bias->data : nullptr;
+  g.bias_dtype = bias_dtype_for(out.dtype);
+  g.out = out.data;
+  g.out_dtype = out.dtype;
+  g.ldo = ldo;
+  g.workspace = workspace;
+  g.workspace_bytes = workspace_bytes;
+  g.device_index = a.device_index;
+}
+
 }  // namespace gemm_checks
 }  // namespace fp8amp

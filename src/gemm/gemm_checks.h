@@ -1,10 +1,12 @@
-// The argument checks both FP8 GEMMs share (gemm.cpp, gemm_tiles.cpp): cuBLASLt's FP8 rules,
-// enforced on every device so the CPU refuses what the GPU would. `op` names the op in messages.
+// The argument checks the FP8 GEMMs share (gemm.cpp, gemm_tiles.cpp, gemm_mx.cpp): cuBLASLt's FP8
+// rules, enforced on every device so the CPU refuses what the GPU would. `op` names the op in
+// messages. Also the checked views as their backends see them (GemmProblem).
 #pragma once
 
 #include <cstdint>
 
 #include "fp8amp/tensor.h"
+#include "gemm/gemm_kernels.h"
 
 namespace fp8amp {
 namespace gemm_checks {
@@ -37,6 +39,12 @@ DType bias_dtype_for(DType out);
 
 // bias [N], contiguous, 16-byte aligned, of bias_dtype_for(out), on a's device.
 void check_bias(const TensorView& bias, const TensorView& a, DType out, int64_t n, const char* op);
+
+// Fills the fields every GEMM backend takes (GemmProblem, the base of GemmArgs and GemmTilesArgs)
+// from views the checks above passed: ops from check_operands, ldo from check_out.
+void fill_problem(GemmProblem& g, const Operands& ops, const TensorView& a, const TensorView& b,
+                  const TensorView* bias, const TensorView& out, int64_t ldo, void* workspace,
+                  size_t workspace_bytes);
 
 }  // namespace gemm_checks
 }  // namespace fp8amp

@@ -46,31 +46,10 @@ using namespace cublaslt;
 
 constexpr const char* kOp = "gemm";
 
-// Everything the heuristic's answer depends on, and whether the algorithm is autotuned.
-using AlgoKey = std::array<int64_t, 19>;
+// Everything the heuristic's answer depends on, and (last) whether the algorithm is autotuned.
+using Key = AlgoKey<4>;
 
-AlgoKey algo_key(const GemmArgs& g) {
-  const bool has_bias = g.bias != nullptr;
-  return AlgoKey{g.device_index,
-                 g.m,
-                 g.n,
-                 g.k,
-                 g.lda,
-                 g.ldb,
-                 g.ldo,
-                 static_cast<int64_t>(g.a_dtype),
-                 static_cast<int64_t>(g.b_dtype),
-                 static_cast<int64_t>(g.out_dtype),
-                 has_bias ? static_cast<int64_t>(g.bias_dtype) : -1,
-                 g.accumulate,
-                 g.fast_accum,
-                 static_cast<int64_t>(g.workspace_bytes),
-                 alignment(g.a),
-                 alignment(g.b),
-                 alignment(g.out),
-                 has_bias ? static_cast<int64_t>(alignment(g.bias)) : -1,
-                 gemm_autotune()};
-}
+Key gemm_key(const GemmArgs& g) { return algo_key(g, g.accumulate, g.fast_accum, g.workspace_bytes, gemm_autotune()); }
 
 // Autotuning. The heuristic's first kAutotuneCandidates algorithms take turns on the problem's
 // own calls, each call timed by a pair of events around its cublasLtMatmul on the caller's stream;
@@ -165,19 +144,19 @@ Problem new_problem(const GemmArgs& g, cublasLtHandle_t handle, cublasLtMatmulDe
 }
 
 std::mutex problems_mutex;
-std::unordered_map<AlgoKey, Problem, AlgoKeyHash> problems;
+std::unordered_map<Key, Problem, AlgoKeyHash> problems;
 
 // What one call runs: an algorithm, and the events to time it with (null: untimed).
 struct Choice {
   cublasLtMatmulAlgo_t algo;
   Timing timing;
-  AlgoKey key;
+  Key key;
 };
 
 Choice choose_algo(const GemmArgs& g, cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
                    cublasLtMatrixLayout_t a_layout, cublasLtMatrixLayout_t b_layout,
                    cublasLtMatrixLayout_t out_layout, cudaStream_t stream) {
-  const AlgoKey key = algo_key(g);
+  const Key key = gemm_key(g);
   std::lock_guard<std::mutex> lock(problems_mutex);
   auto it = problems.find(key);
   if (it == problems.end()) {
@@ -205,7 +184,7 @@ Choice choose_algo(const GemmArgs& g, cublasLtHandle_t handle, cublasLtMatmulDes
   return {p.candidates[t.candidate], t, key};
 }
 
-cublasLtMatmulAlgo_t problems_first_choice(const AlgoKey& key) {
+cublasLtMatmulAlgo_t problems_first_choice(const Key& key) {
   std::lock_guard<std::mutex> lock(problems_mutex);
   return problems.at(key).candidates.front();
 }
@@ -229,7 +208,7 @@ void gemm(const GemmArgs& g, Stream stream) {
                "FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); cuda:",
                g.device_index, " has ", device.compute_capability / 10, ".", device.compute_capability % 10);
   if (g.k == 0) {
-    gemm_empty_sum(g, stream);
+    gemm_empty_sum(g, g.accumulate, stream);
     return;
   }
 

@@ -31,14 +31,14 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void gemm_empty_sum(const GemmArgs& g, Stream stream) {
+void gemm_empty_sum(const GemmProblem& g, bool accumulate, Stream stream) {
   const int64_t blocks = std::min<int64_t>(kMaxBlocks, (g.m * g.n + kThreads - 1) / kThreads);
   visit(HighPrecisionTypes{}, g.out_dtype, [&](auto out_type) {
     visit(BiasTypes{}, g.bias_dtype, [&](auto bias_type) {
       using Out = decltype(out_type);
       using Bias = decltype(bias_type);
       empty_sum_kernel<Out, Bias><<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<Out*>(g.out), g.ldo, g.m, g.n, static_cast<const Bias*>(g.bias), g.accumulate);
+          static_cast<Out*>(g.out), g.ldo, g.m, g.n, static_cast<const Bias*>(g.bias), accumulate);
       FP8AMP_CUDA_CHECK_LAUNCH();
     });
   });

@@ -16,7 +16,9 @@ namespace fp8amp {
 
 // out[M, N] (row stride ldo) = a[M, K] (row stride lda) · b[N, K]ᵀ (row stride ldb)
 //                              * a_scale_inv[0] * b_scale_inv[0] (+ out) (+ bias[N]).
-struct GemmArgs {
+// What every FP8 GEMM of the core multiplies, whatever its scales: the operands, the output and
+// the bias, their dtypes and leading dimensions, the workspace and the device.
+struct GemmProblem {
   int64_t m, n, k;
   const void* a;
   DType a_dtype;
@@ -24,18 +26,21 @@ struct GemmArgs {
   const void* b;
   DType b_dtype;
   int64_t ldb;
-  const float* a_scale_inv;
-  const float* b_scale_inv;
   const void* bias;  // nullptr: no bias
   DType bias_dtype;  // meaningful only with a bias
   void* out;
   DType out_dtype;
   int64_t ldo;
-  bool accumulate;
-  bool fast_accum;
   void* workspace;
   size_t workspace_bytes;
   int device_index;
+};
+
+struct GemmArgs : GemmProblem {
+  const float* a_scale_inv;
+  const float* b_scale_inv;
+  bool accumulate;
+  bool fast_accum;
 };
 
 // The epilogue of one output element, shared by the CPU reference and the K == 0 kernel. `v` is
@@ -62,7 +67,7 @@ namespace cuda {
 void gemm(const GemmArgs& g, Stream stream);
 GemmAutotuneStats autotune_stats();
 // K == 0, which cuBLASLt has no kernel for: out = (accumulate ? out : 0) + bias (gemm_empty_cuda.cu).
-void gemm_empty_sum(const GemmArgs& g, Stream stream);
+void gemm_empty_sum(const GemmProblem& g, bool accumulate, Stream stream);
 }  // namespace cuda
 
 }  // namespace fp8amp

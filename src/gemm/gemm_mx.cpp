@@ -59,23 +59,7 @@ void gemm_mx(const TensorView& a, const TensorView& a_scales, const TensorView& 
 
   if (ops.m == 0 || ops.n == 0) return;  // nothing to write
   GemmTilesArgs g{};
-  g.m = ops.m;
-  g.n = ops.n;
-  g.k = ops.k;
-  g.a = a.data;
-  g.a_dtype = a.dtype;
-  g.lda = ops.lda;
-  g.b = b.data;
-  g.b_dtype = b.dtype;
-  g.ldb = ops.ldb;
-  g.bias = bias != nullptr ? bias->data : nullptr;
-  g.bias_dtype = gemm_checks::bias_dtype_for(out.dtype);
-  g.out = out.data;
-  g.out_dtype = out.dtype;
-  g.ldo = ldo;
-  g.workspace = options.workspace;
-  g.workspace_bytes = options.workspace_bytes;
-  g.device_index = a.device_index;
+  gemm_checks::fill_problem(g, ops, a, b, bias, out, ldo, options.workspace, options.workspace_bytes);
   g.block_k = kMxBlock;
   const int64_t k_blocks = ops.k / kMxBlock;
   run_on(

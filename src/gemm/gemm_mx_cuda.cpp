@@ -37,15 +37,7 @@ void gemm_mx(const GemmTilesArgs& g, const uint8_t* a_scales, const uint8_t* b_s
                      g.workspace_bytes);
   if (g.k == 0) {
     // The empty sum: out = bias or 0.
-    GemmArgs empty{};
-    empty.m = g.m;
-    empty.n = g.n;
-    empty.bias = g.bias;
-    empty.bias_dtype = g.bias_dtype;
-    empty.out = g.out;
-    empty.out_dtype = g.out_dtype;
-    empty.ldo = g.ldo;
-    gemm_empty_sum(empty, stream);
+    gemm_empty_sum(g, /*accumulate=*/false, stream);
     return;
   }
   char* const base = static_cast<char*>(g.workspace);

@@ -91,26 +91,10 @@ void gemm_tiles(const TensorView& a, const TensorView& a_scale_inv, int64_t a_ti
                          kOp);
 
   if (ops.m == 0 || ops.n == 0) return;  // nothing to write
-  GemmTilesArgs g;
-  g.m = ops.m;
-  g.n = ops.n;
-  g.k = ops.k;
-  g.a = a.data;
-  g.a_dtype = a.dtype;
-  g.lda = ops.lda;
+  GemmTilesArgs g{};
+  gemm_checks::fill_problem(g, ops, a, b, bias, out, ldo, options.workspace, options.workspace_bytes);
   g.a_scales = a_scales;
-  g.b = b.data;
-  g.b_dtype = b.dtype;
-  g.ldb = ops.ldb;
   g.b_scales = b_scales;
-  g.bias = bias != nullptr ? bias->data : nullptr;
-  g.bias_dtype = gemm_checks::bias_dtype_for(out.dtype);
-  g.out = out.data;
-  g.out_dtype = out.dtype;
-  g.ldo = ldo;
-  g.workspace = options.workspace;
-  g.workspace_bytes = options.workspace_bytes;
-  g.device_index = a.device_index;
   g.block_k = a_scaling == TileScaling::kRowwise ? ops.k : kTileBlock;
   run_on(
       a, kOp, [&] { cpu::gemm_tiles(g); }, [&] { cuda::gemm_tiles(g, stream); });

@@ -53,36 +53,18 @@ const char* scale_mode_name(TileScaling s) {
   return "OUTER_VEC_32F";
 }
 
-// Everything the heuristic's answer depends on.
-using AlgoKey = std::array<int64_t, 18>;
+// Everything the heuristic's answer depends on: the problem, the scale modes, the workspace size.
+using Key = AlgoKey<3>;
 
 std::mutex algos_mutex;
-std::unordered_map<AlgoKey, cublasLtMatmulAlgo_t, AlgoKeyHash> algos;
+std::unordered_map<Key, cublasLtMatmulAlgo_t, AlgoKeyHash> algos;
 
 // The heuristic's first algorithm for the problem; NotImplementedError where it has none.
 cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, const ScaleModes& modes, cublasLtHandle_t handle,
                                cublasLtMatmulDesc_t desc,
                                cublasLtMatrixLayout_t a_layout, cublasLtMatrixLayout_t b_layout,
                                cublasLtMatrixLayout_t out_layout, size_t workspace_bytes) {
-  const bool has_bias = g.bias != nullptr;
-  const AlgoKey key{g.device_index,
-                    g.m,
-                    g.n,
-                    g.k,
-                    g.lda,
-                    g.ldb,
-                    g.ldo,
-                    static_cast<int64_t>(g.a_dtype),
-                    static_cast<int64_t>(g.b_dtype),
-                    static_cast<int64_t>(g.out_dtype),
-                    has_bias ? static_cast<int64_t>(g.bias_dtype) : -1,
-                    modes.a_mode,
-                    modes.b_mode,
-                    static_cast<int64_t>(workspace_bytes),
-                    alignment(g.a),
-                    alignment(g.b),
-                    alignment(g.out),
-                    has_bias ? static_cast<int64_t>(alignment(g.bias)) : -1};
+  const Key key = algo_key(g, modes.a_mode, modes.b_mode, workspace_bytes);
   std::lock_guard<std::mutex> lock(algos_mutex);
   const auto found = algos.find(key);
   if (found != algos.end()) return found->second;
@@ -143,15 +125,7 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
                device.compute_capability % 10, ". Use per-tensor scaling (fp8amp.ops.gemm) on this GPU");
   if (g.k == 0) {
     // The empty sum, as gemm's K == 0: out = bias or 0, whatever the scales hold.
-    GemmArgs empty{};
-    empty.m = g.m;
-    empty.n = g.n;
-    empty.bias = g.bias;
-    empty.bias_dtype = g.bias_dtype;
-    empty.out = g.out;
-    empty.out_dtype = g.out_dtype;
-    empty.ldo = g.ldo;
-    gemm_empty_sum(empty, stream);
+    gemm_empty_sum(g, /*accumulate=*/false, stream);
     return;
   }
   // cuBLASLt reads 1 x 128 scales as runs of M (or N) floats with no stride of their own: runs

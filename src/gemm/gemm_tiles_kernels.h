@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/numerics.h"
+#include "gemm/gemm_kernels.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
 
@@ -30,24 +31,9 @@ struct TileScales {
 };
 
 // out[M, N] (row stride ldo) = sum over K-blocks of scales * a[M, K] · b[N, K]ᵀ (+ bias[N]).
-struct GemmTilesArgs {
-  int64_t m, n, k;
-  const void* a;
-  DType a_dtype;
-  int64_t lda;
+struct GemmTilesArgs : GemmProblem {
   TileScales a_scales;
-  const void* b;
-  DType b_dtype;
-  int64_t ldb;
   TileScales b_scales;
-  const void* bias;  // nullptr: no bias
-  DType bias_dtype;  // meaningful only with a bias
-  void* out;
-  DType out_dtype;
-  int64_t ldo;
-  void* workspace;
-  size_t workspace_bytes;
-  int device_index;
   // The K-blocks the sum is cut into: 128 wide for the tiled pairs, all of K for rowwise, 32 for
   // MXFP8 (whose scales the CPU path gets as float32 scale_inv, per row like (1, 128) tiles).
   int64_t block_k;
