@@ -260,6 +260,28 @@ def run_guarded(run: Callable[[], RunResult], detail_chars: int = 100) -> RunRes
         return RunResult(failure=f"error: {type(e).__name__}: {str(e)[:detail_chars]}")
 
 
+def run_modes(keys: Sequence[str], run: Callable[[str], RunResult], *, skip: Callable[[str], Optional[str]],
+              per_step: float, unit: str, label: Callable[[str], str] = str,
+              start: Optional[float] = None) -> dict[str, RunResult]:
+    """The rows of a training benchmark: ``run(key)`` for each mode under :func:`run_guarded`, its
+    memory freed before the next, a progress line each on stderr (``per_step`` units a step; the
+    seconds since ``start``, default now). A mode for which ``skip(key)`` gives a reason (torchao
+    not installed, say) is not run: its row names the reason."""
+    start = time.perf_counter() if start is None else start
+    results: dict[str, RunResult] = {}
+    for key in keys:
+        reason = skip(key)
+        if reason is not None:
+            results[key] = RunResult(failure=reason)
+            continue
+        results[key] = r = run_guarded(lambda: run(key))
+        free_memory()
+        text = f"{per_step / r.step_seconds:,.0f} {unit}/s, loss {r.final_loss:.4f}" if r.step_seconds else r.failure
+        print(f"  {label(key)}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
+              file=sys.stderr, flush=True)
+    return results
+
+
 def free_memory(reset_dynamo: bool = True) -> None:
     """The last mode's memory back before the next mode builds its model; with ``reset_dynamo``,
     its compiled graphs too."""

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import fp8amp
 from _common import dynamo_reset_counters, dynamo_summary, import_torchao, markdown_table, parse_subset, report
-from _common import RunResult, StepClock, free_memory, require_gpu, run_guarded, set_recompile_limit
+from _common import RunResult, StepClock, require_gpu, run_modes, set_recompile_limit
 
 
 @dataclass(frozen=True)
@@ -262,6 +262,10 @@ def main(argv=None) -> None:
         require_gpu("bench_models", min_capability=(8, 9))
         device = torch.device("cuda")
     torchao_convert, torchao_note = import_torchao()
+
+    def skip(key: str):  # a torchao mode without torchao: its row says why
+        return torchao_note if MODES[key].kind == "torchao" and torchao_convert is None else None
+
     set_recompile_limit(64)
     count = min(args.warmup + args.steps, 4)  # batches made beforehand, reused in turn
     builders = {"llama": llama_workload, "vit": vit_workload}
@@ -277,19 +281,8 @@ def main(argv=None) -> None:
         with torch.device("meta"):
             n_params = sum(p.numel() for p in work.build().parameters())
         print(f"bench_models: {work.describe}: {n_params / 1e6:,.2f}M parameters", file=sys.stderr, flush=True)
-        results: dict[str, RunResult] = {}
-        for key in args.modes:
-            mode = MODES[key]
-            if mode.kind == "torchao" and torchao_convert is None:
-                results[key] = RunResult(failure=torchao_note)
-                continue
-            results[key] = run_guarded(lambda: run_mode(work, mode, args, device, torchao_convert))
-            free_memory()
-            r = results[key]
-            text = (f"{work.per_step / r.step_seconds:,.0f} {work.unit}/s, loss {r.final_loss:.4f}"
-                    if r.step_seconds else r.failure)
-            print(f"  {key}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
-                  file=sys.stderr, flush=True)
+        results = run_modes(args.modes, lambda key: run_mode(work, MODES[key], args, device, torchao_convert),
+                            skip=skip, per_step=work.per_step, unit=work.unit, start=start)
         autocast = {torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast + GradScaler"}[work.autocast]
         sections.append(f"{work.describe}: {n_params / 1e6:,.2f}M parameters, {autocast}, AdamW lr 1e-4, "
                         f"{args.warmup} warm-up + {args.steps} timed steps, median step time\n\n"

@@ -71,13 +71,12 @@ from _common import (
     RunResult,
     dynamo_reset_counters,
     dynamo_summary,
-    free_memory,
     import_torchao,
     markdown_table,
     parse_subset,
     report,
     require_gpu,
-    run_guarded,
+    run_modes,
     set_recompile_limit,
 )
 
@@ -266,6 +265,10 @@ def main() -> None:
     args.lr = args.lr or preset["lr"]
     args.warmup = args.warmup or fp8amp.ScalingRecipe().history_len + 2
     torchao_convert, torchao_note = import_torchao()
+
+    def skip(key: str):  # a torchao mode without torchao: its row says why
+        return torchao_note if MODES[key].kind == "torchao" and torchao_convert is None else None
+
     set_recompile_limit(64)
 
     with torch.device("meta"):
@@ -281,20 +284,8 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps, {len(text_bytes) / 1e6:.1f} MB of text",
           file=sys.stderr, flush=True)
 
-    start = time.perf_counter()
-    results: dict[str, RunResult] = {}
-    for key in args.modes:
-        mode = MODES[key]
-        if mode.kind == "torchao" and torchao_convert is None:
-            results[key] = RunResult(failure=torchao_note)
-            continue
-        results[key] = run_guarded(lambda: run_mode(mode, cfg, data, args, torchao_convert))
-        free_memory()
-        r = results[key]
-        text = (f"{tokens_per_step / r.step_seconds:,.0f} tokens/s, loss {r.final_loss:.4f}"
-                if r.step_seconds else r.failure)
-        print(f"  {mode.label}: {text} ({'; '.join(r.notes)}) [{time.perf_counter() - start:.0f} s]",
-              file=sys.stderr, flush=True)
+    results = run_modes(args.modes, lambda key: run_mode(MODES[key], cfg, data, args, torchao_convert),
+                        skip=skip, per_step=tokens_per_step, unit="tokens", label=lambda key: MODES[key].label)
 
     if args.gemm_autotune:
         print(f"  GEMM autotuning: {fp8amp.ops.gemm_autotune_stats()}", file=sys.stderr, flush=True)
