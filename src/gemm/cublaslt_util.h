@@ -2,8 +2,8 @@
 // cuBLASLt calls, the per-device state (compute capability and one handle, created on first use
 // with that device current and never destroyed, because a static destructor can run after the
 // CUDA runtime has shut down; a handle is not tied to a stream, so one per device serves every
-// stream and thread), owners of descriptors, matrix layouts, and the hash of the keys their
-// algorithm caches are looked up by. Host code; CUDA builds only.
+// stream and thread), owners of descriptors, matrix layouts, and the keys (algo_key) and hash of
+// their algorithm caches. Host code; CUDA builds only.
 #pragma once
 
 #include <cublasLt.h>
