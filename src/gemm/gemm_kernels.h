@@ -14,8 +14,6 @@
 
 namespace fp8amp {
 
-// out[M, N] (row stride ldo) = a[M, K] (row stride lda) · b[N, K]ᵀ (row stride ldb)
-//                              * a_scale_inv[0] * b_scale_inv[0] (+ out) (+ bias[N]).
 // What every FP8 GEMM of the core multiplies, whatever its scales: the operands, the output and
 // the bias, their dtypes and leading dimensions, the workspace and the device.
 struct GemmProblem {
@@ -36,6 +34,8 @@ struct GemmProblem {
   int device_index;
 };
 
+// out[M, N] (row stride ldo) = a[M, K] (row stride lda) · b[N, K]ᵀ (row stride ldb)
+//                              * a_scale_inv[0] * b_scale_inv[0] (+ out) (+ bias[N]).
 struct GemmArgs : GemmProblem {
   const float* a_scale_inv;
   const float* b_scale_inv;

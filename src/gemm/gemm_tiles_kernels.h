@@ -7,9 +7,9 @@
 #include <cstdint>
 
 #include "common/numerics.h"
-#include "gemm/gemm_kernels.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/tensor.h"
+#include "gemm/gemm_kernels.h"
 
 namespace fp8amp {
 
