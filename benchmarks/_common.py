@@ -282,6 +282,12 @@ def run_modes(keys: Sequence[str], run: Callable[[str], RunResult], *, skip: Cal
     return results
 
 
+def torchao_skip(modes: dict, torchao_convert, torchao_note: str) -> Callable[[str], Optional[str]]:
+    """:func:`run_modes`' ``skip`` for modes with a ``kind``: a torchao mode where torchao is
+    missing (``torchao_convert`` None, as :func:`import_torchao` returns it) is skipped with its note."""
+    return lambda key: torchao_note if modes[key].kind == "torchao" and torchao_convert is None else None
+
+
 def free_memory(reset_dynamo: bool = True) -> None:
     """The last mode's memory back before the next mode builds its model; with ``reset_dynamo``,
     its compiled graphs too."""

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import fp8amp
 from _common import dynamo_reset_counters, dynamo_summary, import_torchao, markdown_table, parse_subset, report
-from _common import RunResult, StepClock, require_gpu, run_modes, set_recompile_limit
+from _common import RunResult, StepClock, require_gpu, run_modes, set_recompile_limit, torchao_skip
 
 
 @dataclass(frozen=True)
@@ -263,9 +263,6 @@ def main(argv=None) -> None:
         device = torch.device("cuda")
     torchao_convert, torchao_note = import_torchao()
 
-    def skip(key: str):  # a torchao mode without torchao: its row says why
-        return torchao_note if MODES[key].kind == "torchao" and torchao_convert is None else None
-
     set_recompile_limit(64)
     count = min(args.warmup + args.steps, 4)  # batches made beforehand, reused in turn
     builders = {"llama": llama_workload, "vit": vit_workload}
@@ -282,7 +279,8 @@ def main(argv=None) -> None:
             n_params = sum(p.numel() for p in work.build().parameters())
         print(f"bench_models: {work.describe}: {n_params / 1e6:,.2f}M parameters", file=sys.stderr, flush=True)
         results = run_modes(args.modes, lambda key: run_mode(work, MODES[key], args, device, torchao_convert),
-                            skip=skip, per_step=work.per_step, unit=work.unit, start=start)
+                            skip=torchao_skip(MODES, torchao_convert, torchao_note), per_step=work.per_step,
+                            unit=work.unit, start=start)
         autocast = {torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast + GradScaler"}[work.autocast]
         sections.append(f"{work.describe}: {n_params / 1e6:,.2f}M parameters, {autocast}, AdamW lr 1e-4, "
                         f"{args.warmup} warm-up + {args.steps} timed steps, median step time\n\n"

@@ -78,6 +78,7 @@ from _common import (
     require_gpu,
     run_modes,
     set_recompile_limit,
+    torchao_skip,
 )
 
 PRESETS = {
@@ -266,9 +267,6 @@ def main() -> None:
     args.warmup = args.warmup or fp8amp.ScalingRecipe().history_len + 2
     torchao_convert, torchao_note = import_torchao()
 
-    def skip(key: str):  # a torchao mode without torchao: its row says why
-        return torchao_note if MODES[key].kind == "torchao" and torchao_convert is None else None
-
     set_recompile_limit(64)
 
     with torch.device("meta"):
@@ -285,7 +283,8 @@ def main() -> None:
           file=sys.stderr, flush=True)
 
     results = run_modes(args.modes, lambda key: run_mode(MODES[key], cfg, data, args, torchao_convert),
-                        skip=skip, per_step=tokens_per_step, unit="tokens", label=lambda key: MODES[key].label)
+                        skip=torchao_skip(MODES, torchao_convert, torchao_note), per_step=tokens_per_step,
+                        unit="tokens", label=lambda key: MODES[key].label)
 
     if args.gemm_autotune:
         print(f"  GEMM autotuning: {fp8amp.ops.gemm_autotune_stats()}", file=sys.stderr, flush=True)

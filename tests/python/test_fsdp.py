@@ -90,12 +90,14 @@ def test_fp8_compute_under_fully_shard_trains_as_one_process():
         assert not torch.equal(ranks[0][name], initial[name].detach()), name  # it trained
 
 
-def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps=range(STEPS)) -> torch.Tensor:
-    """The steps on this rank's batches, each followed by the scaling update; the losses."""
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps=range(STEPS),
+                batch_of=batch) -> torch.Tensor:
+    """The steps on this rank's batches (``batch_of(step, rank)``), each followed by the scaling
+    update; the losses."""
     optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
     losses = []
     for step in steps:
-        loss = loss_of(model, *batch(step, rank))
+        loss = loss_of(model, *batch_of(step, rank))
         loss.backward()
         losses.append(loss.detach())
         optimizer.step()

@@ -18,7 +18,7 @@ from fp8amp.fsdp import enable_fp8_all_gather
 from fp8amp.block_scaled_tensor import BlockScaledTensor
 from fp8amp.tiled_all_gather import blocks_align
 from ranks import run_on_ranks
-from test_fsdp import O3_LR, shard
+from test_fsdp import O3_LR, loss_of, shard, train_steps
 
 WORLD = 2
 STEPS = 3
@@ -37,10 +37,6 @@ def make_model() -> nn.Module:
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(32, 128, generator=g), torch.randn(32, 128, generator=g)
-
-
-def loss_of(model, x, target):
-    return (model(x) - target).square().mean()
 
 
 def build(recipe: str, mode: str, optimizer_for=None):
@@ -66,22 +62,13 @@ def weight_kind(w) -> str:
 
 
 def sharded_optimizer(model: nn.Module, mode: str) -> torch.optim.Optimizer:
-    optimizer = (fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes="O2") if mode == "O2"
-                 else torch.optim.AdamW(model.parameters(), lr=LR))
-    optimizer.register_step_post_hook(lambda *_: fp8amp.update_scaling(model))
-    return optimizer
+    return (fp8amp.optim.AdamW(model.parameters(), lr=O3_LR, state_dtypes="O2") if mode == "O2"
+            else torch.optim.AdamW(model.parameters(), lr=LR))
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> torch.Tensor:
-    """STEPS steps on this rank's batches; the losses."""
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(model, *batch(step, rank))
-        loss.backward()
-        losses.append(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-    return torch.stack(losses)
+    """STEPS steps on this rank's batches, each followed by the scaling update; the losses."""
+    return train_steps(model, optimizer, rank, range(STEPS), batch)
 
 
 def full_params(model: nn.Module) -> dict:
