@@ -9,13 +9,13 @@
 #include <vector>
 #include <cmath>
 #include <random>
-#define CK(x) do { auto s_ = (x); if (s_ != 0) { printf("%s:%d status %d\n", __FILE__, __LINE__, (int)s_); } } while (0)
+#include "probe_check.h"
 
 float run(cublasLtHandle_t h, cudaDataType_t dt, int m, int n, int k, bool amax, float* amax_out, bool timed) {
   void *a, *b, *d, *ws; float *sa, *sb, *am;
   size_t dsz = dt == CUDA_R_32F ? 4 : 2;
   cudaMalloc(&a, (size_t)m * k); cudaMalloc(&b, (size_t)n * k); cudaMalloc(&d, (size_t)m * n * dsz);
-  cudaMalloc(&ws, 32 << 20); cudaMalloc(&sa, 4); cudaMalloc(&sb, 4); cudaMalloc(&am, 4);
+  cudaMalloc(&ws, kWorkspace); cudaMalloc(&sa, 4); cudaMalloc(&sb, 4); cudaMalloc(&am, 4);
   std::vector<__nv_fp8_e4m3> ha((size_t)m * k), hb((size_t)n * k);
   std::mt19937 rng(1); std::normal_distribution<float> nd(0, 1);
   for (auto& v : ha) v = __nv_fp8_e4m3(nd(rng)); for (auto& v : hb) v = __nv_fp8_e4m3(nd(rng));
@@ -33,7 +33,7 @@ float run(cublasLtHandle_t h, cudaDataType_t dt, int m, int n, int k, bool amax,
   CK(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, k, m, k)); CK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, k, n, k));
   CK(cublasLtMatrixLayoutCreate(&lc, dt, m, n, m)); CK(cublasLtMatrixLayoutCreate(&ld, dt, m, n, m));
   cublasLtMatmulPreference_t pref; CK(cublasLtMatmulPreferenceCreate(&pref));
-  size_t wsz = 32 << 20; CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
+  size_t wsz = kWorkspace; CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   float ms = -1;  // -1: cuBLASLt refused

@@ -17,14 +17,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    const int s_ = static_cast<int>(x);                                                     \
-    if (s_ != 0) {                                                                          \
-      std::printf("%s:%d: %s returned %d\n", __FILE__, __LINE__, #x, s_);                   \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "probe_check.h"
 
 struct Problem {
   const char* name;
@@ -32,8 +25,6 @@ struct Problem {
   cudaDataType_t a, b, out;
   bool bias, fast_accum;
 };
-
-constexpr size_t kWorkspace = 32u << 20;  // fp8amp's kGemmWorkspaceBytes on Hopper
 
 // Random finite FP8 codes (bit 6 clear: no NaN in E4M3 or E5M2, magnitudes below 2): GEMM clocks
 // depend on the data's toggling, so constant inputs would time too fast.

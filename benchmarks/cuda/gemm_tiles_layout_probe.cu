@@ -18,16 +18,8 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                             \
-  do {                                                                    \
-    const int s_ = static_cast<int>(x);                                   \
-    if (s_ != 0) {                                                        \
-      std::printf("%s:%d: %s returned %d\n", __FILE__, __LINE__, #x, s_); \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
+#include "probe_check.h"
 
-constexpr size_t kWorkspace = 32u << 20;
 constexpr int kBlock = 128;
 
 float decode(uint8_t c) { return static_cast<float>(*reinterpret_cast<const __nv_fp8_e4m3*>(&c)); }

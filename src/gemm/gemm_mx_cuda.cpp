@@ -41,8 +41,7 @@ void gemm_mx(const GemmTilesArgs& g, const uint8_t* a_scales, const uint8_t* b_s
     return;
   }
   char* const base = static_cast<char*>(g.workspace);
-  const auto address = reinterpret_cast<uintptr_t>(base);
-  char* const a_copy = base + (kScaleCopyAlignment - address % kScaleCopyAlignment) % kScaleCopyAlignment;
+  char* const a_copy = align_scale_copy(base);
   char* const b_copy = a_copy + a_layout.copy_bytes();
   char* const rest = b_copy + b_layout.copy_bytes();
   copy_mx_scales(a_scales, a_layout, reinterpret_cast<uint8_t*>(a_copy), stream);

@@ -97,12 +97,6 @@ cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, const ScaleModes& modes, 
   return algos.emplace(key, result.algo).first->second;
 }
 
-// p rounded up to the alignment of the scale copies.
-char* align_up(void* p) {
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  return reinterpret_cast<char*>((address + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment);
-}
-
 }  // namespace
 
 void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
@@ -116,7 +110,7 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
                      needed, " bytes (gemm_tiles_scale_bytes) for the scales in cuBLASLt's layout, got ",
                      g.workspace_bytes);
   char* const base = static_cast<char*>(g.workspace);
-  char* const a_copy = align_up(base);
+  char* const a_copy = align_scale_copy(base);
   char* const b_copy = a_copy + scale_copy_bytes(a_layout_s);
   char* const rest = b_copy + scale_copy_bytes(b_layout_s);
   FP8AMP_CHECK(device.compute_capability / 10 == kHopperMajor, kNotImplemented, kOp,
@@ -128,10 +122,9 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
     gemm_empty_sum(g, /*accumulate=*/false, stream);
     return;
   }
-  // cuBLASLt reads 1 x 128 scales as runs of M (or N) floats with no stride of their own: runs
-  // start 16-byte aligned only when the rows are a multiple of 4, and whether it pads otherwise is
-  // not documented to us, so such an M is refused rather than risk a wrong result (N already is
-  // a multiple of 16).
+  // cuBLASLt has no kernel for 1 x 128 scales of an operand whose rows are not a multiple of 4,
+  // padded or not (measured: docs/tiles.md): refused here with the way out rather than with its
+  // heuristic's "not supported" (N already is a multiple of 16).
   FP8AMP_CHECK(g.a_scales.scaling != TileScaling::kTile1x128 || g.m % 4 == 0, kNotImplemented, kOp,
                "cuBLASLt's (1, 128) scales of a need M (the rows of a) to be a multiple of 4 on CUDA, got M = ", g.m,
                "; pad the rows or use rowwise scaling for this GEMM");

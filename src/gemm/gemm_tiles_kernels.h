@@ -65,9 +65,15 @@ inline CublasScaleLayout cublas_scale_layout(TileScaling scaling, int64_t rows, 
 
 // Where the CUDA path puts each copy in the workspace: 256-byte aligned, a's then b's.
 constexpr size_t kScaleCopyAlignment = 256;
-inline size_t scale_copy_bytes(const CublasScaleLayout& layout) {
-  const size_t bytes = static_cast<size_t>(layout.elements()) * sizeof(float);
+inline size_t round_up_to_scale_copy_alignment(size_t bytes) {
   return (bytes + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
+}
+// The first address at or after p where a scale copy may start.
+inline char* align_scale_copy(void* p) {
+  return reinterpret_cast<char*>(round_up_to_scale_copy_alignment(reinterpret_cast<uintptr_t>(p)));
+}
+inline size_t scale_copy_bytes(const CublasScaleLayout& layout) {
+  return round_up_to_scale_copy_alignment(static_cast<size_t>(layout.elements()) * sizeof(float));
 }
 
 // MXFP8's copy of an operand's E8M0 scales [rows, k_blocks] in cuBLASLt's 128 x 4 tiled layout:
@@ -85,10 +91,7 @@ struct MxScaleLayout {
     return tile * 512 + (r % 32) * 16 + (r % 128) / 32 * 4 + j % 4;
   }
   // Its place in the workspace, kScaleCopyAlignment-aligned like the tile scales' copies.
-  size_t copy_bytes() const {
-    const auto b = static_cast<size_t>(bytes());
-    return (b + kScaleCopyAlignment - 1) / kScaleCopyAlignment * kScaleCopyAlignment;
-  }
+  size_t copy_bytes() const { return round_up_to_scale_copy_alignment(static_cast<size_t>(bytes())); }
 };
 
 namespace cpu {
