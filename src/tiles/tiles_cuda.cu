@@ -3,7 +3,8 @@
 // (tiles_region_cuda.cu). Every other tiling runs tile_kernel: one block per tile, which finds the
 // tile's amax, then quantizes it (the second read hits L1/L2: a tile is at most a few tens of KB).
 // Threads run along a tile's rows, so a warp reads consecutive elements of a row-major matrix.
-// MXFP8's casts run tile_kernel too, by E8M0ScaleRule, with one warp per 1 x 32 block.
+// MXFP8's casts run their own one-pass kernel (tiles_mx_cuda.cu); dequantize_mx runs
+// dequantize_tiles' kernel by E8M0ScaleRule.
 // The element codecs are numerics.h's, shared with the CPU reference.
 #include <cuda_runtime.h>
 
@@ -20,7 +21,6 @@ namespace cuda {
 namespace {
 
 constexpr int kTileThreads = 128;
-constexpr int kMxThreads = static_cast<int>(kMxBlock);  // one thread per element of an MX block
 constexpr int kDequantizeThreads = 256;
 
 // The element values tile_kernel quantizes, as in tiles_cpu.cpp: x's own, its transpose's, or the
@@ -83,13 +83,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class Out, int kThreads = kTileThreads, class Value, class Rule>
+template <class Out, class Value, class Rule>
 void launch_tiles(const Value& value, void* out, typename Rule::Stored* scales, const TileShape& t, const Rule& rule,
                   cudaStream_t stream, const char* op) {
   const int64_t tiles = t.grid_rows() * t.grid_cols();
   if (tiles == 0 || t.rows * t.cols == 0) return;
-  tile_kernel<kThreads, Out><<<grid_size(tiles, op), kThreads, 0, stream>>>(value, static_cast<Out*>(out), scales, t,
-                                                                            rule);
+  tile_kernel<kTileThreads, Out><<<grid_size(tiles, op), kTileThreads, 0, stream>>>(value, static_cast<Out*>(out),
+                                                                                    scales, t, rule);
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kDequantizeThreads)
 }
 
 // x and, unless p.out_t is null, its transpose, each by its own tiles (two reads of x).
-template <int kThreads, class Rule>
+template <class Rule>
 void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeOf<typename Rule::Stored>& p,
                              const Rule& rule, cudaStream_t stream, const char* op) {
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
@@ -116,9 +116,9 @@ void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTranspos
       using In = decltype(in);
       using Out = decltype(o);
       const In* x = static_cast<const In*>(p.x);
-      launch_tiles<Out, kThreads>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, rule, stream, op);
+      launch_tiles<Out>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, rule, stream, op);
       if (p.out_t != nullptr) {
-        launch_tiles<Out, kThreads>(Transposed<In>{x, p.t.cols}, p.out_t, p.scale_inv_t, p.t_t, rule, stream, op);
+        launch_tiles<Out>(Transposed<In>{x, p.t.cols}, p.out_t, p.scale_inv_t, p.t_t, rule, stream, op);
       }
     });
   });
@@ -150,7 +150,7 @@ void quantize_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, f
     quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
     return;
   }
-  cast_transpose_by_tiles<kTileThreads>(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
+  cast_transpose_by_tiles(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
                                         "quantize_tiles");
 }
 
@@ -160,13 +160,12 @@ void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTi
     quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
     return;
   }
-  cast_transpose_by_tiles<kTileThreads>(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
+  cast_transpose_by_tiles(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
                                         "cast_transpose_tiles");
 }
 
 void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p, Stream stream) {
-  cast_transpose_by_tiles<kMxThreads>(in_dtype, out_dtype, p, E8M0ScaleRule{}, cuda_stream(stream),
-                                      p.out_t != nullptr ? "cast_transpose_mx" : "quantize_mx");
+  quantize_mx_regions(in_dtype, out_dtype, p, cuda_stream(stream));
 }
 
 void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const AccumulateTiles& p,

@@ -1,5 +1,6 @@
 // The CUDA tile kernels' internal interface between tiles_cuda.cu (the launchers, the any-tile
-// kernel) and tiles_region_cuda.cu (the one-pass kernel of 128 x 128 regions).
+// kernel), tiles_region_cuda.cu (the one-pass kernel of 128 x 128 regions) and tiles_mx_cuda.cu
+// (MXFP8's one-pass casts).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +21,10 @@ inline bool region_tiling(const TileShape& t) { return t.is(1, 128) || t.is(128,
 // region of x. Needs region_tiling(p.t) (and p.t_t.is(p.t.tile_rows, p.t.tile_cols) with out_t).
 void quantize_regions(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe,
                       cudaStream_t stream);
+
+// quantize_mx (p.out_t null) or cast_transpose_mx, reading x once: one block per 32 x 128 region of x
+// (tiles_mx_cuda.cu).
+void quantize_mx_regions(DType in_dtype, DType out_dtype, const CastTransposeMx& p, cudaStream_t stream);
 
 // scaled_accumulate_tiles by the same kernel, reading acc and update once. Needs region_tiling(p.t).
 void accumulate_regions(DType acc_dtype, DType update_dtype, const AccumulateTiles& p, const ScalingRecipe& recipe,

@@ -179,7 +179,8 @@ def test_mx_ops_compile_fullgraph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(256, 512), (300, 260), (3, 7, 130), (1, 5), (129, 33)])
+# (48, 384) and (272, 136): whole 16-byte packs with a half region of rows, and of columns
+@pytest.mark.parametrize("shape", [(256, 512), (300, 260), (3, 7, 130), (1, 5), (129, 33), (48, 384), (272, 136)])
 @pytest.mark.parametrize("fmt, dtype", [(E4M3, torch.float32), (E5M2, torch.bfloat16), (E4M3, torch.float16)])
 def test_mx_casts_cuda_equal_cpu(shape, fmt, dtype):
     x = wide_values(shape, dtype, seed=11)
