@@ -50,6 +50,16 @@ def test_the_measured_points_are_reproduced():
     assert large.speedup == pytest.approx(1.38) and large.fp8  # the lower of eager 1.40 and compiled 1.38
 
 
+def test_the_default_table_reproduces_every_measured_step():
+    # The one axis (the step's GEMM size) must not fold two rows onto one point, or a measured
+    # width would get another's speed.
+    for d, tokens, eager, compiled in STEP_CROSSOVER:
+        for how, measured in ((False, eager), (True, compiled), (None, min(eager, compiled))):
+            step = decide_step(_gpt_shapes(d), tokens, compiled=how)
+            assert step.speedup == pytest.approx(measured), (d, tokens, how)
+            assert step.fp8 == (measured >= STEP_MIN_SPEEDUP)
+
+
 def test_the_depth_does_not_matter_the_gemm_sizes_do():
     assert decide_step(_gpt_shapes(1024) * 2, 16384) == decide_step(_gpt_shapes(1024) * 24, 16384)
     # 4x the tokens at half the width: the same GEMM size, the same estimate
