@@ -47,7 +47,7 @@ test_small_gpt_loss_matches_bf16 checks that).
 "fp8amp eager / + compile" is Fp8Linear with PyTorch's AdamW on float32 parameters (FP8 compute
 only); the O1/O2 modes add the memory formats that docs/benchmarks.md#targets's ≤ 0.5x memory target needs.
 
-Usage: python benchmarks/bench_train.py [--preset 1b|small] [--steps N] [--warmup N] [--batch N]
+Usage: python benchmarks/bench_train.py [--preset 1b|gpt2|small] [--steps N] [--warmup N] [--batch N]
        [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,
         o2-fp8act,o2-fp8act-compile, and each bf16/o2 mode + "-graph"] [--compile-scope block|model]
        [--compile-mode MODE] [--gemm-autotune]
@@ -86,6 +86,9 @@ PRESETS = {
     # BF16 autocast needs roughly 16 GB of model and optimizer state and ~30 GB of activations.
     "1b": dict(model=GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), batch=8, lr=3e-4, steps=10),
     "small": dict(model=GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512), batch=32, lr=1e-3, steps=20),
+    # examples/train_gpt.py's gpt2 preset (86M parameters, 16,384 tokens a step): below the FP8
+    # crossover, where the step is host-bound (docs/benchmarks.md#where-a-small-models-step-goes)
+    "gpt2": dict(model=GPTConfig(seq_len=1024, n_layer=12, n_head=12, d_model=768), batch=16, lr=6e-4, steps=20),
 }
 
 class Mode(NamedTuple):

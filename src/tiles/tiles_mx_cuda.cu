@@ -14,8 +14,9 @@
 //   the same way, then from the 4 warps through shared memory.
 // - The codes along the rows go to `out` from registers; those of a column, 4 rows to a 32-bit
 //   word, into a shared [128 columns][8 words] tile, from which each column's 32 codes go to its
-//   out_t row as two 16-byte stores. Word w of column c sits at w ^ (c / 8 % 8), which spreads a
-//   warp's word stores over 8 banks instead of 2.
+//   out_t row as two 16-byte stores. Column c of column group g = c / 8 sits in row c ^ (g % 4)
+//   of the tile, its word w at w ^ (2 * (g / 4)): a warp's 32 word stores (16 column groups x 2
+//   row groups) then hit 32 different banks, and the 16-byte reads stay whole and conflict-free.
 //
 // Amaxes are float bits with the sign cleared, which order like |x| with every NaN above inf.
 // The codecs are word_pack.cuh's and the scales E8M0ScaleRule's, as on the CPU.
@@ -129,8 +130,7 @@ __global__ void __launch_bounds__(kMxThreads)
     __syncthreads();
   }
 
-  __shared__ uint32_t codes_t[kTranspose ? kMxCols : 1][kColumnWords];
-  const int swizzle = cg % kColumnWords;  // (c / 8) % 8 of every column c of this piece
+  __shared__ alignas(16) uint32_t codes_t[kTranspose ? kMxCols : 1][kColumnWords];
 #pragma unroll
   for (int l = 0; l < kLoads; ++l) {
     float v[kPieceRows][NI];
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kMxThreads)
         for (int i = 0; i < kPieceRows; ++i) q[i] = rn::mul(v[i][e], scale);
         uint32_t word[1];
         encode_pack<Out>(q, word);
-        codes_t[col][rg ^ swizzle] = word[0];
+        codes_t[col ^ (cg % 4)][rg ^ (2 * (cg / 4))] = word[0];
       }
     }
   }
@@ -169,10 +169,13 @@ __global__ void __launch_bounds__(kMxThreads)
     for (int u = 0; u < kMxCols * kChunksPerColumn / kMxThreads; ++u) {
       const int p = u * kMxThreads + static_cast<int>(threadIdx.x);
       const int col = p / kChunksPerColumn, chunk = p % kChunksPerColumn;
-      const int s = col / kPieceCols % kColumnWords;
-      uint32_t words[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) words[k] = codes_t[col][(chunk * 4 + k) ^ s];
+      // Word 4 chunk + k, stored at (4 chunk + k) ^ 2y: in the 16 bytes at 4 (chunk ^ (y / 2)),
+      // at k ^ 2 (y % 2).
+      const int g = col / kPieceCols, y = g / 4;
+      const uint4 w4 = *reinterpret_cast<const uint4*>(&codes_t[col ^ (g % 4)][(chunk ^ (y / 2)) * 4]);
+      const bool swapped = y % 2;
+      const uint32_t words[4] = {swapped ? w4.z : w4.x, swapped ? w4.w : w4.y, swapped ? w4.x : w4.z,
+                                 swapped ? w4.y : w4.w};
       const int64_t r = r0 + chunk * kChunk, cc = c0 + col;
       store_matrix_pack<kWhole, kChunk>(out_t + cc * rows + r, words, cc < cols ? valid_count<kChunk>(r, rows) : 0,
                                         out_t_vector_ok);
