@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up what the tests need (scripts/setup.sh: the C++ tests, GoogleTest required, and every
 # CUDA source where nvcc is found) and runs all tests: C++ (CTest), then Python (pytest). Without a
-# GPU the GPU tests are compiled but not run, and both say so. Usage: scripts/test.sh [pytest args]
+# GPU the GPU tests are compiled but not run, and both say so, and pytest runs on two worker
+# processes. Usage: scripts/test.sh [pytest args] (-n 0: one process)
 FP8AMP_SETUP_FOR=test source "$(dirname "$0")/setup.sh"
 
 echo "== C++ tests (CTest) =="
@@ -14,4 +15,8 @@ else
 fi
 
 echo "== Python tests (pytest) =="
-"$PY" -m pytest tests/python -q "$@"
+# Without a GPU, on two worker processes (pytest-xdist): the slow tests are compilation and
+# multi-process runs, one core each; GPU tests run in one process, which has the GPU to itself.
+WORKERS=()
+has_gpu || WORKERS=(-n 2)
+"$PY" -m pytest tests/python -q "${WORKERS[@]}" "$@"
