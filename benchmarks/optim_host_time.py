@@ -1,0 +1,104 @@
+"""Host time of the optimizer step and of the forward + backward, on the machine that drives the
+GPU: fp8amp.testing's GPT (the gpt2 preset of bench_train: d 768, 12 layers, 16 x 1024 tokens)
+with torch.optim.AdamW(fused=True), with O2 and every Linear kept in BF16 compute (what the default
+policy does at this size), and with O2 and every Linear in FP8 (docs/benchmarks.md, "The 86M GPT
+with the default policy and CUDA graphs").
+
+Each timed call starts after a device synchronize, so the launch queue is empty and the host
+clock measures the host's own work: Python, dispatch and launches. On a CPU (FP8 emulated) it
+runs a small model and measures the arithmetic too: a smoke run, not a measurement.
+
+Usage: python benchmarks/optim_host_time.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import fp8amp
+import fp8amp.ops.fast as fast
+from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+from _common import markdown_table, report
+
+MODES = ("torch AdamW(fused)", "O2, Linears kept in BF16 compute", "O2, every Linear in FP8")
+
+
+def make(mode: str, cfg: GPTConfig, device: torch.device):
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if mode == MODES[1]:
+        return fp8amp.initialize(model, optimizer, "O2", module_filter_fn=lambda module, name: False)
+    if mode == MODES[2]:
+        return fp8amp.initialize(model, optimizer, "O2", policy="all")
+    return model, optimizer
+
+
+def host_seconds(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        cfg, batch = GPTConfig(seq_len=1024, n_layer=12, n_head=12, d_model=768), 16
+    else:
+        cfg, batch = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32), 2
+    x, y = next(iter(batches(load_text_bytes(), batch, cfg.seq_len, device, seed=0)))
+    rows = []
+    for mode in MODES:
+        model, optimizer = make(mode, cfg, device)
+
+        def forward_backward():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):
+                _, loss = model(x, y)
+            loss.backward()
+
+        for _ in range(fp8amp.ScalingRecipe().history_len + 2):  # past the scaling warm-up
+            forward_backward()
+            optimizer.step()
+        fb = host_seconds(forward_backward, args.repeats, device)
+        adam_calls = []
+        adam_step = fast.adam_step
+
+        def timed_adam_step(*a, **k):
+            start = time.perf_counter()
+            try:
+                return adam_step(*a, **k)
+            finally:
+                adam_calls.append(time.perf_counter() - start)
+
+        fast.adam_step = timed_adam_step
+        try:
+            step = host_seconds(optimizer.step, args.repeats, device)
+        finally:
+            fast.adam_step = adam_step
+        op = f"{statistics.median(adam_calls) * 1e3:.2f}" if adam_calls else "–"
+        rows.append([mode, f"{step * 1e3:.2f}", op, f"{fb * 1e3:.2f}"])
+    where = torch.cuda.get_device_name() if on_gpu else "CPU (FP8 emulated: not a measurement)"
+    text = (f"Host time on {where}, torch {torch.__version__}: GPT d {cfg.d_model}, {cfg.n_layer} layers, "
+            f"{x.numel():,} tokens a step, {sum(1 for _ in model.parameters())} params; median of {args.repeats}, "
+            "each after a synchronize\n\n"
+            + markdown_table(["optimizer / model", "optimizer.step() ms", "of it the fused adam_step call ms",
+                              "forward + backward ms"], rows) + "\n")
+    report("optim_host_time", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""benchmarks/optim_host_time.py's CPU smoke run (FP8 emulated: it checks that the program runs and
+fills its table, not the times), so that a change that breaks the H200 run fails here first."""
+
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "optim_host_time.py")
+
+
+def test_optim_host_time_smoke_run_fills_its_table(tmp_path):
+    run = subprocess.run([sys.executable, BENCH, "--repeats", "1"], env=dict(os.environ, OUT=str(tmp_path)),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = (tmp_path / "bench_optim_host_time.md").read_text()
+    assert text.strip() in run.stdout
+    rows = [line.strip(" |").split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
+    assert [row[0] for row in rows] == ["torch AdamW(fused)", "O2, Linears kept in BF16 compute",
+                                        "O2, every Linear in FP8"]
+    assert rows[0][2] == "–" and all(float(value) > 0 for row in rows for value in row[1:] if value != "–")
