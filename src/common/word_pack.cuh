@@ -191,6 +191,16 @@ __device__ void encode_pack(const float (&x_in)[N], uint32_t (&w)[kWords<T, N>])
   }
 }
 
+// The codes of x times scale, each product rounded once (rn::mul), as the quantizing kernels
+// store them.
+template <class T, int N>
+__device__ __forceinline__ void encode_scaled_pack(const float (&x)[N], float scale, uint32_t (&w)[kWords<T, N>]) {
+  float q[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) q[k] = rn::mul(x[k], scale);
+  encode_pack<T>(q, w);
+}
+
 // numerics::round_to of each value into a high-precision output (float32, bf16, fp16): IEEE round
 // to nearest even, overflow to infinity, NaN -> canonical, as cvt.rn.{bf16x2,f16x2}.f32 does two at
 // a time.

@@ -139,11 +139,8 @@ __global__ void __launch_bounds__(kMxThreads)
     const int64_t c = c0 + tc + l * NI;
 #pragma unroll
     for (int i = 0; i < kPieceRows; ++i) {
-      float q[NI];
-#pragma unroll
-      for (int e = 0; e < NI; ++e) q[e] = rn::mul(v[i][e], row_scale[i]);
       uint32_t codes[kWords<Out, NI>];
-      encode_pack<Out>(q, codes);
+      encode_scaled_pack<Out>(v[i], row_scale[i], codes);
       const int64_t r = r0 + tr + i;
       store_matrix_pack<kWhole, NI>(out + r * cols + c, codes, r < rows ? valid_count<NI>(c, cols) : 0, out_vector_ok);
     }
@@ -152,11 +149,11 @@ __global__ void __launch_bounds__(kMxThreads)
       for (int e = 0; e < NI; ++e) {
         const int col = tc + l * NI + e;
         const float scale = col_scales[col];
-        float q[kPieceRows];
+        float column[kPieceRows];
 #pragma unroll
-        for (int i = 0; i < kPieceRows; ++i) q[i] = rn::mul(v[i][e], scale);
+        for (int i = 0; i < kPieceRows; ++i) column[i] = v[i][e];
         uint32_t word[1];
-        encode_pack<Out>(q, word);
+        encode_scaled_pack<Out>(column, scale, word);
         codes_t[col ^ (cg % 4)][rg ^ (2 * (cg / 4))] = word[0];
       }
     }

@@ -259,11 +259,8 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
     const int64_t c = c0 + col_of(l);
 #pragma unroll
     for (int i = 0; i < kThreadRows; ++i) {
-      float q[NI];
-#pragma unroll
-      for (int e = 0; e < NI; ++e) q[e] = rn::mul(v[i][e], row_scale[i]);
       uint32_t codes[kWords<Out, NI>];
-      encode_pack<Out>(q, codes);
+      encode_scaled_pack<Out>(v[i], row_scale[i], codes);
       const int64_t r = r0 + tr + i;
       store_matrix_pack<kWhole, NI>(out + r * cols + c, codes, r < rows ? valid_count<NI>(c, cols) : 0, out_vector_ok);
     }
@@ -271,11 +268,11 @@ __global__ void __launch_bounds__(kRegionThreads, Source::kBlocksPerSm)
 #pragma unroll
       for (int e = 0; e < NI; ++e) {
         const float scale = col_scale(l, e);
-        float q[kThreadRows];
+        float column[kThreadRows];
 #pragma unroll
-        for (int i = 0; i < kThreadRows; ++i) q[i] = rn::mul(v[i][e], scale);
+        for (int i = 0; i < kThreadRows; ++i) column[i] = v[i][e];
         uint32_t word[1];
-        encode_pack<Out>(q, word);
+        encode_scaled_pack<Out>(column, scale, word);
         codes_t[col_of(l) + e][(tr / 4) ^ swizzle] = word[0];
       }
     }
