@@ -23,6 +23,7 @@ import fp8amp
 import fp8amp.ops.fast as fast
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
 from _common import markdown_table, report
+from bench_train import PRESETS
 
 MODES = ("torch AdamW(fused)", "O2, Linears kept in BF16 compute", "O2, every Linear in FP8")
 
@@ -56,7 +57,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     if on_gpu:
-        cfg, batch = GPTConfig(seq_len=1024, n_layer=12, n_head=12, d_model=768), 16
+        cfg, batch = PRESETS["gpt2"]["model"], PRESETS["gpt2"]["batch"]
     else:
         cfg, batch = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32), 2
     x, y = next(iter(batches(load_text_bytes(), batch, cfg.seq_len, device, seed=0)))

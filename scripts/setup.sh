@@ -9,7 +9,8 @@
 # build options).
 # FP8AMP_SETUP_FOR=test (scripts/test.sh) builds the C++ tests (GoogleTest needed) and, where nvcc is
 # found, every CUDA source (for sm_90a alone where no GPU is present), in build/py; train (the
-# default) builds no tests and, on a machine without a GPU, no CUDA, in build/train. FP8AMP_PIP_ARGS: more arguments for the fp8amp build, e.g.
+# default) builds no tests and, on a machine without a GPU, no CUDA, in build/train.
+# FP8AMP_PIP_ARGS: more arguments for the fp8amp build, e.g.
 # -C cmake.define.FP8AMP_GTEST_SOURCE_DIR=/path/to/googletest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
