@@ -50,7 +50,7 @@ only); the O1/O2 modes add the memory formats that docs/benchmarks.md#targets's 
 Usage: python benchmarks/bench_train.py [--preset 1b|gpt2|small] [--steps N] [--warmup N] [--batch N]
        [--modes bf16,bf16-compile,torchao,torchao-compile,fp8amp,fp8amp-compile,o1,o1-compile,o2,o2-compile,
         o2-fp8act,o2-fp8act-compile, and each bf16/o2 mode + "-graph"] [--compile-scope block|model]
-       [--compile-mode MODE] [--gemm-autotune]
+       [--recipes tensorwise,rowwise,blockwise,mxfp8] [--compile-mode MODE] [--gemm-autotune]
 Prints a markdown table (last); with $OUT set, also writes it to $OUT/bench_train.md.
 """
 
@@ -129,7 +129,22 @@ def flops_per_token(model: GPT) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> RunResult:
+def run_keys(modes: list[str], recipes: list[str]) -> list[str]:
+    """The runs: each fp8amp mode once a recipe ("MODE@RECIPE", plain MODE for tensorwise), the
+    others once."""
+    return [key if MODES[key].kind in ("bf16", "torchao") or recipe == "tensorwise" else f"{key}@{recipe}"
+            for key in modes for recipe in (recipes if MODES[key].kind not in ("bf16", "torchao") else [None])]
+
+
+def run_label(key: str) -> str:
+    mode, _, recipe = key.partition("@")
+    return MODES[mode].label + (f" ({recipe})" if recipe else "")
+
+
+def run_mode(key: str, cfg: GPTConfig, data: list, args, torchao_convert) -> RunResult:
+    mode_key, _, recipe = key.partition("@")
+    mode = MODES[mode_key]
+    recipe = recipe or "tensorwise"
     kind, compiled = mode.kind, mode.compiled
     result = RunResult()
     t0 = time.perf_counter()
@@ -142,9 +157,10 @@ def run_mode(mode: Mode, cfg: GPTConfig, data: list, args, torchao_convert) -> R
                                   capturable=mode.graphed)
     tokens = args.batch * cfg.seq_len  # what convert's default policy times each layer shape with
     if kind == "fp8amp":
-        model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens)  # update_scaling after every step()
+        # update_scaling after every step()
+        model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens, recipe=recipe)
     elif kind in fp8amp.OPT_LEVELS:
-        model, optimizer = fp8amp.initialize(model, optimizer, kind, tokens=tokens)
+        model, optimizer = fp8amp.initialize(model, optimizer, kind, tokens=tokens, recipe=recipe)
     if kind == "fp8amp" or kind in fp8amp.OPT_LEVELS:
         report = fp8amp.conversion_report(model)
         result.notes.append(f"{len(report.converted)} of {len(report.decisions)} Linears in FP8")
@@ -221,7 +237,7 @@ def table(results: dict[str, RunResult], tokens_per_step: int, flops_token: floa
     mem_base = results.get("bf16", RunResult()).peak_bytes
     rows = []
     for key, r in results.items():
-        label = MODES[key].label
+        label = run_label(key)
         if r.step_seconds is None:
             rows.append([label, r.failure or "not run"] + ["–"] * (len(header) - 2))
             continue
@@ -252,6 +268,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--modes", type=lambda t: parse_subset(t, list(MODES)), default=DEFAULT_MODES,
                         help=", ".join(MODES))
+    parser.add_argument("--recipes", type=lambda t: parse_subset(t, list(fp8amp.RECIPES)), default=["tensorwise"],
+                        help="the fp8amp modes run once with each recipe (fp8amp.Recipe): "
+                             f"{', '.join(fp8amp.RECIPES)} (default: tensorwise)")
     parser.add_argument("--compile-scope", choices=["block", "model"], default="block")
     parser.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                         default="default", help="torch.compile's mode for the compiled modes")
@@ -285,9 +304,11 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps, {len(text_bytes) / 1e6:.1f} MB of text",
           file=sys.stderr, flush=True)
 
-    results = run_modes(args.modes, lambda key: run_mode(MODES[key], cfg, data, args, torchao_convert),
-                        skip=torchao_skip(MODES, torchao_convert, torchao_note), per_step=tokens_per_step,
-                        unit="tokens", label=lambda key: MODES[key].label)
+    skip_torchao = torchao_skip(MODES, torchao_convert, torchao_note)
+    results = run_modes(run_keys(args.modes, args.recipes),
+                        lambda key: run_mode(key, cfg, data, args, torchao_convert),
+                        skip=lambda key: skip_torchao(key.partition("@")[0]), per_step=tokens_per_step,
+                        unit="tokens", label=run_label)
 
     if args.gemm_autotune:
         print(f"  GEMM autotuning: {fp8amp.ops.gemm_autotune_stats()}", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ with the ratios to BF16 in --out.
     python examples/train_gpt.py --precision fp8        # FP8 GEMMs only (fp8amp.convert)
     python examples/train_gpt.py --preset 1b --precision bf16,O1,O2 --compile
     python examples/train_gpt.py --fp8-activations      # also store saved activations in FP8
+    python examples/train_gpt.py --precision bf16,O2 --recipe tensorwise,blockwise   # O2 with each recipe
     python examples/train_gpt.py --numerics-report      # then how well each FP8 cast fits its tensor
 
 Many processes (one a GPU, or CPU processes with gloo), launched by torchrun:
@@ -91,6 +92,18 @@ def precision_list(text: str) -> list[str]:
     return names
 
 
+def recipe_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    wrong = [name for name in names if name not in fp8amp.RECIPES]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(
+            f"accepted: one or more of {', '.join(fp8amp.RECIPES)}, comma-separated (e.g. tensorwise,blockwise); "
+            f"got {text!r}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"names a recipe twice: {text!r}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--precision", type=precision_list, default=["bf16", "O2"], metavar="P[,P...]",
@@ -102,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["all", "auto"], default="all",
                    help="which Linears take FP8 (fp8amp.convert): all, to show FP8 training at any size, or auto: "
                         "only where FP8 is measured faster on this GPU (default: all)")
+    p.add_argument("--recipe", type=recipe_list, default=["tensorwise"], metavar="R[,R...]",
+                   help="how the FP8 precisions scale their GEMM operands (fp8amp.Recipe): one or more of "
+                        f"{', '.join(fp8amp.RECIPES)}, comma-separated; each FP8 precision trains once with each, "
+                        "labelled P-R (just P for tensorwise) (default: tensorwise)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help=f"the model, batch, step count and learning rate (default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU)")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps (default: the preset's)")
@@ -180,6 +197,9 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     preset; every failure is one parser.error line naming the argument."""
     if args.fp8_allreduce and (int(os.environ.get("WORLD_SIZE", "1")) == 1 or args.parallel == "fsdp"):
         parser.error("argument --fp8-allreduce: it is for DDP: launch with torchrun --nproc-per-node=N (N > 1)")
+    if args.recipe != ["tensorwise"] and args.precision == ["bf16"]:
+        parser.error("argument --recipe: it applies to the FP8 precisions (fp8, O1, O2), and --precision names "
+                     "only bf16")
     device = resolve_device(parser, args.device)
     preset_name = args.preset or (GPU_PRESET if device.type == "cuda" else CPU_PRESET)
     preset = PRESETS[preset_name]
@@ -225,13 +245,23 @@ def join_processes(device: torch.device) -> tuple[int, int, torch.device]:
     return dist.get_rank(), world, device
 
 
-def label_of(precision: str, device: torch.device) -> str:
-    """What runs: the bf16 baseline is float32 on a CPU (train_step autocasts on CUDA only)."""
-    return "fp32" if precision == "bf16" and device.type == "cpu" else precision
+def runs_of(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(precision, recipe) in training order: bf16 once, each FP8 precision once a recipe."""
+    return [(precision, None) if precision == "bf16" else (precision, recipe)
+            for precision in args.precision for recipe in (args.recipe if precision != "bf16" else [None])]
 
 
-def build(precision: str, args, setup: Setup, init_state: dict, world: int, device: torch.device):
-    """The model (from init_state), its optimizer and schedule for one precision."""
+def label_of(precision: str, recipe: str | None, device: torch.device) -> str:
+    """What runs: the bf16 baseline is float32 on a CPU (train_step autocasts on CUDA only); an FP8
+    precision with a recipe other than tensorwise is labelled with it."""
+    if precision == "bf16":
+        return "fp32" if device.type == "cpu" else precision
+    return precision if recipe == "tensorwise" else f"{precision}-{recipe}"
+
+
+def build(precision: str, recipe: str | None, args, setup: Setup, init_state: dict, world: int,
+          device: torch.device):
+    """The model (from init_state), its optimizer and schedule for one precision and recipe."""
     fsdp = world > 1 and args.parallel == "fsdp"
     model = GPT(setup.cfg)
     model.load_state_dict(init_state)
@@ -242,9 +272,10 @@ def build(precision: str, args, setup: Setup, init_state: dict, world: int, devi
         from torch.distributed.fsdp import fully_shard
 
         if precision in fp8amp.OPT_LEVELS:  # the masters, sharded below with their scales
-            model, _ = fp8amp.initialize(model, opt_level=precision, policy=args.policy, tokens=tokens)
+            model, _ = fp8amp.initialize(model, opt_level=precision, policy=args.policy, tokens=tokens,
+                                         recipe=recipe)
         elif precision == "fp8":
-            fp8amp.convert(model, policy=args.policy, tokens=tokens)
+            fp8amp.convert(model, policy=args.policy, tokens=tokens, recipe=recipe)
             if args.fp8_all_gather:
                 fp8amp.fsdp.enable_fp8_all_gather(model)
         for block in model.blocks:
@@ -262,9 +293,9 @@ def build(precision: str, args, setup: Setup, init_state: dict, world: int, devi
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         if precision in fp8amp.OPT_LEVELS:
             model, optimizer = fp8amp.initialize(model, optimizer, opt_level=precision, policy=args.policy,
-                                                 tokens=tokens)
+                                                 tokens=tokens, recipe=recipe)
         elif precision == "fp8":
-            model = fp8amp.convert(model, optimizer=optimizer, policy=args.policy, tokens=tokens)
+            model = fp8amp.convert(model, optimizer=optimizer, policy=args.policy, tokens=tokens, recipe=recipe)
     steps = setup.steps
     schedule = torch.optim.lr_scheduler.LambdaLR(  # after initialize: it holds the optimizer
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
@@ -296,22 +327,22 @@ def validation_loss(step_model, setup: Setup, device: torch.device) -> float:
     return loss
 
 
-def train_one(precision: str, args, setup: Setup, init_state: dict, rank: int, world: int,
+def train_one(precision: str, recipe: str | None, args, setup: Setup, init_state: dict, rank: int, world: int,
               device: torch.device, log) -> list[RunRow]:
-    """Trains one precision from init_state; returns a row a step (throughput and memory on log
-    steps, the validation loss on evaluation steps)."""
-    label = label_of(precision, device)
+    """Trains one precision and recipe from init_state; returns a row a step (throughput and memory
+    on log steps, the validation loss on evaluation steps)."""
+    label = label_of(precision, recipe, device)
     torch._dynamo.reset()  # each precision compiles anew, within the recompile limits
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    core, model, optimizer, schedule = build(precision, args, setup, init_state, world, device)
+    core, model, optimizer, schedule = build(precision, recipe, args, setup, init_state, world, device)
     step_model = torch.compile(model) if args.compile else model
     converted = sum(isinstance(m, fp8amp.Fp8Linear) for m in core.modules())
     fsdp = world > 1 and args.parallel == "fsdp"
     parallel = f", {world} processes ({'FSDP2' if fsdp else 'DDP'})" if world > 1 else ""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         "CPU, float32" if label == "fp32" else "CPU emulation")
-    requested = " (bf16 requested: autocast to bf16 runs on CUDA only)" if label != precision else ""
+    requested = " (bf16 requested: autocast to bf16 runs on CUDA only)" if label == "fp32" else ""
     log(f"{label} on {device.type} ({where}{parallel}){requested}: {core.num_parameters() / 1e6:.1f}M parameters, "
         f"{converted} FP8 Linears, {setup.cfg.n_layer} layers x d_model {setup.cfg.d_model}, batch {setup.batch} x "
         f"{setup.cfg.seq_len} a process, {setup.steps} steps")
@@ -381,11 +412,12 @@ def main() -> None:
     fp8amp.ops.set_gemm_autotune(args.gemm_autotune)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and for every precision
     init_state = {k: v.clone() for k, v in GPT(setup.cfg).state_dict().items()}
-    log(f"{', '.join(label_of(p, device) for p in args.precision)}: the {setup.preset} preset on "
+    runs = runs_of(args)
+    log(f"{', '.join(label_of(p, r, device) for p, r in runs)}: the {setup.preset} preset on "
         f"{(setup.train.numel() + setup.val.numel()) / 1e6:.1f} MB of text, the same initial weights and batches")
     rows = []
-    for precision in args.precision:
-        rows += train_one(precision, args, setup, init_state, rank, world, device, log)
+    for precision, recipe in runs:
+        rows += train_one(precision, recipe, args, setup, init_state, rank, world, device, log)
     if rank == 0:
         meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (FP8 emulation)",
                     torch=torch.__version__, preset=setup.preset, steps=setup.steps, batch=setup.batch,

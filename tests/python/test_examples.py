@@ -91,6 +91,26 @@ def test_compare_precisions_leaves_csv_picture_and_summary(tmp_path):
     assert "Ratios are to fp32" in summary
 
 
+def test_each_recipe_trains_under_its_own_label(tmp_path):
+    """--recipe: every FP8 precision trains once a recipe, from the same weights on the same
+    batches: the blockwise curve is its own, within FP8 rounding of tensorwise's at the start."""
+    result = run("--precision", "bf16,O2", "--recipe", "tensorwise,blockwise", "--device", "cpu", "--steps", "3",
+                 "--log-every", "1", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = {}
+    for row in rows:
+        losses.setdefault(row["precision"], []).append(float(row["loss"]))
+    assert list(losses) == ["fp32", "O2", "O2-blockwise"], losses
+    assert all(len(curve) == 3 and all(map(math.isfinite, curve)) for curve in losses.values()), losses
+    assert losses["O2"] != losses["O2-blockwise"], losses  # a different recipe ran
+    assert abs(losses["O2"][0] - losses["O2-blockwise"][0]) < 0.01, losses
+    assert "O2-blockwise on cpu (CPU emulation): " in result.stdout, result.stdout
+    summary = (tmp_path / "summary.md").read_text()
+    assert re.search(r"^\| O2-blockwise \| [\d.]+ \| [\d.]+ \|", summary, re.M), summary
+
+
 def test_compile_trains(tmp_path):
     result = run("--precision", "O2", "--device", "cpu", "--steps", "2", "--batch", "2", "--compile",
                  "--out", str(tmp_path))
@@ -125,6 +145,10 @@ def bad_argument_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--lr", "fast"], "argument --lr: must be a positive number, got 'fast'"),
         (["--precision", "bf16,fp4"], "argument --precision: accepted: one or more of bf16, fp8, O1, O2"),
         (["--precision", "O2,O2"], "argument --precision: names a precision twice"),
+        (["--recipe", "tilewise"], "argument --recipe: accepted: one or more of tensorwise, rowwise, blockwise, mxfp8"),
+        (["--recipe", "rowwise,rowwise"], "argument --recipe: names a recipe twice"),
+        (["--precision", "bf16", "--recipe", "blockwise", *out],
+         "argument --recipe: it applies to the FP8 precisions (fp8, O1, O2), and --precision names only bf16"),
         (["--fp8-allreduce", *out], "argument --fp8-allreduce: it is for DDP: launch with torchrun"),
         (["--data", str(tmp_path / "missing.txt"), *out], "argument --data: no such file or directory"),
         (["--data", str(short), *out], f"argument --data: '{short}' holds 132 bytes of text, fewer than the 260 "
