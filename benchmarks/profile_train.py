@@ -16,8 +16,8 @@ length, and the longest gaps with their neighbours (launch gaps are a few µs; l
 GPU waiting for the host). With two or more modes, a last table compares each mode with the first,
 kernel by kernel (by name: calls and ms a step), the largest differences first: what a mode adds.
 
-Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile] [--steps 3] [--top 25]
-       [--preset 1b|small|86m] [--compare-top 40]
+Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile,o2@blockwise]
+       [--steps 3] [--top 25] [--preset 1b|small|86m] [--compare-top 40] [--policy auto|all]
        [--memory]   (also: what is alive at the peak of one step's allocated memory, by code location)
 With $OUT set, also writes the tables to $OUT/profile_train.txt.
 """
@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
-from _common import parse_subset, require_gpu, set_recompile_limit
+from _common import require_gpu, set_recompile_limit
 
 PRESETS = {
     "1b": (GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048), 8),
@@ -46,17 +46,34 @@ COMPILE = "-compile"
 MODES = [m + c for c in ("", COMPILE) for m in ("bf16", "fp8amp", "o1", "o2", "o2" + FP8_ACTIVATIONS)]
 
 
-def build(mode: str, cfg: GPTConfig, tokens: int):
+def mode_list(text: str) -> list[str]:
+    """--modes: MODE or MODE@RECIPE (an fp8amp mode with that scaling recipe), comma-separated."""
+    picked = [m.strip() for m in text.split(",") if m.strip()]
+    for item in picked:
+        mode, at, recipe = item.partition("@")
+        if mode not in MODES or (at and (recipe not in fp8amp.RECIPES or mode.startswith("bf16"))):
+            raise argparse.ArgumentTypeError(
+                f"takes a comma-separated list of {', '.join(MODES)}, each fp8amp one optionally with @RECIPE "
+                f"({', '.join(fp8amp.RECIPES)}); got {item!r}")
+    if not picked:
+        raise argparse.ArgumentTypeError("names no mode")
+    return picked
+
+
+def build(mode_key: str, cfg: GPTConfig, tokens: int, policy: str):
     """(model, optimizer, the saved-tensor hooks to train under or None) of a mode."""
+    mode, _, recipe = mode_key.partition("@")
+    recipe = recipe or "tensorwise"
     eager_mode = mode.removesuffix(COMPILE)
     level = eager_mode.removesuffix(FP8_ACTIVATIONS)
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     if level == "fp8amp":
-        fp8amp.convert(model, optimizer=optimizer, tokens=tokens)
+        fp8amp.convert(model, optimizer=optimizer, tokens=tokens, recipe=recipe, policy=policy)
     elif level in ("o1", "o2"):
-        model, optimizer = fp8amp.initialize(model, optimizer, level.upper(), tokens=tokens)
+        model, optimizer = fp8amp.initialize(model, optimizer, level.upper(), tokens=tokens, recipe=recipe,
+                                             policy=policy)
     if mode.endswith(COMPILE):
         for block in model.blocks:
             block.compile(dynamic=False)
@@ -186,9 +203,9 @@ def device_intervals(prof) -> list[tuple[float, float, str]]:
 
 
 def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup: int, top: int,
-                 memory: bool = False) -> tuple[str, dict[str, tuple[float, float]]]:
+                 memory: bool = False, policy: str = "auto") -> tuple[str, dict[str, tuple[float, float]]]:
     """(the mode's text, its kernel_totals)"""
-    model, optimizer, hooks = build(mode, cfg, batch * cfg.seq_len)
+    model, optimizer, hooks = build(mode, cfg, batch * cfg.seq_len, policy)
     loader = batches(data, batch, cfg.seq_len, "cuda", seed=0)
 
     def step() -> None:
@@ -220,7 +237,10 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", type=lambda t: parse_subset(t, MODES), default=["fp8amp", "o2"])
+    parser.add_argument("--modes", type=mode_list, default=["fp8amp", "o2"],
+                        help="MODE or MODE@RECIPE, comma-separated: " + ", ".join(MODES))
+    parser.add_argument("--policy", choices=["auto", "all"], default="auto",
+                        help="which Linears the fp8amp modes convert (fp8amp.convert's policy; default: auto)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=18)
@@ -236,7 +256,8 @@ def main() -> None:
     data = load_text_bytes(max_bytes=64 << 20)
     tables, totals = [], {}
     for mode in args.modes:
-        text, totals[mode] = profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top, args.memory)
+        text, totals[mode] = profile_mode(mode, cfg, batch, data, args.steps, args.warmup, args.top, args.memory,
+                                              args.policy)
         tables.append(text)
         gc.collect()  # the mode's model and optimizer are gone: give their memory back
         torch.cuda.empty_cache()
