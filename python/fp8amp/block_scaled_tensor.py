@@ -92,6 +92,15 @@ class BlockScaledTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # A scalar factor (clip_grad_norm_'s, an optimizer's) scales the block scales; the codes
+        # stay: exact up to float32 rounding of the scales, and no dequantize-requantize round trip.
+        if func in _FOREACH_MULS_IN_PLACE and not kwargs and _scalar_factor(args[1]):
+            blocks = [t for t in args[0] if isinstance(t, BlockScaledTensor)]
+            others = [t for t in args[0] if not isinstance(t, BlockScaledTensor)]
+            torch._foreach_mul_([t._scale_inv for t in blocks], args[1])
+            if others:
+                torch._foreach_mul_(others, args[1])
+            return None
         self = args[0] if args and isinstance(args[0], BlockScaledTensor) else None
         if self is not None:
             if func in (_aten.detach.default, _aten.alias.default):
@@ -100,6 +109,9 @@ class BlockScaledTensor(torch.Tensor):
                 return BlockScaledTensor(self._codes.clone(), self._scale_inv.clone(), self.dtype)
             if func is _aten.as_strided.default and (rows := _leading_rows(self, *args[1:], **kwargs)) is not None:
                 return BlockScaledTensor(self._codes[:rows], self._scale_inv[: -(-rows // BLOCK)], self.dtype)
+            if func in _MULS_IN_PLACE and not kwargs and _scalar_factor(args[1]):
+                self._scale_inv.mul_(args[1])
+                return self
             # Gradient accumulation (autograd's AccumulateGrad): the fused dequantize-add-requantize.
             if func in (_aten.add.Tensor, _aten.add_.Tensor) and kwargs.get("alpha", 1) == 1 and len(args) == 2 \
                     and isinstance(args[1], torch.Tensor) and args[1].shape == self.shape:
@@ -134,6 +146,17 @@ class BlockScaledTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
         return BlockScaledTensor(inner_tensors["_codes"], inner_tensors["_scale_inv"], dtype)
+
+
+_MULS_IN_PLACE = (_aten.mul_.Tensor, _aten.mul_.Scalar)
+_FOREACH_MULS_IN_PLACE = (_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar)
+
+
+def _scalar_factor(factor) -> bool:
+    """Whether ``factor`` multiplies every element by one value: a number, or a one-element plain tensor."""
+    if isinstance(factor, torch.Tensor):
+        return factor.numel() == 1 and not isinstance(factor, BlockScaledTensor) and factor.is_floating_point()
+    return isinstance(factor, (int, float)) and not isinstance(factor, bool)
 
 
 def _leading_rows(t: BlockScaledTensor, size, stride, storage_offset=0):

@@ -182,16 +182,24 @@ def test_the_optimizer_steps_block_gradients_as_their_real_values():
 
 
 def test_block_gradients_clip_and_unscale_in_place():
-    """clip_grad_norm_ reads the real values and scales the gradient in place (written back with
-    fresh block scales); GradScaler-style unscaling too, and a non-finite value poisons its block only."""
+    """clip_grad_norm_ reads the real values and scales the gradient in place (its block scales,
+    the codes kept); GradScaler-style unscaling too, and a non-finite value poisons its block only."""
     model = blockwise_o2_linear()
     grad = accumulated(model)
-    before = grad.dequantize()
+    before, codes = grad.dequantize(torch.float32), grad.codes.clone()
     norm = torch.nn.utils.clip_grad_norm_([model[0].weight], max_norm=1.0, foreach=True)
     torch.testing.assert_close(norm, before.norm(), rtol=1e-5, atol=0)
+    coef = (1.0 / (norm + 1e-6)).clamp(max=1.0)
     after = model[0].weight.grad
     assert after is grad and isinstance(after, BlockScaledTensor)
-    assert sqnr_db(after.dequantize(), before / norm) > SQNR_FLOOR_DB[E4M3]
+    assert torch.equal(after.codes.view(torch.uint8), codes.view(torch.uint8))
+    torch.testing.assert_close(after.dequantize(torch.float32), before * coef, rtol=1e-6, atol=0)
+    after.mul_(2.0)  # one tensor, a number: the same in-place scaling
+    torch.testing.assert_close(after.dequantize(torch.float32), 2 * before * coef, rtol=1e-6, atol=0)
+    plain = torch.ones(3)
+    torch._foreach_mul_([after, plain], torch.tensor(0.5))  # a mixed list: each scaled its own way
+    assert torch.equal(plain, torch.full((3,), 0.5))
+    torch.testing.assert_close(after.dequantize(torch.float32), before * coef, rtol=1e-6, atol=0)
     found_inf = torch.zeros(1)
     grad.codes.view(torch.uint8)[0, 0] = 0x7F  # an E4M3 NaN in block (0, 0)
     torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, torch.full((1,), 0.5))
