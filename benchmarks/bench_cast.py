@@ -22,7 +22,7 @@ PyTorch's time over ours.
 
 With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles,
 cast_transpose_tiles and scaled_accumulate_tiles (an E4M3 accumulator plus a bf16 update) of bf16
-matrices with (1, 128) tiles and (128, 128) blocks, and MXFP8's quantize_mx and cast_transpose_mx
+matrices with (1, 128) tiles, (128, 128) blocks and rowwise scales, and MXFP8's quantize_mx and cast_transpose_mx
 (1 x 32 blocks), against a
 device-to-device copy of the same bytes (half of them read, half written) in the same run. The
 copy runs as direct launches (a copy inside a CUDA graph becomes a memcpy node, which ran slower
@@ -255,6 +255,14 @@ def bench_tiles_shape(rows_n: int, cols_n: int, iters: int) -> list[list[str]]:
              4 * numel + 2 * scales),
         ]:
             table.append(tile_row(op, f"{tile[0]}x{tile[1]}", f"{rows_n}x{cols_n}", fn, xs, bytes_moved, iters))
+    # Rowwise: one scale a row of x, and one a column for its transpose.
+    for op, fn, bytes_moved in [
+        ("quantize_tiles", lambda x: fp8amp.ops.quantize_tiles(x, E4M3, (1, cols_n)), 3 * numel + 4 * rows_n),
+        ("cast_transpose_tiles",
+         lambda x: fp8amp.ops.cast_transpose_tiles(x, E4M3, (1, cols_n), tile_t=(1, rows_n)),
+         4 * numel + 4 * (rows_n + cols_n)),
+    ]:
+        table.append(tile_row(op, "rowwise", f"{rows_n}x{cols_n}", fn, xs, bytes_moved, iters))
     # MXFP8 (docs/tiles.md#mxfp8): 1 x 32 blocks, one uint8 E8M0 scale each.
     mx_scales, mx_scales_t = rows_n * math.ceil(cols_n / 32), cols_n * math.ceil(rows_n / 32)
     for op, fn, bytes_moved in [

@@ -1,7 +1,9 @@
 // CUDA twin of tiles_cpu.cpp, bit for bit. The (1, 128) and (128, 128) tilings of quantize_tiles,
 // cast_transpose_tiles and scaled_accumulate_tiles run the one-pass region kernel
-// (tiles_region_cuda.cu). Every other tiling runs tile_kernel: one block per tile, which finds the
-// tile's amax, then quantizes it (the second read hits L1/L2: a tile is at most a few tens of KB).
+// (tiles_region_cuda.cu); other one-row tiles (rowwise scaling) run tiles_rows_cuda.cu's row and
+// column kernels where x's rows take 16-byte loads. Every other tiling runs tile_kernel: one block
+// per tile, which finds the tile's amax, then quantizes it (the second read hits L1/L2: a tile is
+// at most a few tens of KB).
 // Threads run along a tile's rows, so a warp reads consecutive elements of a row-major matrix.
 // MXFP8's casts run their own one-pass kernel (tiles_mx_cuda.cu); dequantize_mx runs
 // dequantize_tiles' kernel by E8M0ScaleRule.
@@ -94,11 +96,6 @@ void launch_tiles(const Value& value, void* out, typename Rule::Stored* scales, 
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // Vec consecutive elements of one row a thread (cols % Vec == 0, aligned pointers): one wide load
 // and one wide store each instead of Vec narrow ones.
 template <int Vec, class In, class Out, class Rule>
@@ -122,17 +119,24 @@ __global__ void __launch_bounds__(kDequantizeThreads)
   }
 }
 
-// x and, unless p.out_t is null, its transpose, each by its own tiles (two reads of x).
-template <class Rule>
-void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeOf<typename Rule::Stored>& p,
-                             const Rule& rule, cudaStream_t stream, const char* op) {
+// x and, unless p.out_t is null, its transpose, each by its own tiles: one-row tiles by the
+// row/column kernels where they fit, any other by tile_kernel (two reads of x, at least).
+void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p,
+                             const ScalingRecipe& recipe, cudaStream_t stream, const char* op) {
+  const RecipeScaleRule rule{recipe};
+  const bool rows_fit = row_tiles_fit(in_dtype, p.x, p.out, p.t);
+  const bool columns_fit = p.out_t != nullptr && column_tiles_fit(in_dtype, p.x, p.t, p.t_t);
+  if (rows_fit) quantize_row_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.t, recipe, stream);
+  if (columns_fit) {
+    quantize_column_tiles(in_dtype, out_dtype, p.x, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe, stream);
+  }
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     visit(Fp8Types{}, out_dtype, [&](auto o) {
       using In = decltype(in);
       using Out = decltype(o);
       const In* x = static_cast<const In*>(p.x);
-      launch_tiles<Out>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, rule, stream, op);
-      if (p.out_t != nullptr) {
+      if (!rows_fit) launch_tiles<Out>(RowMajor<In>{x, p.t.cols}, p.out, p.scale_inv, p.t, rule, stream, op);
+      if (p.out_t != nullptr && !columns_fit) {
         launch_tiles<Out>(Transposed<In>{x, p.t.cols}, p.out_t, p.scale_inv_t, p.t_t, rule, stream, op);
       }
     });
@@ -170,8 +174,7 @@ void quantize_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, f
     quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
     return;
   }
-  cast_transpose_by_tiles(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
-                                        "quantize_tiles");
+  cast_transpose_by_tiles(in_dtype, out_dtype, p, recipe, cuda_stream(stream), "quantize_tiles");
 }
 
 void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p, const ScalingRecipe& recipe,
@@ -180,8 +183,7 @@ void cast_transpose_tiles(DType in_dtype, DType out_dtype, const CastTransposeTi
     quantize_regions(in_dtype, out_dtype, p, recipe, cuda_stream(stream));
     return;
   }
-  cast_transpose_by_tiles(in_dtype, out_dtype, p, RecipeScaleRule{recipe}, cuda_stream(stream),
-                                        "cast_transpose_tiles");
+  cast_transpose_by_tiles(in_dtype, out_dtype, p, recipe, cuda_stream(stream), "cast_transpose_tiles");
 }
 
 void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p, Stream stream) {

@@ -1,6 +1,6 @@
 // The CUDA tile kernels' internal interface between tiles_cuda.cu (the launchers, the any-tile
-// kernel), tiles_region_cuda.cu (the one-pass kernel of 128 x 128 regions) and tiles_mx_cuda.cu
-// (MXFP8's one-pass casts).
+// kernel), tiles_region_cuda.cu (the one-pass kernel of 128 x 128 regions), tiles_rows_cuda.cu
+// (one-row tiles: rowwise scaling) and tiles_mx_cuda.cu (MXFP8's one-pass casts).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,12 @@
 
 namespace fp8amp {
 namespace cuda {
+
+// N elements of T, loaded and stored as one access.
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
 
 // Whether quantize_regions takes these tilings: (1, 128) tiles or (128, 128) blocks, the
 // transpose (when written) by the same tiles.
@@ -29,6 +35,18 @@ void quantize_mx_regions(DType in_dtype, DType out_dtype, const CastTransposeMx&
 // scaled_accumulate_tiles by the same kernel, reading acc and update once. Needs region_tiling(p.t).
 void accumulate_regions(DType acc_dtype, DType update_dtype, const AccumulateTiles& p, const ScalingRecipe& recipe,
                         cudaStream_t stream);
+
+// One-row tiles outside region_tiling (tiles_rows_cuda.cu), for 16-byte loads of x along its rows.
+// quantize_row_tiles quantizes x by t's (1, tile_cols) tiles; it needs row_tiles_fit.
+bool row_tiles_fit(DType in_dtype, const void* x, const void* out, const TileShape& t);
+void quantize_row_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv,
+                        const TileShape& t, const ScalingRecipe& recipe, cudaStream_t stream);
+// quantize_column_tiles quantizes x's transpose by t_t's (1, len) tiles, segments of x's columns,
+// into out_t / scale_inv_t; it needs column_tiles_fit (len a multiple of 64, or at least x's rows).
+bool column_tiles_fit(DType in_dtype, const void* x, const TileShape& t, const TileShape& t_t);
+void quantize_column_tiles(DType in_dtype, DType out_dtype, const void* x, void* out_t, float* scale_inv_t,
+                           const TileShape& t, const TileShape& t_t, const ScalingRecipe& recipe,
+                           cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fp8amp

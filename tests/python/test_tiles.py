@@ -286,11 +286,16 @@ GPU_SHAPES = [(16384, 4096), (257, 4096), (300, 260), (1, 5), (129, 1000), (4096
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("tile, tile_t", [((1, 128), None), ((128, 128), None), ("rowwise", None), ((3, 64), (32, 5))])
+@pytest.mark.parametrize("tile, tile_t", [((1, 128), None), ((128, 128), None), ("rowwise", None), ((1, 64), (1, 192)),
+                                          ((3, 64), (32, 5))])
 @pytest.mark.parametrize("fmt, dtype", [(E4M3, torch.bfloat16), (E5M2, torch.float32), (E4M3, torch.float16)])
 def test_cast_transpose_tiles_cuda_equals_cpu(shape, tile, tile_t, fmt, dtype):
-    if shape == (16384, 4096) and tile not in [(1, 128), (128, 128)]:
-        pytest.skip("the big shape is for the one-pass kernel; the other tilings take the any-tile kernel")
+    """Every CUDA path against the reference: the one-pass kernel ((1, 128), (128, 128)), the row
+    and column kernels (rowwise; (1, 64) tiles with transposed tiles over 192 rows, several segments
+    of a column), and tile_kernel ((3, 64) tiles; also where rows of x do not take
+    16-byte loads)."""
+    if shape == (16384, 4096) and tile == (3, 64):
+        pytest.skip("the big shape is for the fast kernels")
     x = wide_values(shape, dtype, seed=shape[0])
     x[shape[0] // 2, shape[1] // 3] = float("inf")
     x[-1, -1] = float("nan")
@@ -306,10 +311,10 @@ def test_cast_transpose_tiles_cuda_equals_cpu(shape, tile, tile_t, fmt, dtype):
 
 @pytest.mark.gpu
 def test_cast_transpose_tiles_cuda_misaligned_input():
-    """x starting 2 bytes into its storage: the kernels' element-wise path."""
+    """x starting 2 bytes into its storage: the kernels' element-wise path (tile_kernel for rowwise)."""
     x = wide_values((256 * 260 + 1,), torch.bfloat16, seed=9).cuda()[1:].view(256, 260)
     assert x.data_ptr() % 16 != 0
-    for tile in [(1, 128), (128, 128)]:
+    for tile in [(1, 128), (128, 128), (1, 260)]:
         cpu = ops.cast_transpose_tiles(x.cpu(), E4M3, tile)
         cuda = ops.cast_transpose_tiles(x, E4M3, tile)
         assert all(same_bits(a.cpu(), b) for a, b in zip(cuda, cpu)), tile

@@ -65,31 +65,14 @@ def cast_transpose_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, tile: tuple
     each copy's tiles run along its own rows, the contraction dim of the GEMM that reads it.
     Rowwise scaling is ``tile=(1, cols), tile_t=(1, rows)`` (per-column scales for the transpose).
     On CUDA, (1, 128) and (128, 128) tiles (with ``tile_t == tile``) take the fused one-pass
-    kernel; other tiles are correct but slower (docs/tiles.md)."""
+    kernel, other one-row tiles (rowwise) a row pass and a column pass; any other tiles are
+    correct but slower (docs/tiles.md)."""
     op = "cast_transpose_tiles"
     tile_rows, tile_cols = _tile(tile, op)
     tile_rows_t, tile_cols_t = (tile_rows, tile_cols) if tile_t is None else _tile(tile_t, op, "tile_t")
-    if _by_transposed_copy(x, (tile_rows, tile_cols), (tile_rows_t, tile_cols_t)):
-        codes, scale_inv = quantize_tiles(x, dtype, tile, margin=margin, pow2_scale=pow2_scale)
-        codes_t, scale_inv_t = quantize_tiles(x.reshape(-1, x.shape[-1]).t().contiguous(), dtype,
-                                              (tile_rows_t, tile_cols_t), margin=margin, pow2_scale=pow2_scale)
-        return codes, scale_inv, codes_t, scale_inv_t
     return fast.cast_transpose_tiles(_input(x, "x", op), _dtype(dtype, _FP8_FORMATS, "dtype", op), tile_rows, tile_cols,
                                      tile_rows_t, tile_cols_t, _int(margin, "margin", op),
                                      _bool(pow2_scale, "pow2_scale", op))
-
-
-def _by_transposed_copy(x: torch.Tensor, tile: tuple[int, int], tile_t: tuple[int, int]) -> bool:
-    """Whether a CUDA cast-transpose of one-row tiles (rowwise scaling) outside the fused kernel's
-    tilings runs as two row passes, the second over a transposed copy of ``x``: a tile of the
-    transpose is a column of ``x``, and reading columns in place is strided, several times slower
-    than the copy (docs/tiles.md). The result is the same bit for bit."""
-    fused = tile in _FUSED_TILES and tile_t == tile
-    return (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() >= 2 and x.numel() > 0 and not fused
-            and tile[0] == 1 and tile_t[0] == 1)
-
-
-_FUSED_TILES = ((1, 128), (128, 128))
 
 
 def scaled_accumulate_tiles(acc: torch.Tensor, acc_scale_inv: torch.Tensor, update: torch.Tensor,
