@@ -1,8 +1,9 @@
 // One-row tiles outside the region kernel's (1, 128): rowwise scaling's (1, cols) tiles of x, and
 // the transpose's (1, L) tiles, which are segments of x's columns (rowwise: one scale a column).
-// Both read x with 16-byte loads along its rows; the transpose's tiles are written through shared
-// memory so that its rows, too, are stored whole. Bit for bit tiles_cpu.cpp: the same amax keys,
-// scale rule and element codec as tile_kernel.
+// Both read x with 16-byte loads along its rows and convert whole packs (word_pack.cuh: the
+// hardware conversions on sm_89+); the transpose's tiles are written through shared memory so
+// that its rows, too, are stored 16 bytes at a time. Bit for bit tiles_cpu.cpp, as the region
+// kernel: the same amax keys, scale rule and element codec.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include "common/cuda_check.h"
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
+#include "common/word_pack.cuh"
 #include "tiles/tiles_cuda.cuh"
 #include "tiles/tiles_kernels.h"
 
@@ -33,6 +35,30 @@ bool loads_whole(const void* x, int64_t cols) {
   return cols % kVec<In> == 0 && is_aligned(x, 16);
 }
 
+// A 16-byte pack of In as words, and its elements' amax keys: the raw magnitude bits, which
+// order like the values, NaNs above infinity (a NaN key reads NaN, as numerics::amax_key's).
+template <class In>
+using Words = uint32_t[kWords<In, kVec<In>>];
+
+template <class In>
+__device__ __forceinline__ uint32_t max_key(const Words<In>& w, uint32_t key) {
+  float v[kVec<In>];
+  decode_pack<In>(w, v);
+#pragma unroll
+  for (int e = 0; e < kVec<In>; ++e) key = max(key, numerics::float_bits(v[e]) & 0x7FFFFFFFu);
+  return key;
+}
+
+// The pack's codes by `scale`, into the kVec<In> bytes at `out`.
+template <class In, class Out>
+__device__ __forceinline__ void store_codes(const Words<In>& w, float scale, Out* out) {
+  float v[kVec<In>];
+  decode_pack<In>(w, v);
+  uint32_t codes[kWords<Out, kVec<In>>];
+  encode_scaled_pack<Out>(v, scale, codes);
+  store_words(out, codes);
+}
+
 // One block per tile (1, tile_cols): its amax, its scale, its codes. A thread keeps its first
 // kHeld packs in registers, loaded together, so a tile of up to kTileThreads * kHeld packs (8,192
 // bf16 elements) is read once; the packs beyond are read again for the codes (an L1/L2 hit).
@@ -45,30 +71,28 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t r = tile / t.grid_cols();
   const int64_t c0 = tile % t.grid_cols() * t.tile_cols;
   const int64_t packs = (min(t.cols, c0 + t.tile_cols) - c0) / V;
-  const auto* in = reinterpret_cast<const Pack<In, V>*>(x + r * t.cols + c0);
-  auto* out = reinterpret_cast<Pack<Out, V>*>(y + r * t.cols + c0);
-  const auto amax_of = [](const Pack<In, V>& p, uint32_t key) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) key = max(key, numerics::amax_key(numerics::to_float(p.v[e])));
-    return key;
-  };
-  const auto codes_of = [](const Pack<In, V>& p, float scale) {
-    Pack<Out, V> q;
-#pragma unroll
-    for (int e = 0; e < V; ++e) q.v[e] = numerics::quantize_to<Out>(rn::mul(numerics::to_float(p.v[e]), scale));
-    return q;
-  };
+  const In* in = x + r * t.cols + c0;
+  Out* out = y + r * t.cols + c0;
   constexpr int64_t kHeldPacks = int64_t{kTileThreads} * kHeld;
-  Pack<In, V> held[kHeld];
+  Words<In> held[kHeld];
 #pragma unroll
   for (int h = 0; h < kHeld; ++h) {
     const int64_t k = h * kTileThreads + threadIdx.x;
-    held[h] = k < packs ? in[k] : Pack<In, V>{};  // zeros change no amax
+    if (k < packs) {
+      load_words(in + k * V, held[h]);
+    } else {
+#pragma unroll
+      for (auto& w : held[h]) w = 0;  // zeros change no amax
+    }
   }
   uint32_t key = 0;
 #pragma unroll
-  for (int h = 0; h < kHeld; ++h) key = amax_of(held[h], key);
-  for (int64_t k = kHeldPacks + threadIdx.x; k < packs; k += kTileThreads) key = amax_of(in[k], key);
+  for (int h = 0; h < kHeld; ++h) key = max_key<In>(held[h], key);
+  for (int64_t k = kHeldPacks + threadIdx.x; k < packs; k += kTileThreads) {
+    Words<In> w;
+    load_words(in + k * V, w);
+    key = max_key<In>(w, key);
+  }
   key = block_max_key<kTileThreads>(key);
   __shared__ float tile_scale;
   if (threadIdx.x == 0) {
@@ -81,9 +105,13 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
   for (int h = 0; h < kHeld; ++h) {
     const int64_t k = h * kTileThreads + threadIdx.x;
-    if (k < packs) out[k] = codes_of(held[h], scale);
+    if (k < packs) store_codes<In>(held[h], scale, out + k * V);
   }
-  for (int64_t k = kHeldPacks + threadIdx.x; k < packs; k += kTileThreads) out[k] = codes_of(in[k], scale);
+  for (int64_t k = kHeldPacks + threadIdx.x; k < packs; k += kTileThreads) {
+    Words<In> w;
+    load_words(in + k * V, w);
+    store_codes<In>(w, scale, out + k * V);
+  }
 }
 
 // The transpose's tiles of length `len` along x's columns: the amax key of column c's segment s
@@ -102,9 +130,12 @@ __global__ void __launch_bounds__(kRowThreads)
   uint32_t k[V] = {};
 #pragma unroll 8
   for (int64_t r = r0; r < r_end; ++r) {
-    const Pack<In, V> p = *reinterpret_cast<const Pack<In, V>*>(x + r * cols + c);
+    Words<In> w;
+    load_words(x + r * cols + c, w);
+    float v[V];
+    decode_pack<In>(w, v);
 #pragma unroll
-    for (int e = 0; e < V; ++e) k[e] = max(k[e], numerics::amax_key(numerics::to_float(p.v[e])));
+    for (int e = 0; e < V; ++e) k[e] = max(k[e], numerics::float_bits(v[e]) & 0x7FFFFFFFu);
   }
   const int64_t segment = r0 / len;
 #pragma unroll
@@ -120,20 +151,26 @@ __global__ void __launch_bounds__(kRowThreads)
                           int64_t rows, int64_t cols, int64_t len, int64_t segments, RecipeScaleRule rule,
                           bool out_t_whole) {
   constexpr int V = kVec<In>;
-  constexpr int kLanes = kRegionCols / V;           // threads that share a row of the region
+  constexpr int kLanes = kRegionCols / V;  // threads that share a row of the region
   constexpr int kRowsPerPass = kRowThreads / kLanes;
-  __shared__ float scale[kRegionCols];
-  __shared__ uint32_t codes_t[kRegionCols][kRegionRows / 4 + 1];  // +1: rows of words in distinct banks
   constexpr int kPasses = kRegionRows / kRowsPerPass;
+  constexpr int kRowBytes = kRegionRows + 4;  // a column's codes; + 4: columns start in distinct banks
+  __shared__ float scale[kRegionCols];
+  __shared__ uint32_t codes_t[kRegionCols * kRowBytes / 4];
   const int64_t region_cols = ceil_div(cols, kRegionCols);
   const int64_t r0 = blockIdx.x / region_cols * kRegionRows, c0 = blockIdx.x % region_cols * kRegionCols;
   const int lane = threadIdx.x % kLanes;
   const int64_t c = c0 + lane * V;
-  Pack<In, V> p[kPasses];  // loaded together, before the wait for the scales
+  Words<In> w[kPasses];  // loaded together, before the wait for the scales
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int64_t r = r0 + pass * kRowsPerPass + threadIdx.x / kLanes;
-    p[pass] = r < rows && c < cols ? *reinterpret_cast<const Pack<In, V>*>(x + r * cols + c) : Pack<In, V>{};
+    if (r < rows && c < cols) {
+      load_words(x + r * cols + c, w[pass]);
+    } else {
+#pragma unroll
+      for (auto& word : w[pass]) word = 0;
+    }
   }
   if (threadIdx.x < kRegionCols) {
     const int64_t col = c0 + threadIdx.x;
@@ -142,15 +179,23 @@ __global__ void __launch_bounds__(kRowThreads)
                    : 0.0f;
   }
   __syncthreads();
-  auto* bytes_t = reinterpret_cast<uint8_t*>(&codes_t[0][0]);
+  auto* bytes_t = reinterpret_cast<uint8_t*>(codes_t);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int i = pass * kRowsPerPass + threadIdx.x / kLanes;
+    float v[V];
+    decode_pack<In>(w[pass], v);
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const int col = lane * V + e;
-      const Out q = numerics::quantize_to<Out>(rn::mul(numerics::to_float(p[pass].v[e]), scale[col]));
-      bytes_t[col * (kRegionRows + 4) + i] = reinterpret_cast<const uint8_t&>(q);
+    for (int e = 0; e < V; e += 4) {  // four columns' codes at a time, then a byte each
+      float scaled[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) scaled[j] = rn::mul(v[e + j], scale[lane * V + e + j]);
+      uint32_t four[1];
+      encode_pack<Out>(scaled, four);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        bytes_t[(lane * V + e + j) * kRowBytes + i] = static_cast<uint8_t>(four[0] >> (8 * j));
+      }
     }
   }
   __syncthreads();
@@ -159,11 +204,12 @@ __global__ void __launch_bounds__(kRowThreads)
     const int col = u / kChunksPerColumn, chunk = u % kChunksPerColumn;
     const int64_t cc = c0 + col, r = r0 + chunk * kChunk;
     if (cc >= cols || r >= rows) continue;
-    const uint8_t* src = bytes_t + col * (kRegionRows + 4) + chunk * kChunk;
+    const uint8_t* src = bytes_t + col * kRowBytes + chunk * kChunk;
     uint8_t* dst = reinterpret_cast<uint8_t*>(out_t + cc * rows + r);
     if (out_t_whole) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      const uint32_t* s4 = reinterpret_cast<const uint32_t*>(src);
+      const uint32_t words[4] = {s4[0], s4[1], s4[2], s4[3]};
+      store_words(dst, words);
     } else {
       for (int e = 0; e < kChunk && r + e < rows; ++e) dst[e] = src[e];
     }
