@@ -19,13 +19,13 @@ namespace fp8amp {
 namespace cuda {
 namespace {
 
-constexpr int kTileThreads = 128;  // row_tiles_kernel's block ...
-constexpr int kHeld = 8;           // ... and the packs a thread of it holds
-constexpr int kRowThreads = 256;   // the other kernels' blocks
-constexpr int kRegionCols = 64;     // the columns of x one transpose block covers ...
-constexpr int kRegionRows = 64;     // ... and its rows
+constexpr int kTileThreads = 128;            // row_tiles_kernel's block ...
+constexpr int kHeld = 8;                     // ... and the packs a thread of it holds
+constexpr int kRowThreads = 256;             // the other kernels' blocks
+constexpr int kRegionCols = 64;              // the columns of x one transpose block covers ...
+constexpr int kRegionRows = 64;              // ... and its rows
 constexpr int kAmaxChunkRows = kRegionRows;  // the rows one column-amax thread reads
-constexpr int kChunk = 16;          // codes in a 16-byte chunk of an out_t row
+constexpr int kChunk = 16;                   // codes in a 16-byte chunk of an out_t row
 
 template <class In>
 constexpr int kVec = 16 / static_cast<int>(sizeof(In));  // elements of one 16-byte load
