@@ -22,8 +22,8 @@ PyTorch's time over ours.
 
 With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles,
 cast_transpose_tiles and scaled_accumulate_tiles (an E4M3 accumulator plus a bf16 update) of bf16
-matrices with (1, 128) tiles, (128, 128) blocks and rowwise scales, and MXFP8's quantize_mx and cast_transpose_mx
-(1 x 32 blocks), against a
+matrices with (1, 128) tiles and (128, 128) blocks, quantize_tiles and cast_transpose_tiles with
+rowwise scales, and MXFP8's quantize_mx and cast_transpose_mx (1 x 32 blocks), against a
 device-to-device copy of the same bytes (half of them read, half written) in the same run. The
 copy runs as direct launches (a copy inside a CUDA graph becomes a memcpy node, which ran slower
 on the H200); "of copy" is the copy's time over the op's, the op's fraction of copy bandwidth.

@@ -96,6 +96,12 @@ void launch_tiles(const Value& value, void* out, typename Rule::Stored* scales, 
   FP8AMP_CUDA_CHECK_LAUNCH();
 }
 
+// N elements of T, loaded and stored as one access.
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
 // Vec consecutive elements of one row a thread (cols % Vec == 0, aligned pointers): one wide load
 // and one wide store each instead of Vec narrow ones.
 template <int Vec, class In, class Out, class Rule>

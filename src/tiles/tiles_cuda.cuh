@@ -12,12 +12,6 @@
 namespace fp8amp {
 namespace cuda {
 
-// N elements of T, loaded and stored as one access.
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // Whether quantize_regions takes these tilings: (1, 128) tiles or (128, 128) blocks, the
 // transpose (when written) by the same tiles.
 inline bool region_tiling(const TileShape& t) { return t.is(1, 128) || t.is(128, 128); }

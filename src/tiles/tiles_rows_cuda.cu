@@ -245,8 +245,8 @@ bool column_tiles_fit(DType in_dtype, const void* x, const TileShape& t, const T
 
 void quantize_row_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv,
                         const TileShape& t, const ScalingRecipe& recipe, cudaStream_t stream) {
-  const int64_t tiles = t.grid_rows() * t.grid_cols();
-  if (tiles == 0 || t.rows * t.cols == 0) return;
+  const int64_t tiles = t.grid_rows() * t.grid_cols();  // 0 iff x is empty
+  if (tiles == 0) return;
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     visit(Fp8Types{}, out_dtype, [&](auto o) {
       using In = decltype(in);

@@ -311,7 +311,8 @@ def test_cast_transpose_tiles_cuda_equals_cpu(shape, tile, tile_t, fmt, dtype):
 
 @pytest.mark.gpu
 def test_cast_transpose_tiles_cuda_misaligned_input():
-    """x starting 2 bytes into its storage: the kernels' element-wise path (tile_kernel for rowwise)."""
+    """x starting 2 bytes into its storage: the kernels' element-wise path (for the rowwise (1, 260)
+    tiles tile_kernel, as 260 bf16 columns are no whole 16-byte packs either)."""
     x = wide_values((256 * 260 + 1,), torch.bfloat16, seed=9).cuda()[1:].view(256, 260)
     assert x.data_ptr() % 16 != 0
     for tile in [(1, 128), (128, 128), (1, 260)]:
