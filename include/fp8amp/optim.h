@@ -43,7 +43,7 @@
 // stored (rounded) forms, as MS-AMP does.
 //
 // Dequantization (the inputs): float32/bf16/fp16 grads convert exactly; an FP8 grad is
-// code * grad_scale_inv; a float16 master is code * param_scale_inv; an FP8 m is code *
+// code * grad_scale_inv, with one scale_inv or one per 128 x 128 block; a float16 master is code * param_scale_inv; an FP8 m is code *
 // exp_avg_scale_inv; a float16 v is code * exp_avg_sq_scale_inv (one float32 product each).
 //
 // ------------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@
 //
 // How, without a host sync (the CUDA path; the CPU reference runs the same steps in order):
 //   1. zero `amax` (a memset);
-//   2. pass 1, one launch per up to ~30 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
+//   2. pass 1, one launch per up to 29 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
 //      |p'| into amax[i, 0..3]; nothing is stored. A block that meets a non-finite value sets
 //      found_inf = 1;
 //   3. pass 2 (same batching): if found_inf != 0 nothing happens; else each block derives the new
@@ -66,9 +66,9 @@
 //      and the FP8 weight copy;
 //   4. commit, one thread per tensor: if found_inf == 0, write the new scale/scale_inv pairs (pass
 //      2 still needed the old ones) and increment step_tensor.
-// A pass launch takes tensors of one dtype combination (a call may mix them), up to 30 (the 4 KB
+// A pass launch takes tensors of one dtype combination (a call may mix them), up to 29 (the 4 KB
 // of kernel parameters hold their pointers); an empty tensor takes no block. Launches per call:
-// 1 memset + 2 x sum over combinations of ceil(tensors / 30) + ceil(n / 30) commits. Pass 1 reads
+// 1 memset + 2 x sum over combinations of ceil(tensors / 29) + ceil(n / 29) commits. Pass 1 reads
 // p, g, m, v; pass 2 reads them again and writes p, m, v and the weight copy: at O2 (FP16 master,
 // FP8 grad and m, FP16 v, FP8 copy) 6 + 6 + 6 = 18 bytes per element, against 28 for a fused
 // FP32 AdamW (read 16, write 12).
@@ -98,10 +98,13 @@
 namespace fp8amp {
 
 // The buffers of one parameter tensor. All contiguous, same shape (the scales: float32 with one
-// element), on one device (every tensor of the call on the same device). A scale is given iff
+// element, but for a grad's block scales), on one device (every tensor of the call on the same device). A scale is given iff
 // its tensor is in a scaled format:
 //   param:       float32, or float16 with param_scale + param_scale_inv (FP16 master, docs/o1_o2.md#optimization-levels)
-//   grad:        float32, bfloat16 or float16; or float8_e4m3fn / float8_e5m2 with grad_scale_inv
+//   grad:        float32, bfloat16 or float16; or float8_e4m3fn / float8_e5m2 with grad_scale_inv:
+//                one element, or for a 2-D grad [rows, cols] with cols a multiple of 128 (and at
+//                most 128 * (2^32 - 1) elements) the block scales [ceil(rows / 128), cols / 128],
+//                row-major, element (r, c) read with scale_inv[r / 128, c / 128]
 //   exp_avg:     float32, or float8_e4m3fn with exp_avg_scale + exp_avg_scale_inv
 //   exp_avg_sq:  float32, or float16 with exp_avg_sq_scale + exp_avg_sq_scale_inv
 //   weight_fp8:  optional float8_e4m3fn output, the copy of the new master for the forward GEMMs,

@@ -1,6 +1,7 @@
 // Public Adam op: validate the views once, then hand raw pointers to the CPU reference or the
 // CUDA kernels (adam_kernels.h).
 #include <cmath>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
@@ -59,6 +60,33 @@ Ptr scale_ptr(const std::optional<TensorView>& t, bool needed, const TensorView&
   return t->template ptr<std::remove_pointer_t<Ptr>>();
 }
 
+// An FP8 grad's scale_inv: one scale, or the [ceil(rows / 128), cols / 128] block scales of a 2-D
+// grad whose cols are a multiple of 128 (the blockwise recipe's weight gradients); sets
+// *blocks_per_row (0 for one scale).
+const float* grad_scale_inv_ptr(const std::optional<TensorView>& t, bool needed, const TensorView& param, size_t i,
+                                const char* why, uint32_t* blocks_per_row) {
+  *blocks_per_row = 0;
+  if (!needed || !t.has_value() || t->numel() == 1) {
+    return scale_ptr<const float*>(t, needed, param, "grad_scale_invs", i, why);
+  }
+  const std::string name = item("grad_scale_invs", i);
+  const bool blocks_fit = param.dim() == 2 && param.shape[1] % kGradBlock == 0 &&
+                          param.numel() / kGradBlock <= int64_t{UINT32_MAX};
+  FP8AMP_CHECK_VALUE(blocks_fit, kOp, name, " must have one element, or be the 128 x 128 block scales of a 2-D grad "
+                     "whose columns are a multiple of 128 (and at most 128 * (2^32 - 1) elements); the param is ",
+                     param.describe(), ", the scale_inv ", t->describe());
+  const int64_t grid_rows = (param.shape[0] + kGradBlock - 1) / kGradBlock;
+  const int64_t grid_cols = param.shape[1] / kGradBlock;
+  check::dtype_is(*t, DType::kFloat32, kOp, name.c_str());
+  check::contiguous(*t, kOp, name.c_str());
+  check::same_device(*t, param, kOp, name.c_str(), "its param");
+  FP8AMP_CHECK_VALUE(t->dim() == 2 && t->shape[0] == grid_rows && t->shape[1] == grid_cols, kOp, name,
+                     " must have one element or be the block scales [", grid_rows, ", ", grid_cols,
+                     "] of its param ", param.describe(), ", got ", t->describe());
+  *blocks_per_row = static_cast<uint32_t>(grid_cols);
+  return t->ptr<float>();
+}
+
 void check_hyper(const AdamHyper& h) {
   const auto finite_at_least_0 = [](double x) { return std::isfinite(x) && x >= 0.0; };
   FP8AMP_CHECK_VALUE(finite_at_least_0(h.lr), kOp, "lr must be finite and >= 0, got ", h.lr);
@@ -108,14 +136,14 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
   const char* w_why = weight ? "weights_fp8[i] is given" : "weights_fp8[i] is None";
   r.param_scale = scale_ptr<float*>(t.param_scale, fp16_param, p, "param_scales", i, param_why);
   r.param_scale_inv = scale_ptr<float*>(t.param_scale_inv, fp16_param, p, "param_scale_invs", i, param_why);
-  r.grad_scale_inv = scale_ptr<const float*>(t.grad_scale_inv, fp8_grad, p, "grad_scale_invs", i, grad_why);
+  r.grad_scale_inv = grad_scale_inv_ptr(t.grad_scale_inv, fp8_grad, p, i, grad_why, &r.grad_blocks_per_row);
   r.exp_avg_scale = scale_ptr<float*>(t.exp_avg_scale, fp8_m, p, "exp_avg_scales", i, m_why);
   r.exp_avg_scale_inv = scale_ptr<float*>(t.exp_avg_scale_inv, fp8_m, p, "exp_avg_scale_invs", i, m_why);
   r.exp_avg_sq_scale = scale_ptr<float*>(t.exp_avg_sq_scale, fp16_v, p, "exp_avg_sq_scales", i, v_why);
   r.exp_avg_sq_scale_inv = scale_ptr<float*>(t.exp_avg_sq_scale_inv, fp16_v, p, "exp_avg_sq_scale_invs", i, v_why);
   r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why);
   r.weight_scale_inv = scale_ptr<float*>(t.weight_scale_inv, weight, p, "weight_scale_invs", i, w_why);
-  *formats = AdamFormats{p.dtype, t.grad.dtype, t.exp_avg.dtype, t.exp_avg_sq.dtype};
+  *formats = AdamFormats{p.dtype, t.grad.dtype, t.exp_avg.dtype, t.exp_avg_sq.dtype, r.grad_blocks_per_row != 0};
   return r;
 }
 

@@ -33,10 +33,17 @@ T store(float x, float scale) {
   }
 }
 
+// The scale_inv of grad element j: the grad's one, or that of j's block.
+const float* grad_scale_inv(const AdamTensorPtrs& t, int64_t j) {
+  if (t.grad_blocks_per_row == 0) return t.grad_scale_inv;
+  const auto run = static_cast<uint32_t>(j / kGradBlock);
+  return t.grad_scale_inv + grad_block_index(run, run / t.grad_blocks_per_row, t.grad_blocks_per_row);
+}
+
 // Element j of tensor t: the dequantized grad and the update.
 template <class G, class P, class M, class V>
 AdamUpdate element(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c, float* grad) {
-  *grad = dequantize(static_cast<const G*>(t.grad)[j], t.grad_scale_inv);
+  *grad = dequantize(static_cast<const G*>(t.grad)[j], grad_scale_inv(t, j));
   return adam_update(dequantize(static_cast<const P*>(t.param)[j], t.param_scale_inv), *grad,
                      dequantize(static_cast<const M*>(t.exp_avg)[j], t.exp_avg_scale_inv),
                      dequantize(static_cast<const V*>(t.exp_avg_sq)[j], t.exp_avg_sq_scale_inv), c);

@@ -34,7 +34,7 @@ constexpr int kElementsPerThread = 32;  // per block: a chunk of kThreads * 32 e
 constexpr int64_t kChunk = int64_t{kThreads} * kElementsPerThread;
 
 // Tensors per launch: the batch must fit the 4 KB of kernel parameters with AdamArgs.
-constexpr int kMaxTensors = 30;
+constexpr int kMaxTensors = 29;
 
 // Blocks the passes keep resident an SM: 4 (half occupancy) caps them at 64 registers a thread,
 // what they used before holding a second pack; 3 would leave them their 70-73.
@@ -87,16 +87,22 @@ __device__ void with_known_lerp(const AdamConstants& c, F&& f) {
   }
 }
 
+// Read from shared memory at each use rather than held in registers, which bound the passes'
+// occupancy (see Chunk::make_blocks).
+__shared__ FastDivisor shared_blocks_per_row;
+
 // The pointers, input scales and chunk of the tensor that owns this block, as both passes read them.
-// The kernels index the chunk's elements with 32-bit offsets.
-template <class G, class P, class M, class V>
+// The kernels index the chunk's elements with 32-bit offsets. With kBlocks (an FP8 grad with 128 x
+// 128 block scales) each pack reads its block's grad scale_inv: a pack lies in one block, as the
+// grad's cols are a multiple of 128 and of the pack size.
+template <class G, class P, class M, class V, bool kBlocks>
 struct Chunk {
   static constexpr int N = kPackSize<G, P, M, V>;
   const AdamTensorPtrs& tp;
   float* amax_row;
   int64_t begin;  // the chunk's first element in the tensor
   int length;     // its elements: kChunk, fewer in the tensor's last chunk
-  float g_si, p_si, m_si, v_si;  // g_si negative for maximize: decode returns -g (exactly)
+  float g_si, p_si, m_si, v_si;  // g_si negative for maximize: decode returns -g (exactly); +-1 with kBlocks
   bool vector_ok;  // every array aligned for one access per pack
 
   __device__ Chunk(const AdamBatch& batch, const AdamArgs& args, int t)
@@ -104,7 +110,7 @@ struct Chunk {
         amax_row(args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns),
         begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk),
         length(static_cast<int>(min(tp.numel - begin, kChunk))),
-        g_si(signed_grad_scale_inv<G>(tp.grad_scale_inv, args.hyper.maximize)),
+        g_si(signed_grad_scale_inv<G>(kBlocks ? nullptr : tp.grad_scale_inv, args.hyper.maximize)),
         p_si(scale_inv_or_1(tp.param_scale_inv)),
         m_si(scale_inv_or_1(tp.exp_avg_scale_inv)),
         v_si(scale_inv_or_1(tp.exp_avg_sq_scale_inv)),
@@ -124,12 +130,26 @@ struct Chunk {
     return static_cast<numerics::fp8_e4m3*>(tp.weight_fp8) + (begin + i);
   }
 
+  // With kBlocks: the grad's blocks per row as a divisor (shared_blocks_per_row), made by thread 0
+  // before the block's first barrier.
+  __device__ void make_blocks() const {
+    if constexpr (kBlocks) shared_blocks_per_row = FastDivisor::of(tp.grad_blocks_per_row);
+  }
+
+  // The grad scale_inv of the pack at element i (kBlocks), signed as g_si.
+  __device__ float block_grad_scale_inv(int i) const {
+    const auto run = static_cast<uint32_t>(static_cast<uint64_t>(begin + i) / kGradBlock);
+    const FastDivisor& blocks = shared_blocks_per_row;
+    return tp.grad_scale_inv[grad_block_index(run, blocks.divide(run), blocks.divisor)] * g_si;
+  }
+
   // One pack of every input as loaded. The passes fetch the next pack before they compute on this
   // one: Nsight Compute found them at half occupancy (register-bound) with ~40 % of warp cycles
   // waiting for their loads, so a thread keeps a second round trip in flight.
   struct Pack {
     uint32_t g[kWords<G, N>], p[kWords<P, N>], m[kWords<M, N>], v[kWords<V, N>];
     int valid;  // elements of the pack before the chunk's end (<= 0 past it)
+    float g_si;  // with kBlocks: the block's grad scale_inv, signed
   };
 
   // The pack at element i of the chunk.
@@ -138,6 +158,7 @@ struct Chunk {
     // nvcc 13.0 emitted a VIMNMX.RELU whose predicate feeds the whole-pack branch, and the H200
     // failed the bit-exact AdamCuda tests (found by bisection; the unclamped form passes).
     w.valid = min(N, length - i);
+    if constexpr (kBlocks) w.g_si = w.valid > 0 ? block_grad_scale_inv(i) : 0.0f;
     if (vector_ok && w.valid == N) {  // one branch for the usual whole pack, not one per array
       load_words(grad(i), w.g);
       load_words(param(i), w.p);
@@ -155,7 +176,7 @@ struct Chunk {
   // them (whatever the scales), so that the amax pass can fold a whole pack into the g, m', v'
   // maxima: zero inputs give g = m' = v' = 0.
   __device__ void decode(const Pack& w, float (&g)[N], float (&p)[N], float (&m)[N], float (&v)[N]) const {
-    decode_array<G>(w.g, kIsFp8<G> || g_si < 0.0f, g_si, g);
+    decode_array<G>(w.g, kIsFp8<G> || g_si < 0.0f, kBlocks ? w.g_si : g_si, g);
     decode_array<P>(w.p, !std::is_same_v<P, float>, p_si, p);
     decode_array<M>(w.m, !std::is_same_v<M, float>, m_si, m);
     decode_array<V>(w.v, !std::is_same_v<V, float>, v_si, v);
@@ -208,10 +229,10 @@ __device__ uint32_t canonical_key(float amax) {
 // each lane's exact maximum so far. A warp usually evaluates p' exactly for one element of its
 // first pack and then only when a pack holds a new maximum; blocks that start after others of
 // their tensor finished evaluate almost none.
-template <class G, class P, class M, class V>
+template <class G, class P, class M, class V, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     adam_amax_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
-  using C = Chunk<G, P, M, V>;
+  using C = Chunk<G, P, M, V, kBlocks>;
   constexpr int N = C::N;
   __shared__ AdamConstants shared_constants;
   __shared__ AdamBoundConstants shared_bound;
@@ -219,6 +240,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
   const C chunk(batch, args, owning_tensor(batch));
   if (threadIdx.x == 0) {
+    chunk.make_blocks();
     shared_constants = adam_constants(args.hyper, call_step(args));
     shared_bound = adam_bound_constants(shared_constants);
     // Any value the row held during this call will do; other blocks raise it concurrently.
@@ -299,10 +321,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
 // Pass 2: unless found_inf is set, recompute m', v', p' as the reference does and store them and
 // the weight copy with the new scales.
-template <class G, class P, class M, class V>
+template <class G, class P, class M, class V, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     adam_store_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
-  using C = Chunk<G, P, M, V>;
+  using C = Chunk<G, P, M, V, kBlocks>;
   constexpr int N = C::N;
   constexpr bool kScaledParam = !std::is_same_v<P, float>;
   constexpr bool kScaledExpAvg = !std::is_same_v<M, float>;
@@ -313,6 +335,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
   const C chunk(batch, args, owning_tensor(batch));
   if (threadIdx.x == 0) {
+    chunk.make_blocks();
     shared_constants = adam_constants(args.hyper, call_step(args));
     shared_skip = *args.found_inf != 0.0f;
     if (!shared_skip) shared_scales = adam_new_scales(chunk.tp, chunk.amax_row, args.hyper.margin);
@@ -383,7 +406,7 @@ __global__ void __launch_bounds__(kMaxTensors)
 
 // Runs pass 1 or 2 over the tensors `indices` (one dtype combination), in as few launches as the
 // batch size allows. Empty tensors have no elements to visit; the commit still sees them.
-template <class G, class P, class M, class V>
+template <class G, class P, class M, class V, bool kBlocks>
 void launch_pass(const std::vector<AdamTensorPtrs>& tensors, const std::vector<int32_t>& indices,
                  const AdamArgs& args, bool store, cudaStream_t stream) {
   AdamBatch batch{};
@@ -391,9 +414,9 @@ void launch_pass(const std::vector<AdamTensorPtrs>& tensors, const std::vector<i
   const auto launch = [&] {
     batch.block_begin[batch.count] = static_cast<int32_t>(blocks);
     if (store) {
-      adam_store_kernel<G, P, M, V><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
+      adam_store_kernel<G, P, M, V, kBlocks><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
     } else {
-      adam_amax_kernel<G, P, M, V><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
+      adam_amax_kernel<G, P, M, V, kBlocks><<<grid_size(blocks, "adam_step"), kThreads, 0, stream>>>(batch, args);
     }
     FP8AMP_CUDA_CHECK_LAUNCH();
     batch.count = 0;
@@ -431,7 +454,15 @@ void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<Ada
   for (const bool store : {false, true}) {
     for (const auto& group : groups) {
       visit_formats(group.first, [&](auto g, auto p, auto m, auto v) {
-        launch_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors, group.second, args, store, s);
+        using G = decltype(g);
+        // Block scales come with FP8 grads only (adam.cpp): no other grad type gets the variant.
+        if constexpr (kIsFp8<G>) {
+          if (group.first.grad_blocks) {
+            launch_pass<G, decltype(p), decltype(m), decltype(v), true>(tensors, group.second, args, store, s);
+            return;
+          }
+        }
+        launch_pass<G, decltype(p), decltype(m), decltype(v), false>(tensors, group.second, args, store, s);
       });
     }
   }

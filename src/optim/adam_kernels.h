@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/dispatch.h"
+#include "common/fast_divide.h"
 #include "common/numerics.h"
 #include "fp8amp/dtype.h"
 #include "fp8amp/optim.h"
@@ -124,7 +125,8 @@ FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamC
 
 // ------------------------------------------------------------------------------------------------
 // One tensor's buffers. A scale pointer is null iff its tensor is not in a scaled format (and the
-// weight pointers iff there is no FP8 weight copy).
+// weight pointers iff there is no FP8 weight copy). An FP8 grad has one scale_inv, or one per
+// 128 x 128 block of its [rows, 128 * grad_blocks_per_row] elements (grad_blocks_per_row != 0).
 struct AdamTensorPtrs {
   void* param;
   const void* grad;
@@ -141,13 +143,24 @@ struct AdamTensorPtrs {
   float* weight_scale;
   float* weight_scale_inv;
   int64_t numel;
+  uint32_t grad_blocks_per_row;  // 0: one grad scale_inv
 };
+
+// Block scales of a grad: its elements in runs of 128 (numbered run = e / 128, row by row; a run
+// lies in one block), a row holding blocks_per_row runs. The block of `run`, which lies in `row`
+// (= run / blocks_per_row, which the CUDA kernels compute with a FastDivisor).
+constexpr int kGradBlock = 128;
+FP8AMP_HD uint32_t grad_block_index(uint32_t run, uint32_t row, uint32_t blocks_per_row) {
+  return (row / kGradBlock) * blocks_per_row + (run - row * blocks_per_row);
+}
 
 // The storage formats of one tensor; tensors of a call may mix them.
 struct AdamFormats {
   DType param, grad, exp_avg, exp_avg_sq;
+  bool grad_blocks;  // block scales of the grad
   bool operator==(const AdamFormats& o) const {
-    return param == o.param && grad == o.grad && exp_avg == o.exp_avg && exp_avg_sq == o.exp_avg_sq;
+    return param == o.param && grad == o.grad && exp_avg == o.exp_avg && exp_avg_sq == o.exp_avg_sq &&
+           grad_blocks == o.grad_blocks;
   }
 };
 
