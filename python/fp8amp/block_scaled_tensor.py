@@ -5,7 +5,9 @@ blocks (:mod:`fp8amp.tiled_all_gather`), and the O1/O2 weight gradient, accumula
 by :func:`fp8amp.ops.scaled_accumulate_tiles` (one fused dequantize-add-requantize, fresh block
 scales, no float32 copy). To torch it is a tensor of its logical dtype: it keeps its type through
 what FSDP2 and autograd's gradient accumulation do to it (``detach``, ``alias``, ``clone``, FSDP2's
-``as_strided`` to the weight's rows, ``add`` / ``add_``); every other op reads its real values
+``as_strided`` to the weight's rows, ``add`` / ``add_``); its norms (``linalg.vector_norm`` over all
+elements, ``_foreach_norm``: what ``clip_grad_norm_`` calls) come from the codes and the block
+scales, with no float32 copy; every other op reads its real values
 (:meth:`dequantize`) and returns plain tensors, and an op that writes into it (``mul_`` of
 ``clip_grad_norm_``, GradScaler's unscale, ``copy_``, ``zero_``) writes its result back, quantized
 with fresh block scales.
@@ -101,8 +103,14 @@ class BlockScaledTensor(torch.Tensor):
             if others:
                 torch._foreach_mul_(others, args[1])
             return None
+        if func is _aten._foreach_norm.Scalar:
+            return _foreach_norm(func, *args, **kwargs)
         self = args[0] if args and isinstance(args[0], BlockScaledTensor) else None
         if self is not None:
+            if func is _aten.linalg_vector_norm.default:
+                norm = _norm_from_blocks(self, *args[1:], **kwargs)
+                if norm is not None:
+                    return norm
             if func in (_aten.detach.default, _aten.alias.default):
                 return BlockScaledTensor(self._codes, self._scale_inv, self.dtype)
             if func is _aten.clone.default:
@@ -157,6 +165,31 @@ def _scalar_factor(factor) -> bool:
     if isinstance(factor, torch.Tensor):
         return factor.numel() == 1 and not isinstance(factor, BlockScaledTensor) and factor.is_floating_point()
     return isinstance(factor, (int, float)) and not isinstance(factor, bool)
+
+
+def _norm_from_blocks(t: BlockScaledTensor, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor | None:
+    """The ``ord``-norm of all of ``t``'s real values as the norm of its blocks' norms: a block's is
+    the norm of its codes (read as FP16, which holds every FP8 value exactly; float32 sums) times
+    its |scale_inv|. Equal to the norm of the dequantized values up to float32 rounding (any
+    ``ord`` but 0, a count). None where it does not apply: a ``dim``, ``keepdim``, ``ord`` 0, or
+    blocks that do not tile ``t`` (rows or cols not multiples of 128), which then read the real values."""
+    rows, cols = t._codes.shape
+    if dim is not None or keepdim or ord == 0 or rows % BLOCK or cols % BLOCK:
+        return None
+    codes = ops.dequantize(t._codes, torch.ones(1, device=t.device), torch.float16)
+    blocks = codes.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    per_block = torch.linalg.vector_norm(blocks, ord, dim=(1, 3), dtype=torch.float32)
+    return torch.linalg.vector_norm(per_block * t._scale_inv.abs(), ord).to(dtype or t.dtype)
+
+
+def _foreach_norm(func, tensors, ord=2, dtype=None):
+    """``_foreach_norm`` with the BlockScaledTensors' norms from their blocks, the others' by ``func``."""
+    norms = {i: _norm_from_blocks(t, ord, dtype=dtype) for i, t in enumerate(tensors)
+             if isinstance(t, BlockScaledTensor)}
+    others = [t.dequantize() if isinstance(t, BlockScaledTensor) else t
+              for i, t in enumerate(tensors) if norms.get(i) is None]
+    other_norms = iter(func(others, ord, dtype) if others else [])
+    return [next(other_norms) if norms.get(i) is None else norms[i] for i in range(len(tensors))]
 
 
 def _leading_rows(t: BlockScaledTensor, size, stride, storage_offset=0):

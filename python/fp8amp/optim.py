@@ -71,7 +71,7 @@ from .ops import fast, multi_amax
 from .formats import E4M3, FP16
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, fingerprint, local as _local, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
-from .block_scaled_tensor import BlockScaledTensor
+from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -324,9 +324,9 @@ class Adam(torch.optim.Optimizer):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
             for p in itertools.chain.from_iterable(lists):
                 g = _local(p.grad)
-                if isinstance(g, ScaledTensor):
+                if isinstance(g, (ScaledTensor, BlockScaledTensor)):
                     # fp8amp's FP8 gradients carry a non-finite scale_inv when any element is
-                    # non-finite (ScaledTensor.from_tensor(nan_if_nonfinite=True),
+                    # non-finite (ScaledTensor.from_tensor(nan_if_nonfinite=True), the block casts,
                     # scaled_accumulate, an unscale by inf): checking it costs no pass over the codes.
                     # (NaN codes under a finite scale, from elsewhere, still skip the op call that
                     # meets them.)
@@ -348,8 +348,8 @@ class Adam(torch.optim.Optimizer):
         torch's fused AdamW does for such params."""
         grads, grad_scale_invs = [], []
         for q in sharded:
-            g = _one_scale_form(_local(q.grad))
-            if isinstance(g, ScaledTensor):
+            g = _fused_form(_local(q.grad))
+            if isinstance(g, (ScaledTensor, BlockScaledTensor)):
                 grads.append(g.codes)
                 grad_scale_invs.append(g.scale_inv)
             else:
@@ -372,11 +372,13 @@ class Adam(torch.optim.Optimizer):
             torch._foreach_copy_(lists.other_steps, lists.first_steps)
 
 
-def _one_scale_form(grad: torch.Tensor) -> torch.Tensor:
-    """A blockwise weight gradient (128 x 128 block scales) as its float32 real values, the one
-    place the optimizer dequantizes it: the fused step reads one scale a gradient, and reading
-    block scales would need a change of its kernel (docs/tiles.md)."""
-    return grad.dequantize(torch.float32) if isinstance(grad, BlockScaledTensor) else grad
+def _fused_form(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as the fused step takes it: a block gradient (128 x 128 block scales) as itself
+    (the step reads each block's scale), unless its columns are not a multiple of 128, which the
+    step's block indexing needs (the blockwise recipe makes none such): then its float32 real values."""
+    if isinstance(grad, BlockScaledTensor) and grad.shape[1] % BLOCK_TILE[1]:
+        return grad.dequantize(torch.float32)
+    return grad
 
 
 class ScaledMoment(ScaledTensor):

@@ -146,8 +146,8 @@ def test_blockwise_weight_gradients_accumulate_in_blocks():
 
 
 def test_the_optimizer_steps_block_gradients_as_their_real_values():
-    """fp8amp's AdamW reads a block gradient as its float32 real values (the fused step takes one
-    scale a gradient): bit for bit the step on those values. Against the step on the float32 sum
+    """fp8amp's AdamW reads a block gradient with its block scales: bit for bit the step on its
+    float32 real values. Against the step on the float32 sum
     of the micro-batches' gradients, it and the per-tensor E4M3 gradient's step stay within Adam's
     2 lr; the blocks part from it in fewer weights (the per-tensor gradient flushes small ones)."""
     lr = 1e-3
@@ -205,3 +205,29 @@ def test_block_gradients_clip_and_unscale_in_place():
     torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, torch.full((1,), 0.5))
     assert found_inf.item() == 1.0
     assert grad.scale_inv[0, 0].isnan() and grad.scale_inv[1:].isfinite().all() and grad.scale_inv[0, 1:].isfinite().all()
+
+
+@pytest.mark.parametrize("ord", [2, 1, 3, float("inf"), float("-inf")])
+def test_block_gradient_norms_come_from_the_blocks(ord):
+    """vector_norm and _foreach_norm (clip_grad_norm_'s) of a block gradient: its blocks' code
+    norms times their scales, no float32 copy. Against the float64 norm of the real values within
+    the error of float32 sums over a block's 16384 codes (1e-4 relative: far inside the n * 2^-24
+    worst case, and deterministic data); in a list with plain and per-tensor FP8 tensors; blocks
+    that do not tile the tensor read its real values; a NaN block reads NaN."""
+    g = torch.Generator().manual_seed(4)
+    big = torch.exp2(torch.randint(-8, 8, (2, 3), generator=g).float()).repeat_interleave(128, 0)
+    blocks = BlockScaledTensor.from_tensor(torch.randn(256, 384, generator=g) * big.repeat_interleave(128, 1))
+    ragged = BlockScaledTensor.from_tensor(torch.randn(200, 128, generator=g))
+    plain, scaled = torch.randn(7, generator=g), ScaledTensor.from_tensor(torch.randn(9, 9, generator=g), E4M3)
+    def exact(t):
+        values = t.dequantize() if isinstance(t, (ScaledTensor, BlockScaledTensor)) else t
+        return torch.linalg.vector_norm(values.double(), ord).float()
+
+    torch.testing.assert_close(torch.linalg.vector_norm(blocks, ord), exact(blocks), rtol=1e-4, atol=0)
+    norms = torch._foreach_norm([plain, blocks, scaled, ragged], ord)
+    for norm, t in zip(norms, [plain, blocks, scaled, ragged]):
+        assert norm.shape == () and norm.dtype == torch.float32
+        torch.testing.assert_close(norm, exact(t), rtol=1e-4, atol=0)
+    assert torch.equal(norms[3], torch.linalg.vector_norm(ragged.dequantize(), ord))  # the real values' norm
+    blocks.scale_inv[1, 2] = float("nan")
+    assert torch.linalg.vector_norm(blocks, ord).isnan() and torch._foreach_norm([blocks], ord)[0].isnan()
