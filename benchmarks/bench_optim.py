@@ -9,6 +9,8 @@ by AdamW (lr 1e-4, weight decay 0.1). Modes:
     fp8amp fp32         fp8amp.optim.AdamW(state_dtypes="O1") on the same float32 params and grads
     fp8amp O1           FP16 ScaledTensor masters, E4M3 ScaledTensor grads, float32 m and v
     fp8amp O2           FP16 masters, E4M3 grads, E4M3 m, FP16 v (docs/o1_o2.md#optimization-levels's 6 bytes per parameter)
+    fp8amp O2 blocks    O2 with the blockwise recipe's E4M3 grads: one scale per 128 x 128 block
+                        (fp8amp.BlockScaledTensor), which the step reads per element
     fp8amp O2 + copy    O2 also rewriting each weight's E4M3 copy for the forward GEMM (what an
                         Fp8Linear training step does: its forward reads that copy instead of
                         re-casting the weight)
@@ -37,16 +39,17 @@ from torch.profiler import ProfilerActivity, profile
 import fp8amp
 from _common import copy_bandwidth, markdown_table, parse_subset, report, require_gpu, warm_up_gpu
 
-MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-copy"]
+MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-blocks", "o2-copy"]
 LABELS = {
     "torch-fused": "torch AdamW fused", "torch-foreach": "torch AdamW foreach", "fp8amp-fp32": "fp8amp fp32",
-    "o1": "fp8amp O1", "o2": "fp8amp O2", "o2-copy": "fp8amp O2 + weight copy",
+    "o1": "fp8amp O1", "o2": "fp8amp O2", "o2-blocks": "fp8amp O2, block-scaled grads",
+    "o2-copy": "fp8amp O2 + weight copy",
 }
 # Bytes per parameter a step must move (read + write), per pass: torch's one pass; fp8amp's pass 1
 # (amax: reads p, g, m, v) and pass 2 (store: reads them again, writes p, m, v and the weight copy).
 PASS_BYTES = {
     "torch-fused": (28,), "torch-foreach": (28,), "fp8amp-fp32": (16, 28), "o1": (11, 21), "o2": (6, 11),
-    "o2-copy": (6, 12),
+    "o2-blocks": (6, 11), "o2-copy": (6, 12),
 }
 # The kernels of fp8amp's passes (src/optim/adam_cuda.cu), as the profiler names them.
 PASS_KERNELS = ("adam_amax_kernel", "adam_store_kernel")
@@ -63,10 +66,11 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
     for shape in sizes:
         w = torch.randn(shape, device=device, generator=gen) * 0.02
         g = torch.randn(shape, device=device, generator=gen) * 1e-3
-        if mode in ("o1", "o2", "o2-copy"):
+        if mode in ("o1", "o2", "o2-blocks", "o2-copy"):
             master = fp8amp.MasterWeight.from_tensor(w)
             p = torch.nn.Parameter(master if mode == "o2-copy" else master.drop_fp8_copy())
-            p.grad = fp8amp.ScaledTensor.from_tensor(g, fp8amp.E4M3)
+            grad_type = fp8amp.BlockScaledTensor if mode == "o2-blocks" else fp8amp.ScaledTensor
+            p.grad = grad_type.from_tensor(g, fp8amp.E4M3)
         else:
             p = torch.nn.Parameter(w)
             p.grad = g
