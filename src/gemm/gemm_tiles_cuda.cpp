@@ -130,11 +130,22 @@ void gemm_tiles(const GemmTilesArgs& g, Stream stream) {
                "; pad the rows or use rowwise scaling for this GEMM");
 
   const size_t cublas_bytes = g.workspace_bytes - static_cast<size_t>(rest - base);
-  copy_tile_scales(g.a_scales.data, g.a_scales.cols, a_layout_s, reinterpret_cast<float*>(a_copy), stream);
-  copy_tile_scales(g.b_scales.data, g.b_scales.cols, b_layout_s, reinterpret_cast<float*>(b_copy), stream);
+  // Scales already in cuBLASLt's layout (and aligned as the copies are) are read in place.
+  const ScaleCopy wanted[] = {{g.a_scales.data, g.a_scales.cols, a_layout_s, reinterpret_cast<float*>(a_copy)},
+                              {g.b_scales.data, g.b_scales.cols, b_layout_s, reinterpret_cast<float*>(b_copy)}};
+  ScaleCopy copies[kMaxScaleCopies];
+  const float* read[kMaxScaleCopies];
+  int count = 0;
+  for (int k = 0; k < kMaxScaleCopies; ++k) {
+    const ScaleCopy& w = wanted[k];
+    const bool in_place = w.layout.same_as(w.src_cols) && reinterpret_cast<uintptr_t>(w.src) % kScaleCopyAlignment == 0;
+    read[k] = in_place ? w.src : w.dst;
+    if (!in_place) copies[count++] = w;
+  }
+  copy_tile_scales(copies, count, stream);
   const ScaleModes modes{scale_mode(g.a_scales.scaling),      scale_mode(g.b_scales.scaling),
-                         a_copy,
-                         b_copy,
+                         read[0],
+                         read[1],
                          scale_mode_name(g.a_scales.scaling), scale_mode_name(g.b_scales.scaling),
                          kOp};
   scaled_matmul(g, modes, rest, cublas_bytes, stream);

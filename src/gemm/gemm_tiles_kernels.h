@@ -50,6 +50,14 @@ struct CublasScaleLayout {
   bool transposed;  // run o, element i comes from the caller's [i][o] (else from [o][i])
 
   FP8AMP_HD int64_t elements() const { return outer * ld; }
+
+  // Whether the caller's row-major scales, src_cols wide, are already this layout, element for
+  // element (no padding, no transpose): 128 x 128 blocks whose K-blocks are a multiple of 4, and
+  // rowwise's one column. cuBLASLt then reads them where they are.
+  bool same_as(int64_t src_cols) const {
+    if (inner != ld) return false;
+    return transposed ? outer == 1 && src_cols == 1 : src_cols == ld;
+  }
 };
 
 inline CublasScaleLayout cublas_scale_layout(TileScaling scaling, int64_t rows, int64_t k) {
@@ -115,8 +123,16 @@ struct ScaleModes {
 // per problem; NotImplementedError where cuBLASLt has none.
 void scaled_matmul(const GemmTilesArgs& g, const ScaleModes& modes, void* workspace, size_t workspace_bytes,
                    Stream stream);
-// dst (layout) = the caller's scales src (row-major, src_cols wide), on stream (gemm_tiles_scales_cuda.cu).
-void copy_tile_scales(const float* src, int64_t src_cols, const CublasScaleLayout& layout, float* dst, Stream stream);
+// One operand's scale copy: dst (layout) = the caller's scales src (row-major, src_cols wide).
+struct ScaleCopy {
+  const float* src;
+  int64_t src_cols;
+  CublasScaleLayout layout;
+  float* dst;
+};
+// The copies (count of them, at most kMaxScaleCopies) in one launch on stream (gemm_tiles_scales_cuda.cu).
+constexpr int kMaxScaleCopies = 2;
+void copy_tile_scales(const ScaleCopy* copies, int count, Stream stream);
 // The MXFP8 GEMM through cuBLASLt (gemm_mx_cuda.cpp): g's a_scales / b_scales are unused, the E8M0
 // codes [rows, K / 32] come as a_scales / b_scales.
 void gemm_mx(const GemmTilesArgs& g, const uint8_t* a_scales, const uint8_t* b_scales, Stream stream);

@@ -159,6 +159,15 @@ TEST(GemmTilesCpu, CublasScaleLayouts) {
   EXPECT_FALSE(block.transposed);
   const CublasScaleLayout row = cublas_scale_layout(TileScaling::kRowwise, 7, 640);
   EXPECT_EQ(row.elements(), 7);
+  // Which of the caller's row-major scales cuBLASLt can read in place: only those that are the
+  // layout already, element for element.
+  EXPECT_FALSE(tile.same_as(3));                                                          // a transpose
+  EXPECT_FALSE(block.same_as(5));                                                         // re-pitched to 8
+  EXPECT_TRUE(cublas_scale_layout(TileScaling::kBlock128x128, 300, 1024).same_as(8));     // 8 K-blocks
+  EXPECT_FALSE(cublas_scale_layout(TileScaling::kBlock128x128, 300, 1024).same_as(9));    // another pitch
+  EXPECT_TRUE(row.same_as(1));
+  EXPECT_TRUE(cublas_scale_layout(TileScaling::kTile1x128, 8, 128).same_as(1));           // one K-block
+  EXPECT_FALSE(cublas_scale_layout(TileScaling::kTile1x128, 5, 128).same_as(1));          // rows padded
   // What the CUDA path asks of the workspace: 256 bytes of slack plus each copy in 256-byte units.
   EXPECT_EQ(gemm_tiles_scale_bytes(5, 300, 300, 1, 128, 128, 128), 256u + 256u + 256u);
   EXPECT_EQ(gemm_tiles_scale_bytes(1000, 16, 4096, 1, 128, 1, 128), 256u + 32u * 1000 * 4 + 32u * 16 * 4);
