@@ -121,7 +121,8 @@ size_t gemm_mx_scale_bytes(int64_t m, int64_t n, int64_t k);
 void gemm_mx(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& b_scales,
              const TensorView* bias, const TensorView& out, const GemmTilesOptions& options, Stream stream);
 
-// Autotuning of the CUDA path's cuBLASLt algorithm (process-wide, off by default). Off, a problem
+// Autotuning of the CUDA paths' cuBLASLt algorithm (gemm, gemm_tiles and gemm_mx alike;
+// process-wide, off by default). Off, a problem
 // (device, shape, leading dims, dtypes, bias, flags, alignments, workspace) runs the first
 // algorithm of cuBLASLt's heuristic. On, each problem first seen while it is on has its first 24
 // calls spread over the heuristic's first 8 algorithms (3 calls each), each call timed with CUDA

@@ -6,20 +6,20 @@
 //   (1, 128)    CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
 //   (128, 128)  CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
 //   rowwise     CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
-// read from copies in the layouts cuBLASLt takes (CublasScaleLayout), which a small kernel
-// writes into the front of the caller's workspace; cuBLASLt gets the rest. cuBLAS 12.9+ offers
-// these modes on Hopper only: other devices are refused before any work is queued. The first
-// algorithm of cuBLASLt's heuristic runs, found once per problem and kept for the process.
+// read in the layouts cuBLASLt takes (CublasScaleLayout): where they already are, else from
+// copies that one small kernel writes into the front of the caller's workspace; cuBLASLt gets the
+// rest. cuBLAS 12.9+ offers these modes on Hopper only: other devices are refused before any
+// work is queued. The algorithm comes from the cache the GEMM paths share (algo_tuner.h): the
+// heuristic's first, or with autotuning (gemm.h) the fastest of its first candidates.
 // scaled_matmul, the call with given scale modes and scale copies, also serves gemm_mx.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <array>
 #include <cstdint>
-#include <mutex>
-#include <unordered_map>
+#include <vector>
 
 #include "common/cuda_check.h"
+#include "gemm/algo_tuner.h"
 #include "gemm/cublaslt_util.h"
 #include "gemm/gemm_kernels.h"
 #include "gemm/gemm_tiles_kernels.h"
@@ -53,48 +53,26 @@ const char* scale_mode_name(TileScaling s) {
   return "OUTER_VEC_32F";
 }
 
-// Everything the heuristic's answer depends on: the problem, the scale modes, the workspace size.
-using Key = AlgoKey<3>;
-
-std::mutex algos_mutex;
-std::unordered_map<Key, cublasLtMatmulAlgo_t, AlgoKeyHash> algos;
-
-// The heuristic's first algorithm for the problem; NotImplementedError where it has none.
-cublasLtMatmulAlgo_t find_algo(const GemmTilesArgs& g, const ScaleModes& modes, cublasLtHandle_t handle,
-                               cublasLtMatmulDesc_t desc,
-                               cublasLtMatrixLayout_t a_layout, cublasLtMatrixLayout_t b_layout,
-                               cublasLtMatrixLayout_t out_layout, size_t workspace_bytes) {
-  const Key key = algo_key(g, modes.a_mode, modes.b_mode, workspace_bytes);
-  std::lock_guard<std::mutex> lock(algos_mutex);
-  const auto found = algos.find(key);
-  if (found != algos.end()) return found->second;
-
-  cublasLtMatmulPreference_t raw = nullptr;
-  FP8AMP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw));
-  const Preference pref(raw);
-  const uint64_t max_workspace = workspace_bytes;
-  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_workspace);
-  // cuBLASLt's A is our b and its B our a; C and D are out.
-  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(g.b));
-  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
-  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.out));
-  FP8AMP_SET_PREF(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
-  cublasLtMatmulHeuristicResult_t result{};
-  int count = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc, a_layout, b_layout, out_layout,
-                                                               out_layout, pref.get(), 1, &result, &count);
+// The heuristic's first `count` algorithms for the call; NotImplementedError where it has none.
+std::vector<cublasLtMatmulAlgo_t> candidates(const GemmTilesArgs& g, const ScaleModes& modes, cublasLtHandle_t handle,
+                                             cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a_layout,
+                                             cublasLtMatrixLayout_t b_layout, cublasLtMatrixLayout_t out_layout,
+                                             size_t workspace_bytes, int count) {
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  std::vector<cublasLtMatmulAlgo_t> algos =
+      heuristic_algos(g, handle, desc, a_layout, b_layout, out_layout, workspace_bytes, count, &status);
   // NOT_SUPPORTED (and, for some scale-mode combinations, INVALID_VALUE) is cuBLASLt's way of
   // saying it has no kernel for this problem.
   if (status != CUBLAS_STATUS_NOT_SUPPORTED && status != CUBLAS_STATUS_INVALID_VALUE) {
     check_cublas(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
   }
-  FP8AMP_CHECK(status == CUBLAS_STATUS_SUCCESS && count > 0, kNotImplemented, modes.op,
+  FP8AMP_CHECK(!algos.empty(), kNotImplemented, modes.op,
                "cuBLASLt (", cublasLtGetVersion(), ") has no FP8 kernel with scale modes ", modes.a_name, " for a and ",
                modes.b_name, " for b at M = ",
                g.m, ", N = ", g.n, ", K = ", g.k, ", a ", dtype_name(g.a_dtype), ", b ", dtype_name(g.b_dtype), ", out ",
                dtype_name(g.out_dtype), g.bias != nullptr ? " with bias" : "", " on cuda:", g.device_index, " (",
                cublasLtGetStatusString(status), ")");
-  return algos.emplace(key, result.algo).first->second;
+  return algos;
 }
 
 }  // namespace
@@ -176,13 +154,18 @@ void scaled_matmul(const GemmTilesArgs& g, const ScaleModes& modes, void* worksp
   const Layout b_layout = layout(g.a_dtype, g.k, g.m, g.lda);
   const Layout out_layout = layout(g.out_dtype, g.n, g.m, g.ldo);
 
-  const cublasLtMatmulAlgo_t algo = find_algo(g, modes, device.handle, desc.get(), a_layout.get(), b_layout.get(),
-                                              out_layout.get(), workspace_bytes);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const float alpha = 1.0f, beta = 0.0f;
-  const cublasStatus_t status =
-      cublasLtMatmul(device.handle, desc.get(), &alpha, g.b, a_layout.get(), g.a, b_layout.get(), &beta, g.out,
-                     out_layout.get(), g.out, out_layout.get(), &algo, workspace, workspace_bytes,
-                     static_cast<cudaStream_t>(stream));
+  const auto matmul = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(device.handle, desc.get(), &alpha, g.b, a_layout.get(), g.a, b_layout.get(), &beta, g.out,
+                          out_layout.get(), g.out, out_layout.get(), &algo, workspace, workspace_bytes, s);
+  };
+  const auto find = [&](int count) {
+    return candidates(g, modes, device.handle, desc.get(), a_layout.get(), b_layout.get(), out_layout.get(),
+                      workspace_bytes, count);
+  };
+  const TunerKey key = tuner_key(g, GemmPath::kTiles, modes.a_mode, modes.b_mode, workspace_bytes, gemm_autotune());
+  const cublasStatus_t status = run_tuned(key, s, find, matmul);
   FP8AMP_CHECK(status != CUBLAS_STATUS_NOT_SUPPORTED, kNotImplemented, modes.op,
                "cuBLASLt refused to run the algorithm its heuristic chose for scale modes ", modes.a_name, " x ",
                modes.b_name, " at M = ", g.m, ", N = ", g.n, ", K = ", g.k, " (NOT_SUPPORTED)");

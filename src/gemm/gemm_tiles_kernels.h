@@ -119,8 +119,8 @@ struct ScaleModes {
   const char* op;
 };
 // out = a · bᵀ (+ bias) through cuBLASLt with those scales, in workspace (cuBLASLt's part), on the
-// current device g.device_index (gemm_tiles_cuda.cpp): the first algorithm of the heuristic, kept
-// per problem; NotImplementedError where cuBLASLt has none.
+// current device g.device_index (gemm_tiles_cuda.cpp), with the problem's algorithm from the
+// shared cache (algo_tuner.h); NotImplementedError where cuBLASLt has none.
 void scaled_matmul(const GemmTilesArgs& g, const ScaleModes& modes, void* workspace, size_t workspace_bytes,
                    Stream stream);
 // One operand's scale copy: dst (layout) = the caller's scales src (row-major, src_cols wide).

@@ -302,3 +302,31 @@ def test_cuda_refuses_clearly_off_hopper():
                                             device="cuda")
     with pytest.raises(NotImplementedError, match="on Hopper"):
         ops.gemm_tiles(a, sa, a_tile, b, sb, b_tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [PAIRS["1x128 x 128x128"], PAIRS["1x128 x 1x128"]], ids=["blockwise", "1x128"])
+def test_cuda_autotune_every_call_within_the_bound_then_one_algorithm(pair):
+    """GEMM autotuning covers the tile-scaled GEMM too: a new problem's calls run the heuristic's
+    candidates in turn, each within the accumulation bound of the exact product, until it decides
+    (one more tuned problem); from then on every call gives the same bits."""
+    m, n, k = 528, 272 + 16 * (pair[1] == (1, 128)), 1024  # problems no other test has tuned
+    a, sa, a_tile, b, sb, b_tile = operands(m, n, k, pair, FORMATS["e4m3 x e4m3"], seed=5, device="cuda")
+    exact, abs_sum = dequantized_product(a, sa, a_tile, b, sb, b_tile)
+    bound = accumulation_bound(k, abs_sum) + 2.0**-8 * exact.abs()
+    fp8amp.ops.set_gemm_autotune(True)
+    try:
+        before = fp8amp.ops.gemm_autotune_stats()
+
+        def call():
+            return ops.gemm_tiles(a, sa, a_tile, b, sb, b_tile, out_dtype=torch.bfloat16)
+
+        for _ in range(40):  # 8 candidates x 3 rounds at most, then decided
+            got = call()
+            torch.cuda.synchronize()  # the timings complete before the next call reads them
+            assert ((got.cpu().double() - exact).abs() <= bound + 2.0**-8 * got.cpu().double().abs()).all()
+        after = fp8amp.ops.gemm_autotune_stats()
+        assert after["tuned"] == before["tuned"] + 1 and after["tuning"] == before["tuning"]
+        assert torch.equal(call(), call())
+    finally:
+        fp8amp.ops.set_gemm_autotune(False)

@@ -83,7 +83,8 @@ def gemm_accumulate(
 
 def set_gemm_autotune(enabled: bool) -> None:
     """Turns autotuning of the CUDA GEMMs' cuBLASLt algorithm on or off, process-wide (off by
-    default), like ``torch.backends.cudnn.benchmark``.
+    default), like ``torch.backends.cudnn.benchmark``: the per-tensor GEMMs and the tile-scaled
+    ones (rowwise, blockwise, mxfp8) alike.
 
     Off, each GEMM problem (device, shape, strides, dtypes, bias, flags, alignments) runs the first
     algorithm of cuBLASLt's heuristic, as ``torch._scaled_mm`` does. On, each problem first seen
