@@ -170,7 +170,7 @@ def _scalar_factor(factor) -> bool:
 def _norm_from_blocks(t: BlockScaledTensor, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor | None:
     """The ``ord``-norm of all of ``t``'s real values as the norm of its blocks' norms: a block's is
     the norm of its codes (read as FP16, which holds every FP8 value exactly; float32 sums) times
-    its |scale_inv|. Equal to the norm of the dequantized values up to float32 rounding (any
+    its |scale_inv|. Equal to the norm of the dequantized values up to float32 summation error (any
     ``ord`` but 0, a count). None where it does not apply: a ``dim``, ``keepdim``, ``ord`` 0, or
     blocks that do not tile ``t`` (rows or cols not multiples of 128), which then read the real values."""
     rows, cols = t._codes.shape
