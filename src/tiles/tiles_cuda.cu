@@ -70,15 +70,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t r = r0; r < r_end; ++r) {
     for (int64_t c = c0 + threadIdx.x; c < c_end; c += kThreads) key = max(key, numerics::amax_key(value(r, c)));
   }
-  key = block_max_key<kThreads>(key);
-  __shared__ float tile_scale_value;
-  if (threadIdx.x == 0) {
-    const auto block = rule(numerics::amax_from_key(key), numerics::format_max<Out>());
-    scales[tile] = block.stored;
-    tile_scale_value = block.scale;
-  }
-  __syncthreads();
-  const float scale = tile_scale_value;
+  const float scale = block_tile_scale<kThreads, Out>(key, rule, scales + tile);
   for (int64_t r = r0; r < r_end; ++r) {
     for (int64_t c = c0 + threadIdx.x; c < c_end; c += kThreads) {
       y[r * t.cols + c] = numerics::quantize_to<Out>(rn::mul(value(r, c), scale));

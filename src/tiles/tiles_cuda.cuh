@@ -5,12 +5,29 @@
 
 #include <cuda_runtime.h>
 
+#include "common/cuda_utils.cuh"
 #include "fp8amp/dtype.h"
 #include "fp8amp/scaling.h"
 #include "tiles/tiles_kernels.h"
 
 namespace fp8amp {
 namespace cuda {
+
+// The scale of the tile one block of kThreads covers, from its threads' amax keys: thread 0
+// applies `rule` and stores the rule's value (the tile's scale_inv, or its E8M0 code) at *stored;
+// every thread gets the scale that multiplies into Out. One barrier.
+template <int kThreads, class Out, class Rule>
+__device__ float block_tile_scale(uint32_t key, const Rule& rule, typename Rule::Stored* stored) {
+  key = block_max_key<kThreads>(key);
+  __shared__ float scale;
+  if (threadIdx.x == 0) {
+    const auto block = rule(numerics::amax_from_key(key), numerics::format_max<Out>());
+    *stored = block.stored;
+    scale = block.scale;
+  }
+  __syncthreads();
+  return scale;
+}
 
 // Whether quantize_regions takes these tilings: (1, 128) tiles or (128, 128) blocks, the
 // transpose (when written) by the same tiles.

@@ -93,15 +93,7 @@ __global__ void __launch_bounds__(kTileThreads)
     load_words(in + k * V, w);
     key = max_key<In>(w, key);
   }
-  key = block_max_key<kTileThreads>(key);
-  __shared__ float tile_scale;
-  if (threadIdx.x == 0) {
-    const auto block = rule(numerics::amax_from_key(key), numerics::format_max<Out>());
-    scale_inv[tile] = block.stored;
-    tile_scale = block.scale;
-  }
-  __syncthreads();
-  const float scale = tile_scale;
+  const float scale = block_tile_scale<kTileThreads, Out>(key, rule, scale_inv + tile);
 #pragma unroll
   for (int h = 0; h < kHeld; ++h) {
     const int64_t k = h * kTileThreads + threadIdx.x;
