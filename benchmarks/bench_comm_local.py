@@ -1,0 +1,126 @@
+"""The local work of the FP8 all-reduce and reduce-scatter on one GPU, against the copy roof, and the 2-GPU time it predicts.
+
+On a multi-GPU host the FP8 hook's time is its local passes (amax, quantize into the send buffer,
+the FP32 sum of the received copies with the division and the requantize or the dequantize) plus
+the collectives. This program times the first part alone on one GPU: it runs fp8amp's own code
+(`fp8amp.distributed._reduce_flat` for both all-reduce methods, `fp8amp.fsdp.fp8_reduce_scatter`)
+in one process that stands for rank 0 of --world ranks, with the collectives replaced by no-ops
+(the received buffers then hold whatever the allocator hands out: the kernels' time does not
+depend on the values). For each bucket it prints
+
+    local ms        median per call (batches of back-to-back calls between CUDA events)
+    bytes/element   what the local kernels read and write per element of the bucket, from
+                    docs/distributed.md's count (b = the bucket's element size, N = --world)
+    of copy         those bytes / local time, as a share of the device-to-device copy bandwidth
+                    measured in the same run (the roof of a pass that moves them)
+    predicted 2-GPU the local time plus the collectives alone as measured on 2 H200s over NVLink
+                    (COLLECTIVES_2XH200, 2026-11-30, `bench_comm.py`), and that sum against the
+                    BF16 all_reduce of the same run: the issue's target is <= 0.75x at 2^27-2^29.
+                    Only where that run measured the size (2^20, 2^24, 2^27, 2^29) and N = 2. The
+                    MAX all-reduce of the amaxes (a few bytes: latency only) is in neither part.
+
+Usage: python3 benchmarks/bench_comm_local.py [--sizes 2^24,2^27,2^29] [--dtypes float32,bfloat16]
+       [--world 2] [--samples 15]
+Prints a markdown table; with $OUT set, also writes it to $OUT/bench_comm_local.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from fp8amp import distributed as fd
+from fp8amp.fsdp import fp8_reduce_scatter
+from _common import copy_bandwidth, markdown_table, median_seconds, report, require_gpu, warm_up_gpu
+from bench_comm import DTYPES, bucket_data, parse_sizes
+
+#: Milliseconds on 2 x H200 (NVLink, NCCL 2.28.9, torch 2.11.0+cu130, 2026-11-30; docs/benchmarks.md
+#: "FP8 gradient all-reduce"): the BF16 all_reduce, the float8 all_reduce alone ("native"'s
+#: collective) and the uint8 all-to-all + all-gather alone ("all_to_all"'s), by element count.
+COLLECTIVES_2XH200 = {
+    2**20: dict(bf16=0.078, native=0.075, all_to_all=0.116),
+    2**24: dict(bf16=0.177, native=0.134, all_to_all=0.169),
+    2**27: dict(bf16=0.964, native=0.579, all_to_all=0.619),
+    2**29: dict(bf16=3.375, native=1.805, all_to_all=2.098),
+}
+
+
+def local_bytes(method: str, b: int, world: int) -> float:
+    """Bytes the local kernels read + write per element of the bucket (docs/distributed.md,
+    "FP8 communication kernels"; the reduce-scatter per element of its input)."""
+    if method == "native":  # amax b; quantize b + 1; sum of the summed codes into the bucket 1 + b
+        return 3 * b + 2
+    if method == "all_to_all":  # amax b; quantize b + 1; sum + requantize: amax pass 1, store pass 1 + 1/N;
+        return 3 * b + 4 + 1 / world  # dequantize of the gathered shards 1 + b
+    return 2 * b + 2 + b / world  # reduce-scatter: amax b; quantize b + 1; N codes read (1), b/N written
+
+
+@contextlib.contextmanager
+def one_process_as(world: int):
+    """torch.distributed as rank 0 of `world` ranks whose collectives do nothing."""
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    with mock.patch.multiple(dist, get_world_size=lambda group=None: world, get_rank=lambda group=None: 0,
+                             all_reduce=noop, all_to_all_single=noop, all_gather_into_tensor=noop):
+        yield
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=parse_sizes, default=[2**20, 2**24, 2**27, 2**29])
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   type=lambda t: [d for d in t.split(",") if d in DTYPES or sys.exit(f"--dtypes: {d!r} not in {list(DTYPES)}")])
+    p.add_argument("--world", type=int, default=2, help="the ranks one process stands for (N)")
+    p.add_argument("--samples", type=int, default=15)
+    args = p.parse_args()
+    if args.world < 2:
+        sys.exit(f"bench_comm_local: --world must be at least 2, got {args.world}")
+    require_gpu("bench_comm_local")
+    warm_up_gpu()
+    copy = copy_bandwidth()
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        b = torch.empty((), dtype=dtype).element_size()
+        for n in args.sizes:
+            x = bucket_data(n, 0, dtype, torch.device("cuda"))
+            L = -(-n // args.world)
+            rs_in = torch.zeros(args.world * L, dtype=dtype, device="cuda")
+            rs_in[:n] = x
+            rs_out = torch.empty(L, dtype=dtype, device="cuda")
+            states = {m: fd.FP8CommState(method=m) for m in fd.METHODS}
+            states["native"]._backend_checked = True  # no backend to ask: the collective is a no-op
+            calls = {
+                "native": lambda i: fd._reduce_flat(x, (n,), states["native"]),
+                "all_to_all": lambda i: fd._reduce_flat(x, (n,), states["all_to_all"]),
+                "reduce-scatter": lambda i: fp8_reduce_scatter(rs_out, rs_in, divisor=float(args.world)),
+            }
+            with one_process_as(args.world):
+                for method, fn in calls.items():
+                    seconds = median_seconds(fn, args.samples)
+                    elements = rs_in.numel() if method == "reduce-scatter" else n
+                    nbytes = local_bytes(method, b, args.world) * elements
+                    recorded = COLLECTIVES_2XH200.get(n) if args.world == 2 else None
+                    if recorded is not None and method in recorded:
+                        total = seconds * 1e3 + recorded[method]
+                        predicted = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x bf16 ({recorded['bf16']:.3f})"
+                    else:
+                        predicted = "–"
+                    rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}", method,
+                                 f"{seconds * 1e3:.3f}", f"{local_bytes(method, b, args.world):.4g}",
+                                 f"{nbytes / seconds / copy:.0%}", predicted])
+            x = rs_in = rs_out = calls = None  # this size's buffers, before the next size's
+            torch.cuda.empty_cache()
+    text = (f"## Local work of the FP8 all-reduce / reduce-scatter, one {torch.cuda.get_device_name()} standing for "
+            f"rank 0 of {args.world}, torch {torch.__version__}; copy {copy / 1e12:.2f} TB/s\n\n"
+            + markdown_table(["bucket", "elements", "method", "local ms", "bytes/element", "of copy",
+                              "predicted 2-GPU (local + collectives of 2026-11-30)"], rows) + "\n")
+    report("comm_local", text)
+
+
+if __name__ == "__main__":
+    main()
