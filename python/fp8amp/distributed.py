@@ -65,6 +65,13 @@ FORMATS = (E4M3, E5M2)
 #: Backends known to reduce float8 tensors natively (``method="native"``).
 NATIVE_BACKENDS = ("nccl",)
 
+#: A bucket is reduced in pipelined chunks of at least this many elements (FP8CommState.pipeline_chunks)...
+PIPELINE_MIN_CHUNK = 2**24
+#: ... and at most this many chunks.
+PIPELINE_MAX_CHUNKS = 8
+#: Chunks start at multiples of this many elements (256 bytes of a float32 bucket: the kernels' packs stay aligned).
+CHUNK_ALIGN = 64
+
 #: Unit roundoff (half an ulp, relative) and half the smallest subnormal of each format.
 UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 HALF_MIN_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
@@ -80,6 +87,12 @@ class FP8CommState:
         method: ``"all_to_all"`` (default: uint8 all-to-all + FP32 sum + uint8 all-gather, any
             backend, error independent of the rank count) or ``"native"`` (``dist.all_reduce`` on
             a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
+        pipeline_chunks: how many chunks a bucket is reduced in, each chunk's collectives running
+            while the next chunk's local work does (docs/distributed.md#pipelined-chunks); ``None``
+            (default): one chunk per ``PIPELINE_MIN_CHUNK`` elements, at most
+            ``PIPELINE_MAX_CHUNKS`` (so buckets of up to 2^24 elements, DDP's 25 MB included, are
+            one chunk); ``1``: never chunked. Chunks start at multiples of ``CHUNK_ALIGN``
+            elements, so a small bucket gets fewer chunks than asked for.
 
     The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
     """
@@ -87,6 +100,7 @@ class FP8CommState:
     process_group: Optional[dist.ProcessGroup] = None
     fmt: torch.dtype = E4M3
     method: str = "all_to_all"
+    pipeline_chunks: Optional[int] = None
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
@@ -105,6 +119,9 @@ class FP8CommState:
             raise ValueError(f"{where}: fmt must be one of {names} (fp8amp.E4M3, fp8amp.E5M2); got {self.fmt!r}")
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"{where}: method must be one of {', '.join(map(repr, METHODS))}; got {self.method!r}")
+        chunks = self.pipeline_chunks
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"{where}: pipeline_chunks must be None (automatic) or an int >= 1; got {chunks!r}")
 
 
 # ---------------------------------------------------------------------------- layout
@@ -163,12 +180,48 @@ def _layout(state: FP8CommState, numels: tuple, world: int) -> _Layout:
     return layout
 
 
+def _chunk_bounds(n: int, chunks: Optional[int]) -> tuple:
+    """The offsets ``0 = b_0 < b_1 < ... < b_C = n`` of a bucket's pipelined chunks: ``chunks`` of
+    them (``None``: one a ``PIPELINE_MIN_CHUNK`` elements, at most ``PIPELINE_MAX_CHUNKS``), each
+    but the last a multiple of ``CHUNK_ALIGN`` elements long, so fewer where n is small."""
+    count = min(PIPELINE_MAX_CHUNKS, -(-n // PIPELINE_MIN_CHUNK)) if chunks is None else chunks
+    size = -(-(-(-n // max(count, 1))) // CHUNK_ALIGN) * CHUNK_ALIGN
+    return tuple(range(0, n, size)) + (n,)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Elements ``[lo, hi)`` of a bucket: the parts of gradients ``first, first + 1, ...`` in it,
+    with their own shard layout (``layout``, offsets relative to ``lo``)."""
+
+    lo: int
+    hi: int
+    first: int
+    layout: _Layout
+
+
+def _chunks(state: FP8CommState, layout: _Layout) -> tuple:
+    """The bucket of ``layout`` cut into its pipelined chunks (cached with the layouts)."""
+    key = ("chunks", layout.segments, layout.world, state.pipeline_chunks)
+    chunks = state._layouts.get(key)
+    if chunks is None:
+        bounds = _chunk_bounds(layout.n, state.pipeline_chunks)
+        chunks = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            inside = [(i, min(o + c, hi) - max(o, lo)) for i, (o, c) in enumerate(layout.segments)
+                      if min(o + c, hi) > max(o, lo)]
+            chunks.append(_Chunk(lo, hi, inside[0][0], _make_layout(tuple(c for _, c in inside), layout.world)))
+        chunks = state._layouts[key] = tuple(chunks)
+    return chunks
+
+
 # ---------------------------------------------------------------------------- the reduction
 
 
-def _native_fp8_all_reduce(codes: torch.Tensor, group) -> None:
-    """``dist.all_reduce(SUM)`` on a float8 tensor, in place (a seam for tests that emulate it)."""
-    dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group)
+def _native_fp8_all_reduce(codes: torch.Tensor, group):
+    """``dist.all_reduce(SUM)`` on a float8 tensor, in place, issued asynchronously: returns the
+    work to wait for, or None when done (a seam for tests that emulate it)."""
+    return dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def _device_backend(group, device: torch.device) -> str:
@@ -234,67 +287,101 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     if sum(numels) != buf.numel():
         numels = (buf.numel(),)  # an unexpected bucket layout: one scale for the whole bucket
     layout = _layout(state, numels, world)
-    fmt, fmax = state.fmt, format_max(state.fmt)
-    segs = [buf[o:o + c] for o, c in layout.segments]
-    amax = _shared_amax(segs, group)
-
+    amax = _shared_amax([buf[o:o + c] for o, c in layout.segments], group)
+    chunks = _chunks(state, layout)
+    if len(chunks) > 1:
+        # Each chunk's comm_quantize sees its gradients' amaxes only: a non-finite one anywhere
+        # (inf after the MAX) becomes NaN in all (inf * 0), so that every chunk decodes NaN.
+        amax = amax + amax.amax() * 0
+    mean = torch.empty(layout.n, dtype=buf.dtype, device=buf.device)
     # The local work is the comm kernels (fp8amp.ops.comm_quantize, comm_sum_shards): the scales,
     # the quantize into the send buffer, and the sum of the received copies with the division and
     # the requantize, each one pass (docs/distributed.md counts the bytes). A non-finite amax makes
-    # every scale_inv NaN, so the whole bucket comes out NaN on every rank.
-    if state.method == "native":
-        u = UNIT_ROUNDOFF[fmt]
-        codes = torch.empty(layout.n, dtype=fmt, device=buf.device)
-        scale_inv = fast.comm_quantize(segs, amax, fmax / (world * (1.0 + u) ** max(world - 2, 0)), codes)
-        try:
-            _native_fp8_all_reduce(codes, group)
-        except RuntimeError as e:
-            raise ValueError(f"{where}: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); use "
-                             f"method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
-        mean = torch.empty(layout.n, dtype=buf.dtype, device=buf.device)
-        fast.comm_sum_shards(codes.view(1, layout.n), scale_inv, layout.bounds, float(world), mean)
-        return mean
-
-    # method "all_to_all". The send buffer's padding (the bucket's tail up to N L) is zeroed by
-    # comm_quantize and a payload's by hand: sent but never decoded, it is defined all the same, so
-    # that no stale memory of this process goes to the other ranks and the bytes sent are
-    # deterministic (compute-sanitizer's initcheck has nothing to report).
-    L, P = layout.L, layout.max_pieces
-    rank = dist.get_rank(group)
-    send = torch.empty(world * L, dtype=torch.uint8, device=buf.device)
-    scale_inv = fast.comm_quantize(segs, amax, fmax, send.view(fmt))
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-
-    # Rank `rank` owns shard `rank`: the N copies summed in rank order, divided by N, each piece
-    # (the part of one gradient in the shard) requantized with its own scale; the scales travel
-    # after the codes.
-    mine = layout.pieces[rank]
-    payload = torch.empty(L + 4 * P, dtype=torch.uint8, device=buf.device)
-    shard_len = mine[-1][1] if mine else 0
-    payload[shard_len:L].zero_()
-    payload[L + 4 * len(mine):].zero_()
-    if mine:
-        first = mine[0][2]
-        mean_scale_inv, _ = fast.comm_sum_requantize(recv.view(fmt).view(world, L), scale_inv[first:first + len(mine)],
-                                                     layout.shard_bounds[rank], float(world),
-                                                     payload[:shard_len].view(fmt))
-        payload[L:L + 4 * len(mine)].copy_(mean_scale_inv.view(torch.uint8))
-    gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=buf.device)
-    dist.all_gather_into_tensor(gathered, payload, group=group)
-
-    rows = gathered.view(world, L + 4 * P)
-    scales = rows[:, L:].contiguous().view(torch.float32)  # [world, P]
-    xs, sinv, outs = [], [], []
-    mean = torch.empty(layout.n, dtype=buf.dtype, device=buf.device)
-    for k in range(world):
-        if layout.pieces[k]:
-            codes_k = rows[k, :L].view(fmt)
-            xs.extend(codes_k[a:b] for a, b, _ in layout.pieces[k])
-            outs.extend(mean[k * L + a:k * L + b] for a, b, _ in layout.pieces[k])
-            sinv.append(scales[k, :len(layout.pieces[k])])
-    fast.multi_dequantize(xs, torch.cat(sinv), outs)
+    # every scale_inv NaN, so the whole bucket comes out NaN on every rank. Chunk by chunk, every
+    # collective is issued asynchronously and waited for only where its result is needed, so it
+    # runs while the next chunk is quantized and the previous one summed.
+    reduce = _reduce_native if state.method == "native" else _reduce_all_to_all
+    reduce(buf, amax, chunks, mean, state, group, world)
     return mean
+
+
+def _chunk_inputs(buf: torch.Tensor, amax: torch.Tensor, chunk: _Chunk) -> tuple:
+    """(the chunk's gradient parts as views of ``buf``, their amaxes)."""
+    segs = [buf[chunk.lo + o:chunk.lo + o + c] for o, c in chunk.layout.segments]
+    return segs, amax[chunk.first:chunk.first + len(segs)]
+
+
+def _reduce_native(buf, amax, chunks, mean, state, group, world) -> None:
+    fmt, u = state.fmt, UNIT_ROUNDOFF[state.fmt]
+    fmax = format_max(fmt) / (world * (1.0 + u) ** max(world - 2, 0))
+    issued = []
+    for chunk in chunks:
+        codes = torch.empty(chunk.hi - chunk.lo, dtype=fmt, device=buf.device)
+        scale_inv = fast.comm_quantize(*_chunk_inputs(buf, amax, chunk), fmax, codes)
+        try:
+            work = _native_fp8_all_reduce(codes, group)
+        except RuntimeError as e:
+            raise ValueError(f"fp8amp.distributed: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); "
+                             f"use method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
+        issued.append((chunk, codes, scale_inv, work))
+    for chunk, codes, scale_inv, work in issued:
+        if work is not None:
+            work.wait()
+        fast.comm_sum_shards(codes.view(1, -1), scale_inv, chunk.layout.bounds, float(world), mean[chunk.lo:chunk.hi])
+
+
+def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
+    # The send buffer's padding (the chunk's tail up to N L) is zeroed by comm_quantize and a
+    # payload's by hand: sent but never decoded, it is defined all the same, so that no stale
+    # memory of this process goes to the other ranks and the bytes sent are deterministic
+    # (compute-sanitizer's initcheck has nothing to report).
+    fmt, rank, device = state.fmt, dist.get_rank(group), buf.device
+    sent = []
+    for chunk in chunks:
+        send = torch.empty(world * chunk.layout.L, dtype=torch.uint8, device=device)
+        scale_inv = fast.comm_quantize(*_chunk_inputs(buf, amax, chunk), format_max(fmt), send.view(fmt))
+        recv = torch.empty_like(send)
+        sent.append((chunk, scale_inv, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
+
+    # Rank `rank` owns shard `rank` of each chunk: the N copies summed in rank order, divided by N,
+    # each piece (the part of one gradient in the shard) requantized with its own scale; the
+    # scales travel after the codes.
+    gathering = []
+    for chunk, scale_inv, recv, work in sent:
+        layout = chunk.layout
+        L, P = layout.L, layout.max_pieces
+        mine = layout.pieces[rank]
+        payload = torch.empty(L + 4 * P, dtype=torch.uint8, device=device)
+        shard_len = mine[-1][1] if mine else 0
+        payload[shard_len:L].zero_()
+        payload[L + 4 * len(mine):].zero_()
+        work.wait()
+        if mine:
+            first = mine[0][2]
+            mean_scale_inv, _ = fast.comm_sum_requantize(recv.view(fmt).view(world, L),
+                                                         scale_inv[first:first + len(mine)],
+                                                         layout.shard_bounds[rank], float(world),
+                                                         payload[:shard_len].view(fmt))
+            payload[L:L + 4 * len(mine)].copy_(mean_scale_inv.view(torch.uint8))
+        gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=device)
+        gathering.append((chunk, gathered, dist.all_gather_into_tensor(gathered, payload, group=group,
+                                                                        async_op=True)))
+
+    for chunk, gathered, work in gathering:
+        layout = chunk.layout
+        L, P = layout.L, layout.max_pieces
+        work.wait()
+        rows = gathered.view(world, L + 4 * P)
+        scales = rows[:, L:].contiguous().view(torch.float32)  # [world, P]
+        out = mean[chunk.lo:chunk.hi]
+        xs, sinv, outs = [], [], []
+        for k in range(world):
+            if layout.pieces[k]:
+                codes_k = rows[k, :L].view(fmt)
+                xs.extend(codes_k[a:b] for a, b, _ in layout.pieces[k])
+                outs.extend(out[k * L + a:k * L + b] for a, b, _ in layout.pieces[k])
+                sinv.append(scales[k, :len(layout.pieces[k])])
+        fast.multi_dequantize(xs, torch.cat(sinv), outs)
 
 
 # ---------------------------------------------------------------------------- public API

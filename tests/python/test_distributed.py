@@ -50,6 +50,7 @@ U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 ETA = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 U32 = 2.0 ** -24
 SIZES = (37, 1, 200, 5, 64)  # 307 elements: not a multiple of 2 or 3
+CHUNKS = 3  # pipelined chunks of SIZES' bucket: [0, 128), [128, 256), [256, 307), cutting gradients 2 and 4
 DDP_STEPS = 3
 # A kernel spinning this many GPU clock cycles (about half a second on an H200) keeps the compute
 # stream busy far longer than the host needs to queue a whole reduction.
@@ -130,9 +131,16 @@ def headroom_worst(rank: int, world: int, fmt) -> torch.Tensor:
     return torch.full((9,), native_fmax(fmt, world) * (1 - 2.0 ** -10) * (1 - rank * 1e-3))
 
 
-def shard_pieces(sizes, world: int) -> list:
-    layout = fd._make_layout(tuple(sizes), world)
-    return [(k * layout.L + a, k * layout.L + b) for k in range(world) for a, b, _ in layout.pieces[k]]
+def shard_pieces(sizes, world: int, chunks=None) -> list:
+    """The (start, end) ranges that share a requantization scale: each shard's part of each
+    gradient, the shards cut from each of ``chunks`` (default: the whole bucket)."""
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    pieces = []
+    for lo, hi in chunks or [(0, offsets[-1])]:
+        inside = [min(b, hi) - max(a, lo) for a, b in zip(offsets[:-1], offsets[1:]) if min(b, hi) > max(a, lo)]
+        layout = fd._make_layout(tuple(inside), world)
+        pieces += [(lo + k * layout.L + a, lo + k * layout.L + b) for k in range(world) for a, b, _ in layout.pieces[k]]
+    return pieces
 
 
 def fp8_ring_sum(codes: list) -> torch.Tensor:
@@ -166,12 +174,15 @@ def emulated_native(backend: str):
         fd.NATIVE_BACKENDS, fd._native_fp8_all_reduce = original
 
 
-def reference_mean(xs: list, sizes, fmt, method: str) -> torch.Tensor:
+def reference_mean(xs: list, sizes, fmt, method: str, chunks=None) -> torch.Tensor:
     """What every rank's hook must return, bit for bit: the algorithm of fp8amp/distributed.py's
     docstring written out plainly in one process, with the single-tensor cast ops, one gradient (or
     piece of a shard) and one rank at a time, every intermediate a tensor of its own. ``xs``: every
     rank's flat bucket, finite. Method "native" sums the codes with fp8_ring_sum (its emulated
-    NCCL SUM); the division by N is a float32 division, as the comm kernels do it on both devices."""
+    NCCL SUM); the division by N is a float32 division, as the comm kernels do it on both devices.
+    ``chunks``: the pipelined chunks' ``(lo, hi)`` (default: the whole bucket); "all_to_all" cuts
+    each chunk into its own N shards (the first scales stay the whole gradients'), "native" does
+    not depend on them."""
     world, dtype, n = len(xs), xs[0].dtype, xs[0].numel()
     offsets = list(itertools.accumulate(sizes, initial=0))
     segments = list(zip(offsets[:-1], offsets[1:]))
@@ -190,11 +201,14 @@ def reference_mean(xs: list, sizes, fmt, method: str) -> torch.Tensor:
         mean = torch.cat([fp8amp.ops.dequantize(total[a:b], si, torch.float32) for (a, b), si in zip(segments, scale_invs)])
         return (mean / world).to(dtype)
     codes = [torch.cat(c) for c in codes]
-    shard_len = -(-n // world)
     out = torch.empty(n, dtype=dtype)
-    for k in range(world):  # steps 5-7, shard k: its pieces summed in rank order, requantized, dequantized
+    shards = []
+    for lo, hi in chunks or [(0, n)]:
+        shard_len = -(-(hi - lo) // world)
+        shards += [(lo + k * shard_len, min(lo + (k + 1) * shard_len, hi)) for k in range(world)]
+    for lo, hi in shards:  # steps 5-7, shard by shard: its pieces summed in rank order, requantized, dequantized
         for (a, b), si in zip(segments, scale_invs):
-            a, b = max(a, k * shard_len), min(b, (k + 1) * shard_len)
+            a, b = max(a, lo), min(b, hi)
             if a >= b:
                 continue
             acc = fp8amp.ops.dequantize(codes[0][a:b], si, torch.float32)
@@ -286,6 +300,8 @@ def emulated_native_runs(rank, backend, device) -> dict:
             for dtype in (torch.float32, torch.bfloat16):
                 state = fd.FP8CommState(fmt=fmt, method="native")
                 out["native_emulated", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
+                state = fd.FP8CommState(fmt=fmt, method="native", pipeline_chunks=CHUNKS)
+                out["native_emulated_chunked", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
     return out
 
 
@@ -353,6 +369,14 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
             for dtype in (torch.float32, torch.bfloat16):
                 state = fd.FP8CommState(fmt=fmt)
                 res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
+        for fmt, dtype in ((E4M3, torch.float32), (E5M2, torch.bfloat16)):
+            state = fd.FP8CommState(fmt=fmt, pipeline_chunks=CHUNKS)
+            res["chunked", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
+        for key, where, value in (("chunked_inf", 20, float("inf")), ("chunked_nan", 300, float("nan"))):
+            bad = synth(rank, SIZES, torch.float32)
+            if rank == world - 1:
+                bad[where] = value  # in the first chunk, then in the last
+            res[key] = run_hook(bad, SIZES, fd.FP8CommState(pipeline_chunks=CHUNKS), device)
         state = fd.FP8CommState()
         res["one_gradient"] = run_hook(synth(rank, (301,), torch.float32), (301,), state, device)
         res["tiny"] = run_hook(synth(rank, (1,), torch.float32, seed=1), (1,), state, device)  # fewer elements than ranks
@@ -498,6 +522,31 @@ def test_hook_equals_plain_reference_bit_for_bit(run, method, fmt, dtype):
     expected = reference_mean([synth(r, SIZES, dtype) for r in range(world)], SIZES, fmt, method)
     for r in res:
         assert_bits_equal(r[key], expected)
+
+
+@pytest.mark.parametrize("fmt, dtype", [(E4M3, torch.float32), (E5M2, torch.bfloat16)], ids=["e4m3-fp32", "e5m2-bf16"])
+def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype):
+    """A bucket reduced in pipelined chunks (each chunk's collective overlapping the next chunk's
+    local work): "all_to_all" gives the bits of the reference with each chunk cut into its own
+    shards, "native" the very bits of the unchunked reduction (its scales stay the gradients')."""
+    world, _, res = run
+    xs = [synth(r, SIZES, dtype) for r in range(world)]
+    bounds = fd._chunk_bounds(sum(SIZES), CHUNKS)
+    chunks = list(zip(bounds[:-1], bounds[1:]))
+    assert chunks == [(0, 128), (128, 256), (256, 307)]
+    expected = reference_mean(xs, SIZES, fmt, "all_to_all", chunks)
+    m, bound = bound_all_to_all([x.double() for x in xs], SIZES, fmt, shard_pieces(SIZES, world, chunks))
+    for r in res:
+        assert_bits_equal(r["chunked", fmt, dtype], expected)
+        assert ((r["chunked", fmt, dtype].double() - m).abs() <= bound).all()
+        assert_bits_equal(r["native_emulated_chunked", fmt, dtype], reference_mean(xs, SIZES, fmt, "native"))
+
+
+@pytest.mark.parametrize("key", ["chunked_inf", "chunked_nan"])
+def test_pipelined_chunks_one_non_finite_makes_the_whole_bucket_nan(run, key):
+    _, _, res = run
+    for r in res:
+        assert r[key].isnan().all(), key  # every chunk, on every rank
 
 
 def test_zero_gradients_stay_zero(run):
