@@ -89,9 +89,9 @@ class FP8CommState:
             a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
         pipeline_chunks: how many chunks a bucket is reduced in, each chunk's collectives running
             while the next chunk's local work does (docs/distributed.md#pipelined-chunks); ``None``
-            (default): one chunk per ``PIPELINE_MIN_CHUNK`` elements, at most
-            ``PIPELINE_MAX_CHUNKS`` (so buckets of up to 2^24 elements, DDP's 25 MB included, are
-            one chunk); ``1``: never chunked. Chunks start at multiples of ``CHUNK_ALIGN``
+            (default): as many chunks of at least ``PIPELINE_MIN_CHUNK`` (2^24) elements as the
+            bucket holds, 1 to ``PIPELINE_MAX_CHUNKS`` (8), so buckets under 2^25 elements, DDP's
+            25 MB ones included, are one chunk; ``1``: never chunked. Chunks start at multiples of ``CHUNK_ALIGN``
             elements, so a small bucket gets fewer chunks than asked for.
 
     The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
@@ -182,9 +182,9 @@ def _layout(state: FP8CommState, numels: tuple, world: int) -> _Layout:
 
 def _chunk_bounds(n: int, chunks: Optional[int]) -> tuple:
     """The offsets ``0 = b_0 < b_1 < ... < b_C = n`` of a bucket's pipelined chunks: ``chunks`` of
-    them (``None``: one a ``PIPELINE_MIN_CHUNK`` elements, at most ``PIPELINE_MAX_CHUNKS``), each
+    them (``None``: as many as hold ``PIPELINE_MIN_CHUNK`` elements each, 1 to ``PIPELINE_MAX_CHUNKS``), each
     but the last a multiple of ``CHUNK_ALIGN`` elements long, so fewer where n is small."""
-    count = min(PIPELINE_MAX_CHUNKS, -(-n // PIPELINE_MIN_CHUNK)) if chunks is None else chunks
+    count = max(1, min(PIPELINE_MAX_CHUNKS, n // PIPELINE_MIN_CHUNK)) if chunks is None else chunks
     size = -(-(-(-n // max(count, 1))) // CHUNK_ALIGN) * CHUNK_ALIGN
     return tuple(range(0, n, size)) + (n,)
 
@@ -372,7 +372,7 @@ def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
         L, P = layout.L, layout.max_pieces
         work.wait()
         rows = gathered.view(world, L + 4 * P)
-        scales = rows[:, L:].contiguous().view(torch.float32)  # [world, P]
+        scales = rows[:, L:].flatten().clone().view(torch.float32).view(world, P)  # a copy: aligned, even of one row
         out = mean[chunk.lo:chunk.hi]
         xs, sinv, outs = [], [], []
         for k in range(world):

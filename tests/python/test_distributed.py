@@ -1,5 +1,5 @@
-"""FP8 gradient all-reduce (fp8amp.distributed, docs/distributed.md#design): 2 and 3 processes on CPU with gloo, and
-2 processes on 2 GPUs with NCCL (rank r on cuda:r; marked gpu, skipped with fewer than 2 GPUs).
+"""FP8 gradient all-reduce (fp8amp.distributed, docs/distributed.md#design): 1, 2 and 3 processes on CPU with gloo,
+and 1 and 2 processes on as many GPUs with NCCL (rank r on cuda:r; marked gpu, skipped with fewer GPUs).
 
 Each setup spawns its processes once (a module fixture); the workers run every scenario and hand
 back their inputs and outputs (on the CPU); the tests below check them against the exact float64
@@ -456,8 +456,12 @@ GPUS = torch.cuda.device_count()
 
 
 @pytest.fixture(scope="module", params=[
+    pytest.param((1, "gloo"), id="world1"),
     pytest.param((2, "gloo"), id="world2"),
     pytest.param((3, "gloo"), id="world3"),
+    pytest.param((1, "nccl"), id="nccl1", marks=[  # one GPU: the CUDA streams and NCCL's async works
+        pytest.mark.gpu,
+        pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU for NCCL")]),
     pytest.param((2, "nccl"), id="nccl2", marks=[
         pytest.mark.gpu,
         pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs for NCCL; {GPUS} visible")]),
@@ -688,6 +692,24 @@ def test_errors_in_workers(run):
     assert errors["cap"][0] == "ValueError" and "bucket_cap_mb" in errors["cap"][1]
     assert errors["state"][0] == "TypeError" and "FP8CommState" in errors["state"][1]
     assert errors["hook_state"][0] == "TypeError" and "FP8CommState" in errors["hook_state"][1]
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 2.0, True, "4"])
+def test_pipeline_chunks_must_be_none_or_a_positive_int(chunks):
+    with pytest.raises(ValueError, match=r"pipeline_chunks must be None \(automatic\) or an int >= 1; got"):
+        fd.FP8CommState(pipeline_chunks=chunks)
+
+
+@pytest.mark.parametrize("n, chunks, count", [
+    (307, 3, 3), (1, 8, 1), (100, 8, 2), (2**24, None, 1), (2**25 - 1, None, 1), (2**25, None, 2), (2**27, None, 8),
+    (2**29 + 5, None, 8), (10**6, 1, 1)])
+def test_chunk_bounds_cover_the_bucket_aligned(n, chunks, count):
+    bounds = fd._chunk_bounds(n, chunks)
+    assert bounds[0] == 0 and bounds[-1] == n and len(bounds) - 1 == count
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert all(b % fd.CHUNK_ALIGN == 0 for b in bounds[1:-1])
+    if chunks is None:
+        assert all(b - a >= fd.PIPELINE_MIN_CHUNK for a, b in zip(bounds[:-2], bounds[1:-1]))
 
 
 def test_state_argument_errors():
