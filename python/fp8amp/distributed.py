@@ -13,14 +13,18 @@ Both average the gradients over the ranks of the process group (as DDP does) and
 on the wire: 1 byte per element each way instead of BF16's 2 or FP32's 4.
 
 Each gradient of a bucket gets its own power-of-two scale from the MAX over the ranks of its
-amax, so every rank quantizes with the same scales. Two methods:
+amax, so every rank quantizes with the same scales. Two methods, and ``"auto"`` (the default)
+choosing between them:
 
-* ``"all_to_all"`` (default; any backend): the codes travel in an all-to-all, each rank sums its
+* ``"all_to_all"`` (any backend): the codes travel in an all-to-all, each rank sums its
   shard of the N copies in FP32 (in rank order), requantizes the mean with a scale per piece and
   all-gathers it: two FP8 roundings whatever N, and half the bytes of a BF16 ring all-reduce.
 * ``"native"`` (NCCL): ``dist.all_reduce(SUM)`` of the FP8 codes themselves, at a scale with the
   headroom that keeps the FP8 partial sums from saturating; its error grows with N. A backend that
   cannot reduce float8 (gloo) raises a ValueError naming the methods.
+* ``"auto"``: ``"native"`` where its error bound is all_to_all's (two FP8 roundings: at most 2
+  ranks) and the group's backend reduces float8 (NCCL; probed once with a one-element all-reduce),
+  where it was measured faster at every bucket size; ``"all_to_all"`` otherwise.
 
 The local work around the collectives is the comm kernels (``fp8amp.ops.comm_quantize``: the
 bucket into the send buffer with the shared scales; ``fp8amp.ops.comm_sum_shards``: the received
@@ -60,6 +64,10 @@ __all__ = ["FP8CommState", "fp8_allreduce_hook", "all_reduce_grads", "METHODS", 
 
 #: The accepted ``method`` values.
 METHODS = ("all_to_all", "native")
+#: What ``method`` accepts: a method, or "auto".
+ACCEPTED_METHODS = ("auto",) + METHODS
+#: "auto" picks "native" up to this many ranks: there its error bound equals all_to_all's.
+AUTO_NATIVE_MAX_RANKS = 2
 #: The accepted ``fmt`` values.
 FORMATS = (E4M3, E5M2)
 #: Backends known to reduce float8 tensors natively (``method="native"``).
@@ -84,9 +92,10 @@ class FP8CommState:
         process_group: the group to average over; ``None`` = the default group.
         fmt: ``fp8amp.E4M3`` (default: 3 mantissa bits, max 448) or ``fp8amp.E5M2`` (2 bits, max
             57344; wider range, coarser).
-        method: ``"all_to_all"`` (default: uint8 all-to-all + FP32 sum + uint8 all-gather, any
-            backend, error independent of the rank count) or ``"native"`` (``dist.all_reduce`` on
-            a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
+        method: ``"auto"`` (default: ``"native"`` on NCCL with at most 2 ranks, else
+            ``"all_to_all"``), ``"all_to_all"`` (uint8 all-to-all + FP32 sum + uint8 all-gather,
+            any backend, error independent of the rank count) or ``"native"`` (``dist.all_reduce``
+            on a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
         pipeline_chunks: how many chunks a bucket is reduced in, each chunk's collectives running
             while the next chunk's local work does (docs/distributed.md#pipelined-chunks); ``None``
             (default): as many chunks of at least ``PIPELINE_MIN_CHUNK`` (2^24) elements as the
@@ -99,12 +108,13 @@ class FP8CommState:
 
     process_group: Optional[dist.ProcessGroup] = None
     fmt: torch.dtype = E4M3
-    method: str = "all_to_all"
+    method: str = "auto"
     pipeline_chunks: Optional[int] = None
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
     _agreed_layouts: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _auto_methods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = "fp8amp.distributed.FP8CommState"
@@ -117,8 +127,9 @@ class FP8CommState:
         names = ", ".join(str(f) for f in FORMATS)
         if not isinstance(self.fmt, torch.dtype) or self.fmt not in FORMATS:
             raise ValueError(f"{where}: fmt must be one of {names} (fp8amp.E4M3, fp8amp.E5M2); got {self.fmt!r}")
-        if not isinstance(self.method, str) or self.method not in METHODS:
-            raise ValueError(f"{where}: method must be one of {', '.join(map(repr, METHODS))}; got {self.method!r}")
+        if not isinstance(self.method, str) or self.method not in ACCEPTED_METHODS:
+            raise ValueError(f"{where}: method must be one of {', '.join(map(repr, ACCEPTED_METHODS))}; "
+                             f"got {self.method!r}")
         chunks = self.pipeline_chunks
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"{where}: pipeline_chunks must be None (automatic) or an int >= 1; got {chunks!r}")
@@ -248,6 +259,30 @@ def _check_native_backend(state: FP8CommState, group, device: torch.device) -> N
     state._backend_checked = True
 
 
+def _method(state: FP8CommState, group, device: torch.device, world: int) -> str:
+    """The method a bucket is reduced with: ``state.method``, or what "auto" picks (once per
+    device type and rank count). Every rank decides alike: the backend and the probe's outcome
+    are the same on all of them."""
+    if state.method != "auto":
+        if state.method == "native":
+            _check_native_backend(state, group, device)
+        return state.method
+    key = (device.type, world)
+    method = state._auto_methods.get(key)
+    if method is None:
+        method = "all_to_all"
+        if world <= AUTO_NATIVE_MAX_RANKS and _device_backend(group, device) in NATIVE_BACKENDS:
+            try:  # a torch or NCCL build may refuse float8 reductions
+                work = _native_fp8_all_reduce(torch.zeros(1, dtype=E4M3, device=device), group)
+                if work is not None:
+                    work.wait()
+                method = "native"
+            except RuntimeError:
+                pass
+        state._auto_methods[key] = method
+    return method
+
+
 def _side_stream(state: FP8CommState, device: torch.device):
     """On CUDA: a context running on a side stream that first waits for the current stream."""
     if device.type != "cuda":
@@ -279,8 +314,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
                          f"{', '.join(str(d) for d in HIGH_PRECISION_DTYPES)}; got {buf.dtype}")
     group = state.process_group
     world = dist.get_world_size(group)
-    if state.method == "native":
-        _check_native_backend(state, group, buf.device)
+    method = _method(state, group, buf.device, world)
     numels = tuple(c for c in numels if c > 0)
     if buf.numel() == 0 or not numels:
         return buf.clone()
@@ -300,7 +334,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     # every scale_inv NaN, so the whole bucket comes out NaN on every rank. Chunk by chunk, every
     # collective is issued asynchronously and waited for only where its result is needed, so it
     # runs while the next chunk is quantized and the previous one summed.
-    reduce = _reduce_native if state.method == "native" else _reduce_all_to_all
+    reduce = _reduce_native if method == "native" else _reduce_all_to_all
     reduce(buf, amax, chunks, mean, state, group, world)
     return mean
 

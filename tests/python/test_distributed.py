@@ -367,17 +367,18 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
     try:
         for fmt in (E4M3, E5M2):
             for dtype in (torch.float32, torch.bfloat16):
-                state = fd.FP8CommState(fmt=fmt)
+                state = fd.FP8CommState(fmt=fmt, method="all_to_all")
                 res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
         for fmt, dtype in ((E4M3, torch.float32), (E5M2, torch.bfloat16)):
-            state = fd.FP8CommState(fmt=fmt, pipeline_chunks=CHUNKS)
+            state = fd.FP8CommState(fmt=fmt, method="all_to_all", pipeline_chunks=CHUNKS)
             res["chunked", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
         for key, where, value in (("chunked_inf", 20, float("inf")), ("chunked_nan", 300, float("nan"))):
             bad = synth(rank, SIZES, torch.float32)
             if rank == world - 1:
                 bad[where] = value  # in the first chunk, then in the last
-            res[key] = run_hook(bad, SIZES, fd.FP8CommState(pipeline_chunks=CHUNKS), device)
-        state = fd.FP8CommState()
+            res[key] = run_hook(bad, SIZES, fd.FP8CommState(method="all_to_all", pipeline_chunks=CHUNKS), device)
+        res["auto"] = run_hook(synth(rank, SIZES, torch.float32), SIZES, None, device)  # the default state
+        state = fd.FP8CommState(method="all_to_all")
         res["one_gradient"] = run_hook(synth(rank, (301,), torch.float32), (301,), state, device)
         res["tiny"] = run_hook(synth(rank, (1,), torch.float32, seed=1), (1,), state, device)  # fewer elements than ranks
         res["zeros"] = run_hook(torch.zeros(11), (4, 7), state, device)
@@ -411,11 +412,13 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
         if device.type == "cuda":
             res["streams"] = stream_order_run(rank, device)
         # DDP
-        res["ddp"] = ddp_run(rank, device, fd.FP8CommState())
-        res["ddp_buckets"] = ddp_run(rank, device, None, bucket_cap_mb=1e-4)  # one bucket per parameter
-        res["ddp_bf16"] = ddp_run(rank, device, fd.FP8CommState(), dtype=torch.bfloat16)
+        # DDP, with all_to_all, whose bound the tests know ("auto" picks native on NCCL)
+        a2a = dict(method="all_to_all")
+        res["ddp"] = ddp_run(rank, device, fd.FP8CommState(**a2a))
+        res["ddp_buckets"] = ddp_run(rank, device, fd.FP8CommState(**a2a), bucket_cap_mb=1e-4)  # a bucket a parameter
+        res["ddp_bf16"] = ddp_run(rank, device, fd.FP8CommState(**a2a), dtype=torch.bfloat16)
         res["ddp_inf"] = ddp_run(rank, device, fd.FP8CommState(), inf_rank=world - 1)
-        res["ddp_o2"] = ddp_run(rank, device, fd.FP8CommState(), o2=True)
+        res["ddp_o2"] = ddp_run(rank, device, fd.FP8CommState(**a2a), o2=True)
         # Without DDP: plain and O2 models.
         for name, o2 in (("manual", False), ("manual_o2", True)):
             model = mlp(o2=o2).to(device)
@@ -424,7 +427,7 @@ def worker(rank: int, world: int, backend: str, port: int, results) -> None:
             model(batch(0, rank, o2=o2).to(device)).pow(2).mean().backward()
             local = [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
                      for p in model.parameters()]
-            fd.all_reduce_grads(model, bucket_cap_mb=25.0 if not o2 else 1e-4)
+            fd.all_reduce_grads(model, fd.FP8CommState(method="all_to_all"), bucket_cap_mb=25.0 if not o2 else 1e-4)
             res[name] = {"local": local, "types": [type(p.grad).__name__ for p in model.parameters()],
                          "grads": [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
                                    for p in model.parameters()]}
@@ -551,6 +554,18 @@ def test_pipelined_chunks_one_non_finite_makes_the_whole_bucket_nan(run, key):
     _, _, res = run
     for r in res:
         assert r[key].isnan().all(), key  # every chunk, on every rank
+
+
+def test_auto_picks_native_on_nccl_up_to_two_ranks_else_all_to_all(run):
+    """The default method: on NCCL with at most 2 ranks the bits of "native" (its float8 SUM),
+    elsewhere those of "all_to_all"."""
+    world, backend, res = run
+    if backend == "nccl" and world <= fd.AUTO_NATIVE_MAX_RANKS and "native_error" not in res[0]:
+        expected = [r["native", E4M3] for r in res]
+    else:
+        expected = [r["hook", E4M3, torch.float32] for r in res]
+    for r, e in zip(res, expected):
+        assert_bits_equal(r["auto"], e)
 
 
 def test_zero_gradients_stay_zero(run):
@@ -715,7 +730,7 @@ def test_chunk_bounds_cover_the_bucket_aligned(n, chunks, count):
 def test_state_argument_errors():
     with pytest.raises(ValueError, match=r"fmt must be one of torch.float8_e4m3fn, torch.float8_e5m2"):
         fd.FP8CommState(fmt=torch.float16)
-    with pytest.raises(ValueError, match=r"method must be one of 'all_to_all', 'native'; got 'ring'"):
+    with pytest.raises(ValueError, match=r"method must be one of 'auto', 'all_to_all', 'native'; got 'ring'"):
         fd.FP8CommState(method="ring")
     with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
         fd.FP8CommState(process_group="world")
