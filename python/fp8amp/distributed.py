@@ -73,8 +73,10 @@ FORMATS = (E4M3, E5M2)
 #: Backends known to reduce float8 tensors natively (``method="native"``).
 NATIVE_BACKENDS = ("nccl",)
 
-#: A bucket is reduced in pipelined chunks of at least this many elements (FP8CommState.pipeline_chunks)...
-PIPELINE_MIN_CHUNK = 2**24
+#: A bucket is reduced in pipelined chunks of at least this many elements, by method
+#: (FP8CommState.pipeline_chunks): all_to_all's chunks cost about 0.14 ms each of launches and host
+#: work (measured on one H200), native's a tenth of that...
+PIPELINE_MIN_CHUNK = {"native": 2**24, "all_to_all": 2**26}
 #: ... and at most this many chunks.
 PIPELINE_MAX_CHUNKS = 8
 #: Chunks start at multiples of this many elements (256 bytes of a float32 bucket: the kernels' packs stay aligned).
@@ -98,9 +100,10 @@ class FP8CommState:
             on a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
         pipeline_chunks: how many chunks a bucket is reduced in, each chunk's collectives running
             while the next chunk's local work does (docs/distributed.md#pipelined-chunks); ``None``
-            (default): as many chunks of at least ``PIPELINE_MIN_CHUNK`` (2^24) elements as the
-            bucket holds, 1 to ``PIPELINE_MAX_CHUNKS`` (8), so buckets under 2^25 elements, DDP's
-            25 MB ones included, are one chunk; ``1``: never chunked. Chunks start at multiples of ``CHUNK_ALIGN``
+            (default): as many chunks of at least ``PIPELINE_MIN_CHUNK[method]`` elements (2^24
+            for native, 2^26 for all_to_all) as the bucket holds, 1 to ``PIPELINE_MAX_CHUNKS``
+            (8), so buckets under 2^25 elements, DDP's 25 MB ones included, are one chunk;
+            ``1``: never chunked. Chunks start at multiples of ``CHUNK_ALIGN``
             elements, so a small bucket gets fewer chunks than asked for.
 
     The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
@@ -191,11 +194,14 @@ def _layout(state: FP8CommState, numels: tuple, world: int) -> _Layout:
     return layout
 
 
-def _chunk_bounds(n: int, chunks: Optional[int]) -> tuple:
+def _chunk_bounds(n: int, chunks: Optional[int], method: str) -> tuple:
     """The offsets ``0 = b_0 < b_1 < ... < b_C = n`` of a bucket's pipelined chunks: ``chunks`` of
-    them (``None``: as many as hold ``PIPELINE_MIN_CHUNK`` elements each, 1 to ``PIPELINE_MAX_CHUNKS``), each
-    but the last a multiple of ``CHUNK_ALIGN`` elements long, so fewer where n is small."""
-    count = max(1, min(PIPELINE_MAX_CHUNKS, n // PIPELINE_MIN_CHUNK)) if chunks is None else chunks
+    them (``None``: as many as hold ``PIPELINE_MIN_CHUNK[method]`` elements each, 1 to
+    ``PIPELINE_MAX_CHUNKS``), each but the last a multiple of ``CHUNK_ALIGN`` elements long, so
+    fewer where n is small."""
+    if chunks is None:
+        chunks = max(1, min(PIPELINE_MAX_CHUNKS, n // PIPELINE_MIN_CHUNK[method]))
+    count = chunks
     size = -(-(-(-n // max(count, 1))) // CHUNK_ALIGN) * CHUNK_ALIGN
     return tuple(range(0, n, size)) + (n,)
 
@@ -211,12 +217,12 @@ class _Chunk:
     layout: _Layout
 
 
-def _chunks(state: FP8CommState, layout: _Layout) -> tuple:
-    """The bucket of ``layout`` cut into its pipelined chunks (cached with the layouts)."""
-    key = ("chunks", layout.segments, layout.world, state.pipeline_chunks)
+def _chunks(state: FP8CommState, layout: _Layout, method: str) -> tuple:
+    """The bucket of ``layout`` cut into its pipelined chunks for ``method`` (cached with the layouts)."""
+    key = ("chunks", layout.segments, layout.world, state.pipeline_chunks, method)
     chunks = state._layouts.get(key)
     if chunks is None:
-        bounds = _chunk_bounds(layout.n, state.pipeline_chunks)
+        bounds = _chunk_bounds(layout.n, state.pipeline_chunks, method)
         chunks = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             inside = [(i, min(o + c, hi) - max(o, lo)) for i, (o, c) in enumerate(layout.segments)
@@ -322,7 +328,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
         numels = (buf.numel(),)  # an unexpected bucket layout: one scale for the whole bucket
     layout = _layout(state, numels, world)
     amax = _shared_amax([buf[o:o + c] for o, c in layout.segments], group)
-    chunks = _chunks(state, layout)
+    chunks = _chunks(state, layout, method)
     if len(chunks) > 1:
         # Each chunk's comm_quantize sees its gradients' amaxes only: a non-finite one anywhere
         # (inf after the MAX) becomes NaN in all (inf * 0), so that every chunk decodes NaN.
