@@ -74,8 +74,8 @@ FORMATS = (E4M3, E5M2)
 NATIVE_BACKENDS = ("nccl",)
 
 #: A bucket is reduced in pipelined chunks of at least this many elements, by method
-#: (FP8CommState.pipeline_chunks): all_to_all's chunks cost about 0.14 ms each of launches and host
-#: work (measured on one H200), native's a tenth of that...
+#: (FP8CommState.pipeline_chunks): all_to_all's launches and host work make a small chunk of it cost
+#: more than it hides (docs/distributed.md#pipelined-chunks)...
 PIPELINE_MIN_CHUNK = {"native": 2**24, "all_to_all": 2**26}
 #: ... and at most this many chunks.
 PIPELINE_MAX_CHUNKS = 8
@@ -201,8 +201,8 @@ def _chunk_bounds(n: int, chunks: Optional[int], method: str) -> tuple:
     fewer where n is small."""
     if chunks is None:
         chunks = max(1, min(PIPELINE_MAX_CHUNKS, n // PIPELINE_MIN_CHUNK[method]))
-    count = chunks
-    size = -(-(-(-n // max(count, 1))) // CHUNK_ALIGN) * CHUNK_ALIGN
+    per_chunk = -(-n // chunks)
+    size = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
     return tuple(range(0, n, size)) + (n,)
 
 
@@ -381,13 +381,14 @@ def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
         send = torch.empty(world * chunk.layout.L, dtype=torch.uint8, device=device)
         scale_inv = fast.comm_quantize(*_chunk_inputs(buf, amax, chunk), format_max(fmt), send.view(fmt))
         recv = torch.empty_like(send)
-        sent.append((chunk, scale_inv, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        sent.append((chunk, scale_inv, send, recv, work))  # send referenced until the work is waited for
 
     # Rank `rank` owns shard `rank` of each chunk: the N copies summed in rank order, divided by N,
     # each piece (the part of one gradient in the shard) requantized with its own scale; the
     # scales travel after the codes.
     gathering = []
-    for chunk, scale_inv, recv, work in sent:
+    for chunk, scale_inv, _, recv, work in sent:
         layout = chunk.layout
         L, P = layout.L, layout.max_pieces
         mine = layout.pieces[rank]
@@ -404,10 +405,10 @@ def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
                                                          payload[:shard_len].view(fmt))
             payload[L:L + 4 * len(mine)].copy_(mean_scale_inv.view(torch.uint8))
         gathered = torch.empty(world * (L + 4 * P), dtype=torch.uint8, device=device)
-        gathering.append((chunk, gathered, dist.all_gather_into_tensor(gathered, payload, group=group,
-                                                                        async_op=True)))
+        work = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
+        gathering.append((chunk, payload, gathered, work))
 
-    for chunk, gathered, work in gathering:
+    for chunk, _, gathered, work in gathering:
         layout = chunk.layout
         L, P = layout.L, layout.max_pieces
         work.wait()
