@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fp8amp import distributed as fd
+from fp8amp.comm_layout import chunk_bounds
 from fp8amp.fsdp import fp8_reduce_scatter
 from _common import copy_bandwidth, markdown_table, median_seconds, report, require_gpu, warm_up_gpu
 from bench_comm import DTYPES, bucket_data, parse_sizes
@@ -114,7 +115,7 @@ def main() -> None:
                         predicted = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x bf16 ({recorded['bf16']:.3f})"
                     else:
                         predicted = "–"
-                    chunks = "" if method == "reduce-scatter" else f" ({len(fd._chunk_bounds(n, None, method)) - 1} chunks)"
+                    chunks = "" if method == "reduce-scatter" else f" ({len(chunk_bounds(n, None, method)) - 1} chunks)"
                     rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}", method + chunks,
                                  f"{seconds * 1e3:.3f}", f"{local_bytes(method, b, args.world):.4g}",
                                  f"{nbytes / seconds / copy:.0%}", predicted])

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from .comm_layout import Chunk, Layout, make_chunks, make_layout
 from .amax_sync import ranks_agree
 from .ops import fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, format_max
@@ -73,15 +74,6 @@ FORMATS = (E4M3, E5M2)
 #: Backends known to reduce float8 tensors natively (``method="native"``).
 NATIVE_BACKENDS = ("nccl",)
 
-#: A bucket is reduced in pipelined chunks of at least this many elements, by method
-#: (FP8CommState.pipeline_chunks): all_to_all's launches and host work make a small chunk of it cost
-#: more than it hides (docs/distributed.md#pipelined-chunks)...
-PIPELINE_MIN_CHUNK = {"native": 2**24, "all_to_all": 2**26}
-#: ... and at most this many chunks.
-PIPELINE_MAX_CHUNKS = 8
-#: Chunks start at multiples of this many elements (256 bytes of a float32 bucket: the kernels' packs stay aligned).
-CHUNK_ALIGN = 64
-
 #: Unit roundoff (half an ulp, relative) and half the smallest subnormal of each format.
 UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
 HALF_MIN_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
@@ -99,12 +91,12 @@ class FP8CommState:
             any backend, error independent of the rank count) or ``"native"`` (``dist.all_reduce``
             on a float8 tensor; NCCL only; FP8 partial sums, error grows with the rank count).
         pipeline_chunks: how many chunks a bucket is reduced in, each chunk's collectives running
-            while the next chunk's local work does (docs/distributed.md#pipelined-chunks); ``None``
-            (default): as many chunks of at least ``PIPELINE_MIN_CHUNK[method]`` elements (2^24
-            for native, 2^26 for all_to_all) as the bucket holds, 1 to ``PIPELINE_MAX_CHUNKS``
-            (8), so buckets under 2^25 elements, DDP's 25 MB ones included, are one chunk;
-            ``1``: never chunked. Chunks start at multiples of ``CHUNK_ALIGN``
-            elements, so a small bucket gets fewer chunks than asked for.
+            while the next chunk's local work does (docs/distributed.md#pipelined-chunks). ``None``
+            (default): as many chunks as the bucket holds of at least 2^24 elements (native) or
+            2^26 (all_to_all), at most 8 (``fp8amp.comm_layout.PIPELINE_MIN_CHUNK``,
+            ``PIPELINE_MAX_CHUNKS``), so buckets under 2^25 elements, DDP's 25 MB ones included,
+            are one chunk; ``1``: never chunked. Chunks start at multiples of 64 elements, so a
+            small bucket gets fewer chunks than asked for.
 
     The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
     """
@@ -141,98 +133,21 @@ class FP8CommState:
 # ---------------------------------------------------------------------------- layout
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where each gradient of a flat bucket of n elements lies, and how N shards cut it.
-
-    ``segments[i] = (offset, numel)`` of gradient i; ``L`` elements per shard (the bucket padded
-    to ``N L``); ``pieces[k]`` = ``(start, end, i)`` of every non-empty intersection of shard k
-    with gradient i, ``start``/``end`` relative to the shard, in order; ``first[k]`` the index of
-    the first gradient in shard k (pieces of a shard are consecutive gradients);
-    ``max_pieces`` = the most pieces in a shard (the scale slots each shard carries);
-    ``bounds`` the gradients' offsets and ``n`` (comm_sum_shards' pieces over the whole bucket);
-    ``shard_bounds[k]`` those of shard k's pieces, relative to the shard.
-    """
-
-    n: int
-    world: int
-    segments: tuple
-    L: int
-    pieces: tuple
-    max_pieces: int
-    bounds: tuple
-    shard_bounds: tuple
-
-
-def _make_layout(numels: tuple, world: int) -> _Layout:
-    segments, offset = [], 0
-    for numel in numels:
-        segments.append((offset, numel))
-        offset += numel
-    n = offset
-    L = -(-n // world)
-    pieces = []
-    for k in range(world):
-        lo, hi = k * L, min((k + 1) * L, n)
-        shard = []
-        for i, (o, c) in enumerate(segments):
-            a, b = max(o, lo), min(o + c, hi)
-            if a < b:
-                shard.append((a - lo, b - lo, i))
-        pieces.append(tuple(shard))
-    bounds = tuple(o for o, _ in segments) + (n,)
-    shard_bounds = tuple(tuple(a for a, _, _ in p) + (p[-1][1],) if p else () for p in pieces)
-    return _Layout(n, world, tuple(segments), L, tuple(pieces), max(1, max(len(p) for p in pieces)), bounds,
-                   shard_bounds)
-
-
-def _layout(state: FP8CommState, numels: tuple, world: int) -> _Layout:
+def _layout(state: FP8CommState, numels: tuple, world: int) -> Layout:
     key = (numels, world)
     layout = state._layouts.get(key)
     if layout is None:
-        layout = state._layouts[key] = _make_layout(numels, world)
+        layout = state._layouts[key] = make_layout(numels, world)
     return layout
 
 
-def _chunk_bounds(n: int, chunks: Optional[int], method: str) -> tuple:
-    """The offsets ``0 = b_0 < b_1 < ... < b_C = n`` of a bucket's pipelined chunks: ``chunks`` of
-    them (``None``: as many as hold ``PIPELINE_MIN_CHUNK[method]`` elements each, 1 to
-    ``PIPELINE_MAX_CHUNKS``), each but the last a multiple of ``CHUNK_ALIGN`` elements long, so
-    fewer where n is small."""
-    if chunks is None:
-        chunks = max(1, min(PIPELINE_MAX_CHUNKS, n // PIPELINE_MIN_CHUNK[method]))
-    per_chunk = -(-n // chunks)
-    size = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
-    return tuple(range(0, n, size)) + (n,)
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Elements ``[lo, hi)`` of a bucket: the parts of gradients ``first, first + 1, ...`` in it,
-    with their own shard layout (``layout``, offsets relative to ``lo``)."""
-
-    lo: int
-    hi: int
-    first: int
-    layout: _Layout
-
-
-def _chunks(state: FP8CommState, layout: _Layout, method: str) -> tuple:
+def _chunks(state: FP8CommState, layout: Layout, method: str) -> tuple:
     """The bucket of ``layout`` cut into its pipelined chunks for ``method`` (cached with the layouts)."""
     key = ("chunks", layout.segments, layout.world, state.pipeline_chunks, method)
     chunks = state._layouts.get(key)
     if chunks is None:
-        bounds = _chunk_bounds(layout.n, state.pipeline_chunks, method)
-        chunks = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            inside = [(i, min(o + c, hi) - max(o, lo)) for i, (o, c) in enumerate(layout.segments)
-                      if min(o + c, hi) > max(o, lo)]
-            chunks.append(_Chunk(lo, hi, inside[0][0], _make_layout(tuple(c for _, c in inside), layout.world)))
-        chunks = state._layouts[key] = tuple(chunks)
+        chunks = state._layouts[key] = make_chunks(layout, state.pipeline_chunks, method)
     return chunks
-
-
-# ---------------------------------------------------------------------------- the reduction
 
 
 def _native_fp8_all_reduce(codes: torch.Tensor, group):
@@ -345,7 +260,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     return mean
 
 
-def _chunk_inputs(buf: torch.Tensor, amax: torch.Tensor, chunk: _Chunk) -> tuple:
+def _chunk_inputs(buf: torch.Tensor, amax: torch.Tensor, chunk: Chunk) -> tuple:
     """(the chunk's gradient parts as views of ``buf``, their amaxes)."""
     segs = [buf[chunk.lo + o:chunk.lo + o + c] for o, c in chunk.layout.segments]
     return segs, amax[chunk.first:chunk.first + len(segs)]
@@ -554,5 +469,5 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
     amax = ring(4 * len(numels))
     if method == "native":
         return amax + ring(n)
-    layout = _make_layout(numels, world)
+    layout = make_layout(numels, world)
     return amax + (world - 1) * layout.L + (world - 1) * (layout.L + 4 * layout.max_pieces)

@@ -42,6 +42,7 @@ from torch import nn
 import fp8amp
 from cast_reference import assert_bits_equal
 from ranks import free_port
+from fp8amp import comm_layout
 from fp8amp import distributed as fd
 
 E4M3, E5M2 = fp8amp.E4M3, fp8amp.E5M2
@@ -138,7 +139,7 @@ def shard_pieces(sizes, world: int, chunks=None) -> list:
     pieces = []
     for lo, hi in chunks or [(0, offsets[-1])]:
         inside = [min(b, hi) - max(a, lo) for a, b in zip(offsets[:-1], offsets[1:]) if min(b, hi) > max(a, lo)]
-        layout = fd._make_layout(tuple(inside), world)
+        layout = comm_layout.make_layout(tuple(inside), world)
         pieces += [(lo + k * layout.L + a, lo + k * layout.L + b) for k in range(world) for a, b, _ in layout.pieces[k]]
     return pieces
 
@@ -541,7 +542,7 @@ def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype):
     shards, "native" the very bits of the unchunked reduction (its scales stay the gradients')."""
     world, _, res = run
     xs = [synth(r, SIZES, dtype) for r in range(world)]
-    bounds = fd._chunk_bounds(sum(SIZES), CHUNKS, "all_to_all")
+    bounds = comm_layout.chunk_bounds(sum(SIZES), CHUNKS, "all_to_all")
     chunks = list(zip(bounds[:-1], bounds[1:]))
     assert chunks == [(0, 128), (128, 256), (256, 307)]
     expected = reference_mean(xs, SIZES, fmt, "all_to_all", chunks)
@@ -724,12 +725,12 @@ def test_pipeline_chunks_must_be_none_or_a_positive_int(chunks):
     (2**29 + 5, None, "native", 8), (10**6, 1, "native", 1), (2**27, None, "all_to_all", 2),
     (2**29, None, "all_to_all", 8)])
 def test_chunk_bounds_cover_the_bucket_aligned(n, chunks, method, count):
-    bounds = fd._chunk_bounds(n, chunks, method)
+    bounds = comm_layout.chunk_bounds(n, chunks, method)
     assert bounds[0] == 0 and bounds[-1] == n and len(bounds) - 1 == count
     assert all(a < b for a, b in zip(bounds, bounds[1:]))
-    assert all(b % fd.CHUNK_ALIGN == 0 for b in bounds[1:-1])
+    assert all(b % comm_layout.CHUNK_ALIGN == 0 for b in bounds[1:-1])
     if chunks is None:
-        assert all(b - a >= fd.PIPELINE_MIN_CHUNK[method] for a, b in zip(bounds[:-2], bounds[1:-1]))
+        assert all(b - a >= comm_layout.PIPELINE_MIN_CHUNK[method] for a, b in zip(bounds[:-2], bounds[1:-1]))
 
 
 def test_state_argument_errors():
@@ -748,7 +749,7 @@ def test_state_argument_errors():
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_layout_covers_every_element_once(world):
     sizes = (37, 1, 200, 5, 64)
-    layout = fd._make_layout(sizes, world)
+    layout = comm_layout.make_layout(sizes, world)
     assert layout.L == math.ceil(sum(sizes) / world)
     covered = []
     for k in range(world):
