@@ -451,7 +451,8 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
     ``method``: ``"all_to_all"`` or ``"native"`` (FP8, as this module does them) or
     ``"all_reduce"`` (a ring all-reduce of ``dtype``: ``2 (N-1)/N`` of the bytes). The FP8 methods
     include the amax all-reduce (a ring of one float32 per gradient) and, for all_to_all, the
-    padding to ``N L`` elements and the float32 scale slots of each shard.
+    padding to ``N L`` elements and the float32 scale slots of each shard, in each of the
+    automatic pipelined chunks.
     """
     numels = tuple(int(c) for c in numels if c > 0)
     if method not in METHODS + ("all_reduce",):
@@ -469,5 +470,5 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
     amax = ring(4 * len(numels))
     if method == "native":
         return amax + ring(n)
-    layout = make_layout(numels, world)
-    return amax + (world - 1) * layout.L + (world - 1) * (layout.L + 4 * layout.max_pieces)
+    chunks = make_chunks(make_layout(numels, world), None, "all_to_all")
+    return amax + sum((world - 1) * c.layout.L + (world - 1) * (c.layout.L + 4 * c.layout.max_pieces) for c in chunks)
