@@ -48,8 +48,8 @@ def one_rank_nccl_group() -> None:
                             device_id=torch.device("cuda", torch.cuda.current_device()))
 
 
-def kernels_of(fn) -> collections.Counter:
-    """Device kernels (name -> (count, device µs)) that one call of fn launches."""
+def kernels_of(fn) -> tuple[collections.Counter, collections.Counter]:
+    """The device kernels one call of fn launches: (name -> count, name -> device µs)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -63,7 +63,7 @@ def kernels_of(fn) -> collections.Counter:
     return counts, times
 
 
-def graph_row(mode, args, model, optimizer, batch, side, step, reduction, alternate) -> list:
+def graph_row(mode, model, optimizer, batch, side, step, reduction, alternate) -> list:
     """The step captured twice, with the reduction on and off, the replays timed alternately."""
     graphs, pool = {}, None
     static = [t.clone() for t in batch]
@@ -166,7 +166,7 @@ def main() -> None:
 
     if args.graph:
         try:
-            rows.append(graph_row(mode, args, model, optimizer, data[0], side, step, reduction, alternate))
+            rows.append(graph_row(mode, model, optimizer, data[0], side, step, reduction, alternate))
         except RuntimeError as e:  # a torch or NCCL build that cannot capture the collective
             rows.append([f"O2 + {mode} + CUDA graph", f"capture failed: {str(e).splitlines()[0][:120]}"] + ["–"] * 7)
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from fp8amp import distributed as fd
 from fp8amp.comm_layout import chunk_bounds
 from fp8amp.fsdp import fp8_reduce_scatter
-from _common import copy_bandwidth, markdown_table, median_seconds, report, require_gpu, warm_up_gpu
+from _common import copy_bandwidth, markdown_table, median_seconds, parse_subset, report, require_gpu, warm_up_gpu
 from bench_comm import DTYPES, bucket_data, parse_sizes
 
 #: Milliseconds on 2 x H200 (NVLink, NCCL 2.28.9, torch 2.11.0+cu130, 2026-11-30; docs/benchmarks.md
@@ -56,8 +56,9 @@ def local_bytes(method: str, b: int, world: int) -> float:
     "FP8 communication kernels"; the reduce-scatter per element of its input)."""
     if method == "native":  # amax b; quantize b + 1; sum of the summed codes into the bucket 1 + b
         return 3 * b + 2
-    if method == "all_to_all":  # amax b; quantize b + 1; sum + requantize: amax pass 1, store pass 1 + 1/N;
-        return 3 * b + 4 + 1 / world  # dequantize of the gathered shards 1 + b
+    if method == "all_to_all":
+        # amax b; quantize b + 1; sum + requantize: amax pass 1, store pass 1 + 1/N; dequantize 1 + b
+        return 3 * b + 4 + 1 / world
     return 2 * b + 2 + b / world  # reduce-scatter: amax b; quantize b + 1; N codes read (1), b/N written
 
 
@@ -77,8 +78,8 @@ def one_process_as(world: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=parse_sizes, default=[2**20, 2**24, 2**27, 2**29])
-    p.add_argument("--dtypes", default="float32,bfloat16",
-                   type=lambda t: [d for d in t.split(",") if d in DTYPES or sys.exit(f"--dtypes: {d!r} not in {list(DTYPES)}")])
+    p.add_argument("--dtypes", default=list(DTYPES), type=lambda t: parse_subset(t, list(DTYPES)),
+                   help=f"the buckets' dtypes, of {', '.join(DTYPES)} (default: all)")
     p.add_argument("--world", type=int, default=2, help="the ranks one process stands for (N)")
     p.add_argument("--samples", type=int, default=15)
     args = p.parse_args()
@@ -99,16 +100,13 @@ def main() -> None:
             rs_out = torch.empty(L, dtype=dtype, device="cuda")
             states = {m: fd.FP8CommState(method=m) for m in fd.METHODS}
             states["native"]._backend_checked = True  # no backend to ask: the collective is a no-op
-            calls = {
-                "native": lambda i: fd._reduce_flat(x, (n,), states["native"]),
-                "all_to_all": lambda i: fd._reduce_flat(x, (n,), states["all_to_all"]),
-                "reduce-scatter": lambda i: fp8_reduce_scatter(rs_out, rs_in, divisor=float(args.world)),
-            }
+            calls = {m: (lambda i, state=state: fd._reduce_flat(x, (n,), state)) for m, state in states.items()}
+            calls["reduce-scatter"] = lambda i: fp8_reduce_scatter(rs_out, rs_in, divisor=float(args.world))
             with one_process_as(args.world):
                 for method, fn in calls.items():
                     seconds = median_seconds(fn, args.samples)
                     elements = rs_in.numel() if method == "reduce-scatter" else n
-                    nbytes = local_bytes(method, b, args.world) * elements
+                    per_element = local_bytes(method, b, args.world)
                     recorded = COLLECTIVES_2XH200.get(n) if args.world == 2 else None
                     if recorded is not None and method in recorded:
                         total = seconds * 1e3 + recorded[method]
@@ -117,8 +115,8 @@ def main() -> None:
                         predicted = "–"
                     chunks = "" if method == "reduce-scatter" else f" ({len(chunk_bounds(n, None, method)) - 1} chunks)"
                     rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}", method + chunks,
-                                 f"{seconds * 1e3:.3f}", f"{local_bytes(method, b, args.world):.4g}",
-                                 f"{nbytes / seconds / copy:.0%}", predicted])
+                                 f"{seconds * 1e3:.3f}", f"{per_element:.4g}",
+                                 f"{per_element * elements / seconds / copy:.0%}", predicted])
             x = rs_in = rs_out = calls = None  # this size's buffers, before the next size's
             torch.cuda.empty_cache()
     text = (f"## Local work of the FP8 all-reduce / reduce-scatter, one {torch.cuda.get_device_name()} standing for "
