@@ -118,15 +118,22 @@ __global__ void __launch_bounds__(kDequantizeThreads)
 }
 
 // x and, unless p.out_t is null, its transpose, each by its own tiles: one-row tiles by the
-// row/column kernels where they fit, any other by tile_kernel (two reads of x, at least).
+// row/column kernels where they fit (both copies from two reads of x where both fit the region
+// pass), any other by tile_kernel (two reads of x, at least).
 void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p,
                              const ScalingRecipe& recipe, cudaStream_t stream, const char* op) {
   const RecipeScaleRule rule{recipe};
+  if (p.out_t != nullptr && row_column_tiles_fit(in_dtype, p.x, p.out, p.t, p.t_t)) {
+    quantize_column_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe,
+                          stream);
+    return;
+  }
   const bool rows_fit = row_tiles_fit(in_dtype, p.x, p.out, p.t);
   const bool columns_fit = p.out_t != nullptr && column_tiles_fit(in_dtype, p.x, p.t, p.t_t);
   if (rows_fit) quantize_row_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.t, recipe, stream);
   if (columns_fit) {
-    quantize_column_tiles(in_dtype, out_dtype, p.x, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe, stream);
+    quantize_column_tiles(in_dtype, out_dtype, p.x, nullptr, nullptr, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe,
+                          stream);
   }
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     visit(Fp8Types{}, out_dtype, [&](auto o) {

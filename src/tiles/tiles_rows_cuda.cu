@@ -1,8 +1,11 @@
 // One-row tiles outside the region kernel's (1, 128): rowwise scaling's (1, cols) tiles of x, and
 // the transpose's (1, L) tiles, which are segments of x's columns (rowwise: one scale a column).
-// Both read x with 16-byte loads along its rows and convert whole packs (word_pack.cuh: the
-// hardware conversions on sm_89+); the transpose's tiles are written through shared memory so
-// that its rows, too, are stored 16 bytes at a time. Bit for bit tiles_cpu.cpp, as the region
+// All read x with 16-byte loads along its rows and convert whole packs (word_pack.cuh: the
+// hardware conversions on sm_89+). x's own tiles alone take one block per tile, which holds the
+// tile in registers; the transpose's take two passes over 128 x 64 regions of x, one for the amax
+// keys, one for the codes, staged in shared memory so that its rows, too, are stored 16 bytes at
+// a time; where x's tiles are whole regions wide, the same two passes also find their keys and
+// store their codes (two reads of x for both copies). Bit for bit tiles_cpu.cpp, as the region
 // kernel: the same amax keys, scale rule and element codec.
 #include <cuda_runtime.h>
 
@@ -22,9 +25,8 @@ namespace {
 constexpr int kTileThreads = 128;            // row_tiles_kernel's block ...
 constexpr int kHeld = 8;                     // ... and the packs a thread of it holds
 constexpr int kRowThreads = 256;             // the other kernels' blocks
-constexpr int kRegionCols = 64;              // the columns of x one transpose block covers ...
-constexpr int kRegionRows = 64;              // ... and its rows
-constexpr int kAmaxChunkRows = kRegionRows;  // the rows one column-amax thread reads
+constexpr int kRegionCols = 64;              // the columns of x one region block covers ...
+constexpr int kRegionRows = 128;             // ... and its rows
 constexpr int kChunk = 16;                   // codes in a 16-byte chunk of an out_t row
 
 template <class In>
@@ -106,82 +108,146 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// The transpose's tiles of length `len` along x's columns: the amax key of column c's segment s
-// goes to keys[c * segments + s]. A thread reads kVec columns over kAmaxChunkRows rows, which lie
-// in one segment (len is a multiple of kAmaxChunkRows, or the whole column).
-template <class In>
-__global__ void __launch_bounds__(kRowThreads)
-    column_amax_kernel(const In* __restrict__ x, uint32_t* __restrict__ keys, int64_t rows, int64_t cols,
-                       int64_t len, int64_t segments) {
-  constexpr int V = kVec<In>;
-  const int64_t col_groups = cols / V;
-  const int64_t g = blockIdx.x * int64_t{kRowThreads} + threadIdx.x;
-  const int64_t r0 = g / col_groups * kAmaxChunkRows, c = g % col_groups * V;
-  if (r0 >= rows) return;
-  const int64_t r_end = min(rows, r0 + kAmaxChunkRows);
-  uint32_t k[V] = {};
-#pragma unroll 8
-  for (int64_t r = r0; r < r_end; ++r) {
-    Words<In> w;
-    load_words(x + r * cols + c, w);
-    float v[V];
-    decode_pack<In>(w, v);
-#pragma unroll
-    for (int e = 0; e < V; ++e) k[e] = max(k[e], numerics::float_bits(v[e]) & 0x7FFFFFFFu);
-  }
-  const int64_t segment = r0 / len;
-#pragma unroll
-  for (int e = 0; e < V; ++e) atomicMax(&keys[(c + e) * segments + segment], k[e]);
-}
+// The tiles of one region pass: the transpose's (1, len) tiles, segments of x's columns (len a
+// multiple of kRegionRows, or the whole column), and, when the pass also covers x's own tiles,
+// x's (1, tile_cols) tiles (tile_cols a multiple of kRegionCols, or the whole row). So a region
+// lies in one segment of each of its columns and in one tile of each of its rows.
+struct RegionTiles {
+  int64_t rows, cols;
+  int64_t len, segments;             // the transpose's tiles: segment s of column c is key c * segments + s
+  int64_t tile_cols, tiles_per_row;  // x's: tile j of row r is key r * tiles_per_row + j
+};
 
-// One block per kRegionRows x kRegionCols region of x: its codes by the segments' scales (from
-// the keys), stored transposed. A region lies in one segment of each column (len is a multiple
-// of kRegionRows, or the whole column).
-template <class In, class Out>
-__global__ void __launch_bounds__(kRowThreads)
-    transpose_cast_kernel(const In* __restrict__ x, const uint32_t* __restrict__ keys, Out* __restrict__ out_t,
-                          int64_t rows, int64_t cols, int64_t len, int64_t segments, RecipeScaleRule rule,
-                          bool out_t_whole) {
-  constexpr int V = kVec<In>;
-  constexpr int kLanes = kRegionCols / V;  // threads that share a row of the region
-  constexpr int kRowsPerPass = kRowThreads / kLanes;
-  constexpr int kPasses = kRegionRows / kRowsPerPass;
-  constexpr int kRowBytes = kRegionRows + 4;  // a column's codes; + 4: columns start in distinct banks
-  __shared__ float scale[kRegionCols];
-  __shared__ uint32_t codes_t[kRegionCols * kRowBytes / 4];
-  const int64_t region_cols = ceil_div(cols, kRegionCols);
-  const int64_t r0 = blockIdx.x / region_cols * kRegionRows, c0 = blockIdx.x % region_cols * kRegionCols;
-  const int lane = threadIdx.x % kLanes;
-  const int64_t c = c0 + lane * V;
-  Words<In> w[kPasses];  // loaded together, before the wait for the scales
+// A region's threads: kLanes of them share a row of the region (consecutive lanes of one warp),
+// each reading V = kVec<In> columns of kPasses rows, kRowsPerPass rows apart.
+template <class In>
+struct RegionLayout {
+  static constexpr int V = kVec<In>;
+  static constexpr int kLanes = kRegionCols / V;
+  static constexpr int kRowsPerPass = kRowThreads / kLanes;
+  static constexpr int kPasses = kRegionRows / kRowsPerPass;
+  int64_t r0, c0;  // the region's first row and column
+  int lane;
+  __device__ RegionLayout(int64_t cols) {
+    const int64_t region_cols = ceil_div(cols, kRegionCols);
+    r0 = blockIdx.x / region_cols * kRegionRows;
+    c0 = blockIdx.x % region_cols * kRegionCols;
+    lane = threadIdx.x % kLanes;
+  }
+  __device__ int row(int pass) const { return pass * kRowsPerPass + threadIdx.x / kLanes; }  // in the region
+  __device__ int64_t col() const { return c0 + lane * V; }
+  // The thread's packs, loaded together; zeros outside x (they change no amax).
+  __device__ void load(const In* x, const RegionTiles& t, Words<In> (&w)[kPasses]) const {
 #pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int64_t r = r0 + pass * kRowsPerPass + threadIdx.x / kLanes;
-    if (r < rows && c < cols) {
-      load_words(x + r * cols + c, w[pass]);
-    } else {
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int64_t r = r0 + row(pass);
+      if (r < t.rows && col() < t.cols) {
+        load_words(x + r * t.cols + col(), w[pass]);
+      } else {
 #pragma unroll
-      for (auto& word : w[pass]) word = 0;
+        for (auto& word : w[pass]) word = 0;
+      }
     }
   }
+};
+
+// The amax keys of one region: of each column's segment into col_keys (one atomicMax a column)
+// and, unless row_keys is null, of each row's tile into row_keys (one atomicMax a row).
+template <class In>
+__global__ void __launch_bounds__(kRowThreads)
+    region_amax_kernel(const In* __restrict__ x, uint32_t* __restrict__ col_keys, uint32_t* __restrict__ row_keys,
+                       RegionTiles t) {
+  using L = RegionLayout<In>;
+  constexpr int V = L::V;
+  __shared__ uint32_t warp_cols[kRowThreads / 32][kRegionCols];
+  const L at(t.cols);
+  Words<In> w[L::kPasses];
+  at.load(x, t, w);
+  uint32_t ck[V] = {};
+#pragma unroll
+  for (int pass = 0; pass < L::kPasses; ++pass) {
+    float v[V];
+    decode_pack<In>(w[pass], v);
+    uint32_t rk = 0;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const uint32_t key = numerics::float_bits(v[e]) & 0x7FFFFFFFu;
+      rk = max(rk, key);
+      ck[e] = max(ck[e], key);
+    }
+    if (row_keys != nullptr) {
+#pragma unroll
+      for (int o = L::kLanes / 2; o > 0; o /= 2) rk = max(rk, __shfl_xor_sync(0xFFFFFFFFu, rk, o));
+      const int64_t r = at.r0 + at.row(pass);
+      if (at.lane == 0 && r < t.rows && rk != 0) atomicMax(&row_keys[r * t.tiles_per_row + at.c0 / t.tile_cols], rk);
+    }
+  }
+  // The columns: first the warp's rows (its lanes kLanes apart share columns), then the warps'.
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+#pragma unroll
+    for (int o = L::kLanes; o < 32; o *= 2) ck[e] = max(ck[e], __shfl_xor_sync(0xFFFFFFFFu, ck[e], o));
+  }
+  if (threadIdx.x % 32 < L::kLanes) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) warp_cols[threadIdx.x / 32][at.lane * V + e] = ck[e];
+  }
+  __syncthreads();
+  const int64_t c = at.c0 + threadIdx.x;
+  if (threadIdx.x < kRegionCols && c < t.cols) {
+    uint32_t key = 0;
+#pragma unroll
+    for (int k = 0; k < kRowThreads / 32; ++k) key = max(key, warp_cols[k][threadIdx.x]);
+    atomicMax(&col_keys[c * t.segments + at.r0 / t.len], key);
+  }
+}
+
+// One block per region of x: its codes by the segments' scales (from col_keys), stored
+// transposed, and, unless out is null, by the row tiles' scales (from row_keys), stored in place.
+template <class In, class Out>
+__global__ void __launch_bounds__(kRowThreads)
+    transpose_cast_kernel(const In* __restrict__ x, const uint32_t* __restrict__ col_keys, Out* __restrict__ out_t,
+                          const uint32_t* __restrict__ row_keys, Out* __restrict__ out, RegionTiles t,
+                          RecipeScaleRule rule, bool out_t_whole) {
+  using L = RegionLayout<In>;
+  constexpr int V = L::V;
+  constexpr int kRowBytes = kRegionRows + 4;  // a column's codes; + 4: columns start in distinct banks
+  __shared__ float col_scale[kRegionCols];
+  __shared__ float row_scale[kRegionRows];
+  __shared__ uint32_t codes_t[kRegionCols * kRowBytes / 4];
+  const L at(t.cols);
+  const int64_t rows = t.rows, cols = t.cols, r0 = at.r0, c0 = at.c0;
+  Words<In> w[L::kPasses];  // loaded together, before the wait for the scales
+  at.load(x, t, w);
+  const float fmax = numerics::format_max<Out>();
   if (threadIdx.x < kRegionCols) {
     const int64_t col = c0 + threadIdx.x;
-    scale[threadIdx.x] =
-        col < cols ? rule(numerics::amax_from_key(keys[col * segments + r0 / len]), numerics::format_max<Out>()).scale
-                   : 0.0f;
+    col_scale[threadIdx.x] =
+        col < cols ? rule(numerics::amax_from_key(col_keys[col * t.segments + r0 / t.len]), fmax).scale : 0.0f;
+  } else if (out != nullptr && threadIdx.x < kRegionCols + kRegionRows) {
+    const int i = threadIdx.x - kRegionCols;
+    const int64_t r = r0 + i;
+    row_scale[i] =
+        r < rows ? rule(numerics::amax_from_key(row_keys[r * t.tiles_per_row + c0 / t.tile_cols]), fmax).scale : 0.0f;
   }
   __syncthreads();
   auto* bytes_t = reinterpret_cast<uint8_t*>(codes_t);
+  const int lane = at.lane;
 #pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int i = pass * kRowsPerPass + threadIdx.x / kLanes;
+  for (int pass = 0; pass < L::kPasses; ++pass) {
+    const int i = at.row(pass);
     float v[V];
     decode_pack<In>(w[pass], v);
+    if (out != nullptr && r0 + i < rows && at.col() < cols) {
+      uint32_t row_codes[kWords<Out, V>];
+      encode_scaled_pack<Out>(v, row_scale[i], row_codes);
+      store_words(out + (r0 + i) * cols + at.col(), row_codes);
+    }
 #pragma unroll
     for (int e = 0; e < V; e += 4) {  // four columns' codes at a time, then a byte each
       float scaled[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) scaled[j] = rn::mul(v[e + j], scale[lane * V + e + j]);
+      for (int j = 0; j < 4; ++j) scaled[j] = rn::mul(v[e + j], col_scale[lane * V + e + j]);
       uint32_t four[1];
       encode_pack<Out>(scaled, four);
 #pragma unroll
@@ -208,10 +274,17 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// The stored scale_inv of every segment, in place of its key.
-__global__ void keys_to_scale_inv_kernel(uint32_t* keys, int64_t n, RecipeScaleRule rule, float fmax) {
-  const int64_t i = blockIdx.x * int64_t{kRowThreads} + threadIdx.x;
-  if (i < n) reinterpret_cast<float*>(keys)[i] = rule(numerics::amax_from_key(keys[i]), fmax).stored;
+// The stored scale_inv of every tile, in place of its key: keys[0, n) and then more_keys[0, more).
+__global__ void keys_to_scale_inv_kernel(uint32_t* keys, int64_t n, uint32_t* more_keys, int64_t more,
+                                         RecipeScaleRule rule, float fmax) {
+  int64_t i = blockIdx.x * int64_t{kRowThreads} + threadIdx.x;
+  uint32_t* k = keys;
+  if (i >= n) {
+    i -= n;
+    k = more_keys;
+    if (i >= more) return;
+  }
+  reinterpret_cast<float*>(k)[i] = rule(numerics::amax_from_key(k[i]), fmax).stored;
 }
 
 }  // namespace
@@ -229,10 +302,15 @@ bool column_tiles_fit(DType in_dtype, const void* x, const TileShape& t, const T
   bool fit = false;
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     using In = decltype(in);
-    fit = t_t.tile_rows == 1 && (t_t.tile_cols % kAmaxChunkRows == 0 || t_t.tile_cols >= t.rows) &&
+    fit = t_t.tile_rows == 1 && (t_t.tile_cols % kRegionRows == 0 || t_t.tile_cols >= t.rows) &&
           loads_whole<In>(x, t.cols);
   });
   return fit;
+}
+
+bool row_column_tiles_fit(DType in_dtype, const void* x, const void* out, const TileShape& t, const TileShape& t_t) {
+  return (t.tile_cols % kRegionCols == 0 || t.tile_cols >= t.cols) && row_tiles_fit(in_dtype, x, out, t) &&
+         column_tiles_fit(in_dtype, x, t, t_t);
 }
 
 void quantize_row_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv,
@@ -250,32 +328,35 @@ void quantize_row_tiles(DType in_dtype, DType out_dtype, const void* x, void* ou
   });
 }
 
-void quantize_column_tiles(DType in_dtype, DType out_dtype, const void* x, void* out_t, float* scale_inv_t,
-                           const TileShape& t, const TileShape& t_t, const ScalingRecipe& recipe,
+void quantize_column_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv, void* out_t,
+                           float* scale_inv_t, const TileShape& t, const TileShape& t_t, const ScalingRecipe& recipe,
                            cudaStream_t stream) {
   const int64_t rows = t.rows, cols = t.cols;
   if (rows * cols == 0) return;
-  const int64_t len = t_t.tile_cols, segments = t_t.grid_cols();
-  auto* keys = reinterpret_cast<uint32_t*>(scale_inv_t);  // the keys live where their scales go
-  FP8AMP_CUDA_CHECK(cudaMemsetAsync(keys, 0, cols * segments * sizeof(uint32_t), stream));
+  const RegionTiles tiles{rows, cols, t_t.tile_cols, t_t.grid_cols(), t.tile_cols, t.grid_cols()};
+  // The keys live where their scales go, and become the scales in the last launch.
+  auto* col_keys = reinterpret_cast<uint32_t*>(scale_inv_t);
+  auto* row_keys = out != nullptr ? reinterpret_cast<uint32_t*>(scale_inv) : nullptr;
+  const int64_t n_col = cols * tiles.segments, n_row = out != nullptr ? rows * tiles.tiles_per_row : 0;
+  FP8AMP_CUDA_CHECK(cudaMemsetAsync(col_keys, 0, n_col * sizeof(uint32_t), stream));
+  if (row_keys != nullptr) FP8AMP_CUDA_CHECK(cudaMemsetAsync(row_keys, 0, n_row * sizeof(uint32_t), stream));
   const RecipeScaleRule rule{recipe};
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
     visit(Fp8Types{}, out_dtype, [&](auto o) {
       using In = decltype(in);
       using Out = decltype(o);
       const auto* xs = static_cast<const In*>(x);
-      const int64_t amax_threads = ceil_div(rows, kAmaxChunkRows) * (cols / kVec<In>);
-      column_amax_kernel<In><<<grid_size(ceil_div(amax_threads, kRowThreads), "cast_transpose_tiles"), kRowThreads,
-                               0, stream>>>(xs, keys, rows, cols, len, segments);
+      const unsigned regions =
+          grid_size(ceil_div(rows, kRegionRows) * ceil_div(cols, kRegionCols), "cast_transpose_tiles");
+      region_amax_kernel<In><<<regions, kRowThreads, 0, stream>>>(xs, col_keys, row_keys, tiles);
       FP8AMP_CUDA_CHECK_LAUNCH();
-      const int64_t regions = ceil_div(rows, kRegionRows) * ceil_div(cols, kRegionCols);
       const bool out_t_whole = rows % kChunk == 0 && is_aligned(out_t, 16);
-      transpose_cast_kernel<In, Out><<<grid_size(regions, "cast_transpose_tiles"), kRowThreads, 0, stream>>>(
-          xs, keys, static_cast<Out*>(out_t), rows, cols, len, segments, rule, out_t_whole);
+      transpose_cast_kernel<In, Out><<<regions, kRowThreads, 0, stream>>>(
+          xs, col_keys, static_cast<Out*>(out_t), row_keys, static_cast<Out*>(out), tiles, rule, out_t_whole);
       FP8AMP_CUDA_CHECK_LAUNCH();
-      const int64_t n = cols * segments;
-      keys_to_scale_inv_kernel<<<grid_size(ceil_div(n, kRowThreads), "cast_transpose_tiles"), kRowThreads, 0,
-                                 stream>>>(keys, n, rule, numerics::format_max<Out>());
+      keys_to_scale_inv_kernel<<<grid_size(ceil_div(n_col + n_row, kRowThreads), "cast_transpose_tiles"),
+                                 kRowThreads, 0, stream>>>(col_keys, n_col, row_keys, n_row, rule,
+                                                           numerics::format_max<Out>());
       FP8AMP_CUDA_CHECK_LAUNCH();
     });
   });
