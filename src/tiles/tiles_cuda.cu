@@ -1,7 +1,7 @@
 // CUDA twin of tiles_cpu.cpp, bit for bit. The (1, 128) and (128, 128) tilings of quantize_tiles,
 // cast_transpose_tiles and scaled_accumulate_tiles run the one-pass region kernel
 // (tiles_region_cuda.cu); other one-row tiles (rowwise scaling) run tiles_rows_cuda.cu's row and
-// column kernels where x's rows take 16-byte loads. Every other tiling runs tile_kernel: one block
+// two-pass region kernels where x's rows take 16-byte loads. Every other tiling runs tile_kernel: one block
 // per tile, which finds the tile's amax, then quantizes it (the second read hits L1/L2: a tile is
 // at most a few tens of KB).
 // Threads run along a tile's rows, so a warp reads consecutive elements of a row-major matrix.
