@@ -27,8 +27,6 @@ constexpr const char* kOp = "adam_step";
 
 using OptionalTensorList = c10::List<std::optional<at::Tensor>>;
 
-std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
-
 void check_length(size_t size, size_t n, const char* list) {
   FP8AMP_CHECK_VALUE(size == n, kOp, list, " must hold one tensor per param (", n, "), got ", size);
 }
@@ -40,7 +38,7 @@ std::optional<TensorView> entry(const OptionalTensorList& list, size_t i, size_t
                      list.size());
   const std::optional<at::Tensor> t = list.get(i);
   if (!t.has_value()) return std::nullopt;
-  return view(*t, kOp, item(name, i).c_str());
+  return view(*t, kOp, ListItem(name, i).c_str());
 }
 
 at::Tensor amax_like(at::TensorList params) {
@@ -68,10 +66,10 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
     std::vector<AdamTensors> tensors(n);
     for (size_t i = 0; i < n; ++i) {
       AdamTensors& t = tensors[i];
-      t.param = view(params[i], kOp, item("params", i).c_str());
-      t.grad = view(grads[i], kOp, item("grads", i).c_str());
-      t.exp_avg = view(exp_avgs[i], kOp, item("exp_avgs", i).c_str());
-      t.exp_avg_sq = view(exp_avg_sqs[i], kOp, item("exp_avg_sqs", i).c_str());
+      t.param = view(params[i], kOp, ListItem("params", i).c_str());
+      t.grad = view(grads[i], kOp, ListItem("grads", i).c_str());
+      t.exp_avg = view(exp_avgs[i], kOp, ListItem("exp_avgs", i).c_str());
+      t.exp_avg_sq = view(exp_avg_sqs[i], kOp, ListItem("exp_avg_sqs", i).c_str());
       t.param_scale = entry(param_scales, i, n, "param_scales");
       t.param_scale_inv = entry(param_scale_invs, i, n, "param_scale_invs");
       t.grad_scale_inv = entry(grad_scale_invs, i, n, "grad_scale_invs");

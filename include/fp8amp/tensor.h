@@ -1,7 +1,10 @@
 // Non-owning views of tensors: the only way data enters the core.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <iterator>
 #include <functional>
 #include <initializer_list>
 #include <optional>
@@ -17,11 +20,57 @@ enum class Device : int8_t { kCPU = 0, kCUDA = 1 };
 // An opaque cudaStream_t (nullptr: the legacy default stream). CPU ops ignore it.
 using Stream = void*;
 
+// A tensor's sizes or strides. Up to kInline of them live in the object itself: a view is made
+// for every tensor argument of every call, so a heap allocation each would be most of the host
+// time of a call over many tensors (the optimizer's). More dims spill to the heap.
+class Dims {
+ public:
+  static constexpr size_t kInline = 6;
+
+  Dims() = default;
+  Dims(std::initializer_list<int64_t> values) { assign(values.begin(), values.end()); }
+  Dims(const std::vector<int64_t>& values) { assign(values.begin(), values.end()); }  // NOLINT: implicit
+  Dims& operator=(std::initializer_list<int64_t> values) {
+    assign(values.begin(), values.end());
+    return *this;
+  }
+  Dims& operator=(const std::vector<int64_t>& values) {
+    assign(values.begin(), values.end());
+    return *this;
+  }
+
+  template <class It>
+  void assign(It first, It last) {
+    size_ = static_cast<size_t>(std::distance(first, last));
+    if (size_ <= kInline) {
+      spilled_.clear();
+      std::copy(first, last, inline_.begin());
+    } else {
+      spilled_.assign(first, last);
+    }
+  }
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const int64_t* begin() const { return size_ <= kInline ? inline_.data() : spilled_.data(); }
+  const int64_t* end() const { return begin() + size_; }
+  int64_t operator[](size_t i) const { return begin()[i]; }
+  int64_t& operator[](size_t i) { return (size_ <= kInline ? inline_.data() : spilled_.data())[i]; }
+  int64_t back() const { return begin()[size_ - 1]; }
+  bool operator==(const Dims& other) const { return std::equal(begin(), end(), other.begin(), other.end()); }
+  bool operator!=(const Dims& other) const { return !(*this == other); }
+
+ private:
+  std::array<int64_t, kInline> inline_{};
+  std::vector<int64_t> spilled_;
+  size_t size_ = 0;
+};
+
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
-  std::vector<int64_t> shape;
-  std::vector<int64_t> strides;  // in elements; empty means contiguous
+  Dims shape;
+  Dims strides;  // in elements; empty means contiguous
   Device device = Device::kCPU;
   int device_index = -1;
 

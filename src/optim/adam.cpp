@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/op_args.h"
 #include "common/run_on.h"
 #include "fp8amp/error.h"
 #include "fp8amp/optim.h"
@@ -19,8 +20,6 @@ namespace {
 
 constexpr const char* kOp = "adam_step";
 
-// The name of tensor i's buffer in a list, as the torch op calls its arguments: "exp_avgs[3]".
-std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
 
 bool one_of(DType d, std::initializer_list<DType> accepted) {
   for (DType a : accepted) {
@@ -31,26 +30,27 @@ bool one_of(DType d, std::initializer_list<DType> accepted) {
 
 // A buffer of tensor i: its dtype among `accepted` (spelled out in `accepted_names`), contiguous,
 // the shape of the param and on its device.
-void check_buffer(const TensorView& t, const TensorView& param, const std::string& name,
+void check_buffer(const TensorView& t, const TensorView& param, const char* name,
                   std::initializer_list<DType> accepted, const char* accepted_names) {
   FP8AMP_CHECK_VALUE(one_of(t.dtype, accepted), kOp, name, " must be ", accepted_names, ", got ", t.describe());
-  check::contiguous(t, kOp, name.c_str());
-  check::same_shape(t, param, kOp, name.c_str(), "its param");
-  check::same_device(t, param, kOp, name.c_str(), "its param");
+  check::contiguous(t, kOp, name);
+  check::same_shape(t, param, kOp, name, "its param");
+  check::same_device(t, param, kOp, name, "its param");
 }
 
 // A float32 scalar on `like`'s device.
-void check_scalar(const TensorView& t, const TensorView& like, const std::string& name, const char* like_name) {
-  check::dtype_is(t, DType::kFloat32, kOp, name.c_str());
-  check::numel_is(t, 1, kOp, name.c_str());
-  check::same_device(t, like, kOp, name.c_str(), like_name);
+void check_scalar(const TensorView& t, const TensorView& like, const char* name, const char* like_name) {
+  check::dtype_is(t, DType::kFloat32, kOp, name);
+  check::numel_is(t, 1, kOp, name);
+  check::same_device(t, like, kOp, name, like_name);
 }
 
 // A scale that must be given iff `needed` (its tensor is in a scaled format, described by `why`).
 template <class Ptr>
 Ptr scale_ptr(const std::optional<TensorView>& t, bool needed, const TensorView& param, const char* list, size_t i,
               const char* why) {
-  const std::string name = item(list, i);
+  const ListItem item_name(list, i);
+  const char* name = item_name.c_str();
   if (!needed) {
     FP8AMP_CHECK_VALUE(!t.has_value(), kOp, name, " must be None: ", why);
     return nullptr;
@@ -69,7 +69,8 @@ const float* grad_scale_inv_ptr(const std::optional<TensorView>& t, bool needed,
   if (!needed || !t.has_value() || t->numel() == 1) {
     return scale_ptr<const float*>(t, needed, param, "grad_scale_invs", i, why);
   }
-  const std::string name = item("grad_scale_invs", i);
+  const ListItem item_name("grad_scale_invs", i);
+  const char* name = item_name.c_str();
   const bool blocks_fit = param.dim() == 2 && param.shape[1] % kGradBlock == 0 &&
                           param.numel() / kGradBlock <= int64_t{UINT32_MAX};
   FP8AMP_CHECK_VALUE(blocks_fit, kOp, name, " must have one element, or be the 128 x 128 block scales of a 2-D grad "
@@ -77,9 +78,9 @@ const float* grad_scale_inv_ptr(const std::optional<TensorView>& t, bool needed,
                      param.describe(), ", the scale_inv ", t->describe());
   const int64_t grid_rows = (param.shape[0] + kGradBlock - 1) / kGradBlock;
   const int64_t grid_cols = param.shape[1] / kGradBlock;
-  check::dtype_is(*t, DType::kFloat32, kOp, name.c_str());
-  check::contiguous(*t, kOp, name.c_str());
-  check::same_device(*t, param, kOp, name.c_str(), "its param");
+  check::dtype_is(*t, DType::kFloat32, kOp, name);
+  check::contiguous(*t, kOp, name);
+  check::same_device(*t, param, kOp, name, "its param");
   FP8AMP_CHECK_VALUE(t->dim() == 2 && t->shape[0] == grid_rows && t->shape[1] == grid_cols, kOp, name,
                      " must have one element or be the block scales [", grid_rows, ", ", grid_cols,
                      "] of its param ", param.describe(), ", got ", t->describe());
@@ -101,19 +102,20 @@ void check_hyper(const AdamHyper& h) {
 
 AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t i, AdamFormats* formats) {
   const TensorView& p = t.param;
-  const std::string pname = item("params", i);
+  const ListItem item_name("params", i);
+  const char* pname = item_name.c_str();
   FP8AMP_CHECK_VALUE(one_of(p.dtype, {DType::kFloat32, DType::kFloat16}), kOp, pname,
                      " must be float32, or float16 with a scale (the FP16 master), got ", p.describe());
-  check::contiguous(p, kOp, pname.c_str());
-  check::same_device(p, first, kOp, pname.c_str(), "params[0]");
-  check_buffer(t.grad, p, item("grads", i),
+  check::contiguous(p, kOp, pname);
+  check::same_device(p, first, kOp, pname, "params[0]");
+  check_buffer(t.grad, p, ListItem("grads", i).c_str(),
                {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E5M2},
                "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
-  check_buffer(t.exp_avg, p, item("exp_avgs", i), {DType::kFloat32, DType::kFloat8E4M3},
+  check_buffer(t.exp_avg, p, ListItem("exp_avgs", i).c_str(), {DType::kFloat32, DType::kFloat8E4M3},
                "float32 or float8_e4m3fn");
-  check_buffer(t.exp_avg_sq, p, item("exp_avg_sqs", i), {DType::kFloat32, DType::kFloat16}, "float32 or float16");
+  check_buffer(t.exp_avg_sq, p, ListItem("exp_avg_sqs", i).c_str(), {DType::kFloat32, DType::kFloat16}, "float32 or float16");
   if (t.weight_fp8) {
-    check_buffer(*t.weight_fp8, p, item("weights_fp8", i), {DType::kFloat8E4M3}, "float8_e4m3fn");
+    check_buffer(*t.weight_fp8, p, ListItem("weights_fp8", i).c_str(), {DType::kFloat8E4M3}, "float8_e4m3fn");
   }
 
   AdamTensorPtrs r{};
@@ -180,7 +182,7 @@ void check_disjoint(const std::vector<AdamTensors>& tensors, const TensorView* s
   check::disjoint_writes(written, read, {{step_tensor, "step_tensor"}, {&found_inf, "found_inf"}, {&amax, "amax"}}, {},
                          kOp, [&](bool is_written, size_t k) {
                            const auto& [list, i] = (is_written ? written_at : read_at)[k];
-                           return item(list, i);
+                           return std::string(ListItem(list, i).c_str());
                          });
 }
 
