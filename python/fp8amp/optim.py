@@ -69,7 +69,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 
 from .ops import fast, multi_amax
 from .formats import E4M3, FP16
-from .optim_calls import SCALE_KEYS as _SCALES, CallLists, fingerprint, local as _local, or_empty as _or_empty
+from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 from .scaled_tensor import ScaledTensor
@@ -121,9 +121,10 @@ class Adam(torch.optim.Optimizer):
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay, state_dtypes=state_dtypes,
         )
-        # Host-side knowledge of which params have equal step counts (see _cohort_key); set
-        # before super().__init__, which calls add_param_group.
-        self._cohorts: dict[torch.Tensor, object] = {}
+        # Host-side knowledge of which params have equal step counts (see _cohort_key), by the
+        # params' ids (the optimizer holds its params, so their ids stay theirs; a Tensor's own
+        # hash is a Python call); set before super().__init__, which calls add_param_group.
+        self._cohorts: dict[int, object] = {}
         self._cohort_ids = itertools.count(1)
         # The lists of last step's op calls, by the ids of their params (fp8amp.optim_calls).
         self._call_lists: dict[tuple[int, ...], CallLists] = {}
@@ -196,16 +197,16 @@ class Adam(torch.optim.Optimizer):
             for key in _SCALES:
                 if key in state:
                     state[key] = one_per_shard(state[key], param)
-        self._cohorts[param] = 0  # cohort 0: step count 0
+        self._cohorts[id(param)] = 0  # cohort 0: step count 0
 
     def _cohort_key(self, p: torch.Tensor) -> object:
         """Params with the same key have the same step count. The op takes one step tensor per
         call while torch keeps one per param (a param without a grad does not step), so a group's
         params are stepped in one call per cohort: params stepped by exactly the same calls since
         their counts were last known. Usually all params of a group form one cohort."""
-        key = self._cohorts.get(p)
+        key = self._cohorts.get(id(p))
         if key is None:  # state set from outside (unpickling, assignment): read it, once
-            key = self._cohorts[p] = ("step", float(self.state[p]["step"]))
+            key = self._cohorts[id(p)] = ("step", float(self.state[p]["step"]))
         return key
 
     def __setstate__(self, state: dict) -> None:
@@ -244,7 +245,7 @@ class Adam(torch.optim.Optimizer):
         params = itertools.chain.from_iterable(((p, g, f"param {i} of group {k}") for i, p in enumerate(g["params"]))
                                                for k, g in enumerate(self.param_groups))
         self._cohorts = {}
-        self._call_lists = {}  # the states are new tensors (the fingerprints would tell too)
+        self._call_lists = {}  # the states are new tensors (CallLists.still_for would tell too)
         for pid, (p, group, which) in zip(ids, params):
             if pid not in saved:
                 continue
@@ -277,6 +278,7 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
 
         calls: list[tuple[dict, list[torch.Tensor], list[dict]]] = []  # (group, params, their states)
+        cohorts = self._cohorts
         for group in self.param_groups:
             self._check_hyper(group)
             parts: dict[tuple, tuple[list[torch.Tensor], list[dict]]] = {}
@@ -290,7 +292,11 @@ class Adam(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state, group)
-                params, states = parts.setdefault((p.device, self._cohort_key(p)), ([], []))
+                cohort = cohorts.get(id(p))
+                if cohort is None:
+                    cohort = self._cohort_key(p)
+                # (the device's index, not the device: an int, where p.device makes an object)
+                params, states = parts.setdefault((p.get_device(), cohort), ([], []))
                 params.append(p)
                 states.append(state)
             calls += [(group, *part) for part in parts.values()]
@@ -300,13 +306,11 @@ class Adam(torch.optim.Optimizer):
         for group, params, states in calls:
             key = tuple(map(id, params))
             lists = kept.get(key)
-            if lists is None or lists.fingerprint != fingerprint(params, states):
+            if lists is None or not lists.still_for(params, states):
                 lists = CallLists(params, states, self._name)
             self._call_lists[key] = lists
             self._call(group, params, lists, found_infs[params[0].device])
-            cohort = next(self._cohort_ids)
-            for p in params:
-                self._cohorts[p] = cohort
+            self._cohorts.update(dict.fromkeys(key, next(self._cohort_ids)))
         return loss
 
     def _found_infs(self, calls) -> dict[torch.device, torch.Tensor]:
@@ -346,15 +350,16 @@ class Adam(torch.optim.Optimizer):
         step's grads. bfloat16/float16 params step through a float32 copy rounded back once (the op
         keeps low-precision params only as FP16 codes with a scale): one rounding per step, as
         torch's fused AdamW does for such params."""
-        grads, grad_scale_invs = [], []
-        for q in sharded:
-            g = _fused_form(_local(q.grad))
-            if isinstance(g, (ScaledTensor, BlockScaledTensor)):
-                grads.append(g.codes)
-                grad_scale_invs.append(g.scale_inv)
-            else:
-                grads.append(g.contiguous())
-                grad_scale_invs.append(None)
+        grads, grad_scale_invs = [], [None] * len(sharded)
+        for i, q in enumerate(sharded):
+            g = q.grad
+            if type(g) is not torch.Tensor:  # a shard, an FP8 gradient (plain grads skip the checks)
+                g = _fused_form(_local(g))
+                if isinstance(g, (ScaledTensor, BlockScaledTensor)):
+                    grads.append(g.codes)
+                    grad_scale_invs[i] = g.scale_inv
+                    continue
+            grads.append(g.contiguous())
         data, param_scales, widened = lists.data_and_param_scales()
         beta1, beta2 = group["betas"]
         fast.adam_step(

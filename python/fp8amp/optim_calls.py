@@ -5,12 +5,13 @@ The optimizer steps each cohort of params (one param group, device and step coun
 scales, its scale, its E4M3 copy and its step count. Those are the same tensor objects from one
 step to the next, and building the lists was most of the optimizer's host time (about 15 us a
 param on a CPU), so :class:`CallLists` builds them once per cohort and the optimizer reuses them
-while their :func:`fingerprint` is unchanged: the identity of every state tensor (a state
-replaced, loaded, moved to another device, a param's first state) and of every param's inner
-tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` / ``attach_fp8_copy``; a shard's
-local tensor) and every param's dtype. What is new every step is read every step: the grads, the
-masters' scales (the reciprocals of their ``scale_inv``, never stored), the float32 copies of
-bfloat16/float16 params. Hyperparameters are the group's, read at every call.
+while :meth:`CallLists.still_for` finds unchanged what they were built from: the identity of
+every state tensor (a state replaced, loaded, moved to another device, a param's first state)
+and of every param's inner tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` /
+``attach_fp8_copy``; a shard's local tensor) and every param's dtype. What is new every step is
+read every step: the grads, the masters' scales (the reciprocals of their ``scale_inv``, never
+stored), the float32 copies of bfloat16/float16 params. Hyperparameters are the group's, read at
+every call.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .master_weight import MasterWeight
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["CallLists", "fingerprint", "local", "or_empty", "SCALE_KEYS"]
+__all__ = ["CallLists", "local", "or_empty", "SCALE_KEYS"]
 
 #: The state keys of the moments' scales, in the op's order of its scale lists.
 SCALE_KEYS = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
@@ -50,18 +51,8 @@ def or_empty(entries: list) -> list:
     return [] if all(e is None for e in entries) else entries
 
 
-def fingerprint(sharded: list[torch.Tensor], states: list[dict]) -> tuple:
-    """What the lists of a call over ``sharded`` (the optimizer's params) with ``states`` (theirs)
-    depend on: equal fingerprints, equal lists."""
-    params = [local(p) for p in sharded]
-    inner = []
-    for p in params:
-        if isinstance(p, ScaledTensor):
-            inner.extend(_INNER(p))
-            if isinstance(p, MasterWeight):
-                inner.extend(_COPY(p))
-    return (tuple(map(id, params)), tuple(map(_DTYPE, params)), tuple(map(id, inner)),
-            tuple(map(id, itertools.chain.from_iterable(map(dict.values, states)))))
+def _state_ids(states: list[dict]) -> tuple:
+    return tuple(map(id, itertools.chain.from_iterable(map(dict.values, states))))
 
 
 class CallLists:
@@ -69,11 +60,14 @@ class CallLists:
     docstring), built from the params ``sharded`` and their ``states``."""
 
     def __init__(self, sharded: list[torch.Tensor], states: list[dict], name: str) -> None:
-        self.fingerprint = fingerprint(sharded, states)
         self.params = params = [local(p) for p in sharded]
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"{name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
+        #: positions of the sharded (DTensor) params, whose local tensors may be replaced
+        self.sharded_positions = [i for i, p in enumerate(sharded) if p is not params[i]]
+        self.dtypes = tuple(map(_DTYPE, params))
+        self.state_ids = _state_ids(states)
         self.scale_lists = [or_empty([local(s.get(key)) for s in states]) for key in SCALE_KEYS]
         #: positions of the ScaledTensor params (masters), whose scale is made anew each step
         self.master_positions = [i for i, p in enumerate(params) if isinstance(p, ScaledTensor)]
@@ -86,12 +80,32 @@ class CallLists:
         self.param_scale_invs = or_empty([p.scale_inv if isinstance(p, ScaledTensor) else None for p in params])
         copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
         self.copy_lists = [or_empty([c and c[i] for c in copies]) for i in range(3)]  # codes, scale, scale_inv
+        self.inner_ids = self._inner_ids()
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
         self.step_tensor = steps[0].view(1)
         # the cohort's counts were equal: after the call they are copied from the first
         self.other_steps, self.first_steps = steps[1:], [steps[0]] * (len(steps) - 1)
+
+    def _inner_ids(self) -> tuple:
+        inner = []
+        for p in self.masters:
+            inner.extend(_INNER(p))
+            if isinstance(p, MasterWeight):
+                inner.extend(_COPY(p))
+        return tuple(map(id, inner))
+
+    def still_for(self, sharded: list[torch.Tensor], states: list[dict]) -> bool:
+        """Whether these lists are still those of a call over ``sharded`` (the params these lists
+        were built for: the caller keys them by the params' ids) with ``states``, their states
+        now: the same local shards, dtypes, masters' inner tensors and state tensors. A param
+        that is the same object is of the same type, so only these can change."""
+        params = self.params
+        return (all(sharded[i]._local_tensor is params[i] for i in self.sharded_positions)
+                and tuple(map(_DTYPE, params)) == self.dtypes
+                and self._inner_ids() == self.inner_ids
+                and _state_ids(states) == self.state_ids)
 
     def data_and_param_scales(self) -> tuple[list, list, list]:
         """This step's ``(data, param_scales, widened)``: ``widened`` the (param, float32 copy)
