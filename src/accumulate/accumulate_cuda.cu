@@ -94,10 +94,7 @@ __global__ void finish(const AccumulatePtrs p) {
 
 // Blocks for `packs` grid-stride iterations of one thread each, at most kBlocksPerSm per SM.
 unsigned blocks_for(int64_t packs) {
-  int device = 0, sms = 0;
-  FP8AMP_CUDA_CHECK(cudaGetDevice(&device));
-  FP8AMP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t cap = int64_t{std::max(sms, 1)} * kBlocksPerSm;
+  const int64_t cap = current_sm_count() * kBlocksPerSm;
   return grid_size(std::max<int64_t>(1, std::min(ceil_div(packs, kThreads), cap)), "scaled_accumulate");
 }
 

@@ -199,12 +199,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
 }
 
 // Blocks an amax pass launches per tensor at most: about one wave (8 blocks of kThreads per SM).
-int64_t amax_blocks_cap() {
-  int device = 0, sms = 0;
-  FP8AMP_CUDA_CHECK(cudaGetDevice(&device));
-  FP8AMP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return int64_t{std::max(sms, 1)} * (2048 / kThreads);
-}
+int64_t amax_blocks_cap() { return current_sm_count() * (2048 / kThreads); }
 
 // Runs op over all tensors, in as few launches as the batch size allows.
 template <class Op>

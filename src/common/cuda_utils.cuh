@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/cuda_check.h"
 #include "common/numerics.h"
 #include "fp8amp/error.h"
 #include "fp8amp/tensor.h"
@@ -24,6 +25,14 @@ inline unsigned grid_size(int64_t blocks, const char* op) {
 }
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The SMs of the current device (at least 1): grids of one wave are sized from it.
+inline int64_t current_sm_count() {
+  int device = 0, sms = 0;
+  FP8AMP_CUDA_CHECK(cudaGetDevice(&device));
+  FP8AMP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms > 0 ? sms : 1;
+}
 
 __host__ __device__ inline bool is_aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

@@ -123,16 +123,16 @@ __global__ void __launch_bounds__(kDequantizeThreads)
 void cast_transpose_by_tiles(DType in_dtype, DType out_dtype, const CastTransposeTiles& p,
                              const ScalingRecipe& recipe, cudaStream_t stream, const char* op) {
   const RecipeScaleRule rule{recipe};
-  if (p.out_t != nullptr && row_column_tiles_fit(in_dtype, p.x, p.out, p.t, p.t_t)) {
-    quantize_column_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe,
-                          stream);
-    return;
-  }
   const bool rows_fit = row_tiles_fit(in_dtype, p.x, p.out, p.t);
   const bool columns_fit = p.out_t != nullptr && column_tiles_fit(in_dtype, p.x, p.t, p.t_t);
-  if (rows_fit) quantize_row_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.t, recipe, stream);
+  const bool both_from_regions = rows_fit && columns_fit && row_regions_fit(p.t);
+  if (rows_fit && !both_from_regions) {
+    quantize_row_tiles(in_dtype, out_dtype, p.x, p.out, p.scale_inv, p.t, recipe, stream);
+  }
   if (columns_fit) {
-    quantize_column_tiles(in_dtype, out_dtype, p.x, nullptr, nullptr, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe,
+    void* out = both_from_regions ? p.out : nullptr;
+    float* scale_inv = both_from_regions ? p.scale_inv : nullptr;
+    quantize_column_tiles(in_dtype, out_dtype, p.x, out, scale_inv, p.out_t, p.scale_inv_t, p.t, p.t_t, recipe,
                           stream);
   }
   visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {

@@ -55,9 +55,10 @@ void quantize_row_tiles(DType in_dtype, DType out_dtype, const void* x, void* ou
 // quantize_column_tiles quantizes x's transpose by t_t's (1, len) tiles, segments of x's columns,
 // into out_t / scale_inv_t; it needs column_tiles_fit (len a multiple of 128, or at least x's rows).
 // With out (not null) the same two reads of x also quantize x by t's (1, tile_cols) tiles into
-// out / scale_inv, which needs row_column_tiles_fit (tile_cols a multiple of 64, or the whole row, too).
+// out / scale_inv, which needs row_tiles_fit and row_regions_fit (tile_cols a multiple of 64, or
+// the whole row) as well.
 bool column_tiles_fit(DType in_dtype, const void* x, const TileShape& t, const TileShape& t_t);
-bool row_column_tiles_fit(DType in_dtype, const void* x, const void* out, const TileShape& t, const TileShape& t_t);
+bool row_regions_fit(const TileShape& t);
 void quantize_column_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv, void* out_t,
                            float* scale_inv_t, const TileShape& t, const TileShape& t_t, const ScalingRecipe& recipe,
                            cudaStream_t stream);

@@ -308,10 +308,7 @@ bool column_tiles_fit(DType in_dtype, const void* x, const TileShape& t, const T
   return fit;
 }
 
-bool row_column_tiles_fit(DType in_dtype, const void* x, const void* out, const TileShape& t, const TileShape& t_t) {
-  return (t.tile_cols % kRegionCols == 0 || t.tile_cols >= t.cols) && row_tiles_fit(in_dtype, x, out, t) &&
-         column_tiles_fit(in_dtype, x, t, t_t);
-}
+bool row_regions_fit(const TileShape& t) { return t.tile_cols % kRegionCols == 0 || t.tile_cols >= t.cols; }
 
 void quantize_row_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv,
                         const TileShape& t, const ScalingRecipe& recipe, cudaStream_t stream) {
