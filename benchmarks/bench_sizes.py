@@ -34,8 +34,17 @@ per-layer costs that decide the ratio do not depend on depth):
 default run fits in 8 minutes of an H200; the runs not made are listed as such. The runs go token
 count by token count (16k first), width by width within one.
 
+--rounds R (R > 1) makes the modes of one (width, tokens) side by side, warms them all up, then
+times them in R rounds of --steps steps, each mode once a round in a rotated order. The step of a
+small model is host-bound and follows the host's speed, which drifts during a run by more than the
+differences measured; interleaved, the drift reaches every mode alike. Each mode's peak memory is
+then its resident bytes (params, grads, states after warm-up) plus the most its step allocated
+above what was resident, the other modes' models excluded. It needs every mode's model in memory at
+once: for the small widths.
+
 Usage: python benchmarks/bench_sizes.py [--sizes 512,768,...] [--tokens 8192,16384]
-       [--modes bf16,bf16-compile,fp8,...] [--steps N] [--warmup N] [--time-limit S] [--device cuda|cpu]
+       [--modes bf16,bf16-compile,fp8,...] [--steps N] [--rounds R] [--warmup N] [--time-limit S]
+       [--device cuda|cpu]
 Prints markdown tables (last); with $OUT set, also writes them to $OUT/bench_sizes.md.
 CPU smoke run (FP8 emulated, no meaning as a measurement): --device cpu --sizes 64 --tokens 256 --steps 2
 """
@@ -93,57 +102,109 @@ def model_config(d_model: int, tokens: int) -> tuple[GPTConfig, int]:
     return GPTConfig(seq_len=seq, n_layer=layers, n_head=heads, d_model=d_model), tokens // seq
 
 
-def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: torch.device) -> RunResult:
-    result = RunResult()
-    dynamo_reset_counters()
-    torch.manual_seed(args.seed)
-    with device:  # made on the device: a wide model's init on the host would take longer than its run
-        model = GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=device.type == "cuda")
-    policy = {} if mode.policy is None else {"policy": mode.policy}
-    if mode.kind == "fp8":
-        model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens, **policy)
-    elif mode.kind in fp8amp.OPT_LEVELS:
-        model, optimizer = fp8amp.initialize(model, optimizer, mode.kind, tokens=tokens, **policy)
-    conversion = fp8amp.conversion_report(model)
-    if conversion is not None:
-        result.notes.append(f"{len(conversion.converted)} of {len(conversion.decisions)} Linears in FP8")
-        step_note = getattr(conversion, "step", None)
-        if step_note is not None and mode.policy is None:
-            result.notes.append(str(step_note))
-    forward = model
-    if mode.compiled:
-        for block in model.blocks:
-            block.compile(dynamic=False)
+class ModeRun:
+    """One mode of one (width, tokens): its model made, converted, compiled and warmed up on
+    construction; :meth:`time` trains it over the timed batches, as often as the caller asks
+    (once, or once a round when modes are interleaved); :meth:`result` gives the median step."""
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return train_step(model, optimizer, x, y, forward=forward)
+    def __init__(self, mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: torch.device) -> None:
+        self.mode, self.data, self.warmup, self.device = mode, data, args.warmup, device
+        self.result_ = RunResult()
+        self.times: list[float] = []
+        self.losses: list[torch.Tensor] = []
+        self.transient_bytes = 0  # the most this mode's step allocated above what was resident
+        resident_before = self._allocated()
+        dynamo_reset_counters()
+        torch.manual_seed(args.seed)
+        with device:  # made on the device: a wide model's init on the host would take longer than its run
+            model = GPT(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                      fused=device.type == "cuda")
+        policy = {} if mode.policy is None else {"policy": mode.policy}
+        if mode.kind == "fp8":
+            model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens, **policy)
+        elif mode.kind in fp8amp.OPT_LEVELS:
+            model, optimizer = fp8amp.initialize(model, optimizer, mode.kind, tokens=tokens, **policy)
+        conversion = fp8amp.conversion_report(model)
+        if conversion is not None:
+            self.result_.notes.append(f"{len(conversion.converted)} of {len(conversion.decisions)} Linears in FP8")
+            step_note = getattr(conversion, "step", None)
+            if step_note is not None and mode.policy is None:
+                self.result_.notes.append(str(step_note))
+        if mode.compiled:
+            for block in model.blocks:
+                block.compile(dynamic=False)
+        self.model, self.optimizer = model, optimizer
+        for x, y in data[:self.warmup]:
+            self._step(x, y)
+        if mode.compiled:
+            summary = dynamo_summary()
+            reused = summary.startswith("0 graphs, 0 breaks")  # free_memory kept an earlier mode's graphs
+            self.result_.notes.append(summary + (" (the blocks' compiled code of an earlier mode of this width, "
+                                                 "reused)" if reused else ""))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        self.resident_bytes = self._allocated() - resident_before  # params, states: what stays between steps
 
-    for x, y in data[: args.warmup]:
-        step(x, y)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    if mode.compiled:
-        summary = dynamo_summary()
-        reused = summary.startswith("0 graphs, 0 breaks")  # free_memory kept an earlier mode's graphs
-        result.notes.append(summary + (" (the blocks' compiled code of an earlier mode of this width, reused)"
-                                       if reused else ""))
-    clock = StepClock(device)
-    losses = []
-    clock.mark()
-    for x, y in data[args.warmup:]:
-        losses.append(step(x, y))
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return train_step(self.model, self.optimizer, x, y)
+
+    def time(self) -> None:
+        """The timed batches once, each step timed."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start_bytes = self._allocated()
+        clock = StepClock(self.device)
         clock.mark()
-    times = clock.seconds()
-    if device.type == "cuda":
-        result.peak_bytes = torch.cuda.max_memory_allocated()
-    result.step_seconds = statistics.median(times)
-    result.final_loss = losses[-1].item()
-    if not all(torch.isfinite(torch.stack(losses)).tolist()):
-        result.notes.append("non-finite loss")
-    return result
+        for x, y in self.data[self.warmup:]:
+            self.losses.append(self._step(x, y))
+            clock.mark()
+        self.times += clock.seconds()
+        if cuda:
+            self.transient_bytes = max(self.transient_bytes, torch.cuda.max_memory_allocated() - start_bytes)
+
+    def result(self) -> RunResult:
+        result = self.result_
+        result.step_seconds = statistics.median(self.times)
+        if self.device.type == "cuda":
+            result.peak_bytes = self.resident_bytes + self.transient_bytes
+        result.final_loss = self.losses[-1].item()
+        if not all(torch.isfinite(torch.stack(self.losses)).tolist()):
+            result.notes.append("non-finite loss")
+        return result
+
+
+def run_mode(mode: Mode, cfg: GPTConfig, tokens: int, data: list, args, device: torch.device) -> RunResult:
+    """One mode on its own: made, warmed up, timed once."""
+    run = ModeRun(mode, cfg, tokens, data, args, device)
+    run.time()
+    return run.result()
+
+
+def run_interleaved(keys: list[str], cfg: GPTConfig, tokens: int, data: list, args,
+                    device: torch.device) -> dict[str, RunResult]:
+    """The modes side by side: all made and warmed up first, then timed in args.rounds rounds, each
+    mode once a round, the order rotated every round. A drift of the host's speed during the run
+    (which sets a small model's step) then reaches every mode alike instead of the one that ran
+    while it lasted."""
+    runs, failed = {}, {}
+    for key in keys:  # a mode that fails (out of memory, say) gets its row named so; the others run
+        made = run_guarded(lambda: ModeRun(MODES[key], cfg, tokens, data, args, device), detail_chars=80)
+        (failed if isinstance(made, RunResult) else runs)[key] = made
+    for r in range(args.rounds):
+        order = list(runs)
+        for key in order[r % len(order):] + order[:r % len(order)] if order else []:
+            timed = run_guarded(lambda: runs[key].time(), detail_chars=80)
+            if timed is not None:
+                failed[key] = timed
+                del runs[key]
+    results = {**failed, **{key: run_guarded(run.result, detail_chars=80) for key, run in runs.items()}}
+    return {key: results[key] for key in keys}
 
 
 def crossover_rows(results: dict[tuple[int, int], dict[str, RunResult]]) -> str:
@@ -221,6 +282,10 @@ def main() -> None:
     parser.add_argument("--steps", type=positive, default=8, help="timed steps")
     parser.add_argument("--warmup", type=positive, default=None,
                         help="untimed steps first (default: fp8amp's history_len + 2, i.e. 18)")
+    parser.add_argument("--rounds", type=positive, default=1,
+                        help="with more than 1: the modes of each (width, tokens) made side by side and timed "
+                             "in this many interleaved rounds of --steps steps each (small models, whose host-bound "
+                             "step follows the host's speed)")
     parser.add_argument("--time-limit", type=float, default=450.0,
                         help="seconds after which no new run starts (default 450)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -244,6 +309,14 @@ def main() -> None:
         loader = batches(text_bytes, batch, cfg.seq_len, device, seed=args.seed)
         data = list(itertools.islice(loader, args.warmup + args.steps))
         results[(d, tokens)] = by_mode = {}
+        if args.rounds > 1:
+            by_mode.update(run_interleaved(args.modes, cfg, tokens, data, args, device))
+            for key, r in by_mode.items():
+                print(f"  d {d}, {tokens} tokens, {MODES[key].label}: "
+                      f"{f'{r.step_seconds * 1e3:.2f} ms' if r.step_seconds else r.failure} "
+                      f"[{time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+            free_memory(reset_dynamo=True)
+            continue
         for key in args.modes:
             if time.perf_counter() - start > args.time_limit:
                 by_mode[key] = RunResult(failure="not run (time limit)")
@@ -258,9 +331,11 @@ def main() -> None:
         # (O1, O2 and the default policy above the crossover; BF16 and the default below it) reuse it.
         free_memory(reset_dynamo=True)
 
+    rounds = (f" in each of {args.rounds} rounds, the modes interleaved (made side by side; peak memory: each "
+              "mode's resident bytes plus the most its step allocated above them)") if args.rounds > 1 else ""
     text = (f"GPT training step across widths on {where}, torch {torch.__version__}: seq {SEQ_LEN} (or the token "
             f"count if smaller), AdamW(fused), autocast bfloat16 on CUDA, compile per block; {args.warmup} warm-up "
-            f"+ {args.steps} timed steps, median; {time.perf_counter() - start:.0f} s in all\n\n"
+            f"+ {args.steps} timed steps{rounds}, median; {time.perf_counter() - start:.0f} s in all\n\n"
             f"{tables(results, args.modes)}\n")
     rows = crossover_rows(results)
     if rows:

@@ -25,3 +25,18 @@ def test_bench_sizes_smoke_run_fills_its_tables(tmp_path):
     assert len(speeds) == 4 and all(s.endswith("x") and float(s[:-1]) > 0 for s in speeds)
     assert memory_table.splitlines()[2].count("–") == 4  # no peak memory on a CPU
     assert "8 of 8 Linears in FP8" in text and "error" not in text
+
+
+def test_bench_sizes_interleaved_rounds_time_every_mode_each_round(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    run = subprocess.run(
+        [sys.executable, BENCH, "--device", "cpu", "--sizes", "64", "--tokens", "256", "--steps", "2", "--warmup", "2",
+         "--rounds", "3", "--modes", "bf16,default"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = (tmp_path / "bench_sizes.md").read_text()
+    assert "2 timed steps in each of 3 rounds, the modes interleaved" in text
+    step_table = next(part for part in text.split("\n\n") if part.startswith("| d |"))
+    row = step_table.splitlines()[2].split(" | ")
+    assert row[:3] == ["| 64", "2", "256"] and all(float(ms.strip(" |")) > 0 for ms in row[3:5])
+    assert "error" not in text and "not run" not in text
