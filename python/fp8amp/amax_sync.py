@@ -120,8 +120,21 @@ def delayed_states(model: nn.Module) -> list[ScalingState]:
     """The delayed-scaling states of ``model``'s Fp8Linears (inputs, output gradients), in module
     order: what :func:`fp8amp.update_scaling` reduces and updates. Layers of a tiled recipe
     (rowwise, blockwise: current scaling per tile) have none in use."""
-    return [s for m in model.modules() if isinstance(m, Fp8Linear) and not m.recipe.tiled
-            for s in (m.input_scaling, m.grad_output_scaling)]
+    # Walked by hand, once a step in the optimizer hooks: model.modules() builds every module's
+    # dotted name (and descends into each Fp8Linear's own states), several times this walk's host time.
+    states, seen, stack = [], set(), [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:  # a module reached twice (shared) counts once, where modules() first meets it
+            continue
+        seen.add(id(m))
+        if isinstance(m, Fp8Linear):
+            if not m.recipe.tiled:
+                children = m._modules  # (not m.input_scaling: Module.__getattr__ is slow)
+                states += (children["input_scaling"], children["grad_output_scaling"])
+            continue
+        stack.extend(child for child in reversed(m._modules.values()) if child is not None)
+    return states
 
 
 def _reducing(states: Iterable[ScalingState]):

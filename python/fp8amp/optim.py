@@ -371,8 +371,8 @@ class Adam(torch.optim.Optimizer):
         )
         for p, wide in widened:
             p.copy_(wide)
-        for p in lists.masters:  # changed in place under a custom op on their inner codes: say so
-            torch.autograd.graph.increment_version(p)
+        if lists.masters:  # changed in place under a custom op on their inner codes: say so
+            torch.autograd.graph.increment_version(lists.masters)
         if lists.other_steps:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(lists.other_steps, lists.first_steps)
 

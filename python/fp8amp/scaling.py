@@ -254,12 +254,11 @@ def update_states(states: Iterable[ScalingState]) -> None:
     """:meth:`ScalingState.update` of many states (each once), in one launch for each device,
     format and recipe among them instead of one a state: what :func:`fp8amp.update_scaling` runs
     after every optimizer step for all the Fp8Linears of a model."""
-    groups: dict[tuple, list[ScalingState]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for state in {id(st): st for st in states}.values():
-        r = state.recipe
-        groups.setdefault((state.amax_history.device, state.fmax, r.margin, r.pow2_scale), []).append(state)
-    for (_, fmax, margin, pow2_scale), group in groups.items():
-        buffers = [st._buffers for st in group]
+        r, buffers = state.recipe, state._buffers  # (not state.amax_history: Module.__getattr__ is slow)
+        groups.setdefault((buffers["amax_history"].device, state.fmax, r.margin, r.pow2_scale), []).append(buffers)
+    for (_, fmax, margin, pow2_scale), buffers in groups.items():
         fast.multi_update_delayed_scaling([b["amax_history"] for b in buffers], [b["scale"] for b in buffers],
                                           [b["scale_inv"] for b in buffers], [b["counter"] for b in buffers],
                                           fmax, margin, pow2_scale)

@@ -444,3 +444,15 @@ def test_kept_call_lists_follow_every_change_of_params_states_and_groups():
         opt.load_state_dict({**state, "param_groups": state["param_groups"] + [opt.state_dict()["param_groups"][2]]})
     step(9, load)
     step(10)
+
+
+def test_a_step_bumps_the_version_counter_of_every_master():
+    """The op rewrites the masters' codes in place, unseen by autograd: the step says so, so that a
+    graph that saved a master before the step fails loudly instead of using changed values."""
+    (model, opt), _ = o2_twins()
+    masters = [p for p in model.parameters() if isinstance(p, fp8amp.ScaledTensor)]
+    assert masters
+    loss_of(model, 0).backward()
+    before = [p._version for p in masters]
+    opt.step()
+    assert all(p._version > v for p, v in zip(masters, before))
