@@ -520,3 +520,24 @@ def test_more_ranks_than_a_weights_rows(run):
         got = res[0]["empty_shard"]["params"][name]
         torch.testing.assert_close(got, real, rtol=0, atol=2 * LR * STEPS, msg=name)
         assert not torch.equal(got, initial[name].detach()), name  # it trained
+
+
+def test_delayed_states_are_every_fp8_linears_in_module_order_each_once():
+    """The hand-made walk finds what model.modules() would: the states of each delayed-scaled
+    Fp8Linear once (a shared layer where modules() first meets it), in module order, through
+    nested containers, skipping tiled-recipe layers and gaps (None children)."""
+    from fp8amp.amax_sync import delayed_states
+
+    torch.manual_seed(0)
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Sequential(shared, nn.ReLU(), nn.Sequential(nn.Linear(32, 32))),
+                          shared, nn.Linear(32, 32))
+    model.register_module("gap", None)
+    model.append(nn.Linear(32, 32))
+    fp8amp.convert(model, policy="all")
+    tiled = fp8amp.convert(nn.Sequential(nn.Linear(128, 128)), recipe="rowwise", policy="all")
+    model.append(tiled)
+    expected = [s for m in model.modules() if isinstance(m, fp8amp.Fp8Linear) and not m.recipe.tiled
+                for s in (m.input_scaling, m.grad_output_scaling)]
+    assert len(expected) == 2 * 5
+    assert [id(s) for s in delayed_states(model)] == [id(s) for s in expected]
