@@ -6,6 +6,8 @@ count is smaller) trains on the built-in data with float32 parameters, bfloat16 
 clipping and torch.optim.AdamW(fused=True) in these modes:
 
     bf16 / bf16-compile        the baselines
+    bf16-again / -compile      a second BF16 model, compared with the first: the noise floor of a
+                               comparison (an A/A test; with --rounds, interleaved like the others)
     fp8 / fp8-compile          fp8amp.convert(model, optimizer=..., policy="all"): FP8 compute, fp32 weights
     o1 / o1-compile            fp8amp.initialize(model, optimizer, "O1", policy="all")
     o2 / o2-compile            fp8amp.initialize(model, optimizer, "O2", policy="all")
@@ -82,6 +84,8 @@ class Mode(NamedTuple):
 MODES = {
     "bf16": Mode("bf16", "bf16", False, None),
     "bf16-compile": Mode("bf16 + compile", "bf16", True, None),
+    "bf16-again": Mode("bf16, a second model", "bf16", False, None),
+    "bf16-again-compile": Mode("bf16 + compile, a second model", "bf16", True, None),
     "fp8": Mode("fp8", "fp8", False, "all"),
     "fp8-compile": Mode("fp8 + compile", "fp8", True, "all"),
     "o1": Mode("O1", "O1", False, "all"),
@@ -229,7 +233,7 @@ def tables(results: dict[tuple[int, int], dict[str, RunResult]], modes: list[str
     """Three markdown tables: step ms per mode, speed and memory ratios against the BF16 counterpart."""
     header = ["d", "layers", "tokens"]
     ms_rows, speed_rows, memory_rows, notes = [], [], [], []
-    compared = [k for k in modes if MODES[k].kind != "bf16" and baseline_of(k) in modes]
+    compared = [k for k in modes if k != baseline_of(k) and baseline_of(k) in modes]
     for (d, tokens), by_mode in sorted(results.items()):
         cfg, _ = model_config(d, tokens)
         lead = [str(d), str(cfg.n_layer), f"{tokens:,}"]
