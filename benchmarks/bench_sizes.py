@@ -8,6 +8,9 @@ clipping and torch.optim.AdamW(fused=True) in these modes:
     bf16 / bf16-compile        the baselines
     bf16-again / -compile      a second BF16 model, compared with the first: the noise floor of a
                                comparison (an A/A test; with --rounds, interleaved like the others)
+    o2-optim / -compile        the BF16 model with fp8amp.optim.AdamW(state_dtypes="O2") alone (no
+                               initialize, no scaling hooks): the optimizer's share of what the
+                               default policy costs below the crossover
     fp8 / fp8-compile          fp8amp.convert(model, optimizer=..., policy="all"): FP8 compute, fp32 weights
     o1 / o1-compile            fp8amp.initialize(model, optimizer, "O1", policy="all")
     o2 / o2-compile            fp8amp.initialize(model, optimizer, "O2", policy="all")
@@ -92,6 +95,8 @@ MODES = {
     "o1-compile": Mode("O1 + compile", "O1", True, "all"),
     "o2": Mode("O2", "O2", False, "all"),
     "o2-compile": Mode("O2 + compile", "O2", True, "all"),
+    "o2-optim": Mode("BF16, fp8amp's O2 AdamW", "o2-optim", False, None),
+    "o2-optim-compile": Mode("BF16 + compile, fp8amp's O2 AdamW", "o2-optim", True, None),
     "default": Mode("O2 default policy", "O2", False, None),
     "default-compile": Mode("O2 default policy + compile", "O2", True, None),
 }
@@ -125,7 +130,10 @@ class ModeRun:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                                       fused=device.type == "cuda")
         policy = {} if mode.policy is None else {"policy": mode.policy}
-        if mode.kind == "fp8":
+        if mode.kind == "o2-optim":
+            optimizer = fp8amp.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                           state_dtypes="O2")
+        elif mode.kind == "fp8":
             model = fp8amp.convert(model, optimizer=optimizer, tokens=tokens, **policy)
         elif mode.kind in fp8amp.OPT_LEVELS:
             model, optimizer = fp8amp.initialize(model, optimizer, mode.kind, tokens=tokens, **policy)

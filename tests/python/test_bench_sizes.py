@@ -31,14 +31,15 @@ def test_bench_sizes_interleaved_rounds_time_every_mode_each_round(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path))
     run = subprocess.run(
         [sys.executable, BENCH, "--device", "cpu", "--sizes", "64", "--tokens", "256", "--steps", "2", "--warmup", "2",
-         "--rounds", "3", "--modes", "bf16,bf16-again,default"],
+         "--rounds", "3", "--modes", "bf16,bf16-again,o2-optim,default"],
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     text = (tmp_path / "bench_sizes.md").read_text()
     assert "2 timed steps in each of 3 rounds, the modes interleaved" in text
     step_table = next(part for part in text.split("\n\n") if part.startswith("| d |"))
     row = step_table.splitlines()[2].split(" | ")
-    assert row[:3] == ["| 64", "2", "256"] and all(float(ms.strip(" |")) > 0 for ms in row[3:6])
+    assert row[:3] == ["| 64", "2", "256"] and all(float(ms.strip(" |")) > 0 for ms in row[3:7])
     speed_table = [part for part in text.split("\n\n") if part.startswith("| d |")][1]
-    assert speed_table.splitlines()[0] == "| d | layers | tokens | bf16, a second model | O2 default policy |"
+    assert speed_table.splitlines()[0] == ("| d | layers | tokens | bf16, a second model | BF16, fp8amp's O2 AdamW | "
+                                             "O2 default policy |")
     assert "error" not in text and "not run" not in text
