@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <iterator>
 #include <functional>
 #include <initializer_list>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>

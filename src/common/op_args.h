@@ -18,12 +18,6 @@ namespace fp8amp {
 // its Arity; its name only appears in messages.
 enum class Arity : int8_t { kSingle, kMulti };
 
-// "x" for a single-tensor op, "xs[3]" for a multi-tensor one (short enough for std::string's
-// small-buffer storage: no allocation per tensor).
-inline std::string element_name(Arity arity, const char* single_name, const char* list_name, size_t i) {
-  return arity == Arity::kMulti ? std::string(list_name) + "[" + std::to_string(i) + "]" : std::string(single_name);
-}
-
 // The name of element i of a list argument, "exp_avgs[3]", built in place: a call over hundreds of
 // tensors names each one for checks that almost always pass, and a heap string each was a large
 // part of its host time. Lists are named by the op's schema: short, fixed words.
@@ -52,6 +46,12 @@ class ListItem {
   static constexpr size_t kMaxList = 40;
   char text_[kMaxList + 24] = {};
 };
+
+// "x" for a single-tensor op, "xs[3]" for a multi-tensor one (short enough for std::string's
+// small-buffer storage: no allocation per tensor).
+inline std::string element_name(Arity arity, const char* single_name, const char* list_name, size_t i) {
+  return arity == Arity::kMulti ? std::string(ListItem(list_name, i).c_str()) : std::string(single_name);
+}
 
 // t is float32, contiguous and on like's device (like is named "x" in the message).
 inline void check_float32(const TensorView& t, const TensorView& like, const char* op, const char* arg) {
