@@ -121,8 +121,8 @@ class Adam(torch.optim.Optimizer):
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay, state_dtypes=state_dtypes,
         )
-        # Host-side knowledge of which params have equal step counts (see _cohort_key), by the
-        # params' ids (the optimizer holds its params, so their ids stay theirs; a Tensor's own
+        # Host-side knowledge of which params have equal step counts (see _cohort_from_state), by
+        # the params' ids (the optimizer holds its params, so their ids stay theirs; a Tensor's own
         # hash is a Python call); set before super().__init__, which calls add_param_group.
         self._cohorts: dict[int, object] = {}
         self._cohort_ids = itertools.count(1)
@@ -199,14 +199,15 @@ class Adam(torch.optim.Optimizer):
                     state[key] = one_per_shard(state[key], param)
         self._cohorts[id(param)] = 0  # cohort 0: step count 0
 
-    def _cohort_key(self, p: torch.Tensor) -> object:
-        """Params with the same key have the same step count. The op takes one step tensor per
+    def _cohort_from_state(self, p: torch.Tensor) -> object:
+        """The cohort of a param whose state was set from outside (unpickling, assignment,
+        ``load_state_dict``): its step count, read from the device once, kept in ``_cohorts``.
+
+        Params with the same cohort key have the same step count. The op takes one step tensor per
         call while torch keeps one per param (a param without a grad does not step), so a group's
         params are stepped in one call per cohort: params stepped by exactly the same calls since
         their counts were last known. Usually all params of a group form one cohort."""
-        key = self._cohorts.get(id(p))
-        if key is None:  # state set from outside (unpickling, assignment): read it, once
-            key = self._cohorts[id(p)] = ("step", float(self.state[p]["step"]))
+        key = self._cohorts[id(p)] = ("step", float(self.state[p]["step"]))
         return key
 
     def __setstate__(self, state: dict) -> None:
@@ -259,7 +260,7 @@ class Adam(torch.optim.Optimizer):
             convert_state(state, STATE_DTYPES[group["state_dtypes"]], f"{self._name}.load_state_dict: {which}")
             if "step" in state:
                 state["step"] = state["step"].reshape(())
-                self._cohort_key(p)  # one host read per param, at load time only
+                self._cohort_from_state(p)  # one host read per param, at load time only
 
     # --------------------------------------------------------------------------------------------
     # Step
@@ -268,8 +269,8 @@ class Adam(torch.optim.Optimizer):
     def step(self, closure=None):
         """One Adam/AdamW step over every param with a grad; returns ``closure()``'s loss if given.
 
-        Per param group (and device and cohort, see ``_cohort_key``), one call of the fused op
-        with the group's current hyperparameters. No host sync. The calls' lists of tensors are
+        Per param group (and device and cohort, see ``_cohort_from_state``), one call of the fused
+        op with the group's current hyperparameters. No host sync. The calls' lists of tensors are
         kept from the step before while they still name the same tensors (fp8amp.optim_calls).
         """
         loss = None
@@ -294,7 +295,7 @@ class Adam(torch.optim.Optimizer):
                     self._init_state(p, state, group)
                 cohort = cohorts.get(id(p))
                 if cohort is None:
-                    cohort = self._cohort_key(p)
+                    cohort = self._cohort_from_state(p)
                 # (the device's index, not the device: an int, where p.device makes an object)
                 params, states = parts.setdefault((p.get_device(), cohort), ([], []))
                 params.append(p)
