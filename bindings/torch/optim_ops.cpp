@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "binding_utils.h"
