@@ -2,7 +2,8 @@
 # Sourced by scripts/train.sh and scripts/test.sh; sets PY to the venv's python. One line a phase:
 #   1. the venv: .venv, or $FP8AMP_VENV;
 #   2. Python packages: what pyproject.toml lists (build requirements, dependencies, the `examples`
-#      and `test` extras) and the build tools (CMake, Ninja), with pip's own progress;
+#      and `test` extras; the `test-no-deps` list without their own requirements) and the build
+#      tools (CMake, Ninja), with pip's own progress;
 #   3. fp8amp: built by CMake (through scikit-build-core) and installed into the venv.
 # Phases 2 and 3 are skipped when their inputs have not changed since they last finished (stamps in
 # the venv keyed on a hash of those inputs: the package lists; the sources, torch's version and the
@@ -31,7 +32,9 @@ export PATH="$(cd "$VENV/bin" && pwd):$PATH"
 
 "$PY" -c "import tomllib" 2>/dev/null || "$PY" -c "import tomli" 2>/dev/null || "$PY" -m pip install tomli
 mapfile -t REQUIREMENTS < <("$PY" scripts/requirements.py)
-PACKAGES_KEY=$(printf '%s\n' "${REQUIREMENTS[@]}" "${BUILD_TOOLS[@]}" "$("$PY" -V)" | sha256sum | cut -c1-16)
+mapfile -t NO_DEPS < <("$PY" scripts/requirements.py --only test-no-deps)  # each without its own requirements
+PACKAGES_KEY=$(printf '%s\n' "${REQUIREMENTS[@]}" "${BUILD_TOOLS[@]}" "--no-deps" "${NO_DEPS[@]}" "$("$PY" -V)" \
+               | sha256sum | cut -c1-16)
 PACKAGES_STAMP="$VENV/.fp8amp-packages"
 if stamp_matches "$PACKAGES_STAMP" "$PACKAGES_KEY"; then
   phase "Python packages: up to date (${REQUIREMENTS[*]} ${BUILD_TOOLS[*]})"
@@ -39,6 +42,7 @@ else
   phase "Python packages: installing ${REQUIREMENTS[*]} ${BUILD_TOOLS[*]} (torch is a large download the first time)"
   "$PY" -m pip install --upgrade pip
   "$PY" -m pip install "${REQUIREMENTS[@]}" "${BUILD_TOOLS[@]}"
+  "$PY" -m pip install --no-deps "${NO_DEPS[@]}"
   stamp_write "$PACKAGES_STAMP" "$PACKAGES_KEY"
 fi
 

@@ -251,14 +251,18 @@ class Fp8Linear(nn.Linear):
             raise TypeError(f"Fp8Linear.use_master: the weight must be a MasterWeight, got {type(self.weight).__name__}")
         self.master = master
 
+    #: The class of the three scaling states (a framework's layer may need them to be its modules too).
+    scaling_state_type: type[ScalingState] = ScalingState
+
     def _add_scaling_states(self, recipe: Recipe, device) -> None:
         # The tiled recipes keep the states too (unused): the state dict has the same keys
         # whatever the recipe, so a checkpoint loads across recipes.
         recipe.check_device(device, type(self).__name__)  # mxfp8 below Blackwell: refused here
         self.recipe = recipe
-        self.input_scaling = ScalingState(1, E4M3, recipe.scaling, device=device)
-        self.weight_scaling = ScalingState(1, E4M3, recipe.scaling, device=device)
-        self.grad_output_scaling = ScalingState(1, recipe.grad_format, recipe.scaling, device=device)
+        state = self.scaling_state_type
+        self.input_scaling = state(1, E4M3, recipe.scaling, device=device)
+        self.weight_scaling = state(1, E4M3, recipe.scaling, device=device)
+        self.grad_output_scaling = state(1, recipe.grad_format, recipe.scaling, device=device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: RecipeArg = None) -> "Fp8Linear":

@@ -204,6 +204,7 @@ class ScalingState(torch.nn.Module):
             self.scale.fill_(1.0)
             self.scale_inv.fill_(1.0)
             self.counter.zero_()
+            self._always_current.zero_()  # constant; zeroed again for buffers made by to_empty()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A checkpoint with no scaling state at all (taken before the model was converted to FP8)

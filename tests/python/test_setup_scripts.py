@@ -68,6 +68,10 @@ def test_setup_installs_the_lists_of_pyproject(tmp_path):
     assert [line for line in printed if line] == list(dict.fromkeys(expected))
     assert "tqdm" in meta["project"]["dependencies"] and "matplotlib" in extras["examples"]
     assert {"pytest", "pdoc"} <= set(extras["test"])
+    only = subprocess.run([sys.executable, str(ROOT / "scripts" / "requirements.py"), "--only", "test-no-deps"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert only == extras["test-no-deps"] and "torchtitan==0.3.0" in only
+    assert all("==" in r for r in only)  # installed without their requirements: pinned
 
 
 def test_the_scripts_parse():
