@@ -19,7 +19,8 @@ from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 from fp8amp.fsdp import Fp8AllGatherWeight  # noqa: E402
 from fp8amp.integrations.torchtitan import (  # noqa: E402
-    Fp8ampLinear, Fp8ampLinearConverter, Fp8ampScalingState, update_scaling_after_steps, with_scaling_updates)
+    Fp8ampLinear, Fp8ampLinearConverter, Fp8ampOptimizersContainer, Fp8ampScalingState, update_scaling_after_steps,
+    with_scaling_updates)
 from ranks import run_on_ranks  # noqa: E402
 
 VOCAB = 2048  # the debug model's
@@ -157,6 +158,37 @@ def test_state_dict_resumes_bit_for_bit():
         assert torch.equal(model(x), resumed(x))
 
 
+def o2_optimizers(model):
+    return Fp8ampOptimizersContainer.config_from(default_adamw(lr=1e-3)).build(model_parts=[model])
+
+
+def test_o2_optimizer_states_in_torchtitans_container_train_and_resume_through_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
+    model = build(spec)
+    optimizers = o2_optimizers(model)
+    spec.post_optimizer_build_fn(optimizers, [model], None)
+    assert [type(o) for o in optimizers] == [fp8amp.optim.AdamW]
+    losses = train(model, optimizers, steps=4)
+    state = optimizers.optimizers[0].state[model.layers["0"].feed_forward.w1.weight]
+    assert state["exp_avg"].dtype == torch.float8_e4m3fn and state["exp_avg_sq"].dtype == torch.float16
+    plain = build(debug_spec(Fp8ampLinearConverter.Config()))
+    fp32_states = default_adamw(lr=1e-3).build(model_parts=[plain])
+    with_scaling_updates(debug_spec()).post_optimizer_build_fn(fp32_states, [plain], None)
+    for ours, reference in zip(losses, train(plain, fp32_states, steps=4)):
+        assert abs(ours - reference) < 0.02 * reference, losses
+    # torchtitan's checkpointer: DCP over the model's state dict and the container (a Stateful)
+    dcp.save({"model": model.state_dict(), "optimizer": optimizers}, checkpoint_id=str(tmp_path))
+    resumed = build(spec, seed=1)
+    resumed_optimizers = o2_optimizers(resumed)
+    spec.post_optimizer_build_fn(resumed_optimizers, [resumed], None)
+    model_state = resumed.state_dict()
+    dcp.load({"model": model_state, "optimizer": resumed_optimizers}, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(model_state)
+    assert train(resumed, resumed_optimizers, steps=3, seed=5) == train(model, optimizers, steps=3, seed=5)
+
+
 def test_bad_configs_are_refused_with_the_accepted_values():
     with pytest.raises(ValueError, match="recipe must be one of 'tensorwise'.*got 'fp4'"):
         Fp8ampLinearConverter.Config(recipe="fp4").build()
@@ -166,6 +198,15 @@ def test_bad_configs_are_refused_with_the_accepted_values():
         Fp8ampLinearConverter.Config(filter_fqns="lm_head").build()
     with pytest.raises(TypeError, match="model_spec must be a torchtitan ModelSpec"):
         with_scaling_updates(debug_spec().model)
+    model = build(debug_spec())
+    with pytest.raises(ValueError, match="state_dtypes must be one of 'O1', 'O2'; got 'O3'"):
+        Fp8ampOptimizersContainer.config_from(default_adamw(), state_dtypes="O3").build(model_parts=[model])
+    bf16_states = Fp8ampOptimizersContainer.config_from(default_adamw())
+    bf16_states.implementation = "fused_opt_states_bf16"
+    with pytest.raises(ValueError, match="which state_dtypes decides here"):
+        bf16_states.build(model_parts=[model])
+    with pytest.raises(TypeError, match="config must be an OptimizersContainer.Config"):
+        Fp8ampOptimizersContainer.config_from({"lr": 1e-3})
 
 
 def test_tensor_parallelism_is_refused_before_the_first_step():
@@ -178,7 +219,7 @@ def test_tensor_parallelism_is_refused_before_the_first_step():
         update_scaling_after_steps(optimizers, [model], parallel_dims)
 
 
-def fsdp_rank(rank: int, fp8_all_gather: bool) -> dict:
+def fsdp_rank(rank: int, fp8_all_gather: bool, o2_states: bool = False) -> dict:
     """The debug model (2 layers) sharded as torchtitan does: fully_shard each block, then the
     model, on the meta device; then to_empty and init_weights; trained on each rank's batch."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -197,13 +238,15 @@ def fsdp_rank(rank: int, fp8_all_gather: bool) -> dict:
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     wrapped = isinstance(model.layers["0"].feed_forward.w1.weight.to_local(), Fp8AllGatherWeight)
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    optimizers = o2_optimizers(model) if o2_states else default_adamw(lr=1e-3).build(model_parts=[model])
     spec.post_optimizer_build_fn(optimizers, [model], None)  # no ParallelDims: the default group
     losses = train(model, optimizers, steps=3, seed=rank)
     scales = [s.scale.clone() for s in model.modules() if isinstance(s, fp8amp.ScalingState)]
     full = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
             for k, v in model.state_dict().items()}
-    return {"wrapped": wrapped, "losses": losses, "scales": scales, "state": full}
+    moments = optimizers.optimizers[0].state[model.layers["0"].feed_forward.w1.weight]
+    return {"wrapped": wrapped, "losses": losses, "scales": scales, "state": full,
+            "moment_dtypes": [moments["exp_avg"].dtype, moments["exp_avg_sq"].dtype]}
 
 
 def test_fsdp2_with_fp8_all_gather_trains_bit_for_bit_as_without_and_ranks_agree():
@@ -219,3 +262,13 @@ def test_fsdp2_with_fp8_all_gather_trains_bit_for_bit_as_without_and_ranks_agree
     for a, b in zip(fp8[0]["scales"], fp8[1]["scales"]):
         assert torch.equal(a, b)
     assert fp8[0]["losses"] != fp8[1]["losses"]  # different batches: the agreement is the reduction's
+
+
+def test_fsdp2_with_o2_optimizer_states_trains_the_shards_as_one_model():
+    ranks = run_on_ranks(fsdp_rank, 2, True, True)
+    assert [r["moment_dtypes"] for r in ranks] == [[torch.float8_e4m3fn, torch.float16]] * 2  # on the shards
+    buffers = [key for key in ranks[0]["state"] if "_scaling." in key]  # each rank's own copy
+    assert len(buffers) == 11 * 3 * 4  # (2 blocks x 5 Linears + lm_head) x 3 states x 4 buffers
+    for key in buffers:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
+    assert all(r["losses"][-1] < r["losses"][0] for r in ranks), [r["losses"] for r in ranks]

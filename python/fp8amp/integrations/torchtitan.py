@@ -22,25 +22,30 @@ fp8amp side is three pieces:
             model_registry("debugmodel", converters=[Fp8ampLinearConverter.Config(recipe="tensorwise")]))
         return config
 
-The optimizer stays torchtitan's (the FP16 masters and FP8 optimizer states of O1/O2 need the
-weights to be fp8amp's own tensors before ``fully_shard``, which torchtitan's build order does not
-allow). Tensor parallelism is refused (:func:`update_scaling_after_steps` raises).
+:class:`Fp8ampOptimizersContainer` (``config.optimizer = Fp8ampOptimizersContainer.config_from(
+default_adamw(lr=...))``) gives O2's optimizer states (E4M3 and FP16 moments) to every parameter.
+O1/O2's FP16 master weights are not offered: they must replace the weights before ``fully_shard``,
+and torchtitan shards on the meta device before it initializes the weights. Tensor parallelism is
+refused (:func:`update_scaling_after_steps` raises).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 
+from .. import optim as fp8_optim
 from ..amax_sync import set_amax_reduction
 from ..convert import register_scaling_hooks
 from ..fsdp import Fp8AllGatherWeight
@@ -48,8 +53,8 @@ from ..linear import Fp8Linear
 from ..recipes import RECIPES, resolve_recipe
 from ..scaling import ScalingState
 
-__all__ = ["Fp8ampLinear", "Fp8ampLinearConverter", "Fp8ampScalingState", "update_scaling_after_steps",
-           "with_scaling_updates"]
+__all__ = ["Fp8ampLinear", "Fp8ampLinearConverter", "Fp8ampOptimizersContainer", "Fp8ampScalingState",
+           "update_scaling_after_steps", "with_scaling_updates"]
 
 logger = logging.getLogger("fp8amp.convert")
 
@@ -192,3 +197,42 @@ def with_scaling_updates(model_spec: ModelSpec) -> ModelSpec:
 
     post_optimizer_build.updates_fp8amp_scaling = True
     return dataclasses.replace(model_spec, post_optimizer_build_fn=post_optimizer_build)
+
+
+class Fp8ampOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizers container with fp8amp's Adam / AdamW for the parameter groups that
+    name ``"Adam"`` or ``"AdamW"``, their states in ``state_dtypes``' formats (``"O2"``: E4M3
+    ``exp_avg`` and FP16 ``exp_avg_sq``, each with its scale, a quarter and a half of float32's
+    bytes); other optimizers (``"DistMuon"``) as torchtitan builds them. Its state dict is
+    torchtitan's flat one, through fp8amp's optimizer state dict."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        state_dtypes: str = "O2"
+        """fp8amp's moment formats: one of fp8amp.optim.STATE_DTYPES ("O1": float32, "O2")."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        if config.state_dtypes not in fp8_optim.STATE_DTYPES:
+            raise ValueError(f"Fp8ampOptimizersContainer: state_dtypes must be one of "
+                             f"{', '.join(map(repr, fp8_optim.STATE_DTYPES))}; got {config.state_dtypes!r}")
+        if config.implementation == "fused_opt_states_bf16":
+            raise ValueError("Fp8ampOptimizersContainer: implementation='fused_opt_states_bf16' makes bfloat16 "
+                             "moments, which state_dtypes decides here; use 'fused' (or 'foreach', 'for-loop')")
+        self._state_dtypes = config.state_dtypes
+        super().__init__(config, model_parts=model_parts)
+
+    def _resolve_optimizer_factory(self, name: str) -> Callable[..., torch.optim.Optimizer]:
+        factory = {"Adam": fp8_optim.Adam, "AdamW": fp8_optim.AdamW}.get(name)
+        if factory is None:
+            return OptimizersContainer._resolve_optimizer_factory(name)
+        return functools.partial(factory, state_dtypes=self._state_dtypes)
+
+    @classmethod
+    def config_from(cls, config: OptimizersContainer.Config, state_dtypes: str = "O2") -> "Fp8ampOptimizersContainer.Config":
+        """This container's config with the fields of torchtitan's ``config`` (e.g.
+        ``default_adamw(lr=...)``) and ``state_dtypes``."""
+        if not isinstance(config, OptimizersContainer.Config):
+            raise TypeError(f"Fp8ampOptimizersContainer.config_from: config must be an OptimizersContainer.Config, "
+                            f"got {type(config).__name__}")
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(OptimizersContainer.Config) if f.init}
+        return cls.Config(**fields, state_dtypes=state_dtypes)
