@@ -143,6 +143,21 @@ def test_trains_with_torchtitans_optimizers_container_and_updates_scaling_once_a
     assert float(wqkv.input_scaling.amax_history[0, 1]) > 0  # the last step's amax, rolled once
 
 
+def test_blocks_compiled_as_torchtitan_compiles_them_train_as_eager():
+    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
+    spec.model.layers = spec.model.layers[:2]
+    losses = {}
+    for compiled in (False, True):
+        model = build(spec)
+        if compiled:  # torchtitan's apply_compile: each block, fullgraph (a graph break raises)
+            for block in model.layers.values():
+                block.compile(fullgraph=True)
+        optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+        spec.post_optimizer_build_fn(optimizers, [model], None)
+        losses[compiled] = train(model, optimizers, steps=3)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
 def test_state_dict_resumes_bit_for_bit():
     spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
     model = build(spec)
