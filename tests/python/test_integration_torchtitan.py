@@ -204,6 +204,28 @@ def test_o2_optimizer_states_in_torchtitans_container_train_and_resume_through_d
     assert train(resumed, resumed_optimizers, steps=3, seed=5) == train(model, optimizers, steps=3, seed=5)
 
 
+def test_unconvert_gives_the_state_dict_of_a_model_built_without_the_converter_and_its_hf_export():
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
+    model = build(spec)
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    spec.post_optimizer_build_fn(optimizers, [model], None)
+    train(model, optimizers, steps=2)
+    x, _ = batch(1)
+    with torch.no_grad():
+        fp8_logits = model(x)
+    fp8amp.unconvert(model)
+    plain = build(debug_spec(), seed=1)
+    plain.load_state_dict(model.state_dict(), strict=True)  # no scaling keys left, none missing
+    with torch.no_grad():
+        logits = plain(x)
+        assert torch.equal(logits, model(x))
+    assert F.cosine_similarity(logits.flatten(), fp8_logits.flatten(), dim=0) > 0.99  # FP8 vs high precision
+    hf = Llama3StateDictAdapter(spec.model, None).to_hf(plain.state_dict())
+    assert "model.layers.0.self_attn.q_proj.weight" in hf and not any("scaling" in k for k in hf)
+
+
 def test_bad_configs_are_refused_with_the_accepted_values():
     with pytest.raises(ValueError, match="recipe must be one of 'tensorwise'.*got 'fp4'"):
         Fp8ampLinearConverter.Config(recipe="fp4").build()
