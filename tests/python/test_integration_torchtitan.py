@@ -50,6 +50,24 @@ def build(spec, seed: int = 0, garbage_buffers: bool = False):
     return model
 
 
+def fp8amp_spec(**converter):
+    return with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config(**converter)))
+
+
+def o2_states():
+    return Fp8ampOptimizersContainer.config_from(default_adamw(lr=1e-3))
+
+
+def with_optimizers(spec, optimizer=None, seed: int = 0):
+    """The model and its optimizers container as torchtitan's trainer makes them: ``build``, the
+    container (torch's AdamW unless ``optimizer``), then the spec's ``post_optimizer_build_fn``."""
+    model = build(spec, seed)
+    optimizers = (optimizer or default_adamw(lr=1e-3)).build(model_parts=[model])
+    if spec.post_optimizer_build_fn is not None:
+        spec.post_optimizer_build_fn(optimizers, [model], None)
+    return model, optimizers
+
+
 def batch(seed: int = 0, rows: int = 2, seq: int = 32):
     tokens = torch.randint(0, VOCAB, (rows, seq + 1), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
@@ -126,14 +144,11 @@ def test_built_model_passes_torchtitans_module_check_with_torchtitans_initializa
 
 
 def test_trains_with_torchtitans_optimizers_container_and_updates_scaling_once_a_step():
-    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
+    spec = fp8amp_spec()
     assert with_scaling_updates(spec) is spec  # a second call adds no second update
-    model = build(spec)
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
-    spec.post_optimizer_build_fn(optimizers, [model], None)
+    model, optimizers = with_optimizers(spec)
     losses = train(model, optimizers)
-    plain = build(debug_spec())
-    plain_losses = train(plain, default_adamw(lr=1e-3).build(model_parts=[plain]))
+    plain_losses = train(*with_optimizers(debug_spec()))
     assert losses[-1] < 0.5 * losses[0], losses
     for ours, reference in zip(losses, plain_losses):  # FP8's rounding, not another trajectory
         assert abs(ours - reference) < 0.05 * reference, (losses, plain_losses)
@@ -144,25 +159,21 @@ def test_trains_with_torchtitans_optimizers_container_and_updates_scaling_once_a
 
 
 def test_blocks_compiled_as_torchtitan_compiles_them_train_as_eager():
-    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
+    spec = fp8amp_spec()
     spec.model.layers = spec.model.layers[:2]
     losses = {}
     for compiled in (False, True):
-        model = build(spec)
+        model, optimizers = with_optimizers(spec)
         if compiled:  # torchtitan's apply_compile: each block, fullgraph (a graph break raises)
             for block in model.layers.values():
                 block.compile(fullgraph=True)
-        optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
-        spec.post_optimizer_build_fn(optimizers, [model], None)
         losses[compiled] = train(model, optimizers, steps=3)
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
 def test_state_dict_resumes_bit_for_bit():
-    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
-    model = build(spec)
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
-    spec.post_optimizer_build_fn(optimizers, [model], None)
+    spec = fp8amp_spec()
+    model, optimizers = with_optimizers(spec)
     train(model, optimizers, steps=3)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     assert any(k.endswith("input_scaling.amax_history") for k in saved)
@@ -173,31 +184,20 @@ def test_state_dict_resumes_bit_for_bit():
         assert torch.equal(model(x), resumed(x))
 
 
-def o2_optimizers(model):
-    return Fp8ampOptimizersContainer.config_from(default_adamw(lr=1e-3)).build(model_parts=[model])
-
-
 def test_o2_optimizer_states_in_torchtitans_container_train_and_resume_through_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
-    model = build(spec)
-    optimizers = o2_optimizers(model)
-    spec.post_optimizer_build_fn(optimizers, [model], None)
+    spec = fp8amp_spec()
+    model, optimizers = with_optimizers(spec, o2_states())
     assert [type(o) for o in optimizers] == [fp8amp.optim.AdamW]
     losses = train(model, optimizers, steps=4)
     state = optimizers.optimizers[0].state[model.layers["0"].feed_forward.w1.weight]
     assert state["exp_avg"].dtype == torch.float8_e4m3fn and state["exp_avg_sq"].dtype == torch.float16
-    plain = build(debug_spec(Fp8ampLinearConverter.Config()))
-    fp32_states = default_adamw(lr=1e-3).build(model_parts=[plain])
-    with_scaling_updates(debug_spec()).post_optimizer_build_fn(fp32_states, [plain], None)
-    for ours, reference in zip(losses, train(plain, fp32_states, steps=4)):
+    for ours, reference in zip(losses, train(*with_optimizers(spec), steps=4)):  # float32 states
         assert abs(ours - reference) < 0.02 * reference, losses
     # torchtitan's checkpointer: DCP over the model's state dict and the container (a Stateful)
     dcp.save({"model": model.state_dict(), "optimizer": optimizers}, checkpoint_id=str(tmp_path))
-    resumed = build(spec, seed=1)
-    resumed_optimizers = o2_optimizers(resumed)
-    spec.post_optimizer_build_fn(resumed_optimizers, [resumed], None)
+    resumed, resumed_optimizers = with_optimizers(spec, o2_states(), seed=1)
     model_state = resumed.state_dict()
     dcp.load({"model": model_state, "optimizer": resumed_optimizers}, checkpoint_id=str(tmp_path))
     resumed.load_state_dict(model_state)
@@ -207,10 +207,8 @@ def test_o2_optimizer_states_in_torchtitans_container_train_and_resume_through_d
 def test_unconvert_gives_the_state_dict_of_a_model_built_without_the_converter_and_its_hf_export():
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config()))
-    model = build(spec)
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
-    spec.post_optimizer_build_fn(optimizers, [model], None)
+    spec = fp8amp_spec()
+    model, optimizers = with_optimizers(spec)
     train(model, optimizers, steps=2)
     x, _ = batch(1)
     with torch.no_grad():
@@ -256,13 +254,13 @@ def test_tensor_parallelism_is_refused_before_the_first_step():
         update_scaling_after_steps(optimizers, [model], parallel_dims)
 
 
-def fsdp_rank(rank: int, fp8_all_gather: bool, o2_states: bool = False) -> dict:
+def fsdp_rank(rank: int, fp8_all_gather: bool, o2: bool = False) -> dict:
     """The debug model (2 layers) sharded as torchtitan does: fully_shard each block, then the
     model, on the meta device; then to_empty and init_weights; trained on each rank's batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    spec = with_scaling_updates(debug_spec(Fp8ampLinearConverter.Config(fp8_all_gather=fp8_all_gather)))
+    spec = fp8amp_spec(fp8_all_gather=fp8_all_gather)
     spec.model.layers = spec.model.layers[:2]
     with torch.device("meta"):
         model = spec.model.build()
@@ -275,7 +273,7 @@ def fsdp_rank(rank: int, fp8_all_gather: bool, o2_states: bool = False) -> dict:
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     wrapped = isinstance(model.layers["0"].feed_forward.w1.weight.to_local(), Fp8AllGatherWeight)
-    optimizers = o2_optimizers(model) if o2_states else default_adamw(lr=1e-3).build(model_parts=[model])
+    optimizers = (o2_states() if o2 else default_adamw(lr=1e-3)).build(model_parts=[model])
     spec.post_optimizer_build_fn(optimizers, [model], None)  # no ParallelDims: the default group
     losses = train(model, optimizers, steps=3, seed=rank)
     scales = [s.scale.clone() for s in model.modules() if isinstance(s, fp8amp.ScalingState)]
