@@ -13,7 +13,8 @@
   to eager would otherwise pass for a slow compiled run).
 - RunResult, run_guarded, free_memory: one training mode's outcome, a mode run so that its failure
   (out of memory, an error) becomes a table row, and the memory handed back between modes.
-- StepClock: per-step times of a training loop.
+- StepClock: per-step times of a training loop; PhaseClock: the same cut into the step's phases,
+  host and GPU side by side.
 """
 
 from __future__ import annotations
@@ -235,6 +236,68 @@ class StepClock:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
+#: The phases of a training step that PhaseClock tells apart (fp8amp.testing.train_step's order).
+PHASES = ("forward", "backward + clip", "optimizer.step", "zero_grad + loop")
+
+
+class PhaseClock:
+    """Where a training step's time goes: at the start and end of ``model``'s forward (module hooks,
+    the first and the last to run) and of ``optimizer.step`` (the instance's step wrapped, hooks
+    included), the host clock and, on a GPU, a CUDA event. Between two marks, the host's time is
+    what it took to enqueue that phase, the GPU's what passed on the GPU between reaching the two
+    points: both for each phase, so that a host-bound step shows which phase's host time grew, and
+    a GPU wait (a sync, an idle GPU) shows where it sits. Marks are taken between :meth:`start`
+    and :meth:`stop` only."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[int, float, Optional[torch.cuda.Event]]] = []
+        self.on = False
+        model.register_forward_pre_hook(lambda *_: self._mark(0), prepend=True)
+        model.register_forward_hook(lambda *_: self._mark(1))
+        step = optimizer.step
+
+        def timed_step(*args, **kwargs):
+            self._mark(2)
+            out = step(*args, **kwargs)
+            self._mark(3)
+            return out
+
+        optimizer.step = timed_step
+
+    def _mark(self, phase: int) -> None:
+        if not self.on:
+            return
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((phase, time.perf_counter(), event))
+
+    def start(self) -> None:
+        self.on = True
+
+    def stop(self) -> None:
+        """Ends the last step's last phase (as if the next forward began) and stops marking."""
+        self._mark(0)
+        self.on = False
+
+    def medians(self) -> dict[str, tuple[float, Optional[float]]]:
+        """Per phase: (the host's seconds, the GPU's seconds or None on a CPU), medians over the steps."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        host: dict[int, list[float]] = {i: [] for i in range(len(PHASES))}
+        gpu: dict[int, list[float]] = {i: [] for i in range(len(PHASES))}
+        for (i, t0, e0), (j, t1, e1) in zip(self.marks, self.marks[1:]):
+            if j != (i + 1) % len(PHASES):  # a stop and the next start: no phase between them
+                continue
+            host[i].append(t1 - t0)
+            if self.cuda:
+                gpu[i].append(e0.elapsed_time(e1) * 1e-3)
+        return {name: (statistics.median(host[i]), statistics.median(gpu[i]) if self.cuda else None)
+                for i, name in enumerate(PHASES) if host[i]}
+
+
 @dataclass
 class RunResult:
     """One training mode of a benchmark: its median step, peak memory, last loss and warm-up time,
@@ -246,6 +309,8 @@ class RunResult:
     warmup_seconds: Optional[float] = None
     failure: Optional[str] = None
     notes: list[str] = field(default_factory=list)
+    #: PhaseClock.medians() of the timed steps, where the benchmark was asked for them
+    phases: dict[str, tuple[float, Optional[float]]] = field(default_factory=dict)
 
 
 def run_guarded(run: Callable[[], RunResult], detail_chars: int = 100) -> RunResult:

@@ -39,6 +39,10 @@ per-layer costs that decide the ratio do not depend on depth):
 default run fits in 8 minutes of an H200; the runs not made are listed as such. The runs go token
 count by token count (16k first), width by width within one.
 
+--phases also cuts each step into its phases (forward, backward + clip, optimizer.step, zero_grad and
+the loop) and prints, per mode, the host's time to enqueue each and the time that passed on the GPU
+between the same points (benchmarks/_common.py's PhaseClock): where a host-bound step's time goes.
+
 --rounds R (R > 1) makes the modes of one (width, tokens) side by side, warms them all up, then
 times them in R rounds of --steps steps, each mode once a round in a rotated order. The step of a
 small model is host-bound and follows the host's speed, which drifts during a run by more than the
@@ -48,7 +52,7 @@ above what was resident, the other modes' models excluded. It needs every mode's
 once: for the small widths.
 
 Usage: python benchmarks/bench_sizes.py [--sizes 512,768,...] [--tokens 8192,16384]
-       [--modes bf16,bf16-compile,fp8,...] [--steps N] [--rounds R] [--warmup N] [--time-limit S]
+       [--modes bf16,bf16-compile,fp8,...] [--steps N] [--rounds R] [--phases] [--warmup N] [--time-limit S]
        [--device cuda|cpu]
 Prints markdown tables (last); with $OUT set, also writes them to $OUT/bench_sizes.md.
 CPU smoke run (FP8 emulated, no meaning as a measurement): --device cpu --sizes 64 --tokens 256 --steps 2
@@ -68,7 +72,7 @@ import torch
 import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 from _common import StepClock, dynamo_reset_counters, dynamo_summary, markdown_table, parse_subset, report
-from _common import RunResult, free_memory, run_guarded, set_recompile_limit
+from _common import PHASES, PhaseClock, RunResult, free_memory, run_guarded, set_recompile_limit
 
 SIZES = (512, 768, 1024, 1536, 2048, 4096)
 TOKENS = (16384, 8192)  # 16k first: the configuration of the figures known before, should --time-limit cut the run
@@ -147,6 +151,7 @@ class ModeRun:
             for block in model.blocks:
                 block.compile(dynamic=False)
         self.model, self.optimizer = model, optimizer
+        self.phases = PhaseClock(model, optimizer, device) if args.phases else None
         for x, y in data[:self.warmup]:
             self._step(x, y)
         if mode.compiled:
@@ -173,9 +178,13 @@ class ModeRun:
         start_bytes = self._allocated()
         clock = StepClock(self.device)
         clock.mark()
+        if self.phases is not None:
+            self.phases.start()
         for x, y in self.data[self.warmup:]:
             self.losses.append(self._step(x, y))
             clock.mark()
+        if self.phases is not None:
+            self.phases.stop()
         self.times += clock.seconds()
         if cuda:
             self.transient_bytes = max(self.transient_bytes, torch.cuda.max_memory_allocated() - start_bytes)
@@ -186,6 +195,8 @@ class ModeRun:
         if self.device.type == "cuda":
             result.peak_bytes = self.resident_bytes + self.transient_bytes
         result.final_loss = self.losses[-1].item()
+        if self.phases is not None:
+            result.phases = self.phases.medians()
         if not all(torch.isfinite(torch.stack(self.losses)).tolist()):
             result.notes.append("non-finite loss")
         return result
@@ -268,6 +279,24 @@ def tables(results: dict[tuple[int, int], dict[str, RunResult]], modes: list[str
     ])
 
 
+def phase_table(results: dict[tuple[int, int], dict[str, RunResult]], modes: list[str]) -> str:
+    """With --phases: per (width, tokens) and mode, each phase's host and GPU ms (medians)."""
+    header = ["d", "tokens", "mode"] + [f"{p}: {side}" for p in PHASES for side in ("host", "GPU")]
+    rows = []
+    for (d, tokens), by_mode in sorted(results.items()):
+        for key in modes:
+            phases = by_mode[key].phases
+            if not phases:
+                continue
+            cells = []
+            for p in PHASES:
+                host, gpu = phases.get(p, (None, None))
+                cells += [f"{host * 1e3:.2f}" if host is not None else "–", f"{gpu * 1e3:.2f}" if gpu is not None else "–"]
+            rows.append([str(d), f"{tokens:,}", MODES[key].label] + cells)
+    return ("Phases of the step, ms (medians): the host's time to enqueue each phase and the time that passed on "
+            "the GPU between the same points\n\n" + markdown_table(header, rows))
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -300,6 +329,9 @@ def main() -> None:
                              "step follows the host's speed)")
     parser.add_argument("--time-limit", type=float, default=450.0,
                         help="seconds after which no new run starts (default 450)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the phases of each step (forward, backward + clip, optimizer.step, the "
+                             "rest), host and GPU side by side")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -349,6 +381,8 @@ def main() -> None:
             f"count if smaller), AdamW(fused), autocast bfloat16 on CUDA, compile per block; {args.warmup} warm-up "
             f"+ {args.steps} timed steps{rounds}, median; {time.perf_counter() - start:.0f} s in all\n\n"
             f"{tables(results, args.modes)}\n")
+    if args.phases:
+        text += f"\n{phase_table(results, args.modes)}\n"
     rows = crossover_rows(results)
     if rows:
         text += f"\nO2 rows for fp8amp.convert_policy.STEP_CROSSOVER (d, tokens, eager, compiled):\n\n{rows}\n"

@@ -31,7 +31,7 @@ def test_bench_sizes_interleaved_rounds_time_every_mode_each_round(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path))
     run = subprocess.run(
         [sys.executable, BENCH, "--device", "cpu", "--sizes", "64", "--tokens", "256", "--steps", "2", "--warmup", "2",
-         "--rounds", "3", "--modes", "bf16,bf16-again,o2-optim,default"],
+         "--rounds", "3", "--phases", "--modes", "bf16,bf16-again,o2-optim,default"],
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     text = (tmp_path / "bench_sizes.md").read_text()
@@ -43,3 +43,9 @@ def test_bench_sizes_interleaved_rounds_time_every_mode_each_round(tmp_path):
     assert speed_table.splitlines()[0] == ("| d | layers | tokens | bf16, a second model | BF16, fp8amp's O2 AdamW | "
                                              "O2 default policy |")
     assert "error" not in text and "not run" not in text
+    phase_table = [part for part in text.split("\n\n") if part.startswith("| d |")][3]
+    assert phase_table.splitlines()[0].startswith("| d | tokens | mode | forward: host | forward: GPU | backward + clip: host")
+    rows = [row.strip(" |").split(" | ") for row in phase_table.splitlines()[2:]]
+    assert [row[2] for row in rows] == ["bf16", "bf16, a second model", "BF16, fp8amp's O2 AdamW", "O2 default policy"]
+    for row in rows:  # four phases, host then GPU (none on a CPU)
+        assert all(float(host) > 0 for host in row[3::2]) and row[4::2] == ["–"] * 4
