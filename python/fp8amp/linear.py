@@ -34,7 +34,7 @@ from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast
 from .formats import E4M3, E5M2
-from .linear_common import fp8_weight_grad, output_dtype, pad_rows
+from .linear_common import fp8_weight_grad, output_dtype, pad_rows, unpadded_output
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .recipes import Recipe, resolve_recipe
@@ -145,9 +145,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.output_dtype = out_dtype
         ctx.weight_dtype = weight.dtype
         ctx.has_bias = bias is not None
-        if padded:
-            y = y[:rows]
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        return unpadded_output(y, x)
 
     @staticmethod
     @once_differentiable  # its GEMMs are not differentiable again: double backward raises, never returns 0

@@ -1,8 +1,10 @@
 """What both of Fp8Linear's autograd Functions share (per-tensor scaling in linear.py, tile
-scaling in tiled_linear.py): the output dtype, the padding of the token rows, and the E4M3 weight
-gradient of O1/O2."""
+scaling in tiled_linear.py): the output dtype, the padding of the token rows and the output made
+from the GEMM's padded rows, and the E4M3 weight gradient of O1/O2."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from .formats import E4M3
 from .ops import fast
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["output_dtype", "pad_rows", "fp8_weight_grad"]
+__all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad"]
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -26,6 +28,16 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     """``t`` [rows, cols] with zero rows appended up to a multiple of ``multiple``."""
     pad = -t.shape[0] % multiple
     return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def unpadded_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The GEMM's output ``y`` [rows padded, out] as the layer's, with ``x``'s leading dims. Not a
+    view of ``y`` (``aten._unsafe_view``, as torch's own linear makes its output): FSDP2 warns of a
+    module that returns a view, since an in-place op on one would skip its pre-backward hook."""
+    rows = math.prod(x.shape[:-1])
+    if x.dim() == 2 and y.shape[0] == rows:
+        return y
+    return torch.ops.aten._unsafe_view(y[:rows], (*x.shape[:-1], y.shape[-1]))
 
 
 def fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:

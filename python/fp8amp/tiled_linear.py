@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from . import cast_recorder, ops
 from .formats import E4M3, FP16
-from .linear_common import fp8_weight_grad, output_dtype, pad_rows
+from .linear_common import fp8_weight_grad, output_dtype, pad_rows, unpadded_output
 from .master_weight import MasterWeight
 from .recipes import BLOCK, MX_BLOCK, Recipe
 from .scaled_tensor import ScaledTensor
@@ -142,8 +142,7 @@ class TiledLinearFunction(torch.autograd.Function):
         ctx.fp8_grad = isinstance(weight, MasterWeight) and fp8_grad
         ctx.input_dtype, ctx.output_dtype, ctx.weight_dtype = x.dtype, out_dtype, weight.dtype
         ctx.has_bias = bias is not None
-        y = y[:rows]
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return unpadded_output(y, x)
 
     @staticmethod
     @once_differentiable  # its GEMMs are not differentiable again: double backward raises

@@ -154,6 +154,22 @@ def test_autocast_output_dtype(device):
     assert sqnr_db(y.float(), y_ref.float()) > FORWARD_SQNR_DB
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("lead_shape", [(16,), (7,), (2, 5), (3, 16)])
+def test_the_output_is_no_view(recipe, lead_shape):
+    """As nn.Linear's: FSDP2 warns of a module that returns a view (an in-place op on it would skip
+    the module's pre-backward hook), and a 3-D input or padded rows made one."""
+    torch.manual_seed(0)
+    layer = fp8amp.Fp8Linear(128, 256, recipe=recipe)
+    x = torch.randn(*lead_shape, 128, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (*lead_shape, 256) and not y._is_view()
+    y.square().sum().backward()
+    reference = x.detach() @ layer.weight.detach().t() + layer.bias.detach()
+    assert torch.allclose(y.detach(), reference, rtol=0.15, atol=0.5)
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     fp8, _ = pair()
     twin = copy.deepcopy(fp8)
