@@ -15,6 +15,8 @@ from .scaled_tensor import ScaledTensor
 
 __all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad"]
 
+_unsafe_view = torch.ops.aten._unsafe_view.default  # the overload itself: no packet lookup a call
+
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The autocast dtype where autocast is on, else ``x``'s dtype."""
@@ -35,9 +37,11 @@ def unpadded_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     view of ``y`` (``aten._unsafe_view``, as torch's own linear makes its output): FSDP2 warns of a
     module that returns a view, since an in-place op on one would skip its pre-backward hook."""
     rows = math.prod(x.shape[:-1])
-    if x.dim() == 2 and y.shape[0] == rows:
+    if y.shape[0] != rows:
+        y = y[:rows]
+    elif x.dim() == 2:
         return y
-    return torch.ops.aten._unsafe_view(y[:rows], (*x.shape[:-1], y.shape[-1]))
+    return _unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
 
 def fp8_weight_grad(grad: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
