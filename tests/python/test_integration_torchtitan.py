@@ -227,6 +227,8 @@ def test_unconvert_gives_the_state_dict_of_a_model_built_without_the_converter_a
 def test_bad_configs_are_refused_with_the_accepted_values():
     with pytest.raises(ValueError, match="recipe must be one of 'tensorwise'.*got 'fp4'"):
         Fp8ampLinearConverter.Config(recipe="fp4").build()
+    with pytest.raises(TypeError, match="recipe must be a name, one of 'tensorwise'"):
+        Fp8ampLinearConverter.Config(recipe=fp8amp.Recipe("blockwise")).build()
     with pytest.raises(ValueError, match="fp8_all_gather is for recipe='tensorwise'"):
         Fp8ampLinearConverter.Config(recipe="blockwise", fp8_all_gather=True).build()
     with pytest.raises(TypeError, match="filter_fqns must be a list of str"):

@@ -1,8 +1,8 @@
 """fp8amp in torchtitan (0.3): FP8 compute for the Linears of a torchtitan model, from a config
 function outside torchtitan's repository (docs/integrations.md#torchtitan).
 
-torchtitan converts the *config tree* of a model before building it on the meta device, so the
-fp8amp side is three pieces:
+torchtitan converts the *config tree* of a model before building it on the meta device, so
+fp8amp's side is three pieces, and a fourth for the optimizer states:
 
 - :class:`Fp8ampLinearConverter`, a ``ModelConfigConverter`` for ``model_registry(flavor,
   converters=[...])``: every ``Linear.Config`` whose shape the recipe takes (and whose FQN no entry
@@ -14,16 +14,17 @@ fp8amp side is three pieces:
   all-gathered in E4M3 under FSDP2 (:class:`~fp8amp.fsdp.Fp8AllGatherWeight`);
 - :func:`with_scaling_updates`, which sets the model spec's ``post_optimizer_build_fn`` so that the
   delayed scaling of every model part is updated after each step of the optimizers container,
-  its amaxes MAX-reduced over the ranks that see different data (torchtitan's ``loss`` mesh).
+  its amaxes MAX-reduced over the ranks that see different data (torchtitan's ``loss`` mesh);
+- :class:`Fp8ampOptimizersContainer` (optional), torchtitan's optimizers container with fp8amp's
+  Adam / AdamW: O2's optimizer states (E4M3 and FP16 moments) for every parameter.
 
     def llama3_debugmodel_fp8amp() -> Trainer.Config:
         config = llama3_debugmodel()
         config.model_spec = with_scaling_updates(
             model_registry("debugmodel", converters=[Fp8ampLinearConverter.Config(recipe="tensorwise")]))
+        config.optimizer = Fp8ampOptimizersContainer.config_from(config.optimizer, state_dtypes="O2")
         return config
 
-:class:`Fp8ampOptimizersContainer` (``config.optimizer = Fp8ampOptimizersContainer.config_from(
-default_adamw(lr=...))``) gives O2's optimizer states (E4M3 and FP16 moments) to every parameter.
 O1/O2's FP16 master weights are not offered: they must replace the weights before ``fully_shard``,
 and torchtitan shards on the meta device before it initializes the weights. Tensor parallelism is
 refused (:func:`update_scaling_after_steps` raises).
@@ -90,13 +91,6 @@ class Fp8ampLinear(Fp8Linear, Module):
             self.weight = nn.Parameter(Fp8AllGatherWeight(self.weight.data), requires_grad=self.weight.requires_grad)
 
 
-def _check_recipe(recipe: object) -> str:
-    if not isinstance(recipe, str) or recipe not in RECIPES:
-        raise ValueError(f"Fp8ampLinearConverter: recipe must be one of {', '.join(map(repr, RECIPES))}; "
-                         f"got {recipe!r}")
-    return recipe
-
-
 class Fp8ampLinearConverter(QuantizationConverter):
     """Makes the ``Linear.Config`` entries of a torchtitan model config :class:`Fp8ampLinear`
     configs. Kept as they are, with the reason in the ``fp8amp.convert`` log (INFO): Linears whose
@@ -117,7 +111,10 @@ class Fp8ampLinearConverter(QuantizationConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        recipe = resolve_recipe(_check_recipe(config.recipe), "Fp8ampLinearConverter")
+        if not isinstance(config.recipe, str):  # a config field: a name (configs are serialized)
+            raise TypeError(f"Fp8ampLinearConverter: recipe must be a name, one of {', '.join(map(repr, RECIPES))}; "
+                            f"got {type(config.recipe).__name__}")
+        recipe = resolve_recipe(config.recipe, "Fp8ampLinearConverter")
         if not isinstance(config.filter_fqns, (list, tuple)) or not all(isinstance(f, str) for f in config.filter_fqns):
             raise TypeError(f"Fp8ampLinearConverter: filter_fqns must be a list of str, got {config.filter_fqns!r}")
         if not isinstance(config.fp8_all_gather, bool):
