@@ -309,3 +309,47 @@ def test_fsdp2_with_o2_optimizer_states_trains_the_shards_as_one_model():
     for key in buffers:
         assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
     assert all(r["losses"][-1] < r["losses"][0] for r in ranks), [r["losses"] for r in ranks]
+
+
+def parallelize_rank(rank: int, fp8_all_gather: bool) -> dict:
+    """llama3's own parallelize_llama (its default spmd_types backend, FSDP2 with bfloat16
+    parameters) on one gloo rank, the converted model against the unconverted one. torchtitan's
+    ParallelDims makes its meshes on "cuda" when no accelerator is found: pointed at the CPU here."""
+    import warnings
+
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    parallel_dims_module.device_type = "cpu"
+    out = {}
+    for name, spec in (("plain", debug_spec()), ("fp8amp", fp8amp_spec(fp8_all_gather=fp8_all_gather))):
+        spec.model.layers = spec.model.layers[:2]
+        with torch.device("meta"):
+            model = spec.model.build()
+        parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = parallelize_llama(model, parallel_dims=parallel_dims, training=TrainingConfig(),
+                                      parallelism=ParallelismConfig(), compile_config=CompileConfig(), ac_config=None,
+                                      dump_folder="")
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            with torch.no_grad():
+                model.init_weights(buffer_device=None)
+            model.verify_module_protocol()
+            optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+            if spec.post_optimizer_build_fn is not None:
+                spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
+            out[name] = train(model, optimizers, steps=3)
+        out[name, "view warnings"] = sum("returned a view" in str(w.message) for w in caught)
+    return out
+
+
+@pytest.mark.parametrize("fp8_all_gather", [False, True], ids=["bf16-all-gather", "fp8-all-gather"])
+def test_torchtitans_parallelize_llama_trains_the_converted_model(fp8_all_gather):
+    (out,) = run_on_ranks(parallelize_rank, 1, fp8_all_gather)
+    for ours, reference in zip(out["fp8amp"], out["plain"]):
+        assert abs(ours - reference) < 0.05 * reference, out
+    assert out["fp8amp", "view warnings"] == 0  # FSDP2 warns of a module returning a view
