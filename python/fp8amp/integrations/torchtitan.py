@@ -49,7 +49,7 @@ from torchtitan.protocols.module import Module
 from .. import optim as fp8_optim
 from ..amax_sync import set_amax_reduction
 from ..convert import register_scaling_hooks
-from ..fsdp import Fp8AllGatherWeight
+from ..fsdp import enable_fp8_all_gather
 from ..linear import Fp8Linear
 from ..recipes import RECIPES, resolve_recipe
 from ..scaling import ScalingState
@@ -88,7 +88,13 @@ class Fp8ampLinear(Fp8Linear, Module):
     def __init__(self, config: Config):
         Fp8Linear.__init__(self, config.in_features, config.out_features, bias=config.bias, recipe=config.recipe)
         if config.fp8_all_gather:
-            self.weight = nn.Parameter(Fp8AllGatherWeight(self.weight.data), requires_grad=self.weight.requires_grad)
+            enable_fp8_all_gather(self)
+
+
+def _init_fields(config, config_type: type) -> dict:
+    """The values of ``config``'s constructor fields of ``config_type`` (one of its base classes):
+    what a config of a subclass is made from."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config_type) if f.init}
 
 
 class Fp8ampLinearConverter(QuantizationConverter):
@@ -138,8 +144,8 @@ class Fp8ampLinearConverter(QuantizationConverter):
             if why is not None:
                 kept.append(f"{fqn}: {why}")
                 continue
-            fields = {f.name: getattr(linear, f.name) for f in dataclasses.fields(linear) if f.init}
-            new = Fp8ampLinear.Config(**fields, recipe=self.config.recipe, fp8_all_gather=self.config.fp8_all_gather)
+            new = Fp8ampLinear.Config(**_init_fields(linear, Linear.Config), recipe=self.config.recipe,
+                                      fp8_all_gather=self.config.fp8_all_gather)
             if parent is None:
                 model_config = new
             elif isinstance(parent, list):
@@ -231,5 +237,4 @@ class Fp8ampOptimizersContainer(OptimizersContainer):
         if not isinstance(config, OptimizersContainer.Config):
             raise TypeError(f"Fp8ampOptimizersContainer.config_from: config must be an OptimizersContainer.Config, "
                             f"got {type(config).__name__}")
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(OptimizersContainer.Config) if f.init}
-        return cls.Config(**fields, state_dtypes=state_dtypes)
+        return cls.Config(**_init_fields(config, OptimizersContainer.Config), state_dtypes=state_dtypes)
