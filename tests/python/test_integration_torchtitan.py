@@ -311,29 +311,44 @@ def test_fsdp2_with_o2_optimizer_states_trains_the_shards_as_one_model():
     assert all(r["losses"][-1] < r["losses"][0] for r in ranks), [r["losses"] for r in ranks]
 
 
-def parallelize_rank(rank: int, fp8_all_gather: bool) -> dict:
+def parallelize_rank(rank: int, fp8_all_gather: bool, dp_shard: int = 1, dp_replicate: int = 1) -> dict:
     """llama3's own parallelize_llama (its default spmd_types backend, FSDP2 with bfloat16
-    parameters) on one gloo rank, the converted model against the unconverted one. torchtitan's
-    ParallelDims makes its meshes on "cuda" when no accelerator is found: pointed at the CPU here."""
+    parameters) on ``dp_shard * dp_replicate`` gloo ranks, the converted model against the
+    unconverted one, each rank training on its own batch. As torchtitan's trainer: the SPMD backend
+    set, the sharding configs its ``update_from_config`` sets (each Linear's weight a DTensor of the whole mesh before
+    ``fully_shard``), and the optimizers container's hook given the ``ParallelDims``. ParallelDims
+    makes its meshes on "cuda" when no accelerator is found: pointed at the CPU here; and FSDP2's
+    gradient division (a PREMUL_SUM under torchtitan's divide factor of 1) made a plain SUM, which
+    gloo has."""
     import warnings
 
     import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     parallel_dims_module.device_type = "cpu"
+    set_spmd_backend(ParallelismConfig().spmd_backend)
+    # one for both models: the SPMD types know the meshes it made first by identity
+    parallel_dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=1,
+                                 world_size=dp_shard * dp_replicate)
     out = {}
     for name, spec in (("plain", debug_spec()), ("fp8amp", fp8amp_spec(fp8_all_gather=fp8_all_gather))):
         spec.model.layers = spec.model.layers[:2]
+        set_llama3_sharding_config(spec.model, enable_sp=False)
         with torch.device("meta"):
             model = spec.model.build()
-        parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = parallelize_llama(model, parallel_dims=parallel_dims, training=TrainingConfig(),
                                       parallelism=ParallelismConfig(), compile_config=CompileConfig(), ac_config=None,
                                       dump_folder="")
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
             model.to_empty(device="cpu")
             torch.manual_seed(0)
             with torch.no_grad():
@@ -342,8 +357,11 @@ def parallelize_rank(rank: int, fp8_all_gather: bool) -> dict:
             optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
             if spec.post_optimizer_build_fn is not None:
                 spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
-            out[name] = train(model, optimizers, steps=3)
+            out[name] = train(model, optimizers, steps=3, seed=rank)
         out[name, "view warnings"] = sum("returned a view" in str(w.message) for w in caught)
+    weight = model.layers["0"].feed_forward.w1.weight
+    out["fp8 all-gather"] = isinstance(weight.to_local() if hasattr(weight, "to_local") else weight, Fp8AllGatherWeight)
+    out["scales"] = [s.scale.clone() for s in model.modules() if isinstance(s, fp8amp.ScalingState)]
     return out
 
 
@@ -353,3 +371,17 @@ def test_torchtitans_parallelize_llama_trains_the_converted_model(fp8_all_gather
     for ours, reference in zip(out["fp8amp"], out["plain"]):
         assert abs(ours - reference) < 0.05 * reference, out
     assert out["fp8amp", "view warnings"] == 0  # FSDP2 warns of a module returning a view
+    assert out["fp8 all-gather"] == fp8_all_gather
+
+
+@pytest.mark.parametrize("dp_shard, dp_replicate", [(2, 1), (1, 2)], ids=["fsdp", "replicate"])
+def test_parallelize_llama_on_two_data_parallel_ranks_reduces_the_amaxes_over_the_loss_mesh(dp_shard, dp_replicate):
+    ranks = run_on_ranks(parallelize_rank, 2, True, dp_shard, dp_replicate)
+    for out in ranks:
+        for ours, reference in zip(out["fp8amp"], out["plain"]):
+            assert abs(ours - reference) < 0.05 * reference, out
+        assert out["fp8 all-gather"]  # also where the shard group is one rank: FSDP2 wraps every weight
+    assert ranks[0]["fp8amp"] != ranks[1]["fp8amp"]  # each rank's batch: the agreement is the reduction's
+    assert len(ranks[0]["scales"]) == 11 * 3  # (2 blocks x 5 Linears + output) x 3 scaling states
+    for a, b in zip(ranks[0]["scales"], ranks[1]["scales"]):
+        assert torch.equal(a, b)
