@@ -128,7 +128,8 @@ def _is_statistic(node: torch.fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         parent, index = node.args[0], node.args[1]
-        if isinstance(parent, torch.fx.Node) and parent.op == "call_function":
+        # (the items of a view op, unbind's or split's, are peers: k and v of timm's unbound qkv)
+        if isinstance(parent, torch.fx.Node) and parent.op == "call_function" and not _is_view_op(parent.target):
             return index != 0 or _packet(parent.target) in _STATISTICS_FIRST  # LayerNorm's mean, rstd; SDPA's lse
         return False
     return _packet(node.target) in _STATISTIC_OPS

@@ -411,6 +411,42 @@ def test_compiled_o2_blocks_store_activations():
     assert torch.isfinite(fp8).all() and (fp8 - plain).abs().max() < 0.01 * plain.max()
 
 
+class UnboundQkvAttention(nn.Module):
+    """Attention in timm's layout: q, k and v are the items of one unbind of the permuted qkv output,
+    saved as they are (fp8amp.testing's GPT saves transposes of them)."""
+
+    def __init__(self, d_model: int = 128, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head, self.qkv, self.proj = n_head, nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+
+
+@needs_graph_hooks
+def test_compiled_graph_stores_every_item_of_an_unbind():
+    """The items of a view op (unbind's k and v) are activations like its first (q), not the
+    statistics that a multi-output op's later outputs are (LayerNorm's mean and rstd): the compiled
+    attention stores its input, q, k, v and SDPA's output in E4M3, and keeps in float32 only the
+    weights, the logsumexp and the scales. (k and v were kept, in float32 here and float16 under
+    autocast: 3 GiB of timm's 1B ViT.)"""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attention = UnboundQkvAttention()
+    x = torch.randn(4, 64, 128, requires_grad=True)
+    compiled = torch.compile(attention, backend="inductor")
+    held = {}
+    for name, ctx in (("plain", None), ("fp8", fp8amp.save_activations_in_fp8(min_numel=1024))):
+        with ctx or contextlib.nullcontext():
+            held[name] = held_for_backward(compiled(x * 2))
+    weights = sum(p.numel() * 4 for n, p in attention.named_parameters() if n.endswith("weight"))
+    activation_numel = x.numel()  # the input, q, k, v and SDPA's output each hold as many
+    assert held["fp8"][torch.float8_e4m3fn] == 5 * activation_numel
+    assert 0 < held["fp8"][torch.float32] - weights < 0.02 * (held["plain"][torch.float32] - weights)
+
+
 @needs_graph_hooks
 def test_compiled_model_keeps_the_logits_its_backward_exponentiates():
     """The whole GPT compiled: Inductor's backward recomputes log_softmax from the saved logits as
