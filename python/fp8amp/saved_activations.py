@@ -40,8 +40,9 @@ There the tensors arrive as graph nodes, without grad, so the same rules are app
 graph instead: stored are the graph's inputs that get a gradient (each compiled block's input,
 the residual stream; parameters and buffers never reach the hook) and its intermediates, except
 statistics (the non-first outputs of multi-output ops: LayerNorm's mean and rstd, attention's
-logsumexp, but not the items of a view op such as unbind's k and v; rsqrt, reciprocal, max, min, log-sum-exp, var; tensors whose last dimension is 1;
-products of statistics and graph inputs: the tiled recipes' O1/O2 weight scales),
+logsumexp, but not the items of a view op such as unbind's k and v; rsqrt, reciprocal, max, min,
+log-sum-exp, var; tensors whose last dimension is 1; products of statistics and graph inputs: the
+tiled recipes' O1/O2 weight scales),
 outputs of exp, log, tanh, sigmoid and log_softmax, tensors the backward exponentiates (logits
 kept for a recomputed log_softmax), dtype casts of graph inputs (autocast's weight copies),
 tensors that share memory with the graph's outputs, and broadcasts. The codes are bit for bit

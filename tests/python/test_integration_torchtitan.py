@@ -315,11 +315,11 @@ def parallelize_rank(rank: int, fp8_all_gather: bool, dp_shard: int = 1, dp_repl
     """llama3's own parallelize_llama (its default spmd_types backend, FSDP2 with bfloat16
     parameters) on ``dp_shard * dp_replicate`` gloo ranks, the converted model against the
     unconverted one, each rank training on its own batch. As torchtitan's trainer: the SPMD backend
-    set, the sharding configs its ``update_from_config`` sets (each Linear's weight a DTensor of the whole mesh before
-    ``fully_shard``), and the optimizers container's hook given the ``ParallelDims``. ParallelDims
-    makes its meshes on "cuda" when no accelerator is found: pointed at the CPU here; and FSDP2's
-    gradient division (a PREMUL_SUM under torchtitan's divide factor of 1) made a plain SUM, which
-    gloo has."""
+    set, the sharding configs that its ``update_from_config`` sets (each Linear's weight a DTensor
+    of the whole mesh before ``fully_shard``), and the optimizers container's hook given the
+    ``ParallelDims``. ParallelDims makes its meshes on "cuda" when no accelerator is found: pointed
+    at the CPU here; and FSDP2's gradient division (a PREMUL_SUM under torchtitan's divide factor
+    of 1) made a plain SUM, which gloo has."""
     import warnings
 
     import torchtitan.distributed.parallel_dims as parallel_dims_module
