@@ -17,7 +17,7 @@
 # Python packages the image lacks (torchao, the float8 baseline of bench_linear/bench_train) travel
 # as wheels in .whl/ (git-ignored; fetch them here with `python3 -m pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-# --platform any -d .whl torchao==0.17.0`): name .whl in the carry list together with .deps. They are
+# --platform any -d .whl torchao==0.18.0`): name .whl in the carry list together with .deps. They are
 # installed into /tmp/site and put on PYTHONPATH for the benchmarks only; tests use the image's packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
