@@ -138,6 +138,8 @@ def main(argv=None) -> None:
         if value is not None and (value < 1 or (name == "--width" and value % 64)):
             p.error(f"{name} must be a positive integer{' and a multiple of 64' if name == '--width' else ''}, "
                     f"got {value}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be 0 or more, got {args.warmup}")
     device = torch.device(args.device)
     set_recompile_limit(64)
     sections = []
