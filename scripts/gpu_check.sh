@@ -12,13 +12,13 @@
 #               check of one op family before the whole suite
 #   --ncu-optim also profile the O2 Adam passes with Nsight Compute (speed of light, occupancy,
 #               warp stalls, memory) into $OUT/ncu_adam.txt (about a minute)
-# The GPU machine has no GoogleTest package: carry its sources as .deps/googletest
-# (cp -r /usr/src/googletest .deps/) and name .deps in the device call's carry list.
-# Python packages the image lacks (torchao, the float8 baseline of bench_linear/bench_train) travel
-# as wheels in .whl/ (git-ignored; fetch them here with `python3 -m pip download --no-deps
-# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-# --platform any -d .whl torchao==0.18.0`): name .whl in the carry list together with .deps. They are
-# installed into /tmp/site and put on PYTHONPATH for the benchmarks only; tests use the image's packages.
+# A GPU machine without a GoogleTest package builds the C++ tests from sources in .deps/googletest
+# (cp -r /usr/src/googletest .deps/ on a machine that has them, and copy .deps along).
+# Python packages a machine without network lacks (torchao, the float8 baseline of
+# bench_linear/bench_train) are installed from wheels in .whl/ (git-ignored; fetch them with
+# `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+# --platform manylinux_2_28_x86_64 --platform any -d .whl torchao==0.18.0` and copy .whl along),
+# into /tmp/site and on PYTHONPATH for the benchmarks only; tests use the installed packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu_out}  # the benchmarks write their tables to $OUT/bench_<name>.md
