@@ -52,13 +52,13 @@ def vit(args, device: torch.device) -> Workload:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(args.batch or 32, 3, 64, 64, device=device, generator=gen)
     y = torch.randint(0, 16, (x.shape[0],), device=device, generator=gen)
-    width = args.width or 384
+    width, depth = args.width or 384, args.depth or 4
 
     def build():
-        return VisionTransformer(img_size=64, patch_size=8, embed_dim=width, depth=args.depth or 4,
-                                 num_heads=width // 64, num_classes=16)
+        return VisionTransformer(img_size=64, patch_size=8, embed_dim=width, depth=depth, num_heads=width // 64,
+                                 num_classes=16)
 
-    return Workload(f"timm ViT, width {width}, {args.depth or 4} blocks, {x.shape[0]} images of 64 px",
+    return Workload(f"timm ViT, width {width}, {depth} blocks, {x.shape[0]} images of 64 px",
                     build, lambda m: list(m.blocks), lambda m: F.cross_entropy(m(x), y), torch.float16)
 
 
@@ -115,9 +115,8 @@ def measure(work: Workload, mode: str, args, device: torch.device) -> int:
 
 
 def table(results: dict[str, int]) -> str:
-    rows = []
+    rows, base = [], results.get("amp")
     for mode, peak in results.items():
-        base = results.get("amp")
         without = results.get(mode.replace("-fp8act", "")) if "fp8act" in mode else None
         rows.append([mode, f"{peak / 2**20:.1f}", f"{peak / base:.2f}x" if base else "-",
                      f"{peak / without:.2f}x" if without else "-"])
