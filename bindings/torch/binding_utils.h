@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "common/op_args.h"
 #include "fp8amp/error.h"
@@ -48,6 +49,14 @@ inline TensorView view(const at::Tensor& t, const char* op, const char* arg) {
   } else {
     FP8AMP_CHECK_VALUE(t.is_cpu(), op, arg, " must be on cpu or cuda, got ", t.device().str());
   }
+  return v;
+}
+
+// The views of a list argument; an unsupported element is named "xs[3]".
+inline std::vector<TensorView> views(at::TensorList ts, const char* op, const char* arg) {
+  std::vector<TensorView> v;
+  v.reserve(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) v.push_back(view(ts[i], op, ListItem(arg, i).c_str()));
   return v;
 }
 

@@ -18,13 +18,6 @@
 namespace fp8amp::torch_binding {
 namespace {
 
-std::vector<TensorView> views(at::TensorList ts, const char* op, const char* arg) {
-  std::vector<TensorView> v;
-  v.reserve(ts.size());
-  for (const at::Tensor& t : ts) v.push_back(view(t, op, arg));
-  return v;
-}
-
 Scaling scaling(const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& scale_inv,
                 const std::optional<TensorView>& warmup_counter, int64_t warmup_steps, int64_t margin,
                 bool pow2_scale, const char* op) {

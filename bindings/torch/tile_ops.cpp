@@ -87,6 +87,27 @@ std::tuple<at::Tensor, at::Tensor> scaled_accumulate_tiles(const at::Tensor& acc
   return {out, scale_inv};
 }
 
+// The norms' output: float32 [len(xs)] on xs' device. An empty xs has no device: then a CPU
+// tensor, for the core to refuse the list.
+at::Tensor empty_norms(at::TensorList xs) {
+  const at::Tensor first = xs.empty() ? at::empty({0}) : xs[0];
+  return at::empty({static_cast<int64_t>(xs.size())}, first.options().dtype(at::kFloat));
+}
+
+at::Tensor multi_norm_tiles(at::TensorList xs, at::TensorList scale_invs, int64_t tile_rows, int64_t tile_cols) {
+  const char* op = "multi_norm_tiles";
+  at::Tensor out = empty_norms(xs);
+  call(out, [&](Stream stream) {
+    const std::vector<TensorView> x_views = views(xs, op, "xs");
+    at::Tensor workspace = at::empty({fp8amp::multi_norm_tiles_workspace(x_views)}, out.options().dtype(at::kByte));
+    fp8amp::multi_norm_tiles(x_views, views(scale_invs, op, "scale_invs"), tile_rows, tile_cols, view(out, op, "out"),
+                             view(workspace, op, "workspace"), stream);
+  });
+  return out;
+}
+
+at::Tensor multi_norm_tiles_meta(at::TensorList xs, at::TensorList, int64_t, int64_t) { return empty_norms(xs); }
+
 std::tuple<at::Tensor, at::Tensor> quantize_tiles_meta(const at::Tensor& x, at::ScalarType dtype, int64_t tile_rows,
                                                        int64_t tile_cols, int64_t, bool) {
   return {empty_as(x, dtype), empty_tile_scales(x, tile_rows, tile_cols, "quantize_tiles")};
@@ -114,6 +135,7 @@ constexpr char kQuantizeTiles[] = "quantize_tiles";
 constexpr char kDequantizeTiles[] = "dequantize_tiles";
 constexpr char kCastTransposeTiles[] = "cast_transpose_tiles";
 constexpr char kScaledAccumulateTiles[] = "scaled_accumulate_tiles";
+constexpr char kMultiNormTiles[] = "multi_norm_tiles";
 
 }  // namespace
 }  // namespace fp8amp::torch_binding
@@ -129,13 +151,15 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
   m.def(
       "scaled_accumulate_tiles(Tensor acc, Tensor acc_scale_inv, Tensor update, int tile_rows, int tile_cols, "
       "int margin=0, bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("multi_norm_tiles(Tensor[] xs, Tensor[] scale_invs, int tile_rows, int tile_cols) -> Tensor");
 }
 
 #define FP8AMP_REGISTER_TILE_KERNELS(m)                                        \
   m.impl("quantize_tiles", fp8amp::torch_binding::quantize_tiles);             \
   m.impl("dequantize_tiles", fp8amp::torch_binding::dequantize_tiles);         \
   m.impl("cast_transpose_tiles", fp8amp::torch_binding::cast_transpose_tiles); \
-  m.impl("scaled_accumulate_tiles", fp8amp::torch_binding::scaled_accumulate_tiles)
+  m.impl("scaled_accumulate_tiles", fp8amp::torch_binding::scaled_accumulate_tiles); \
+  m.impl("multi_norm_tiles", fp8amp::torch_binding::multi_norm_tiles)
 
 TORCH_LIBRARY_IMPL(fp8amp, CPU, m) { FP8AMP_REGISTER_TILE_KERNELS(m); }
 TORCH_LIBRARY_IMPL(fp8amp, CUDA, m) { FP8AMP_REGISTER_TILE_KERNELS(m); }
@@ -150,4 +174,6 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("scaled_accumulate_tiles",
          &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kScaledAccumulateTiles,
                                             fp8amp::torch_binding::scaled_accumulate_tiles_meta>::run);
+  m.impl("multi_norm_tiles", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiNormTiles,
+                                                              fp8amp::torch_binding::multi_norm_tiles_meta>::run);
 }

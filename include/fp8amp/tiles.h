@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "fp8amp/scaling.h"
 #include "fp8amp/tensor.h"
@@ -44,6 +45,21 @@ void cast_transpose_tiles(const TensorView& x, const TensorView& out, const Tens
 void scaled_accumulate_tiles(const TensorView& acc, const TensorView& acc_scale_inv, const TensorView& update,
                              const TensorView& out, const TensorView& scale_inv, int64_t tile_rows, int64_t tile_cols,
                              const ScalingRecipe& recipe, Stream stream);
+
+// The 2-norms of n tile-scaled tensors: out[i] (float32 [n]) = sqrt(sum over xs[i]'s elements of
+// (decode(x) * scale_invs[i][tile])^2), each xs[i] (one dtype for all: E4M3, E5M2 or FP16 codes,
+// contiguous, at least 1 dimension) viewed as [rows, cols] and cut into tile_rows x tile_cols
+// tiles; scale_invs[i] float32, contiguous, one element per tile in row-major order (its shape
+// does not matter). Tiles larger than the matrix make one scale for all of it. The squares of
+// each 16-byte pack of a row's codes (its run in one tile) are summed in float32, then scaled and
+// summed in float64, so no sum overflows where the norm itself fits in float32 and the result is
+// within about an ulp of the float64 norm rounded; a NaN or inf in a tensor, or a non-finite scale
+// it uses, gives that tensor's norm only NaN or inf.
+// workspace: uint8 of at least multi_norm_tiles_workspace(xs) bytes, 8-byte aligned (the CUDA
+// kernel's per-block partial sums; the CPU does not use it).
+void multi_norm_tiles(const std::vector<TensorView>& xs, const std::vector<TensorView>& scale_invs, int64_t tile_rows,
+                      int64_t tile_cols, const TensorView& out, const TensorView& workspace, Stream stream);
+int64_t multi_norm_tiles_workspace(const std::vector<TensorView>& xs);
 
 // ---- MXFP8 (OCP Microscaling, docs/tiles.md#mxfp8) ----
 constexpr int64_t kMxBlock = 32;  // the elements of an MX block

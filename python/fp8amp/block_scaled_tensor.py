@@ -7,7 +7,7 @@ scales, no float32 copy). To torch it is a tensor of its logical dtype: it keeps
 what FSDP2 and autograd's gradient accumulation do to it (``detach``, ``alias``, ``clone``, FSDP2's
 ``as_strided`` to the weight's rows, ``add`` / ``add_``); its norms (``linalg.vector_norm`` over all
 elements, ``_foreach_norm``: what ``clip_grad_norm_`` calls) come from the codes and the block
-scales, with no float32 copy; every other op reads its real values
+scales, with no dequantized copy; every other op reads its real values
 (:meth:`dequantize`) and returns plain tensors, and an op that writes into it (``mul_`` of
 ``clip_grad_norm_``, GradScaler's unscale, ``copy_``, ``zero_``) writes its result back, quantized
 with fresh block scales.
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from . import ops
 from .formats import E4M3, E5M2
 from .recipes import BLOCK
-from .scaled_tensor import _written_args
+from .scaled_tensor import _written_args, norms_from_codes
 
 __all__ = ["BlockScaledTensor"]
 
@@ -168,24 +168,39 @@ def _scalar_factor(factor) -> bool:
 
 
 def _norm_from_blocks(t: BlockScaledTensor, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor | None:
-    """The ``ord``-norm of all of ``t``'s real values as the norm of its blocks' norms: a block's is
-    the norm of its codes (read as FP16, which holds every FP8 value exactly; float32 sums) times
-    its |scale_inv|. Equal to the norm of the dequantized values up to float32 summation error (any
-    ``ord`` but 0, a count). None where it does not apply: a ``dim``, ``keepdim``, ``ord`` 0, or
-    blocks that do not tile ``t`` (rows or cols not multiples of 128), which then read the real values."""
-    rows, cols = t._codes.shape
-    if dim is not None or keepdim or ord == 0 or rows % BLOCK or cols % BLOCK:
+    """The ``ord``-norm of all of ``t``'s real values from its codes and block scales; None where
+    :func:`_norms_from_blocks` does not apply (a ``dim`` or ``keepdim``)."""
+    if dim is not None or keepdim:
         return None
-    codes = ops.dequantize(t._codes, torch.ones(1, device=t.device), torch.float16)
-    blocks = codes.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-    per_block = torch.linalg.vector_norm(blocks, ord, dim=(1, 3), dtype=torch.float32)
-    return torch.linalg.vector_norm(per_block * t._scale_inv.abs(), ord).to(dtype or t.dtype)
+    return _norms_from_blocks([t], ord, dtype)[0]
+
+
+def _norms_from_blocks(ts: list[BlockScaledTensor], ord, dtype) -> list[torch.Tensor | None]:
+    """The ``ord``-norms of the real values of BlockScaledTensors, with no dequantized copy: the
+    2-norm (clip_grad_norm_'s) of all of them by one :func:`fp8amp.ops.multi_norm_tiles` call (per
+    device and code dtype); another ord (but 0, a count) as the norm of the blocks' norms, each
+    the norm of its codes (read as FP16, which holds every FP8 value exactly; float32 sums) times
+    its |scale_inv|, where the blocks tile the tensor (rows and cols multiples of 128). Equal to the
+    norm of the dequantized values up to the sums' rounding. None for each tensor where neither applies."""
+    if ord == 2:
+        return norms_from_codes(ts, BLOCK_TILE, dtype)
+    norms: list[torch.Tensor | None] = []
+    for t in ts:
+        rows, cols = t._codes.shape
+        if ord == 0 or rows % BLOCK or cols % BLOCK:
+            norms.append(None)
+            continue
+        codes = ops.dequantize(t._codes, torch.ones(1, device=t.device), torch.float16)
+        blocks = codes.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+        per_block = torch.linalg.vector_norm(blocks, ord, dim=(1, 3), dtype=torch.float32)
+        norms.append(torch.linalg.vector_norm(per_block * t._scale_inv.abs(), ord).to(dtype or t.dtype))
+    return norms
 
 
 def _foreach_norm(func, tensors, ord=2, dtype=None):
     """``_foreach_norm`` with the BlockScaledTensors' norms from their blocks, the others' by ``func``."""
-    norms = {i: _norm_from_blocks(t, ord, dtype=dtype) for i, t in enumerate(tensors)
-             if isinstance(t, BlockScaledTensor)}
+    blocks = [i for i, t in enumerate(tensors) if isinstance(t, BlockScaledTensor)]
+    norms = dict(zip(blocks, _norms_from_blocks([tensors[i] for i in blocks], ord, dtype)))
     others = [t.dequantize() if isinstance(t, BlockScaledTensor) else t
               for i, t in enumerate(tensors) if norms.get(i) is None]
     other_norms = iter(func(others, ord, dtype) if others else [])

@@ -76,6 +76,24 @@ def _written_args(func, args, kwargs):
     return flat
 
 
+def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The 2-norms of the real values of scaled tensors (anything with ``codes``, ``scale_inv``,
+    ``dtype``: ScaledTensors with ``tile`` None, BlockScaledTensors with their blocks), each a 0-d
+    tensor of ``dtype`` (default: the tensor's logical dtype): one :func:`fp8amp.ops.multi_norm_tiles`
+    call per device, code dtype and result dtype, which reads every code once (clip_grad_norm_'s
+    norms of FP8 gradients)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.codes.device, t.codes.dtype, dtype or t.dtype), []).append(i)
+    norms: list = [None] * len(tensors)
+    for (_, _, out_dtype), members in groups.items():
+        values = ops.multi_norm_tiles([tensors[i].codes for i in members], [tensors[i].scale_inv for i in members],
+                                      tile).to(out_dtype)
+        for i, norm in zip(members, values.unbind()):
+            norms[i] = norm
+    return norms
+
+
 class ScaledTensor(torch.Tensor):
     """A tensor whose real values are ``_data * _scale_inv`` (per-tensor scale, docs/numerics.md#numerics).
 

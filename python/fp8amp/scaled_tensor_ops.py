@@ -41,9 +41,8 @@ Semantics of ops (``__torch_dispatch__``):
   check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
 * Norms from the codes: ``linalg.vector_norm`` over all elements and ``_foreach_norm`` (what
   ``clip_grad_norm_(..., foreach=True)`` calls) compute ``||codes|| * |scale_inv|`` (any order
-  but 0). ``vector_norm`` widens one tensor's codes to FP16; ``_foreach_norm`` widens them a chunk
-  of at most 2^27 elements at a time (one launch), takes the chunk's norms in one foreach call,
-  and never holds more FP16 copies at once.
+  but 0) with no dequantized copy: the 2-norm by :func:`fp8amp.ops.multi_norm_tiles` (one call
+  for a list, each code read once), other orders from each tensor's codes widened to FP16.
 * Any other op that would write into a ScaledTensor (``sub_``, ``fill_``, ``lerp_``, ``out=`` ...)
   raises ``NotImplementedError`` naming the op: data is never silently dropped.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
@@ -64,7 +63,7 @@ from torch._prims_common import make_contiguous_strides_for
 from . import ops
 from .formats import HIGH_PRECISION_DTYPES
 from .ops import scaled_accumulate
-from .scaled_tensor import OP_TABLE, ScaledTensor, _quantize_current
+from .scaled_tensor import OP_TABLE, ScaledTensor, _quantize_current, norms_from_codes
 
 aten = torch.ops.aten
 
@@ -257,48 +256,20 @@ def _add_(func, args, kwargs):
     return dst
 
 
-def _norm_of(x: "ScaledTensor", ord, dtype) -> torch.Tensor:
-    """||codes * scale_inv||_ord = ||codes||_ord * |scale_inv| for any ord but 0 (a count), reading
-    the codes as FP16 (2 bytes an element; the norm accumulates in float32), one tensor at a time,
-    so a list of gradients is never dequantized all at once."""
-    codes = x._data
-    if codes.dtype != torch.float16:  # FP8 codes are FP16 values exactly; our kernel widens them fast
-        codes = ops.dequantize(codes, torch.ones(1, dtype=torch.float32, device=codes.device), torch.float16)
-    norm = torch.linalg.vector_norm(codes, ord, dtype=torch.float32) * x._scale_inv.abs().reshape(())
-    return norm.to(dtype or x.dtype)
-
-
-# _foreach_norm widens the FP8 codes of its ScaledTensors to FP16 a chunk at a time, at most this
-# many elements (256 MiB of FP16) alive at once; a larger tensor forms a chunk of its own.
-_NORM_CHUNK_ELEMENTS = 1 << 27
-
-
 def _norms_of(xs: list["ScaledTensor"], ord, dtype) -> list[torch.Tensor]:
-    """_norm_of of many ScaledTensors in a few launches a chunk (one device and code dtype each):
-    one multi_dequantize widens the codes, one torch._foreach_norm takes their norms, one foreach
-    multiply applies |scale_inv|; instead of four launches a tensor."""
-    norms: list[torch.Tensor] = []
-    chunk: list[ScaledTensor] = []
-
-    def flush() -> None:
-        codes = [x._data for x in chunk]
-        if codes[0].dtype != torch.float16:  # FP8 codes are FP16 values exactly
-            codes = ops.multi_dequantize(codes, torch.ones(len(codes), device=codes[0].device), torch.float16)
-        chunk_norms = torch._foreach_norm(codes, ord, torch.float32)
-        chunk_norms = torch._foreach_mul(chunk_norms, torch._foreach_abs([x._scale_inv.reshape(()) for x in chunk]))
-        norms.extend(n.to(dtype or x.dtype) for n, x in zip(chunk_norms, chunk))
-        chunk.clear()
-
-    elements = 0
+    """||codes * scale_inv||_ord = ||codes||_ord * |scale_inv| for any ord but 0 (a count), from the
+    codes with no dequantized copy: the 2-norm (clip_grad_norm_'s) by one multi_norm_tiles call
+    per device and code dtype (1 byte read an element for FP8 codes); any other ord widens one
+    tensor's codes to FP16 at a time (2 bytes an element; accumulated in float32)."""
+    if ord == 2:
+        return norms_from_codes(xs, None, dtype)
+    norms = []
     for x in xs:
-        if chunk and (elements + x.numel() > _NORM_CHUNK_ELEMENTS or x.device != chunk[0].device
-                      or x._data.dtype != chunk[0]._data.dtype):
-            flush()
-            elements = 0
-        chunk.append(x)
-        elements += x.numel()
-    if chunk:
-        flush()
+        codes = x._data
+        if codes.dtype != torch.float16:  # FP8 codes are FP16 values exactly; our kernel widens them fast
+            codes = ops.dequantize(codes, torch.ones(1, dtype=torch.float32, device=codes.device), torch.float16)
+        norm = torch.linalg.vector_norm(codes, ord, dtype=torch.float32) * x._scale_inv.abs().reshape(())
+        norms.append(norm.to(dtype or x.dtype))
     return norms
 
 
@@ -309,7 +280,7 @@ def _vector_norm(func, args, kwargs):
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     if not isinstance(x, ScaledTensor) or ord == 0 or dim is not None or keepdim:
         return NotImplemented
-    return _norm_of(x, ord, kwargs.get("dtype"))
+    return _norms_of([x], ord, kwargs.get("dtype"))[0]
 
 
 def _foreach_norm(func, args, kwargs):

@@ -2,6 +2,11 @@
 // CUDA kernels (tiles_kernels.h).
 #include "fp8amp/tiles.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "common/op_args.h"
 #include "common/run_on.h"
 #include "fp8amp/error.h"
@@ -201,6 +206,83 @@ void dequantize_mx(const TensorView& x, const TensorView& scales, const TensorVi
   run_on(
       x, op, [&] { cpu::dequantize_mx(x.dtype, out.dtype, x.data, s, out.data, t); },
       [&] { cuda::dequantize_mx(x.dtype, out.dtype, x.data, s, out.data, t, stream); });
+}
+
+namespace {
+
+constexpr int64_t kNormMaxDim = int64_t{1} << 32;  // rows and cols: the CUDA kernel's 32-bit divisions
+
+// The tensors of multi_norm_tiles, checked: xs of one FP8 or FP16 dtype, contiguous, on one device,
+// each with its scale_invs (one float32 per tile), viewed as matrices.
+std::vector<NormTensor> norm_tensors(const std::vector<TensorView>& xs, const std::vector<TensorView>& scale_invs,
+                                     int64_t tile_rows, int64_t tile_cols, const char* op) {
+  FP8AMP_CHECK_VALUE(!xs.empty(), op, "xs must hold at least one tensor");
+  FP8AMP_CHECK_VALUE(scale_invs.size() == xs.size(), op, "scale_invs must hold as many tensors as xs (", xs.size(),
+                     "), got ", scale_invs.size());
+  check::scaled_format(xs[0].dtype, op, "xs");
+  check_tile_sizes(tile_rows, tile_cols, op);
+  std::vector<NormTensor> tensors;
+  tensors.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const TensorView& x = xs[i];
+    const ListItem x_name("xs", i), s_name("scale_invs", i);
+    FP8AMP_CHECK_VALUE(x.dtype == xs[0].dtype, op, "xs must share one dtype: xs[0] is ", xs[0].describe(), ", ",
+                       x_name.c_str(), " is ", x.describe());
+    check::same_device(x, xs[0], op, x_name.c_str(), "xs[0]");
+    check::contiguous(x, op, x_name.c_str());
+    FP8AMP_CHECK_VALUE(x.dim() >= 1, op, x_name.c_str(), " must have at least 1 dimension, got ", x.describe());
+    const int64_t rows = matrix_rows(x.shape), cols = x.shape.back();
+    FP8AMP_CHECK_VALUE(rows < kNormMaxDim && cols < kNormMaxDim, op, x_name.c_str(),
+                       " viewed as [rows, cols] must have fewer than 2^32 of each, got ", x.describe());
+    // Tiles larger than the matrix tile it as the matrix itself does (and keep the sums below from
+    // overflowing).
+    const TileShape t{rows, cols, std::min(tile_rows, std::max<int64_t>(rows, 1)),
+                      std::min(tile_cols, std::max<int64_t>(cols, 1))};
+    const TensorView& scale_inv = scale_invs[i];
+    check::dtype_is(scale_inv, DType::kFloat32, op, s_name.c_str());
+    check::contiguous(scale_inv, op, s_name.c_str());
+    check::same_device(scale_inv, x, op, s_name.c_str(), x_name.c_str());
+    // (A tensor of no elements has norm 0: its scale_inv, if any, is not read.)
+    FP8AMP_CHECK_VALUE(x.numel() == 0 || scale_inv.numel() == t.grid_rows() * t.grid_cols(), op, s_name.c_str(), " must hold ",
+                       t.grid_rows() * t.grid_cols(), " float32 (one per ", t.tile_rows, " x ", t.tile_cols,
+                       " tile of a [", t.rows, ", ", t.cols, "] matrix, ", t.grid_rows(), " x ", t.grid_cols(),
+                       "), got ", scale_inv.describe());
+    tensors.push_back(NormTensor{x.data, scale_inv.ptr<const float>(), t});
+  }
+  return tensors;
+}
+
+}  // namespace
+
+int64_t multi_norm_tiles_workspace(const std::vector<TensorView>& xs) {
+  int64_t items = 0;
+  for (const TensorView& x : xs) items += norm_items(matrix_rows(x.shape), x.dim() >= 1 ? x.shape.back() : 1).count;
+  return items * static_cast<int64_t>(sizeof(double));
+}
+
+void multi_norm_tiles(const std::vector<TensorView>& xs, const std::vector<TensorView>& scale_invs, int64_t tile_rows,
+                      int64_t tile_cols, const TensorView& out, const TensorView& workspace, Stream stream) {
+  const char* op = "multi_norm_tiles";
+  const std::vector<NormTensor> tensors = norm_tensors(xs, scale_invs, tile_rows, tile_cols, op);
+  check_float32(out, xs[0], op, "out");
+  check::numel_is(out, static_cast<int64_t>(xs.size()), op, "out");
+  check::dtype_is(workspace, DType::kUInt8, op, "workspace");
+  check::contiguous(workspace, op, "workspace");
+  check::same_device(workspace, xs[0], op, "workspace", "xs[0]");
+  check::numel_at_least(workspace, multi_norm_tiles_workspace(xs), op, "workspace");
+  FP8AMP_CHECK_VALUE(reinterpret_cast<uintptr_t>(workspace.data) % alignof(double) == 0, op,
+                     "workspace must be 8-byte aligned");
+  std::vector<const TensorView*> read;
+  for (const auto* list : {&xs, &scale_invs}) {
+    for (const TensorView& t : *list) read.push_back(&t);
+  }
+  check::disjoint_writes({}, read, {{&out, "out"}, {&workspace, "workspace"}}, {}, op, [&](bool, size_t i) {
+    return std::string(i < xs.size() ? ListItem("xs", i).c_str() : ListItem("scale_invs", i - xs.size()).c_str());
+  });
+  float* o = out.ptr<float>();
+  run_on(
+      xs[0], op, [&] { cpu::multi_norm_tiles(xs[0].dtype, tensors, o); },
+      [&] { cuda::multi_norm_tiles(xs[0].dtype, tensors, o, static_cast<double*>(workspace.data), stream); });
 }
 
 }  // namespace fp8amp

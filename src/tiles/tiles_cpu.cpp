@@ -2,6 +2,7 @@
 // quantizing op is quantize_by_tiles over some element value (x's own, its transpose's, or the
 // accumulated sum) and a scale rule (a ScalingRecipe's float32 scales, or MXFP8's E8M0 codes).
 #include <algorithm>
+#include <cmath>
 
 #include "common/dispatch.h"
 #include "tiles/tiles_kernels.h"
@@ -119,6 +120,31 @@ void dequantize_tiles(DType in_dtype, DType out_dtype, const void* x, const floa
 void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
                    const TileShape& t) {
   dequantize_by_tiles<E8M0ScaleRule>(in_dtype, out_dtype, x, scales, out, t);
+}
+
+
+void multi_norm_tiles(DType dtype, const std::vector<NormTensor>& tensors, float* out) {
+  visit(ScaledFormatTypes{}, dtype, [&](auto x_type) {
+    using T = decltype(x_type);
+    constexpr int64_t kPack = 16 / sizeof(T);  // the CUDA kernel's 16-byte packs of a row
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const NormTensor& n = tensors[i];
+      const TileShape& t = n.t;
+      const T* x = static_cast<const T*>(n.x);
+      const auto tile_of = [&](int64_t c) { return c / t.tile_cols; };
+      double total = 0.0;
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const float* scale_row = n.scale_inv + (r / t.tile_rows) * t.grid_cols();
+        for (int64_t c = 0; c < t.cols; c += kPack) {
+          const int len = static_cast<int>(std::min(kPack, t.cols - c));
+          float v[kPack];
+          for (int e = 0; e < len; ++e) v[e] = numerics::to_float(x[r * t.cols + c + e]);
+          total += pack_norm_squared(v, len, c, scale_row, tile_of);
+        }
+      }
+      out[i] = static_cast<float>(std::sqrt(total));
+    }
+  });
 }
 
 }  // namespace cpu

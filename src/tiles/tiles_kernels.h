@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/numerics.h"
 #include "fp8amp/dtype.h"
@@ -127,6 +128,67 @@ struct AccumulateTiles {
   TileShape t;
 };
 
+// ---- multi_norm_tiles ----
+// One tensor of multi_norm_tiles: its codes viewed as t, with one scale_inv per tile of t.
+struct NormTensor {
+  const void* x;
+  const float* scale_inv;
+  TileShape t;
+};
+
+// The CUDA kernel's work items over a [rows, cols] matrix: blocks of row_chunk rows by col_chunk
+// columns (the whole row up to kNormItemCols), about kNormItemElements elements each; one partial
+// sum each in the workspace.
+constexpr int64_t kNormItemCols = 16384;
+constexpr int64_t kNormItemElements = 65536;
+
+struct NormItems {
+  int64_t col_chunk;
+  int64_t row_chunk;
+  int64_t col_items;  // items across a row
+  int64_t count;
+};
+
+FP8AMP_HD NormItems norm_items(int64_t rows, int64_t cols) {
+  const int64_t col_chunk = cols < kNormItemCols ? (cols > 0 ? cols : 1) : kNormItemCols;
+  const int64_t row_chunk = kNormItemElements / col_chunk > 1 ? kNormItemElements / col_chunk : 1;
+  const int64_t col_items = (cols + col_chunk - 1) / col_chunk;
+  return {col_chunk, row_chunk, col_items, ((rows + row_chunk - 1) / row_chunk) * col_items};
+}
+
+// The share of the squared norm of n consecutive values v (n <= 16) of one row, the first at
+// column `col`: the float32 sum of the squares of each run of them in one tile (in order), times
+// that tile's scale_inv squared (scale_row: the scale_invs of the row's tiles; tile_of(column) its
+// tile), in float64. Both implementations group a row's values in the same packs, so these shares
+// are bit for bit the same; only their float64 sum's order differs. (A code's square is exact in
+// float32, so a fused multiply-add rounds as the separate ops do.)
+template <int P, class TileOf>
+FP8AMP_HD double pack_norm_squared(const float (&v)[P], int n, int64_t col, const float* scale_row,
+                                   const TileOf& tile_of) {
+  const int64_t first = tile_of(col);
+  if (n == P && tile_of(col + P - 1) == first) {  // a whole pack in one tile: the common case, unrolled
+    float sum = 0.0f;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int e = 0; e < P; ++e) sum += v[e] * v[e];
+    const double s = scale_row[first];
+    return static_cast<double>(sum) * (s * s);
+  }
+  double total = 0.0;  // a partial pack, or one across tiles: each run the same way
+  int e = 0;
+  while (e < n) {
+    const int64_t tile = tile_of(col + e);
+    int end = e + 1;
+    while (end < n && tile_of(col + end) == tile) ++end;
+    float sum = 0.0f;
+    for (; e < end; ++e) sum += v[e] * v[e];
+    const double s = scale_row[tile];
+    total += static_cast<double>(sum) * (s * s);
+  }
+  return total;
+}
+
 namespace cpu {
 void quantize_tiles(DType in_dtype, DType out_dtype, const void* x, void* out, float* scale_inv, const TileShape& t,
                     const ScalingRecipe& recipe);
@@ -139,6 +201,7 @@ void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const Accumula
 void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p);
 void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
                    const TileShape& t);
+void multi_norm_tiles(DType dtype, const std::vector<NormTensor>& tensors, float* out);
 }  // namespace cpu
 
 namespace cuda {
@@ -153,6 +216,9 @@ void scaled_accumulate_tiles(DType acc_dtype, DType update_dtype, const Accumula
 void quantize_mx(DType in_dtype, DType out_dtype, const CastTransposeMx& p, Stream stream);
 void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t* scales, void* out,
                    const TileShape& t, Stream stream);
+// workspace: one double per norm_items(...).count of each tensor, in order.
+void multi_norm_tiles(DType dtype, const std::vector<NormTensor>& tensors, float* out, double* workspace,
+                      Stream stream);
 }  // namespace cuda
 
 }  // namespace fp8amp

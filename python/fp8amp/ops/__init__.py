@@ -20,7 +20,7 @@ from ._gemm_tiles import gemm_tiles
 from ._mx import cast_transpose_mx, dequantize_mx, e8m0_to_float, gemm_mx, quantize_mx
 from ._optim import adam_step
 from ._scaling import compute_scale, multi_update_delayed_scaling, update_delayed_scaling
-from ._tiles import cast_transpose_tiles, dequantize_tiles, quantize_tiles, scaled_accumulate_tiles
+from ._tiles import cast_transpose_tiles, dequantize_tiles, multi_norm_tiles, quantize_tiles, scaled_accumulate_tiles
 
 __all__ = [
     "quantize",
@@ -49,6 +49,7 @@ __all__ = [
     "dequantize_tiles",
     "cast_transpose_tiles",
     "scaled_accumulate_tiles",
+    "multi_norm_tiles",
     "quantize_mx",
     "dequantize_mx",
     "cast_transpose_mx",

@@ -6,7 +6,8 @@ scaling, ``(1, 128)`` DeepSeek-V3's activation tiles, ``(128, 128)`` its weight 
 tile's scale comes from its own amax (current scaling); ``scale_inv`` is float32
 ``[ceil(rows / tile_rows), ceil(cols / tile_cols)]``. :func:`cast_transpose_tiles` writes ``x`` and
 its transpose, each by its own tiles, in one pass; :func:`scaled_accumulate_tiles` adds an update
-into a tiled FP8 accumulator.
+into a tiled FP8 accumulator; :func:`multi_norm_tiles` takes the 2-norms of tile-scaled tensors
+from their codes.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import torch
 
 from ..formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from . import fast
-from ._args import _bool, _dtype, _input, _int
+from ._args import _bool, _dtype, _input, _inputs, _int
 
-__all__ = ["quantize_tiles", "dequantize_tiles", "cast_transpose_tiles", "scaled_accumulate_tiles"]
+__all__ = ["quantize_tiles", "dequantize_tiles", "cast_transpose_tiles", "scaled_accumulate_tiles", "multi_norm_tiles"]
 
 _FP8_FORMATS = (E4M3, E5M2)
+# multi_norm_tiles' tile for tile=None: larger than any matrix, so one tile (one scale) covers each.
+_WHOLE_TENSOR = (1 << 62, 1 << 62)
 
 
 def _tile(tile: object, op: str, arg: str = "tile") -> tuple[int, int]:
@@ -92,3 +95,21 @@ def scaled_accumulate_tiles(acc: torch.Tensor, acc_scale_inv: torch.Tensor, upda
     return fast.scaled_accumulate_tiles(_input(acc, "acc", op), _input(acc_scale_inv, "acc_scale_inv", op),
                                         _input(update, "update", op), tile_rows, tile_cols,
                                         _int(margin, "margin", op), _bool(pow2_scale, "pow2_scale", op))
+
+
+def multi_norm_tiles(xs, scale_invs, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """Returns float32 ``[len(xs)]``: the 2-norm of each tensor's real values, ``decode(xs[i]) *
+    scale_invs[i][tile]``, from the codes (E4M3, E5M2 or float16, one dtype for the list; each
+    viewed as ``[rows, cols]``) read once, with no dequantized copy. ``scale_invs[i]`` is float32
+    with one element per tile, in row-major order (``[ceil(rows / tile_rows), ceil(cols /
+    tile_cols)]`` as :func:`quantize_tiles` gives it, or any shape of that many elements);
+    ``tile=None``: one scale_inv (of one element) for the whole of each tensor, as a
+    :class:`~fp8amp.ScaledTensor` has. The squares of each 16 bytes of a row's codes are summed in
+    float32, then scaled and summed in float64: within about an ulp of the float64 norm of the
+    real values, rounded to float32, and an overflow only where the norm exceeds float32's range. A NaN or inf in a tensor, or a non-finite scale_inv it uses, makes that
+    tensor's norm NaN or inf and no other. ``clip_grad_norm_`` of FP8 gradients calls this."""
+    op = "multi_norm_tiles"
+    xs = _inputs(xs, "xs", op)
+    scale_invs = _inputs(scale_invs, "scale_invs", op)
+    tile_rows, tile_cols = _WHOLE_TENSOR if tile is None else _tile(tile, op)
+    return fast.multi_norm_tiles(xs, scale_invs, tile_rows, tile_cols)

@@ -34,6 +34,7 @@ quantize_tiles = lib.quantize_tiles.default
 dequantize_tiles = lib.dequantize_tiles.default
 cast_transpose_tiles = lib.cast_transpose_tiles.default
 scaled_accumulate_tiles = lib.scaled_accumulate_tiles.default
+multi_norm_tiles = lib.multi_norm_tiles.default
 comm_quantize = lib.comm_quantize.default
 comm_sum_shards = lib.comm_sum_shards.default
 comm_sum_requantize = lib.comm_sum_requantize.default
