@@ -24,9 +24,12 @@ convergence.
 
 Usage: python benchmarks/bench_models.py [--models llama,vit] [--modes amp,amp-compile,o2,o2-compile,
        torchao-compile,...] [--steps N] [--warmup N] [--llama-batch N] [--seq N] [--vit-batch N]
-       [--vit-autocast float16|bfloat16]
+       [--vit-autocast float16|bfloat16] [--profile STEPS]
        python benchmarks/bench_models.py --tiny     # tiny models on the CPU (FP8 emulation): a smoke run
-Prints the tables (last); with $OUT set, also writes them to $OUT/bench_models.md. The default run
+Prints the tables (last); with $OUT set, also writes them to $OUT/bench_models.md. With
+--profile STEPS, each mode then profiles STEPS more steps (torch.profiler) and the tables are
+followed by where each mode's GPU time goes (profile_train.py's kernel kinds and comparison) and
+how long the GPU waited for the host. The default run
 (two models, five modes: mostly compilation) is sized for a few minutes on one H200; stderr has the
 time each mode ended at and the total.
 """
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 import fp8amp
 from _common import dynamo_reset_counters, dynamo_summary, import_torchao, markdown_table, parse_subset, report
 from _common import RunResult, StepClock, require_gpu, run_modes, set_recompile_limit, torchao_skip
+from profile_train import compare_categories, compare_modes, device_intervals, idle_summary, kernel_totals, profiled
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,10 @@ def vit_workload(args, device: torch.device, count: int) -> Workload:
         f"patch {shape['patch_size']}, {shape['img_size']}px, {shape['num_classes']} classes), batch {args.vit_batch}")
 
 
-def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_convert) -> RunResult:
+def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_convert,
+             profiles: dict | None = None) -> RunResult:
+    """The mode's warm-up and timed steps; with ``profiles`` (--profile), then args.profile
+    profiled steps, whose kernel totals and idle summary go to ``profiles[label]``."""
     result = RunResult()
     t0 = time.perf_counter()
     dynamo_reset_counters()
@@ -189,6 +196,11 @@ def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_con
     result.step_seconds = statistics.median(times)
     result.peak_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result.final_loss = losses[-1].item()
+    if profiles is not None:
+        prof, step_ms = profiled(lambda: step(work.batches[0]), args.profile)
+        intervals = device_intervals(prof)
+        profiles[label(mode, work.autocast)] = (kernel_totals(intervals, args.profile), f"{step_ms:.1f} ms a step profiled; "
+                                 + idle_summary(intervals, top=4))
     if not all(torch.isfinite(torch.stack(losses)).tolist()):
         result.notes.append("non-finite loss")
     if scaler is not None:
@@ -196,23 +208,39 @@ def run_mode(work: Workload, mode: Mode, args, device: torch.device, torchao_con
     return result
 
 
+def label(mode: Mode, autocast: torch.dtype | None = None) -> str:
+    """The mode's name in tables ("fp8amp O2 + FP8 activations + compile"); amp by ``autocast``'s name."""
+    amp = {torch.bfloat16: "BF16 autocast", torch.float16: "FP16 AMP", None: "AMP"}[autocast]
+    labels = {"amp": amp, "torchao": "torchao float8", "O1": "fp8amp O1", "O2": "fp8amp O2"}
+    return labels[mode.kind] + (" + FP8 activations" if mode.fp8_activations else "") + (
+        " + compile" if mode.compiled else "")
+
+
+def profile_section(profiles: dict) -> str:
+    """--profile's text: each mode's GPU time by kind of kernel, its idle time, and (two or more
+    modes) the kernel-by-kernel comparison with the first."""
+    totals = {name: kernels for name, (kernels, _) in profiles.items()}
+    text = "GPU time a step by kind of kernel (--profile)\n\n" + compare_categories(totals) + "\n\n"
+    text += "\n".join(f"{name}: {idle}" for name, (_, idle) in profiles.items()) + "\n"
+    if len(totals) > 1:
+        text += "\n" + compare_modes(totals, 30) + "\n"
+    return text
+
+
 def table(work: Workload, results: dict[str, RunResult]) -> str:
     amp = {torch.bfloat16: "BF16 autocast", torch.float16: "FP16 AMP"}[work.autocast]
-    labels = {"amp": amp, "torchao": "torchao float8", "O1": "fp8amp O1", "O2": "fp8amp O2"}
     header = ["mode", "step ms", f"{work.unit}/s", f"vs {amp} + compile", "peak GiB", f"memory vs {amp}",
               "final loss", "warm-up s", "notes"]
     speed_base = results.get("amp-compile", RunResult()).step_seconds
     mem_base = results.get("amp", RunResult()).peak_bytes
     rows = []
     for key, r in results.items():
-        mode = MODES[key]
-        label = labels[mode.kind] + (" + FP8 activations" if mode.fp8_activations else "") + (
-            " + compile" if mode.compiled else "")
+        name = label(MODES[key], work.autocast)
         if r.step_seconds is None:
-            rows.append([label, r.failure or "not run"] + ["–"] * (len(header) - 2))
+            rows.append([name, r.failure or "not run"] + ["–"] * (len(header) - 2))
             continue
         rows.append([
-            label, f"{r.step_seconds * 1e3:.1f}", f"{work.per_step / r.step_seconds:,.0f}",
+            name, f"{r.step_seconds * 1e3:.1f}", f"{work.per_step / r.step_seconds:,.0f}",
             f"{speed_base / r.step_seconds:.2f}x" if speed_base else "–",
             f"{r.peak_bytes / 2**30:.1f}" if r.peak_bytes else "–",
             f"{r.peak_bytes / mem_base:.2f}x" if r.peak_bytes and mem_base else "–",
@@ -243,8 +271,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the ViT's autocast dtype (float16 adds a GradScaler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (FP8 emulation): a smoke run")
+    p.add_argument("--profile", type=positive, default=None, metavar="STEPS",
+                   help="after the timed steps, profile STEPS more (GPU only) and print where each mode's GPU "
+                        "time goes, by kind of kernel and kernel by kernel, and its idle time")
     args = p.parse_args(argv)
     tiny = args.tiny
+    if tiny and args.profile:
+        p.error("--profile needs a GPU: it reads the CUDA kernels' times (leave out --tiny)")
     args.modes = args.modes or (TINY_MODES if tiny else DEFAULT_MODES)
     args.steps = args.steps or (2 if tiny else 8)
     args.warmup = args.warmup or (2 if tiny else fp8amp.ScalingRecipe().history_len + 2)
@@ -278,13 +311,14 @@ def main(argv=None) -> None:
         with torch.device("meta"):
             n_params = sum(p.numel() for p in work.build().parameters())
         print(f"bench_models: {work.describe}: {n_params / 1e6:,.2f}M parameters", file=sys.stderr, flush=True)
-        results = run_modes(args.modes, lambda key: run_mode(work, MODES[key], args, device, torchao_convert),
+        profiles = {} if args.profile else None
+        results = run_modes(args.modes, lambda key: run_mode(work, MODES[key], args, device, torchao_convert, profiles),
                             skip=torchao_skip(MODES, torchao_convert, torchao_note), per_step=work.per_step,
                             unit=work.unit, start=start)
         autocast = {torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast + GradScaler"}[work.autocast]
         sections.append(f"{work.describe}: {n_params / 1e6:,.2f}M parameters, {autocast}, AdamW lr 1e-4, "
                         f"{args.warmup} warm-up + {args.steps} timed steps, median step time\n\n"
-                        f"{table(work, results)}\n")
+                        f"{table(work, results)}\n" + (f"\n{profile_section(profiles)}" if profiles else ""))
     print(f"bench_models: {time.perf_counter() - start:.0f} s in all", file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (FP8 emulation; --tiny)"
     report("models", f"Model training on {where}, torch {torch.__version__}, {torchao_note}\n\n" + "\n".join(sections))

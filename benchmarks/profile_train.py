@@ -13,8 +13,10 @@ FP8 activations become Inductor code fused into the blocks' kernels).
 
 After each table: how much of the profiled steps' span the GPU ran nothing, in gaps grouped by
 length, and the longest gaps with their neighbours (launch gaps are a few µs; long ones are the
-GPU waiting for the host). With two or more modes, a last table compares each mode with the first,
-kernel by kernel (by name: calls and ms a step), the largest differences first: what a mode adds.
+GPU waiting for the host). Then each mode's GPU time by kind of kernel (fp8amp's, attention,
+GEMMs, Inductor's, the optimizer's, other) and, with two or more modes, a table that compares each
+mode with the first, kernel by kernel (by name: calls and ms a step), the largest differences
+first: what a mode adds. (bench_models.py --profile prints the same for its models.)
 
 Usage: python benchmarks/profile_train.py [--modes fp8amp,o2,o2-fp8act,o2-fp8act-compile,o2@blockwise]
        [--steps 3] [--top 25] [--preset 1b|small|86m] [--compare-top 40] [--policy auto|all]
@@ -196,6 +198,55 @@ def compare_modes(totals: dict[str, dict[str, tuple[float, float]]], top: int) -
     return "\n".join(lines)
 
 
+# What a kernel is, by its name: the first category whose words one of the name's words holds
+# (lower case), in this order. fp8amp's kernels come first: their names hold "cast", "gemm"...
+KERNEL_CATEGORIES = (
+    ("fp8amp", ("fp8amp::",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas")),
+    ("inductor", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The KERNEL_CATEGORIES name of a device activity, or "other" (copies, memsets, torch's own kernels)."""
+    lower = name.lower()
+    for category, words in KERNEL_CATEGORIES:
+        if any(w in lower for w in words):
+            return category
+    return "other"
+
+
+def compare_categories(totals: dict[str, dict[str, tuple[float, float]]]) -> str:
+    """Markdown table: per mode, ms a step of each kernel category and in all (kernel_totals per mode)."""
+    modes = list(totals)
+    names = [c for c, _ in KERNEL_CATEGORIES] + ["other"]
+    by_mode = {m: dict.fromkeys(names, 0.0) for m in modes}
+    for m in modes:
+        for name, (_, ms) in totals[m].items():
+            by_mode[m][kernel_category(name)] += ms
+    lines = ["| kernels | " + " | ".join(f"{m} ms" for m in modes) + " |", "|---" * (1 + len(modes)) + "|"]
+    for c in names + ["all"]:
+        cells = [f"{sum(by_mode[m].values()) if c == 'all' else by_mode[m][c]:.2f}" for m in modes]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def profiled(step, steps: int):
+    """``(prof, ms a step)``: ``steps`` calls of ``step()`` under torch.profiler (CUDA activity),
+    between a synchronize and CUDA events."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    return prof, start.elapsed_time(end) / steps
+
+
 def device_intervals(prof) -> list[tuple[float, float, str]]:
     """(start µs, end µs, name) of every device-side event torch.profiler recorded."""
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -213,15 +264,7 @@ def profile_mode(mode: str, cfg: GPTConfig, batch: int, data, steps: int, warmup
 
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / steps
+    prof, step_ms = profiled(step, steps)
     averages = prof.key_averages()
     try:
         table = averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=90)
@@ -261,6 +304,7 @@ def main() -> None:
         tables.append(text)
         gc.collect()  # the mode's model and optimizer are gone: give their memory back
         torch.cuda.empty_cache()
+    tables.append("### GPU time a step by kind of kernel\n\n" + compare_categories(totals) + "\n")
     if len(totals) > 1:
         tables.append(compare_modes(totals, args.compare_top) + "\n")
     text = "\n".join(tables)

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-from profile_train import compare_modes, idle_summary, kernel_totals  # noqa: E402
+from profile_train import compare_categories, compare_modes, idle_summary, kernel_category, kernel_totals  # noqa: E402
 
 
 def test_idle_summary_merges_overlaps_and_groups_gaps():
@@ -58,3 +58,31 @@ def test_compare_modes_orders_by_difference_and_sums():
     assert lines[5] == "| quantize | 0 | 0.00 | 2 | 0.50 | +0.50 |"
     assert lines[6] == "| all | 14 | 6.00 | 20 | 8.60 | +2.60 |"
     assert len(lines) == 7
+
+
+def test_kernel_categories_and_their_table():
+    names = {
+        "void fp8amp::cuda::(anonymous namespace)::cast_transpose_kernel<bf16>": "fp8amp",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "inductor",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": "optimizer",
+        "Memset (Device)": "other",
+    }
+    for name, category in names.items():
+        assert kernel_category(name) == category, name
+    lines = compare_categories({"bf16": {"nvjet_a": (2.0, 3.0), "Memset (Device)": (1.0, 0.25)},
+                                "o2": {"fp8amp::cast": (4.0, 1.5), "nvjet_b": (2.0, 2.0)}}).splitlines()
+    assert lines[0] == "| kernels | bf16 ms | o2 ms |"
+    assert "| fp8amp | 0.00 | 1.50 |" in lines and "| gemm | 3.00 | 2.00 |" in lines
+    assert "| other | 0.25 | 0.00 |" in lines and lines[-1] == "| all | 3.25 | 3.50 |"
+
+
+def test_bench_models_profile_needs_a_gpu():
+    import pytest
+    from bench_models import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--profile", "2"])
+    assert parse_args(["--profile", "3"]).profile == 3
