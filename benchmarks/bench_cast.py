@@ -23,7 +23,8 @@ PyTorch's time over ours.
 With --mode tiles it times the tile ops instead (docs/tiles.md): quantize_tiles,
 cast_transpose_tiles and scaled_accumulate_tiles (an E4M3 accumulator plus a bf16 update) of bf16
 matrices with (1, 128) tiles and (128, 128) blocks, quantize_tiles and cast_transpose_tiles with
-rowwise scales, and MXFP8's quantize_mx and cast_transpose_mx (1 x 32 blocks), against a
+rowwise scales, MXFP8's quantize_mx and cast_transpose_mx (1 x 32 blocks), and multi_norm_tiles
+of E4M3 codes (128 x 128 blocks, and one scale: a read of 1 byte an element), against a
 device-to-device copy of the same bytes (half of them read, half written) in the same run. The
 copy runs as direct launches (a copy inside a CUDA graph becomes a memcpy node, which ran slower
 on the H200); "of copy" is the copy's time over the op's, the op's fraction of copy bandwidth.
@@ -270,7 +271,17 @@ def bench_tiles_shape(rows_n: int, cols_n: int, iters: int) -> list[list[str]]:
         ("cast_transpose_mx", lambda x: fp8amp.ops.cast_transpose_mx(x, E4M3), 4 * numel + mx_scales + mx_scales_t),
     ]:
         table.append(tile_row(op, "1x32 E8M0", f"{rows_n}x{cols_n}", fn, xs, bytes_moved, iters))
-    del xs
+    # The 2-norm of E4M3 codes (clip_grad_norm_ of FP8 gradients): one read of the codes.
+    codes = [fp8amp.ops.quantize_tiles(x, E4M3, (128, 128))[0] for x in xs]
+    block_scales = torch.ones(math.ceil(rows_n / 128), math.ceil(cols_n / 128), device="cuda")
+    one = torch.ones(1, device="cuda")
+    for tile, fn, bytes_moved in [
+        ("128x128", lambda c: fp8amp.ops.multi_norm_tiles([c], [block_scales], (128, 128)),
+         numel + 4 * block_scales.numel()),
+        ("one scale", lambda c: fp8amp.ops.multi_norm_tiles([c], [one]), numel + 4),
+    ]:
+        table.append(tile_row("multi_norm_tiles", tile, f"{rows_n}x{cols_n}", fn, codes, bytes_moved, iters))
+    del xs, codes
     torch.cuda.empty_cache()
     return table
 
