@@ -1,8 +1,8 @@
 """The tile-scaled ops' cases of the public-API fuzz (fuzz_cases.py, docs/hardening.md):
-quantize_tiles / dequantize_tiles against a per-tile loop over the power-of-two scale rule, and
-cast_transpose_tiles / scaled_accumulate_tiles against the compositions they fuse; every value
-kind, odd and empty shapes, partial tiles, and the refusals of bad dtypes, tiles, shapes and
-devices."""
+quantize_tiles / dequantize_tiles against a per-tile loop over the power-of-two scale rule,
+cast_transpose_tiles / scaled_accumulate_tiles against the compositions they fuse, and
+multi_norm_tiles against the float64 norm of the real values; every value kind, odd and empty
+shapes, partial tiles, and the refusals of bad dtypes, tiles, shapes and devices."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def tile_cases():
     yield "dequantize_tiles meta scale_inv", lambda: ops.dequantize_tiles(codes, scale_inv.to("meta"), (1, 16)), \
         None, ("scale_inv",)
     yield from fused_tile_cases()
+    yield from norm_tile_cases()
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -127,3 +128,49 @@ def fused_tile_cases():
     for tile in ((0, 16), (1,), (1.0, 16)):
         yield f"scaled_accumulate_tiles tile {tile}", \
             lambda tile=tile: ops.scaled_accumulate_tiles(acc, acc_scale_inv, x, tile), None, ("tile",)
+
+
+def norm_tile_cases():
+    """multi_norm_tiles: codes of every kind of value (NaN, inf, huge and tiny ones as the FP8
+    formats hold them), odd and empty shapes, partial tiles and one scale, against the float64 norm
+    of the real values; bad dtypes, scale counts, tiles and devices must be refused."""
+    for kind, shape, tile, fmt in itertools.product(KINDS, SHAPES[:6], (None, (2, 3), (1, 16)), (E4M3, E5M2)):
+        codes = values(kind, shape).to(fmt)
+        rows, cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+        count = 1 if tile is None else -(-rows // tile[0]) * -(-cols // tile[1])
+        scale_inv = torch.exp2(torch.arange(count, dtype=torch.float32) % 7 - 3)
+
+        def norm(codes=codes, scale_inv=scale_inv, tile=tile):
+            return codes, scale_inv, ops.multi_norm_tiles([codes, codes], [scale_inv, scale_inv], tile)
+
+        def check(r, tile=tile, rows=rows, cols=cols):
+            codes, scale_inv, got = r
+            m = codes.double().reshape(rows, cols)
+            if tile is None:
+                real = m * scale_inv.double()
+            else:
+                grid = scale_inv.double().reshape(-(-rows // tile[0]), -(-cols // tile[1]))
+                real = m * grid.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[:, :cols]
+            want = torch.linalg.vector_norm(real).float().expand(2)
+            assert got.dtype == torch.float32 and got.shape == (2,), (got.dtype, got.shape)
+            torch.testing.assert_close(got, want, rtol=2.0**-21, atol=0, equal_nan=True)
+
+        yield f"multi_norm_tiles {kind}-{shape}-{tile}-{fmt}", norm, (None if shape == () else check), ("xs",)
+    codes, one = torch.randn(4, 16).to(E4M3), torch.ones(1)
+    for dtype in BAD_DTYPES[:-1]:
+        yield f"multi_norm_tiles xs {dtype}", \
+            lambda dtype=dtype: ops.multi_norm_tiles([codes.float().to(dtype)], [one]), None, ("xs",)
+    yield "multi_norm_tiles xs of two formats", lambda: ops.multi_norm_tiles([codes, codes.to(E5M2)], [one, one]), \
+        None, ("xs",)
+    yield "multi_norm_tiles scale_invs of other tiles", lambda: ops.multi_norm_tiles([codes], [one], (2, 16)), \
+        None, ("scale_invs",)
+    yield "multi_norm_tiles scale_invs float16", lambda: ops.multi_norm_tiles([codes], [one.half()]), None, \
+        ("scale_invs",)
+    yield "multi_norm_tiles one scale_inv for two", lambda: ops.multi_norm_tiles([codes, codes], [one]), None, \
+        ("scale_invs",)
+    yield "multi_norm_tiles meta scale_inv", lambda: ops.multi_norm_tiles([codes], [one.to("meta")]), None, \
+        ("scale_invs",)
+    yield "multi_norm_tiles no xs", lambda: ops.multi_norm_tiles([], []), None, ("xs",)
+    for tile in ((0, 16), (1,), (1.0, 16)):
+        yield f"multi_norm_tiles tile {tile}", lambda tile=tile: ops.multi_norm_tiles([codes], [one], tile), None, \
+            ("tile",)

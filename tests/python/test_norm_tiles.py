@@ -111,8 +111,9 @@ def test_arguments_are_checked():
     for call, error, words in cases:
         with pytest.raises(error, match=words):
             call()
-    with pytest.raises(ValueError, match="xs must hold at least one tensor"):
-        torch.ops.fp8amp.multi_norm_tiles([], [one], 1, 1)
+    for call in (lambda: ops.multi_norm_tiles([], []), lambda: torch.ops.fp8amp.multi_norm_tiles([], [one], 1, 1)):
+        with pytest.raises(ValueError, match="xs must hold at least one tensor"):
+            call()
 
 
 def test_compiles_fullgraph_and_fake_shapes():

@@ -110,6 +110,8 @@ def multi_norm_tiles(xs, scale_invs, tile: tuple[int, int] | None = None) -> tor
     tensor's norm NaN or inf and no other. ``clip_grad_norm_`` of FP8 gradients calls this."""
     op = "multi_norm_tiles"
     xs = _inputs(xs, "xs", op)
+    if not xs:  # (the dispatcher could not even tell the device)
+        raise ValueError(f"fp8amp.ops.{op}: xs must hold at least one tensor")
     scale_invs = _inputs(scale_invs, "scale_invs", op)
     tile_rows, tile_cols = _WHOLE_TENSOR if tile is None else _tile(tile, op)
     return fast.multi_norm_tiles(xs, scale_invs, tile_rows, tile_cols)
