@@ -1,7 +1,7 @@
 // The tile ops' CPU reference (tiles.h) against hand-derived cases: each tile its own power-of-two
 // scale, partial tiles at the edges, a non-finite tile read as NaN without touching the others,
 // the recipe's margin and TE rule, the round trip, cast_transpose_tiles as quantize_tiles of x and
-// of its transpose, scaled_accumulate_tiles' sums, and the argument checks.
+// of its transpose, scaled_accumulate_tiles' sums, multi_norm_tiles' norms, and the argument checks.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -218,6 +218,49 @@ TEST(TilesCpu, NewOpsCheckTheirArguments) {
   expect_value_error([&] { accumulate(view(x, DType::kFloat32, {2, 3}), view(codes_t, DType::kFloat8E4M3, {3, 2})); },
                      "acc and update must have the same shape");
   expect_value_error([&] { accumulate(xv, out); }, "acc and out must not share memory");
+}
+
+// multi_norm_tiles: 2 x 5 E4M3 codes in 1 x 4 tiles (a partial tile at each row's end), with
+// scales of their own; and with one scale for the whole matrix (a tile larger than it).
+TEST(TilesCpu, NormsOfTileScaledCodes) {
+  const std::vector<float> values = {1.0f, -2.0f, 0.5f, 3.0f, 4.0f, 0.0f, 0.25f, -1.5f, 8.0f, -6.0f};
+  std::vector<uint8_t> codes;
+  for (float v : values) codes.push_back(static_cast<uint8_t>(numerics::encode<numerics::E4M3>(v, true)));
+  std::vector<float> tile_scales = {2.0f, 0.5f, 4.0f, 0.25f}, one = {3.0f}, out(1);
+  const TensorView x = view(codes, DType::kFloat8E4M3, {2, 5});
+  std::vector<uint8_t> workspace(static_cast<size_t>(multi_norm_tiles_workspace({x})));
+  EXPECT_EQ(workspace.size(), sizeof(double));  // one work item of the CUDA kernel: one partial
+  multi_norm_tiles({x}, {view(tile_scales, DType::kFloat32, {2, 2})}, 1, 4, view(out, DType::kFloat32),
+                   view(workspace, DType::kUInt8), nullptr);
+  double tiled = 0.0, whole = 0.0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const double s = tile_scales[(i / 5) * 2 + (i % 5) / 4];
+    tiled += values[i] * s * values[i] * s;
+    whole += values[i] * 3.0 * values[i] * 3.0;
+  }
+  EXPECT_EQ(out[0], static_cast<float>(std::sqrt(tiled)));  // these squares and sums are exact
+  std::vector<float> whole_out(1);
+  multi_norm_tiles({x}, {view(one, DType::kFloat32)}, int64_t{1} << 40, int64_t{1} << 40,
+                   view(whole_out, DType::kFloat32), view(workspace, DType::kUInt8), nullptr);
+  EXPECT_EQ(whole_out[0], static_cast<float>(std::sqrt(whole)));
+}
+
+TEST(TilesCpu, NormsCheckTheirArguments) {
+  std::vector<uint8_t> codes(10), workspace(64);
+  std::vector<float> scales(4), out(1), x32(10);
+  const TensorView x = view(codes, DType::kFloat8E4M3, {2, 5}), ws = view(workspace, DType::kUInt8);
+  const TensorView si = view(scales, DType::kFloat32, {2, 2}), o = view(out, DType::kFloat32);
+  multi_norm_tiles({x}, {si}, 1, 4, o, ws, nullptr);  // accepted
+  expect_value_error([&] { multi_norm_tiles({x}, {si}, 2, 4, o, ws, nullptr); }, "scale_invs[0] must hold 2 float32");
+  expect_value_error([&] { multi_norm_tiles({x}, {}, 1, 4, o, ws, nullptr); }, "scale_invs must hold as many");
+  expect_value_error([&] { multi_norm_tiles({view(x32, DType::kFloat32, {2, 5})}, {si}, 1, 4, o, ws, nullptr); },
+                     "xs");
+  expect_value_error([&] { multi_norm_tiles({x}, {si}, 0, 4, o, ws, nullptr); }, "must be positive");
+  expect_value_error([&] { multi_norm_tiles({x, x}, {si, si}, 1, 4, o, ws, nullptr); }, "out");
+  expect_value_error([&] { multi_norm_tiles({x}, {si}, 1, 4, o, view(workspace, DType::kUInt8, {4}), nullptr); },
+                     "workspace");
+  expect_value_error([&] { multi_norm_tiles({x}, {si}, 1, 4, view(scales, DType::kFloat32, {1}), ws, nullptr); },
+                     "must not share memory");
 }
 
 }  // namespace
