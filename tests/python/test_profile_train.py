@@ -86,3 +86,15 @@ def test_bench_models_profile_needs_a_gpu():
     with pytest.raises(SystemExit):
         parse_args(["--tiny", "--profile", "2"])
     assert parse_args(["--profile", "3"]).profile == 3
+
+
+def test_bench_models_profile_section_from_kernel_totals():
+    from bench_models import profile_section
+
+    profiles = {"BF16 autocast + compile": ({"nvjet_a": (2.0, 3.0), "triton_b": (1.0, 1.0)}, "idle: a"),
+                "fp8amp O2 + compile": ({"nvjet_c": (2.0, 1.5), "fp8amp::cast": (3.0, 0.5)}, "idle: b")}
+    text = profile_section(profiles)
+    assert "| kernels | BF16 autocast + compile ms | fp8amp O2 + compile ms |" in text
+    assert "| gemm | 3.00 | 1.50 |" in text and "| all | 4.00 | 2.00 |" in text
+    assert "BF16 autocast + compile: idle: a" in text and "fp8amp O2 + compile: idle: b" in text
+    assert "### per kernel, a step: each mode against BF16 autocast + compile" in text
