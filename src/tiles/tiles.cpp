@@ -243,10 +243,10 @@ std::vector<NormTensor> norm_tensors(const std::vector<TensorView>& xs, const st
     check::contiguous(scale_inv, op, s_name.c_str());
     check::same_device(scale_inv, x, op, s_name.c_str(), x_name.c_str());
     // (A tensor of no elements has norm 0: its scale_inv, if any, is not read.)
-    FP8AMP_CHECK_VALUE(x.numel() == 0 || scale_inv.numel() == t.grid_rows() * t.grid_cols(), op, s_name.c_str(), " must hold ",
-                       t.grid_rows() * t.grid_cols(), " float32 (one per ", t.tile_rows, " x ", t.tile_cols,
-                       " tile of a [", t.rows, ", ", t.cols, "] matrix, ", t.grid_rows(), " x ", t.grid_cols(),
-                       "), got ", scale_inv.describe());
+    const int64_t tiles = t.grid_rows() * t.grid_cols();
+    FP8AMP_CHECK_VALUE(x.numel() == 0 || scale_inv.numel() == tiles, op, s_name.c_str(), " must hold ", tiles,
+                       " float32 (one per ", t.tile_rows, " x ", t.tile_cols, " tile of a [", t.rows, ", ", t.cols,
+                       "] matrix, ", t.grid_rows(), " x ", t.grid_cols(), "), got ", scale_inv.describe());
     tensors.push_back(NormTensor{x.data, scale_inv.ptr<const float>(), t});
   }
   return tensors;

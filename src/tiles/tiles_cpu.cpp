@@ -122,7 +122,6 @@ void dequantize_mx(DType in_dtype, DType out_dtype, const void* x, const uint8_t
   dequantize_by_tiles<E8M0ScaleRule>(in_dtype, out_dtype, x, scales, out, t);
 }
 
-
 void multi_norm_tiles(DType dtype, const std::vector<NormTensor>& tensors, float* out) {
   visit(ScaledFormatTypes{}, dtype, [&](auto x_type) {
     using T = decltype(x_type);

@@ -106,8 +106,9 @@ def multi_norm_tiles(xs, scale_invs, tile: tuple[int, int] | None = None) -> tor
     ``tile=None``: one scale_inv (of one element) for the whole of each tensor, as a
     :class:`~fp8amp.ScaledTensor` has. The squares of each 16 bytes of a row's codes are summed in
     float32, then scaled and summed in float64: within about an ulp of the float64 norm of the
-    real values, rounded to float32, and an overflow only where the norm exceeds float32's range. A NaN or inf in a tensor, or a non-finite scale_inv it uses, makes that
-    tensor's norm NaN or inf and no other. ``clip_grad_norm_`` of FP8 gradients calls this."""
+    real values, rounded to float32, and an overflow only where the norm exceeds float32's range.
+    A NaN or inf in a tensor, or a non-finite scale_inv it uses, makes that tensor's norm NaN or
+    inf and no other. ``clip_grad_norm_`` of FP8 gradients calls this."""
     op = "multi_norm_tiles"
     xs = _inputs(xs, "xs", op)
     if not xs:  # (the dispatcher could not even tell the device)
