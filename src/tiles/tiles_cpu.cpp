@@ -130,15 +130,14 @@ void multi_norm_tiles(DType dtype, const std::vector<NormTensor>& tensors, float
       const NormTensor& n = tensors[i];
       const TileShape& t = n.t;
       const T* x = static_cast<const T*>(n.x);
-      const auto tile_of = [&](int64_t c) { return c / t.tile_cols; };
       double total = 0.0;
       for (int64_t r = 0; r < t.rows; ++r) {
         const float* scale_row = n.scale_inv + (r / t.tile_rows) * t.grid_cols();
         for (int64_t c = 0; c < t.cols; c += kPack) {
           const int len = static_cast<int>(std::min(kPack, t.cols - c));
-          float v[kPack];
+          float v[kPack] = {};
           for (int e = 0; e < len; ++e) v[e] = numerics::to_float(x[r * t.cols + c + e]);
-          total += pack_norm_squared(v, len, c, scale_row, tile_of);
+          total += pack_norm_squared(v, len, c, c / t.tile_cols, t.tile_cols, scale_row);
         }
       }
       out[i] = static_cast<float>(std::sqrt(total));

@@ -156,37 +156,43 @@ FP8AMP_HD NormItems norm_items(int64_t rows, int64_t cols) {
   return {col_chunk, row_chunk, col_items, ((rows + row_chunk - 1) / row_chunk) * col_items};
 }
 
-// The share of the squared norm of n consecutive values v (n <= 16) of one row, the first at
-// column `col`: the float32 sum of the squares of each run of them in one tile (in order), times
-// that tile's scale_inv squared (scale_row: the scale_invs of the row's tiles; tile_of(column) its
-// tile), in float64. Both implementations group a row's values in the same packs, so these shares
-// are bit for bit the same; only their float64 sum's order differs. (A code's square is exact in
-// float32, so a fused multiply-add rounds as the separate ops do.)
-template <int P, class TileOf>
-FP8AMP_HD double pack_norm_squared(const float (&v)[P], int n, int64_t col, const float* scale_row,
-                                   const TileOf& tile_of) {
-  const int64_t first = tile_of(col);
-  if (n == P && tile_of(col + P - 1) == first) {  // a whole pack in one tile: the common case, unrolled
-    float sum = 0.0f;
+// The share of the squared norm of n consecutive values v (1 <= n <= P, and v[n..P) zeros) of one
+// row, the first at column `col`, in tile `tile` of tiles tile_cols wide: the float32 sum of the
+// squares of each run of them in one tile (in order), times that tile's scale_inv squared
+// (scale_row: the scale_invs of the row's tiles), in float64. Both implementations group a row's
+// values in the same packs, so these shares are bit for bit the same; only their float64 sum's
+// order differs. (A code's square is exact in float32, so a fused multiply-add rounds as the
+// separate ops do.) Every index into v is a constant once the loop is unrolled, which keeps the
+// pack in registers on the GPU; kOneTile drops the boundary test where no tile begins inside it.
+template <bool kOneTile, int P>
+FP8AMP_HD double pack_runs_norm_squared(const float (&v)[P], int n, int next, int64_t tile, int64_t tile_cols,
+                                        const float* scale_row) {
+  double total = 0.0;
+  float sum = 0.0f;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-    for (int e = 0; e < P; ++e) sum += v[e] * v[e];
-    const double s = scale_row[first];
-    return static_cast<double>(sum) * (s * s);
+  for (int e = 0; e < P; ++e) {
+    if (!kOneTile && e == next) {  // a run ends: add its share, the next tile's run begins
+      const double s = scale_row[tile];
+      total += static_cast<double>(sum) * (s * s);
+      sum = 0.0f;
+      ++tile;
+      next = next + tile_cols < n ? next + static_cast<int>(tile_cols) : P;
+    }
+    sum += v[e] * v[e];
   }
-  double total = 0.0;  // a partial pack, or one across tiles: each run the same way
-  int e = 0;
-  while (e < n) {
-    const int64_t tile = tile_of(col + e);
-    int end = e + 1;
-    while (end < n && tile_of(col + end) == tile) ++end;
-    float sum = 0.0f;
-    for (; e < end; ++e) sum += v[e] * v[e];
-    const double s = scale_row[tile];
-    total += static_cast<double>(sum) * (s * s);
-  }
-  return total;
+  const double s = scale_row[tile];
+  return total + static_cast<double>(sum) * (s * s);
+}
+
+template <int P>
+FP8AMP_HD double pack_norm_squared(const float (&v)[P], int n, int64_t col, int64_t tile, int64_t tile_cols,
+                                   const float* scale_row) {
+  const int64_t to_next = (tile + 1) * tile_cols - col;  // columns until the next tile begins
+  const int next = to_next < n ? static_cast<int>(to_next) : P;
+  return next == P ? pack_runs_norm_squared<true>(v, n, next, tile, tile_cols, scale_row)
+                   : pack_runs_norm_squared<false>(v, n, next, tile, tile_cols, scale_row);
 }
 
 namespace cpu {

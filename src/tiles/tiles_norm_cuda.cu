@@ -89,7 +89,6 @@ __global__ void __launch_bounds__(kNormThreads) norm_items_kernel(const __grid_c
   const int64_t c_end = min(s.cols, c0 + lt.items.col_chunk);
   const FastDivisor& by_packs = col_item + 1 == lt.items.col_items ? lt.last_chunk_packs : lt.chunk_packs;
   const uint32_t packs = static_cast<uint32_t>(min(lt.items.row_chunk, s.rows - r0)) * by_packs.divisor;
-  const auto tile_of = [&](int64_t c) { return static_cast<int64_t>(lt.tile_cols.divide(static_cast<uint32_t>(c))); };
   const T* x = static_cast<const T*>(lt.n.x);
   const bool vector_ok = s.cols % P == 0 && is_aligned(x, 16);
   const int64_t grid_cols = s.grid_cols();
@@ -114,7 +113,8 @@ __global__ void __launch_bounds__(kNormThreads) norm_items_kernel(const __grid_c
       float v[P];
       decode_pack<T, P>(w[g], v);
       const float* scale_row = lt.n.scale_inv + lt.tile_rows.divide(static_cast<uint32_t>(r[g])) * grid_cols;
-      sum += pack_norm_squared(v, valid[g], c[g], scale_row, tile_of);
+      const int64_t tile = lt.tile_cols.divide(static_cast<uint32_t>(c[g]));
+      sum += pack_norm_squared(v, valid[g], c[g], tile, s.tile_cols, scale_row);
     }
   }
   sum = block_sum(sum);
