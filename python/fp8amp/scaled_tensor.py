@@ -80,17 +80,21 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
     """The 2-norms of the real values of scaled tensors (anything with ``codes``, ``scale_inv``,
     ``dtype``: ScaledTensors with ``tile`` None, BlockScaledTensors with their blocks), each a 0-d
     tensor of ``dtype`` (default: the tensor's logical dtype): one :func:`fp8amp.ops.multi_norm_tiles`
-    call per device, code dtype and result dtype, which reads every code once (clip_grad_norm_'s
-    norms of FP8 gradients)."""
+    call per device and code dtype, which reads every code once (clip_grad_norm_'s norms of FP8
+    gradients)."""
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.codes.device, t.codes.dtype, dtype or t.dtype), []).append(i)
+        groups.setdefault((t.codes.device, t.codes.dtype), []).append(i)
     norms: list = [None] * len(tensors)
-    for (_, _, out_dtype), members in groups.items():
+    for members in groups.values():
         values = ops.multi_norm_tiles([tensors[i].codes for i in members], [tensors[i].scale_inv for i in members],
-                                      tile).to(out_dtype)
-        for i, norm in zip(members, values.unbind()):
-            norms[i] = norm
+                                      tile)
+        converted: dict[torch.dtype, tuple] = {}  # the float32 norms in each result dtype asked for
+        for k, i in enumerate(members):
+            out_dtype = dtype or tensors[i].dtype
+            if out_dtype not in converted:
+                converted[out_dtype] = values.to(out_dtype).unbind()
+            norms[i] = converted[out_dtype][k]
     return norms
 
 

@@ -116,6 +116,23 @@ def test_arguments_are_checked():
             call()
 
 
+def test_foreach_norm_of_mixed_dtypes_is_one_call(monkeypatch):
+    """torch._foreach_norm over ScaledTensors of float32 and bfloat16 logical dtypes with one code
+    dtype: one multi_norm_tiles call, each norm in its tensor's dtype, equal to its own norm."""
+    g = torch.Generator().manual_seed(11)
+    xs = [fp8amp.ScaledTensor.from_tensor(torch.randn(33, 48, generator=g), E4M3, orig_dtype=dtype)
+          for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)]
+    calls = []
+    real_op = ops.multi_norm_tiles
+    monkeypatch.setattr(ops, "multi_norm_tiles", lambda *a, **k: calls.append(len(a[0])) or real_op(*a, **k))
+    norms = torch._foreach_norm(xs)
+    assert calls == [4]
+    for x, norm in zip(xs, norms):
+        assert norm.dtype == x.dtype
+        want = norm_reference(x.codes, x.scale_inv, None).to(x.dtype)
+        assert torch.equal(norm, want)
+
+
 def test_compiles_fullgraph_and_fake_shapes():
     x = torch.zeros(4, 8, dtype=E4M3)
     fn = torch.compile(lambda a, b, s: ops.multi_norm_tiles([a, b], [s, s]), fullgraph=True, backend="eager")
