@@ -98,7 +98,28 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
     return norms
 
 
-class ScaledTensor(torch.Tensor):
+class PicklesFp8Codes:
+    """Pickling for tensor subclasses whose inner tensors may be FP8. pickle.loads (not
+    torch.load) of a float8 tensor fails in torch (its storage has no typed class: "UntypedStorage
+    has no attribute 'dtype'"), which broke pickle, multiprocessing and copy-by-pickle of O1/O2
+    models and of FP8 gradients. FP8 inner tensors travel as uint8 views of the same bytes."""
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        fp8 = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype in _FP8_DTYPES}
+        for k in fp8:
+            state[k] = state[k].view(torch.uint8)
+        state["_fp8_dtypes"] = fp8
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        for k, dtype in state.pop("_fp8_dtypes", {}).items():
+            state[k] = state[k].view(dtype)
+        self.__dict__.update(state)
+
+
+class ScaledTensor(PicklesFp8Codes, torch.Tensor):
     """A tensor whose real values are ``_data * _scale_inv`` (per-tensor scale, docs/numerics.md#numerics).
 
     Args:
@@ -249,25 +270,6 @@ class ScaledTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         return ScaledTensor(inner_tensors["_data"], inner_tensors["_scale_inv"], ctx)
-
-    # ------------------------------------------------------------------ pickling
-
-    def __getstate__(self):
-        # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
-        # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing
-        # and copy-by-pickle of O1/O2 models. FP8 codes travel as uint8 views of the same bytes.
-        state = dict(self.__dict__)
-        fp8 = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype in _FP8_DTYPES}
-        for k in fp8:
-            state[k] = state[k].view(torch.uint8)
-        state["_fp8_dtypes"] = fp8
-        return state
-
-    def __setstate__(self, state):
-        state = dict(state)
-        for k, dtype in state.pop("_fp8_dtypes", {}).items():
-            state[k] = state[k].view(dtype)
-        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ dispatch
 

@@ -102,3 +102,14 @@ def test_pickle_round_trip_of_an_o1_o2_model(level):
     assert loaded[0].weight.fp8_copy[0].dtype == fp8amp.E4M3
     grad = fp8amp.ScaledTensor.from_tensor(torch.randn(4, 4), fp8amp.E4M3)
     assert torch.equal(pickle.loads(pickle.dumps(grad)).dequantize(), grad.dequantize())
+
+
+@pytest.mark.parametrize("fmt", [fp8amp.E4M3, fp8amp.E5M2])
+def test_pickle_round_trip_of_a_block_scaled_tensor(fmt):
+    """The blockwise recipe's FP8 gradients pickle as the per-tensor ones do (an AttributeError
+    in torch's float8 unpickling, before)."""
+    grad = fp8amp.BlockScaledTensor.from_tensor(torch.randn(200, 300), fmt, torch.bfloat16)
+    loaded = pickle.loads(pickle.dumps(grad))
+    assert type(loaded) is fp8amp.BlockScaledTensor and loaded.dtype == torch.bfloat16
+    assert loaded.codes.dtype == fmt and torch.equal(loaded.codes.view(torch.uint8), grad.codes.view(torch.uint8))
+    assert torch.equal(loaded.scale_inv, grad.scale_inv)
