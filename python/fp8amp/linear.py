@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from .linear_common import fp8_weight_grad, output_dtype, pad_rows, unpadded_output
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
@@ -194,11 +194,15 @@ _NO_TORCHSCRIPT = (
 
 
 def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """TorchScript tracing, sparse inputs and an input on another device than the weights (a meta
-    input gave autocast's "unknown device type"), refused with what works. They read metadata only:
-    free in eager, constant under torch.compile."""
+    """TorchScript tracing, sparse inputs, inputs of a dtype the casts do not take (named by the
+    layer, not by the cast op that would refuse them) and an input on another device than the
+    weights (a meta input gave autocast's "unknown device type"), refused with what works. They read
+    metadata only: free in eager, constant under torch.compile."""
     if torch.jit.is_tracing():
         raise NotImplementedError(_NO_TORCHSCRIPT)
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise ValueError(f"Fp8Linear: the input x must be float32, bfloat16 or float16, got {x.dtype}; "
+                         "convert it first (x.float(), or run under torch.autocast)")
     if x.layout != torch.strided:
         raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
                          "casts and GEMMs read dense memory; call .to_dense() first")

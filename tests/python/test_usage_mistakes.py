@@ -82,6 +82,16 @@ def test_sparse_input_is_refused(layout):
         model(x)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
+def test_an_input_of_another_dtype_is_refused_by_the_layer(recipe, dtype):
+    """The layer names itself, the input and the dtypes it takes (the cast op inside it did, before)."""
+    model = fp8amp.convert(nn.Sequential(nn.Linear(128, 256)), policy="all", recipe=recipe)
+    assert isinstance(model[0], fp8amp.Fp8Linear)
+    with pytest.raises(ValueError, match=rf"Fp8Linear: the input x must be float32, bfloat16 or float16, got {dtype}"):
+        model(torch.ones(4, 128).to(dtype))
+
+
 def test_scaled_tensor_add_of_float64_and_int_as_torch():
     base = torch.randn(8)
     for other in (torch.randn(8, dtype=torch.float64), torch.arange(8, dtype=torch.int32)):
