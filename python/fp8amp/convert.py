@@ -271,18 +271,36 @@ def _recipe_note(recipe) -> str:
 def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step
-    (:func:`fp8amp.amax_sync.start_amax_reduction`)."""
+    (:func:`fp8amp.amax_sync.start_amax_reduction`). Registering a model again on the same
+    optimizer (or a module inside one registered) changes nothing: each scaling state is updated
+    once a step, since a second update would roll its amax history twice."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"register_scaling_hooks: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    models = optimizer.__dict__.get("_fp8amp_scaled_models")
+    if models is not None:
+        if not any(m is model for m in models):
+            models.append(model)
+        return
+    models = optimizer.__dict__["_fp8amp_scaled_models"] = [model]
     # The states are found once a step, by the pre-hook, and updated by the post-hook: one walk of
     # the module tree a step (host time in every step's hot loop), not two.
     found: dict[str, list[ScalingState]] = {}
 
+    def states_of_models() -> list[ScalingState]:
+        if len(models) == 1:
+            return delayed_states(models[0])
+        return list({id(s): s for m in models for s in delayed_states(m)}.values())
+
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
-        found["states"] = delayed_states(model)
+        found["states"] = states_of_models()
         start_amax_reduction(found["states"], step_bound=True)
 
     def finish(*_) -> None:  # not run when the step raises: its reduction is then discarded
         states = found.pop("states", None)
-        states = delayed_states(model) if states is None else states
+        states = states_of_models() if states is None else states
         end_step(states)
         _update_states(states)
 
@@ -307,6 +325,8 @@ def update_scaling(model: nn.Module) -> None:
     ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
     (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
     the group must call it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"update_scaling: model must be an nn.Module, got {type(model).__name__}")
     _update_states(delayed_states(model))
 
 

@@ -601,3 +601,61 @@ def test_an_optimizer_of_another_model_is_warned_about():
     model_a, model_b = nn.Sequential(nn.Linear(16, 16)), nn.Sequential(nn.Linear(16, 16))
     with pytest.warns(UserWarning, match="none of them the model's, so the model will not train"):
         fp8amp.initialize(model_a, torch.optim.AdamW(model_b.parameters()), "O2", policy="all")
+
+
+def _histories_after_steps(setup) -> list[torch.Tensor]:
+    """The amax histories of a 2-layer MLP's delayed-scaling states after 4 steps whose inputs
+    grow, with the model and optimizer that ``setup(model)`` returns."""
+    torch.manual_seed(0)
+    model, optimizer = setup(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+    x = torch.randn(8, 32)
+    for i in range(4):
+        model(x * (i + 1)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [s.amax_history.clone() for s in fp8amp.amax_sync.delayed_states(model)]
+
+
+def _converted_with_hooks(model, times=1, submodule=False):
+    model = fp8amp.convert(model, policy="all")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(times):
+        fp8amp.register_scaling_hooks(model, optimizer)
+    if submodule:
+        fp8amp.register_scaling_hooks(model[2], optimizer)
+    return model, optimizer
+
+
+def _initialized_then_hooks(model):
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", policy="all")
+    fp8amp.register_scaling_hooks(model, optimizer)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("setup", [functools.partial(_converted_with_hooks, times=2),
+                                   functools.partial(_converted_with_hooks, submodule=True)],
+                         ids=["twice", "model and a layer of it"])
+def test_scaling_hooks_registered_again_update_each_state_once_a_step(setup):
+    """A second registration (of the model, or of a module inside it) on the same optimizer used to
+    update the states twice a step: every other history entry 0, half the window."""
+    once = _histories_after_steps(_converted_with_hooks)
+    assert len(once) == 4 and all(h[1:5].gt(0).all() for h in once)
+    for got, want in zip(_histories_after_steps(setup), once):
+        assert torch.equal(got, want)
+
+
+def test_register_scaling_hooks_after_initialize_changes_nothing():
+    once = _histories_after_steps(
+        lambda m: fp8amp.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), "O2", policy="all"))
+    for got, want in zip(_histories_after_steps(_initialized_then_hooks), once):
+        assert torch.equal(got, want)
+
+
+def test_scaling_hook_and_update_arguments_are_checked():
+    model = fp8amp.convert(nn.Sequential(nn.Linear(16, 16)), policy="all")
+    with pytest.raises(TypeError, match="register_scaling_hooks: model must be an nn.Module, got int"):
+        fp8amp.register_scaling_hooks(3, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="register_scaling_hooks: optimizer must be a torch.optim.Optimizer, got list"):
+        fp8amp.register_scaling_hooks(model, [])
+    with pytest.raises(TypeError, match="update_scaling: model must be an nn.Module, got NoneType"):
+        fp8amp.update_scaling(None)
