@@ -47,6 +47,7 @@ DDP's backward keeps overlapping the communication.
 
 
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -454,10 +455,17 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
     padding to ``N L`` elements and the float32 scale slots of each shard, in each of the
     automatic pipelined chunks.
     """
-    numels = tuple(int(c) for c in numels if c > 0)
+    where = "fp8amp.distributed.wire_bytes"
+    try:
+        numels, world = tuple(operator.index(c) for c in numels), operator.index(world)
+    except TypeError as e:
+        raise TypeError(f"{where}: numels must be integers (the gradients' element counts) and world an integer "
+                        f"(the number of ranks); got {numels!r} and {world!r}") from e
+    if any(c < 0 for c in numels) or world < 1:
+        raise ValueError(f"{where}: numels must be >= 0 and world >= 1; got {numels!r} and {world}")
+    numels = tuple(c for c in numels if c > 0)
     if method not in METHODS + ("all_reduce",):
-        raise ValueError(f"fp8amp.distributed.wire_bytes: method must be one of 'all_to_all', 'native', "
-                         f"'all_reduce'; got {method!r}")
+        raise ValueError(f"{where}: method must be one of 'all_to_all', 'native', 'all_reduce'; got {method!r}")
     if world <= 1 or not numels:
         return 0
     n = sum(numels)

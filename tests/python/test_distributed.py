@@ -744,6 +744,12 @@ def test_state_argument_errors():
         fd.all_reduce_grads("model")
     with pytest.raises(ValueError, match="method must be one of 'all_to_all', 'native', 'all_reduce'"):
         fd.wire_bytes((100,), 2, "ring")
+    for numels, world in (((100,), 0), ((100, -5), 2)):  # they returned 0 bytes
+        with pytest.raises(ValueError, match=r"wire_bytes: numels must be >= 0 and world >= 1"):
+            fd.wire_bytes(numels, world, "native")
+    with pytest.raises(TypeError, match=r"wire_bytes: numels must be integers .* and world an integer"):
+        fd.wire_bytes((1.5,), 2, "native")
+    assert fd.wire_bytes((torch.tensor(100).numpy().item(), 0), torch.tensor(2).item(), "native") == 104
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])
