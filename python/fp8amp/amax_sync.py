@@ -120,6 +120,8 @@ def delayed_states(model: nn.Module) -> list[ScalingState]:
     """The delayed-scaling states of ``model``'s Fp8Linears (inputs, output gradients), in module
     order: what :func:`fp8amp.update_scaling` reduces and updates. Layers of a tiled recipe
     (rowwise, blockwise: current scaling per tile) have none in use."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fp8amp.amax_sync.delayed_states: model must be an nn.Module, got {type(model).__name__}")
     # Walked by hand, once a step in the optimizer hooks: model.modules() builds every module's
     # dotted name (and descends into each Fp8Linear's own states), several times this walk's host time.
     states, seen, stack = [], set(), [model]

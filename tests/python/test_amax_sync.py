@@ -541,3 +541,5 @@ def test_delayed_states_are_every_fp8_linears_in_module_order_each_once():
                 for s in (m.input_scaling, m.grad_output_scaling)]
     assert len(expected) == 2 * 5
     assert [id(s) for s in delayed_states(model)] == [id(s) for s in expected]
+    with pytest.raises(TypeError, match="delayed_states: model must be an nn.Module, got NoneType"):
+        delayed_states(None)  # an AttributeError on '_modules', before
