@@ -8,8 +8,8 @@ Semantics of ops (``__torch_dispatch__``):
   ``_scale_inv`` tensor, so in-place ops through the view reach the base, as for any view),
   ``clone`` (copies both), ``_to_copy`` that only changes the device (``.to(device)``, ``.cpu()``,
   ``.cuda()``: moves both inner tensors; the codes are not touched); row views (slicing or
-  ``split``/``chunk``/``narrow`` along dim 0, step 1): views of the codes at the tensor's scale
-  (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's scale. (FSDP2 shards an
+  ``split``/``chunk``/``narrow`` along dim 0, step 1, ``x[i]``, ``unbind``): views of the codes at
+  the tensor's scale (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's scale. (FSDP2 shards an
   O1/O2 master with these: fp8amp.fsdp.)
 * In place, supported:
   ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
@@ -28,6 +28,7 @@ Semantics of ops (``__torch_dispatch__``):
   by all elements, and ``_scale_inv`` stops being a power of two until the next re-quantize.
   Unlike a plain FP16 tensor, a large ``s`` cannot overflow the codes;
   ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
+  ``fill_(v)`` (and ``x[i] = v``): ``copy_`` of ``v`` everywhere;
   ``add_(other, alpha=a)`` with ``other`` of the same shape and device (a ScaledTensor or a plain
   real tensor; float64 and integer values are taken in float32, as torch's float32 ``add_``
   does): one fused dequantize-add-requantize
@@ -39,6 +40,10 @@ Semantics of ops (``__torch_dispatch__``):
   in one foreach call too; else element by element, through the above);
   ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
   check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
+* In place through a row view of part of a tensor (``x[0:2].mul_(2)``, ``x[i].zero_()``,
+  ``x[i] = v``): the view's scale is the whole tensor's, so ``mul_``, ``div_``, ``zero_``,
+  ``add_`` and ``fill_`` compute the view's new real values and write them as ``copy_`` does,
+  never by changing the shared ``_scale_inv``.
 * Norms from the codes: ``linalg.vector_norm`` over all elements and ``_foreach_norm`` (what
   ``clip_grad_norm_(..., foreach=True)`` calls) compute ``||codes|| * |scale_inv|`` (any order
   but 0) with no dequantized copy: the 2-norm by :func:`fp8amp.ops.multi_norm_tiles` (one call
@@ -50,7 +55,7 @@ Semantics of ops (``__torch_dispatch__``):
   dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
   than those above (``t()``, ``transpose``, column slices, steps) go through this path too, so
   they return a dequantized *copy*, not an alias: writing into that copy does not reach the
-  ScaledTensor.
+  ScaledTensor (write the whole tensor with ``copy_``, or rows through a row view).
 """
 
 from __future__ import annotations
@@ -158,6 +163,30 @@ def _slice(func, args, kwargs):
     return _row_view(x, lambda t: t[start:end])
 
 
+def _select(func, args, kwargs):
+    """``x[i]``: a row view (a write through it must reach x, as ``x[i] = v`` and ``x[i].zero_()``
+    do on a plain tensor)."""
+    x, dim, index = args
+    if dim not in (0, -x.dim()) or kwargs:
+        return NotImplemented
+    return _row_view(x, lambda t: t.select(0, index))
+
+
+def _unbind(func, args, kwargs):
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if dim not in (0, -x.dim()) or x.dim() == 0:
+        return NotImplemented
+    return [_row_view(x, lambda t, i=i: t.select(0, i)) for i in range(x.shape[0])]
+
+
+def _write_rows(x: "ScaledTensor", real: torch.Tensor) -> "ScaledTensor":
+    """An in-place op on a row view of part of a tensor, whose scale is the whole tensor's: the
+    view's new real values ``real``, written as ``copy_`` writes into a row view. (Scaling or
+    resetting the shared ``_scale_inv`` would change the other rows too.)"""
+    return _copy_(aten.copy_.default, (x, real), {})
+
+
 def _new_zeros(func, args, kwargs):
     """Zeros of another shape with this tensor's scale, of its type (FSDP2's padded shard of a
     master; a master's E4M3 copy is not made for them)."""
@@ -228,7 +257,11 @@ def _scale_op(func, args, kwargs):
         return NotImplemented  # e.g. div_ with rounding_mode, or by a full tensor: raises below
     if isinstance(s, torch.Tensor):
         s = s.to(device=x.device, dtype=torch.float32)
-    if func in (aten.mul_.Tensor, aten.mul_.Scalar):
+    multiply = func in (aten.mul_.Tensor, aten.mul_.Scalar)
+    if x._base_rows is not None:
+        real = x.dequantize(torch.float32)
+        return _write_rows(x, real.mul_(s) if multiply else real.div_(s))
+    if multiply:
         x._scale_inv.mul_(s)
     else:
         x._scale_inv.div_(s)
@@ -244,11 +277,14 @@ def _add_(func, args, kwargs):
         return NotImplemented  # broadcasting, a tensor alpha: raises below
     if src.device != dst.device:
         raise ValueError(f"ScaledTensor.add_: other must be on this tensor's device ({dst.device}), got {src.device}")
+    if src.dtype.is_complex:
+        raise TypeError(f"ScaledTensor.add_: other must be real, got {src.dtype}")
+    if dst._base_rows is not None:
+        other = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src.float()
+        return _write_rows(dst, dst.dequantize(torch.float32).add_(other, alpha=alpha))
     if isinstance(src, ScaledTensor):
         codes, scale_inv = src._data, src._scale_inv
     else:
-        if src.dtype.is_complex:
-            raise TypeError(f"ScaledTensor.add_: other must be real, got {src.dtype}")
         # As torch's float32 add_ of a float64 or integer tensor: the values, in the sums' float32.
         codes, scale_inv = (src if src.dtype in HIGH_PRECISION_DTYPES else src.float()).contiguous(), None
     scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
@@ -297,10 +333,20 @@ def _foreach_norm(func, args, kwargs):
 
 def _zero_(func, args, kwargs):
     (x,) = args
+    if x._base_rows is not None:
+        return _write_rows(x, torch.zeros(x.shape, device=x.device))
     x._data.zero_()
     x._scale_inv.fill_(1.0)
     x._after_write()
     return x
+
+
+def _fill_(func, args, kwargs):
+    """``fill_(v)`` (and ``x[i] = v``): ``copy_`` of ``v`` everywhere, a fresh current scale."""
+    x, value = args
+    if not isinstance(x, ScaledTensor) or kwargs or not _is_scalar(value):
+        return NotImplemented
+    return _copy_(aten.copy_.default, (x, torch.as_tensor(value, dtype=torch.float32, device=x.device)), {})
 
 
 def _foreach(method):
@@ -332,7 +378,7 @@ def _foreach(method):
         if plain:
             func(plain, other)
         devices = {t.device for t in scaled}
-        if not _is_scalar(other) or len(devices) != 1:
+        if not _is_scalar(other) or len(devices) != 1 or any(t._base_rows is not None for t in scaled):
             for t in scaled:
                 getattr(t, method)(other)  # raises for a factor that is not a scalar
             return None
@@ -358,7 +404,10 @@ def _amp_unscale(func, args, kwargs):
     for g in scaled:
         bad = torch.isfinite(g.dequantize(torch.float32)).all().logical_not().to(found_inf.dtype).reshape(found_inf.shape)
         found_inf.copy_(torch.maximum(found_inf, bad))
-        g._scale_inv.mul_(inv_scale)
+        if g._base_rows is not None:
+            g.mul_(inv_scale.reshape(()))
+        else:
+            g._scale_inv.mul_(inv_scale)
     return None
 
 
@@ -371,6 +420,10 @@ OP_TABLE.update({
     aten.as_strided.default: _as_strided,
     aten.split.Tensor: _split,
     aten.slice.Tensor: _slice,
+    aten.select.int: _select,
+    aten.unbind.int: _unbind,
+    aten.fill_.Scalar: _fill_,
+    aten.fill_.Tensor: _fill_,
     aten.new_zeros.default: _new_zeros,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,

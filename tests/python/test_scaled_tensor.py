@@ -286,7 +286,7 @@ def test_save_load_round_trip(weights_only):
 
 
 @pytest.mark.parametrize(
-    "op", [lambda s: s.add_(1), lambda s: s.fill_(0.0), lambda s: s.clamp_(0, 1), lambda s: s.lerp_(s.dequantize(), 0.5),
+    "op", [lambda s: s.add_(1), lambda s: s.sub_(1.0), lambda s: s.clamp_(0, 1), lambda s: s.lerp_(s.dequantize(), 0.5),
            lambda s: torch.add(s, 1, out=s), lambda s: s.div_(2.0, rounding_mode="floor"), lambda s: s.t_()])
 def test_unsupported_in_place_raises(op):
     _, s = make(fp8amp.E4M3)
@@ -453,6 +453,64 @@ def test_master_weight_refuses_what_it_cannot_be():
     with pytest.raises(ValueError, match="fp8_copy codes must be float8_e4m3fn"):
         MasterWeight(torch.zeros(4, 4, dtype=torch.float16), scale_inv,
                      fp8_copy=(torch.zeros(2, 2, dtype=fp8amp.E4M3), scale_inv, scale_inv))
+
+
+ROW_WRITES = {
+    "slice mul_": lambda t: t[0:2].mul_(2),
+    "slice div_ by a tensor": lambda t: t[1:3].div_(torch.tensor(4.0)),
+    "slice zero_": lambda t: t[2:5].zero_(),
+    "slice add_": lambda t: t[0:2].add_(torch.ones(2, 16)),
+    "slice add_ alpha": lambda t: t[0:2].add_(torch.ones(2, 16), alpha=3),
+    "slice fill_": lambda t: t[3:4].fill_(-2.5),
+    "split mul_": lambda t: t.split(4)[1].mul_(3),
+    "chunk mul_": lambda t: t.chunk(2)[1].mul_(0.5),
+    "narrow mul_": lambda t: t.narrow(0, 1, 2).mul_(2),
+    "rows of a reshape mul_": lambda t: t.view(16, 8)[0:4].mul_(3),
+    "x[i] copy_": lambda t: t[1].copy_(torch.ones(16)),
+    "x[-1] zero_": lambda t: t[-1].zero_(),
+    "x[i] = v": lambda t: t.__setitem__(2, 5.0),
+    "x[a:b] = v": lambda t: t.__setitem__(slice(2, 4), 5.0),
+    "x.data[i] = v": lambda t: t.data.__setitem__(6, -1.0),
+    "x.detach()[a:b] mul_": lambda t: t.detach()[0:2].mul_(2),
+    "unbind mul_": lambda t: t.unbind(0)[1].mul_(2),
+    "_foreach_mul_ of rows": lambda t: torch._foreach_mul_([t[0:2], t[4:6]], 2.0),
+    "fill_ of all": lambda t: t.fill_(0.75),
+}
+
+
+@pytest.mark.parametrize("fmt", [fp8amp.FP16, fp8amp.E4M3])
+@pytest.mark.parametrize("write", ROW_WRITES, ids=list(ROW_WRITES))
+def test_in_place_ops_through_row_views_reach_the_tensor_and_spare_the_other_rows(write, fmt):
+    """The rows of a row view share the tensor's one scale: an in-place op on them writes their
+    new values as copy_ does (they scaled, zeroed or re-scaled the shared scale_inv, changing every
+    other row too; x[i] was a dequantized copy and x[i] = v was lost)."""
+    x, s = make(fmt)
+    want = s.dequantize().clone()
+    ROW_WRITES[write](want)
+    ROW_WRITES[write](s)
+    got = s.dequantize()
+    step = 2.0 ** -10 if fmt == fp8amp.FP16 else 2.0 ** -3  # the format's relative rounding, on a new scale
+    torch.testing.assert_close(got, want, rtol=step, atol=want.abs().max().item() * step * 2 ** -6)
+
+
+def test_row_writes_into_an_o2_master_reach_the_fp8_layer():
+    """x[i] = v on an O2 master weight (an FP16 ScaledTensor): the layer's next forward computes
+    with it (the master's E4M3 copy is refreshed)."""
+    torch.manual_seed(0)
+    model, _ = fp8amp.initialize(torch.nn.Sequential(torch.nn.Linear(32, 64)),
+                                 torch.optim.AdamW(torch.nn.Sequential(torch.nn.Linear(32, 64)).parameters()),
+                                 "O2", policy="all")
+    weight = model[0].weight
+    with torch.no_grad():
+        weight[5] = 0.0
+        weight[7:9].zero_()
+        weight[3].copy_(torch.full((32,), 0.5))
+    y = model(torch.ones(4, 32))
+    bias = model[0].bias.detach()
+    # (the bias is added in the GEMM's output precision)
+    torch.testing.assert_close(y[:, 5], bias[5].expand(4), rtol=2 ** -8, atol=0)
+    torch.testing.assert_close(y[:, 7:9], bias[7:9].expand(4, 2), rtol=2 ** -8, atol=0)
+    torch.testing.assert_close(y[:, 3], (16.0 + bias[3]).expand(4), rtol=2 ** -3, atol=0)
 
 
 def test_as_strided_keeps_a_contiguous_view_scaled():
