@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from . import ops
 from .formats import E4M3, E5M2
 from .recipes import BLOCK
-from .scaled_tensor import PicklesFp8Codes, _written_args, norms_from_codes
+from .scaled_tensor import WrapperTensorMixin, _written_args, norms_from_codes
 
 __all__ = ["BlockScaledTensor"]
 
@@ -29,7 +29,7 @@ _aten = torch.ops.aten
 BLOCK_TILE = (BLOCK, BLOCK)
 
 
-class BlockScaledTensor(PicklesFp8Codes, torch.Tensor):
+class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
     """Real values ``codes * scale_inv[block]`` of logical dtype ``dtype``: ``codes`` E4M3 or
     E5M2 ``[rows, cols]``, ``scale_inv`` float32 ``[ceil(rows / 128), ceil(cols / 128)]``, as
     :func:`fp8amp.ops.quantize_tiles` with tile (128, 128) gives them.

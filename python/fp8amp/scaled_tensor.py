@@ -98,12 +98,14 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
     return norms
 
 
-class PicklesFp8Codes:
-    """Pickling for tensor subclasses whose inner tensors may be FP8. pickle.loads (not
-    torch.load) of a float8 tensor fails in torch (its storage has no typed class: "UntypedStorage
-    has no attribute 'dtype'"), which broke pickle, multiprocessing and copy-by-pickle of O1/O2
-    models and of FP8 gradients. FP8 inner tensors travel as uint8 views of the same bytes."""
+class WrapperTensorMixin:
+    """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
+    inner tensors with no storage of their own: pickling, and ``.data`` assignment."""
 
+    # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
+    # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
+    # copy-by-pickle of O1/O2 models and of FP8 gradients. FP8 inner tensors travel as uint8
+    # views of the same bytes.
     def __getstate__(self):
         state = dict(self.__dict__)
         fp8 = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype in _FP8_DTYPES}
@@ -118,8 +120,26 @@ class PicklesFp8Codes:
             state[k] = state[k].view(dtype)
         self.__dict__.update(state)
 
+    @property
+    def data(self):
+        """A detached alias, as for any tensor."""
+        return torch._C.TensorBase.data.__get__(self)
 
-class ScaledTensor(PicklesFp8Codes, torch.Tensor):
+    @data.setter
+    def data(self, value):
+        # torch's own setter replaces only the wrapper's empty storage: the values stayed (so
+        # vector_to_parameters and `p.data = x` left O1/O2 masters unchanged, silently).
+        name = type(self).__name__
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"fp8amp.{name}: .data must be set to a tensor, got {type(value).__name__}")
+        if value.shape != self.shape:
+            raise ValueError(f"fp8amp.{name}: .data = x writes x's values into this tensor, which keeps its shape "
+                             f"{list(self.shape)}; got x of shape {list(value.shape)}")
+        with torch.no_grad():
+            self.copy_(value)
+
+
+class ScaledTensor(WrapperTensorMixin, torch.Tensor):
     """A tensor whose real values are ``_data * _scale_inv`` (per-tensor scale, docs/numerics.md#numerics).
 
     Args:

@@ -551,3 +551,29 @@ def test_row_views_share_codes_and_scale():
     assert type(zeros) is ScaledTensor and zeros.storage_format == fp8amp.FP16
     assert torch.equal(zeros._scale_inv, s._scale_inv) and zeros._scale_inv is not s._scale_inv
     assert not zeros.dequantize().any()
+
+
+def test_data_assignment_writes_the_values():
+    """``p.data = x`` (vector_to_parameters, older training code) writes x's values into an O1/O2
+    master, its E4M3 copy following; torch's own setter replaced only the wrapper's empty storage,
+    so the values stayed, silently. A shape change is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", policy="all")
+    weight = model[0].weight
+    weight.data = torch.full((64, 32), 0.25)
+    assert type(weight) is MasterWeight and torch.equal(weight.dequantize(), torch.full((64, 32), 0.25))
+    y = model[0](torch.ones(2, 32))
+    torch.testing.assert_close(y, (8.0 + model[0].bias.detach()).expand(2, 64), rtol=2 ** -8, atol=0)
+    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 2, model.parameters())
+    doubled = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.testing.assert_close(doubled, vector * 2, rtol=2 ** -10, atol=0)
+    with pytest.raises(ValueError, match=r"MasterWeight: .data = x writes x's values into this tensor, which keeps its "
+                                         r"shape \[64, 32\]; got x of shape \[32, 64\]"):
+        weight.data = torch.zeros(32, 64)
+    with pytest.raises(TypeError, match="ScaledTensor: .data must be set to a tensor, got float"):
+        make()[1].data = 1.0
+    blocks = fp8amp.BlockScaledTensor.from_tensor(torch.randn(256, 128))
+    blocks.data = torch.ones(256, 128)
+    assert torch.equal(blocks.dequantize(), torch.ones(256, 128))
