@@ -301,14 +301,37 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
             result = handler(func, args, kwargs)
             if result is not NotImplemented:
                 return result
-        for v in _written_args(func, args, kwargs):
-            if isinstance(v, ScaledTensor):
-                raise NotImplementedError(
-                    f"fp8amp.ScaledTensor: in-place op {func} is not supported on a ScaledTensor (it would "
-                    f"lose the scaled representation); supported in place: copy_, add_, mul_/div_ by a scalar, zero_. "
-                    f"Dequantize, compute, then copy_ the result back.")
+        written = {id(v): v for v in _written_args(func, args, kwargs) if isinstance(v, ScaledTensor)}
+        if written:
+            return _write_back(func, args, kwargs, list(written.values()))
         args, kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
+
+
+# In-place ops that change a tensor's metadata (shape, strides, storage, autograd), not its values.
+_METADATA_IN_PLACE = frozenset({"as_strided_", "detach_", "requires_grad_", "resize_", "resize_as_", "set_",
+                                "squeeze_", "swapaxes_", "swapdims_", "t_", "transpose_", "unsqueeze_"})
+
+
+def _write_back(func, args, kwargs, written: list) -> object:
+    """An op with no handler of its own that writes into ScaledTensors (``clamp_``, ``sub_``,
+    ``nan_to_num_``, ``masked_fill_``, ``normal_``, ``_foreach_clamp_min_``, ``out=``...): it runs
+    on their real values in float32 (the others read at their logical dtype), and each result is
+    written back as ``copy_`` writes it: one rounding into the storage format with a fresh current
+    scale, through a row view into the whole tensor's values."""
+    name = func.overloadpacket.__name__
+    if name in _METADATA_IN_PLACE:
+        raise NotImplementedError(f"fp8amp.ScaledTensor: in-place op {func} is not supported on a ScaledTensor (its "
+                                  "shape and layout are its codes'); make a plain tensor with .dequantize() first")
+    wide = {id(t): t.dequantize(torch.float32) for t in written}
+    plain_args, plain_kwargs = tree_map_only(
+        ScaledTensor, lambda t: wide[id(t)] if id(t) in wide else t.dequantize(), (args, kwargs))
+    out = func(*plain_args, **plain_kwargs)
+    copy_ = OP_TABLE[aten.copy_.default]
+    for t in written:
+        copy_(aten.copy_.default, (t, wide[id(t)]), {})
+    back = {id(wide[id(t)]): t for t in written}
+    return tree_map_only(torch.Tensor, lambda v: back.get(id(v), v), out)
 
 
 torch.serialization.add_safe_globals([ScaledTensor])

@@ -48,8 +48,11 @@ Semantics of ops (``__torch_dispatch__``):
   ``clip_grad_norm_(..., foreach=True)`` calls) compute ``||codes|| * |scale_inv|`` (any order
   but 0) with no dequantized copy: the 2-norm by :func:`fp8amp.ops.multi_norm_tiles` (one call
   for a list, each code read once), other orders from each tensor's codes widened to FP16.
-* Any other op that would write into a ScaledTensor (``sub_``, ``fill_``, ``lerp_``, ``out=`` ...)
-  raises ``NotImplementedError`` naming the op: data is never silently dropped.
+* Any other op that writes into a ScaledTensor (``sub_``, ``clamp_``, ``lerp_``, ``masked_fill_``,
+  ``normal_``, ``_foreach_clamp_min_``, ``out=`` ...) runs on its real values in float32 and writes
+  the result back as ``copy_`` does (``scaled_tensor._write_back``): one rounding into the
+  storage format with a fresh scale. In-place ops that change the shape or layout (``t_``,
+  ``unsqueeze_``, ``resize_`` ...) raise ``NotImplementedError`` naming the op.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
   plain tensors, returning plain tensors: printing, arithmetic, comparisons, norms over some
   dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other

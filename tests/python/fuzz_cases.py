@@ -455,7 +455,9 @@ def module_cases():
         None, ("real",)
     yield "ScaledTensor.add_ complex", lambda: s().add_(torch.ones(4, dtype=torch.complex64)), None, ("real",)
     yield "ScaledTensor.add_ meta", lambda: s().add_(torch.ones(4, device="meta")), None, ("device",)
-    yield "ScaledTensor.sub_", lambda: s().sub_(torch.ones(4)), None, ("sub_",)
+    yield "ScaledTensor.sub_", lambda: s().sub_(torch.full((4,), 0.25)).dequantize(), \
+        lambda r: close(r, torch.full((4,), 0.75), 0), ()
+    yield "ScaledTensor.t_", lambda: s().t_(), None, ("t_",)
     yield "ScaledTensor.add_ float64", lambda: s().add_(torch.full((4,), 0.5, dtype=torch.float64)).dequantize(), \
         lambda r: close(r, torch.full((4,), 1.5), 0), ()
     net = lambda: nn.Sequential(_linear(), nn.ReLU(), _linear(1, 16, 32))  # noqa: E731

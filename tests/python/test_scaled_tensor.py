@@ -174,8 +174,11 @@ def test_mul_div_touch_only_scale_inv(fmt):
     s.mul_(3.0)  # not a power of two: one float32 rounding of scale_inv
     assert_bits_equal(s._scale_inv, si0 / 2 * 3.0)
     assert torch.allclose(s.dequantize(), fp8amp.ops.dequantize(data0, si0, torch.float32) * 1.5, rtol=1e-6)
-    with pytest.raises(NotImplementedError, match="mul_"):
-        s.mul_(torch.ones(8, 16))  # elementwise: would need a data pass
+    before = s.dequantize(torch.float32)
+    factors = torch.linspace(0.5, 2.0, 16).expand(8, 16)
+    s.mul_(factors)  # elementwise: a data pass, the product re-quantized with a fresh scale
+    step = 2.0 ** -10 if s.storage_format == fp8amp.FP16 else 2.0 ** -3
+    torch.testing.assert_close(s.dequantize(torch.float32), before * factors, rtol=step, atol=0)
 
 
 def test_foreach_mul_and_zero():
@@ -285,16 +288,65 @@ def test_save_load_round_trip(weights_only):
         assert_bits_equal(got._scale_inv, want._scale_inv)
 
 
-@pytest.mark.parametrize(
-    "op", [lambda s: s.add_(1), lambda s: s.sub_(1.0), lambda s: s.clamp_(0, 1), lambda s: s.lerp_(s.dequantize(), 0.5),
-           lambda s: torch.add(s, 1, out=s), lambda s: s.div_(2.0, rounding_mode="floor"), lambda s: s.t_()])
-def test_unsupported_in_place_raises(op):
+@pytest.mark.parametrize("op", [lambda s: s.t_(), lambda s: s.unsqueeze_(0), lambda s: s.resize_(4, 4),
+                                lambda s: s.transpose_(0, 1)])
+def test_in_place_metadata_ops_raise(op):
     _, s = make(fp8amp.E4M3)
     data0, si0 = s._data.clone(), s._scale_inv.clone()
-    with pytest.raises(NotImplementedError, match=r"ScaledTensor: in-place op aten\."):
+    with pytest.raises(NotImplementedError, match=r"ScaledTensor: in-place op aten\..*its shape and layout are its codes'"):
         op(s)
     assert_bits_equal(s._data, data0)
     assert_bits_equal(s._scale_inv, si0)
+
+
+IN_PLACE_VALUE_OPS = {
+    "add_ of a scalar": lambda t: t.add_(1),
+    "sub_": lambda t: t.sub_(0.5),
+    "clamp_": lambda t: t.clamp_(-1, 1),
+    "lerp_": lambda t: t.lerp_(torch.ones(8, 16), 0.5),
+    "add out=": lambda t: torch.add(t.detach().clone() if isinstance(t, ScaledTensor) else t.clone(), 1, out=t),
+    "div_ floor": lambda t: t.div_(2.0, rounding_mode="floor"),
+    "nan_to_num_": lambda t: t.nan_to_num_(),
+    "masked_fill_": lambda t: t.masked_fill_(torch.arange(16) % 3 == 0, 0.5),
+    "x[mask] = v": lambda t: t.__setitem__(torch.arange(8) % 2 == 0, -1.0),
+    "abs_": lambda t: t.abs_(),
+    "_foreach_clamp_max_": lambda t: torch._foreach_clamp_max_([t], 0.25),
+    "clamp_ of rows": lambda t: t[2:6].clamp_(0, 0.5),
+}
+
+
+@pytest.mark.parametrize("fmt", [fp8amp.FP16, fp8amp.E4M3])
+@pytest.mark.parametrize("op", IN_PLACE_VALUE_OPS, ids=list(IN_PLACE_VALUE_OPS))
+def test_in_place_ops_compute_on_the_real_values_and_requantize(op, fmt):
+    """An in-place op with no handler of its own runs on the real values in float32 and writes
+    the result back as copy_ does (a fresh current scale), the same as the op on a plain tensor
+    up to one rounding into the format; it raised NotImplementedError before."""
+    _, s = make(fmt)
+    want = s.dequantize().clone()
+    IN_PLACE_VALUE_OPS[op](want)
+    returned = IN_PLACE_VALUE_OPS[op](s)
+    assert returned is None or isinstance(returned, (ScaledTensor, list))
+    step = 2.0 ** -10 if fmt == fp8amp.FP16 else 2.0 ** -3
+    torch.testing.assert_close(s.dequantize(), want, rtol=step, atol=want.abs().max().item() * step * 2 ** -6)
+
+
+def test_clip_grad_value_and_init_on_o2_masters_and_fp8_grads():
+    """torch.nn.utils.clip_grad_value_ (foreach and not) over FP8 gradients and torch.nn.init over
+    O2 masters: they raised NotImplementedError (clamp_, normal_)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", policy="all")
+    for foreach in (True, False):
+        model(torch.randn(8, 32)).pow(2).sum().backward()
+        assert isinstance(model[0].weight.grad, ScaledTensor)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01, foreach=foreach)
+        for p in model.parameters():
+            grad = p.grad.dequantize() if isinstance(p.grad, ScaledTensor) else p.grad
+            assert grad.abs().max() <= 0.01 and grad.abs().max() > 0.005
+        model.zero_grad()
+    with torch.no_grad():
+        torch.nn.init.normal_(model[0].weight, std=0.02)
+    assert type(model[0].weight) is MasterWeight and 0.015 < model[0].weight.dequantize().std() < 0.025
 
 
 @pytest.mark.parametrize("foreach", [False, True])
