@@ -100,7 +100,8 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
 
 class WrapperTensorMixin:
     """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
-    inner tensors with no storage of their own: pickling, and ``.data`` assignment."""
+    inner tensors with no storage of their own: pickling, ``.data`` assignment and item
+    assignment."""
 
     # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
     # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
@@ -137,6 +138,19 @@ class WrapperTensorMixin:
                              f"{list(self.shape)}; got x of shape {list(value.shape)}")
         with torch.no_grad():
             self.copy_(value)
+
+    def __setitem__(self, index, value) -> None:
+        # A plain tensor's item assignment writes through a view of it; views of these wrappers
+        # other than whole rows are dequantized copies, so `x[:, j] = v` (and every index of a
+        # block-scaled tensor) was lost, silently. The real values with the assignment are written
+        # back as copy_ writes them: one rounding into the format with fresh scales.
+        if torch.is_grad_enabled() and self.requires_grad:
+            raise RuntimeError(f"fp8amp.{type(self).__name__}: x[index] = value on a tensor that requires grad is an "
+                               "in-place operation on a leaf; do it under torch.no_grad()")
+        real = self.dequantize(torch.float32)
+        real[index] = value
+        with torch.no_grad():
+            self.copy_(real)
 
 
 class ScaledTensor(WrapperTensorMixin, torch.Tensor):

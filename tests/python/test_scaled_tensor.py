@@ -629,3 +629,35 @@ def test_data_assignment_writes_the_values():
     blocks = fp8amp.BlockScaledTensor.from_tensor(torch.randn(256, 128))
     blocks.data = torch.ones(256, 128)
     assert torch.equal(blocks.dequantize(), torch.ones(256, 128))
+
+
+@pytest.mark.parametrize("kind", ["ScaledTensor FP16", "ScaledTensor E4M3", "BlockScaledTensor"])
+@pytest.mark.parametrize("index, value", [((slice(None), 3), 0.0), ((slice(None), slice(0, 5)), 1.5),
+                                          (torch.tensor([0, 5]), 2.0), ((..., -1), torch.tensor(0.5)),
+                                          (1, 0.25), (slice(2, 4), -1.0)],
+                         ids=["column", "columns", "index tensor", "ellipsis", "row", "rows"])
+def test_item_assignment_of_any_index_reaches_the_tensor(kind, index, value):
+    """x[index] = v writes into the tensor for every index (a column, a mask, a block-scaled
+    tensor's rows: those views are copies, and the assignment was lost)."""
+    g = torch.Generator().manual_seed(3)
+    if kind == "BlockScaledTensor":
+        t, step = fp8amp.BlockScaledTensor.from_tensor(torch.randn(256, 256, generator=g)), 2.0 ** -3
+    else:
+        fmt = fp8amp.FP16 if kind.endswith("FP16") else fp8amp.E4M3
+        t, step = ScaledTensor.from_tensor(torch.randn(8, 256, generator=g), fmt), 2.0 ** (-10 if fmt == fp8amp.FP16 else -3)
+    want = t.dequantize(torch.float32).clone()
+    want[index] = value
+    t[index] = value
+    torch.testing.assert_close(t.dequantize(torch.float32), want, rtol=step, atol=want.abs().max().item() * step * 2 ** -6)
+
+
+def test_item_assignment_of_a_master_needs_no_grad_as_for_a_parameter():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64))
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", policy="all")
+    with pytest.raises(RuntimeError, match=r"MasterWeight: x\[index\] = value on a tensor that requires grad .* "
+                                           r"under torch.no_grad\(\)"):
+        model[0].weight[:, 0] = 0.0
+    with torch.no_grad():
+        model[0].weight[:, 0] = 0.0
+    assert not model[0].weight.dequantize()[:, 0].any() and model[0].weight.dequantize()[:, 1].all()
