@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from . import ops
 from .formats import E4M3, E5M2
 from .recipes import BLOCK
-from .scaled_tensor import WrapperTensorMixin, _written_args, norms_from_codes
+from .scaled_tensor import WrapperTensorMixin, _written_args, norms_from_codes, refuse_metadata_in_place
 
 __all__ = ["BlockScaledTensor"]
 
@@ -129,6 +129,8 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
                 return self
+        if any(isinstance(t, BlockScaledTensor) for t in _written_args(func, args, kwargs)):
+            refuse_metadata_in_place(func, "BlockScaledTensor")
         real = {}
 
         def unwrap(t: BlockScaledTensor) -> torch.Tensor:

@@ -327,16 +327,21 @@ _METADATA_IN_PLACE = frozenset({"as_strided_", "detach_", "requires_grad_", "res
                                 "squeeze_", "swapaxes_", "swapdims_", "t_", "transpose_", "unsqueeze_"})
 
 
+def refuse_metadata_in_place(func, name: str) -> None:
+    """The subclasses' codes fix their shape and layout: in-place ops that would change them are
+    refused, naming the op."""
+    if func.overloadpacket.__name__ in _METADATA_IN_PLACE:
+        raise NotImplementedError(f"fp8amp.{name}: in-place op {func} is not supported on a {name} (its shape and "
+                                  "layout are its codes'); make a plain tensor with .dequantize() first")
+
+
 def _write_back(func, args, kwargs, written: list) -> object:
     """An op with no handler of its own that writes into ScaledTensors (``clamp_``, ``sub_``,
     ``nan_to_num_``, ``masked_fill_``, ``normal_``, ``_foreach_clamp_min_``, ``out=``...): it runs
     on their real values in float32 (the others read at their logical dtype), and each result is
     written back as ``copy_`` writes it: one rounding into the storage format with a fresh current
     scale, through a row view into the whole tensor's values."""
-    name = func.overloadpacket.__name__
-    if name in _METADATA_IN_PLACE:
-        raise NotImplementedError(f"fp8amp.ScaledTensor: in-place op {func} is not supported on a ScaledTensor (its "
-                                  "shape and layout are its codes'); make a plain tensor with .dequantize() first")
+    refuse_metadata_in_place(func, "ScaledTensor")
     wide = {id(t): t.dequantize(torch.float32) for t in written}
     plain_args, plain_kwargs = tree_map_only(
         ScaledTensor, lambda t: wide[id(t)] if id(t) in wide else t.dequantize(), (args, kwargs))
