@@ -43,8 +43,9 @@ def loader():
 
 
 def trainer(tmp_path, epochs, **kwargs):
+    kwargs.setdefault("gradient_clip_val", 1.0)
     return L.Trainer(max_epochs=epochs, plugins=[Fp8ampPrecision("O2")], accelerator="cpu", devices=1,
-                     accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+                     accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, **kwargs)
 
 
@@ -113,3 +114,27 @@ def test_bad_plugin_arguments():
         Fp8ampPrecision("O3")
     with pytest.raises(ValueError, match="autocast_dtype must be"):
         Fp8ampPrecision(autocast_dtype=torch.float64)
+
+
+class ClippedByValue(Regression):
+    """Records the largest gradient value after Lightning's clipping, each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.clipped_max = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        assert any(isinstance(g, fp8amp.ScaledTensor) for g in grads)
+        self.clipped_max.append(max(float((g.dequantize() if isinstance(g, fp8amp.ScaledTensor) else g).abs().max())
+                                    for g in grads))
+
+
+def test_gradient_clipping_by_value_over_fp8_gradients(tmp_path):
+    """gradient_clip_algorithm="value" (torch's clip_grad_value_, clamps in place) over O2's FP8
+    weight gradients: it raised NotImplementedError (clamp_ of a ScaledTensor)."""
+    module = ClippedByValue()
+    trainer(tmp_path, epochs=2, gradient_clip_algorithm="value", gradient_clip_val=0.01).fit(module, loader())
+    # every step's gradients reach the bound (within E4M3's rounding of the clamped values)
+    assert len(module.clipped_max) == 4 and all(0.009 <= m <= 0.01 for m in module.clipped_max), module.clipped_max
