@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_map_only
 from . import ops
 from .formats import E4M3, E5M2
 from .recipes import BLOCK
-from .scaled_tensor import WrapperTensorMixin, _written_args, norms_from_codes, refuse_metadata_in_place
+from .scaled_tensor import (WrapperTensorMixin, _written_args, norms_from_codes, refuse_metadata_in_place,
+                            refuse_shape_change)
 
 __all__ = ["BlockScaledTensor"]
 
@@ -143,6 +144,8 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
         written = {id(t) for t in _written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}
         if not written:
             return out
+        for key in written:
+            refuse_shape_change(func, "BlockScaledTensor", *real[key])
         back = {}
         for key in written:
             tensor, value = real[key]

@@ -335,6 +335,14 @@ def refuse_metadata_in_place(func, name: str) -> None:
                                   "layout are its codes'); make a plain tensor with .dequantize() first")
 
 
+def refuse_shape_change(func, name: str, tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """``value``, what an op wrote for ``tensor`` into a plain copy, must keep its shape (an
+    ``out=`` of another shape resizes the copy)."""
+    if value.shape != tensor.shape:
+        raise NotImplementedError(f"fp8amp.{name}: {func} would change the shape of a {name} from "
+                                  f"{list(tensor.shape)} to {list(value.shape)}; its shape is its codes'")
+
+
 def _write_back(func, args, kwargs, written: list) -> object:
     """An op with no handler of its own that writes into ScaledTensors (``clamp_``, ``sub_``,
     ``nan_to_num_``, ``masked_fill_``, ``normal_``, ``_foreach_clamp_min_``, ``out=``...): it runs
@@ -346,6 +354,8 @@ def _write_back(func, args, kwargs, written: list) -> object:
     plain_args, plain_kwargs = tree_map_only(
         ScaledTensor, lambda t: wide[id(t)] if id(t) in wide else t.dequantize(), (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
+    for t in written:
+        refuse_shape_change(func, "ScaledTensor", t, wide[id(t)])
     copy_ = OP_TABLE[aten.copy_.default]
     for t in written:
         copy_(aten.copy_.default, (t, wide[id(t)]), {})

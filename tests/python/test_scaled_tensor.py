@@ -289,12 +289,12 @@ def test_save_load_round_trip(weights_only):
 
 
 @pytest.mark.parametrize("op", [lambda s: s.t_(), lambda s: s.unsqueeze_(0), lambda s: s.resize_(4, 4),
-                                lambda s: s.transpose_(0, 1)])
+                                lambda s: s.transpose_(0, 1), lambda s: torch.add(torch.ones(8), 1, out=s)])
 @pytest.mark.parametrize("block_scaled", [False, True], ids=["ScaledTensor", "BlockScaledTensor"])
 def test_in_place_metadata_ops_raise(op, block_scaled):
     s = fp8amp.BlockScaledTensor.from_tensor(torch.randn(256, 256)) if block_scaled else make(fp8amp.E4M3)[1]
     data0, si0 = s.codes.clone(), s.scale_inv.clone()
-    with pytest.raises(NotImplementedError, match=r"ScaledTensor: in-place op aten\..*its shape and layout are its codes'"):
+    with pytest.raises(NotImplementedError, match=r"ScaledTensor: .*aten\..*its shape .*is its codes'|are its codes'"):
         op(s)
     assert_bits_equal(s.codes, data0)
     assert_bits_equal(s.scale_inv, si0)
