@@ -286,6 +286,14 @@ def test_save_load_round_trip(weights_only):
         assert type(got) is ScaledTensor and got.dtype == want.dtype and got.shape == want.shape
         assert_bits_equal(got._data, want._data)
         assert_bits_equal(got._scale_inv, want._scale_inv)
+    blocks = fp8amp.BlockScaledTensor.from_tensor(torch.randn(200, 256), fp8amp.E5M2, torch.bfloat16)
+    buf = io.BytesIO()
+    torch.save({"g": blocks}, buf)  # weights_only=True refused it (not an allowed global), before
+    buf.seek(0)
+    got = torch.load(buf, weights_only=weights_only)["g"]
+    assert type(got) is fp8amp.BlockScaledTensor and got.dtype == torch.bfloat16
+    assert_bits_equal(got.codes, blocks.codes)
+    assert_bits_equal(got.scale_inv, blocks.scale_inv)
 
 
 @pytest.mark.parametrize("op", [lambda s: s.t_(), lambda s: s.unsqueeze_(0), lambda s: s.resize_(4, 4),
