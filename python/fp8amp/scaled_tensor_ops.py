@@ -9,8 +9,8 @@ Semantics of ops (``__torch_dispatch__``):
   ``clone`` (copies both), ``_to_copy`` that only changes the device (``.to(device)``, ``.cpu()``,
   ``.cuda()``: moves both inner tensors; the codes are not touched); row views (slicing or
   ``split``/``chunk``/``narrow`` along dim 0, step 1, ``x[i]``, ``unbind``): views of the codes at
-  the tensor's scale (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's scale. (FSDP2 shards an
-  O1/O2 master with these: fp8amp.fsdp.)
+  the tensor's scale (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's
+  scale. (FSDP2 shards an O1/O2 master with these: fp8amp.fsdp.)
 * In place, supported:
   ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
   (amax -> pow2 scale -> quantize, no host sync; an inf or NaN in ``src`` makes ``_scale_inv``
@@ -28,7 +28,8 @@ Semantics of ops (``__torch_dispatch__``):
   by all elements, and ``_scale_inv`` stops being a power of two until the next re-quantize.
   Unlike a plain FP16 tensor, a large ``s`` cannot overflow the codes;
   ``zero_``: zeroes ``_data`` and resets ``_scale_inv`` to 1 (so an inf/NaN scale cannot make 0*inf);
-  ``fill_(v)`` (and ``x[i] = v``): ``copy_`` of ``v`` everywhere;
+  ``fill_(v)``: ``copy_`` of ``v`` everywhere (item assignment ``x[index] = v``, of any index, is
+  ``WrapperTensorMixin.__setitem__``: the real values with the assignment, copied back);
   ``add_(other, alpha=a)`` with ``other`` of the same shape and device (a ScaledTensor or a plain
   real tensor; float64 and integer values are taken in float32, as torch's float32 ``add_``
   does): one fused dequantize-add-requantize
@@ -40,8 +41,8 @@ Semantics of ops (``__torch_dispatch__``):
   in one foreach call too; else element by element, through the above);
   ``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``): a non-finite
   check of the real values (one read pass, no host sync) and an unscale through ``_scale_inv``.
-* In place through a row view of part of a tensor (``x[0:2].mul_(2)``, ``x[i].zero_()``,
-  ``x[i] = v``): the view's scale is the whole tensor's, so ``mul_``, ``div_``, ``zero_``,
+* In place through a row view of part of a tensor (``x[0:2].mul_(2)``, ``x[i].zero_()``): the
+  view's scale is the whole tensor's, so ``mul_``, ``div_``, ``zero_``,
   ``add_`` and ``fill_`` compute the view's new real values and write them as ``copy_`` does,
   never by changing the shared ``_scale_inv``.
 * Norms from the codes: ``linalg.vector_norm`` over all elements and ``_foreach_norm`` (what
@@ -58,7 +59,7 @@ Semantics of ops (``__torch_dispatch__``):
   dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
   than those above (``t()``, ``transpose``, column slices, steps) go through this path too, so
   they return a dequantized *copy*, not an alias: writing into that copy does not reach the
-  ScaledTensor (write the whole tensor with ``copy_``, or rows through a row view).
+  ScaledTensor (assign instead, ``x[:, j] = v``, or write the whole tensor with ``copy_``).
 """
 
 from __future__ import annotations
@@ -167,8 +168,8 @@ def _slice(func, args, kwargs):
 
 
 def _select(func, args, kwargs):
-    """``x[i]``: a row view (a write through it must reach x, as ``x[i] = v`` and ``x[i].zero_()``
-    do on a plain tensor)."""
+    """``x[i]``: a row view (a write through it must reach x, as ``x[i].zero_()`` does on a plain
+    tensor)."""
     x, dim, index = args
     if dim not in (0, -x.dim()) or kwargs:
         return NotImplemented
@@ -345,7 +346,7 @@ def _zero_(func, args, kwargs):
 
 
 def _fill_(func, args, kwargs):
-    """``fill_(v)`` (and ``x[i] = v``): ``copy_`` of ``v`` everywhere, a fresh current scale."""
+    """``fill_(v)``: ``copy_`` of ``v`` everywhere, a fresh current scale."""
     x, value = args
     if not isinstance(x, ScaledTensor) or kwargs or not _is_scalar(value):
         return NotImplemented

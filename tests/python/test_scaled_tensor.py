@@ -653,11 +653,13 @@ def test_item_assignment_of_any_index_reaches_the_tensor(kind, index, value):
         t, step = fp8amp.BlockScaledTensor.from_tensor(torch.randn(256, 256, generator=g)), 2.0 ** -3
     else:
         fmt = fp8amp.FP16 if kind.endswith("FP16") else fp8amp.E4M3
-        t, step = ScaledTensor.from_tensor(torch.randn(8, 256, generator=g), fmt), 2.0 ** (-10 if fmt == fp8amp.FP16 else -3)
+        t = ScaledTensor.from_tensor(torch.randn(8, 256, generator=g), fmt)
+        step = 2.0 ** (-10 if fmt == fp8amp.FP16 else -3)
     want = t.dequantize(torch.float32).clone()
     want[index] = value
     t[index] = value
-    torch.testing.assert_close(t.dequantize(torch.float32), want, rtol=step, atol=want.abs().max().item() * step * 2 ** -6)
+    tolerance = want.abs().max().item() * step * 2 ** -6
+    torch.testing.assert_close(t.dequantize(torch.float32), want, rtol=step, atol=tolerance)
 
 
 def test_item_assignment_of_a_master_needs_no_grad_as_for_a_parameter():
