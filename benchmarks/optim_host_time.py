@@ -10,7 +10,11 @@ optimizer.step() in the loop, right after the forward and backward with no synch
 training loop runs it. On a CPU (FP8 emulated) it
 runs a small model and measures the arithmetic too: a smoke run, not a measurement.
 
-Usage: python benchmarks/optim_host_time.py [--repeats N]
+``--profile STEPS`` adds, for each optimizer, where ``step()``'s host time goes: its host-side
+events under torch.profiler over STEPS steps (each after a synchronize), the largest by self
+time, with their calls a step: Python ops, fp8amp's fused op, the CUDA runtime's launches.
+
+Usage: python benchmarks/optim_host_time.py [--repeats N] [--profile STEPS]
 """
 
 from __future__ import annotations
@@ -64,10 +68,34 @@ def in_loop_seconds(forward_backward, step, repeats: int) -> float:
     return statistics.median(times)
 
 
+PROFILE_TOP = 12  # host-side events listed per optimizer
+
+
+def host_profile(step, steps: int, device: torch.device) -> str:
+    """The host-side events of ``steps`` calls of ``step()`` (each after a synchronize) under
+    torch.profiler, the PROFILE_TOP largest by self time: a markdown table, per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:PROFILE_TOP]
+    return markdown_table(["host event", "calls a step", "self µs a step", "total µs a step"],
+                          [[e.key, f"{e.count / steps:g}", f"{e.self_cpu_time_total / steps:.1f}",
+                            f"{e.cpu_time_total / steps:.1f}"] for e in events])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also list step()'s host-side events under torch.profiler over STEPS steps")
     args = parser.parse_args()
+    if args.repeats < 1 or args.profile < 0:
+        parser.error("--repeats must be >= 1 and --profile >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     if on_gpu:
@@ -75,7 +103,7 @@ def main() -> None:
     else:
         cfg, batch = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32), 2
     x, y = next(iter(batches(load_text_bytes(), batch, cfg.seq_len, device, seed=0)))
-    rows = []
+    rows, profiles = [], []
     for mode in MODES:
         model, optimizer = make(mode, cfg, device)
 
@@ -107,12 +135,17 @@ def main() -> None:
         op = f"{statistics.median(adam_calls) * 1e3:.2f}" if adam_calls else "–"
         in_loop = in_loop_seconds(forward_backward, optimizer.step, args.repeats)
         rows.append([mode, f"{step * 1e3:.2f}", op, f"{in_loop * 1e3:.2f}", f"{fb * 1e3:.2f}"])
+        if args.profile:
+            profiles.append(f"`step()` of {mode}, host-side events over {args.profile} steps:\n\n"
+                            + host_profile(optimizer.step, args.profile, device) + "\n")
     where = torch.cuda.get_device_name() if on_gpu else "CPU (FP8 emulated: not a measurement)"
-    text = (f"Host time on {where}, torch {torch.__version__}: GPT d {cfg.d_model}, {cfg.n_layer} layers, "
-            f"{x.numel():,} tokens a step, {sum(1 for _ in model.parameters())} params; median of {args.repeats}, "
-            "each after a synchronize\n\n"
-            + markdown_table(["optimizer / model", "optimizer.step() ms", "of it the fused adam_step call ms",
-                              "optimizer.step() in the loop ms", "forward + backward ms"], rows) + "\n")
+    # the profiles first, the timing table last (what the smoke test and the docs read)
+    text = "".join(p + "\n" for p in profiles)
+    text += (f"Host time on {where}, torch {torch.__version__}: GPT d {cfg.d_model}, {cfg.n_layer} layers, "
+             f"{x.numel():,} tokens a step, {sum(1 for _ in model.parameters())} params; median of {args.repeats}, "
+             "each after a synchronize\n\n"
+             + markdown_table(["optimizer / model", "optimizer.step() ms", "of it the fused adam_step call ms",
+                               "optimizer.step() in the loop ms", "forward + backward ms"], rows) + "\n")
     report("optim_host_time", text)
 
 

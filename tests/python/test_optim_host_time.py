@@ -9,12 +9,15 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "optim
 
 
 def test_optim_host_time_smoke_run_fills_its_table(tmp_path):
-    run = subprocess.run([sys.executable, BENCH, "--repeats", "1"], env=dict(os.environ, OUT=str(tmp_path)),
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, BENCH, "--repeats", "1", "--profile", "1"],
+                         env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     text = (tmp_path / "bench_optim_host_time.md").read_text()
     assert text.strip() in run.stdout
-    rows = [line.strip(" |").split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
+    profiles, timing = text.rsplit("Host time on", 1)
+    assert profiles.count("| host event | calls a step | self µs a step | total µs a step |") == 3
+    assert "| fp8amp::adam_step | 1 |" in profiles  # the fused op, once a step, in both O2 profiles
+    rows = [line.strip(" |").split(" | ") for line in timing.splitlines() if line.startswith("| ")][1:]
     assert [row[0] for row in rows] == ["torch AdamW(fused)", "O2, Linears kept in BF16 compute",
                                         "O2, every Linear in FP8"]
     assert rows[0][2] == "–" and all(len(row) == 5 for row in rows)
