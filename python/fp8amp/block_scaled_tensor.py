@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_map_only
 from . import ops
 from .formats import E4M3, E5M2
 from .recipes import BLOCK
-from .scaled_tensor import (WrapperTensorMixin, _written_args, norms_from_codes, refuse_metadata_in_place,
-                            refuse_shape_change)
+from .dequantized_view import is_view_op, view_of, written_args
+from .scaled_tensor import WrapperTensorMixin, norms_from_codes, refuse_metadata_in_place, refuse_shape_change
 
 __all__ = ["BlockScaledTensor"]
 
@@ -130,7 +130,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
                 return self
-        if any(isinstance(t, BlockScaledTensor) for t in _written_args(func, args, kwargs)):
+        if any(isinstance(t, BlockScaledTensor) for t in written_args(func, args, kwargs)):
             refuse_metadata_in_place(func, "BlockScaledTensor")
         real = {}
 
@@ -141,8 +141,10 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
 
         plain_args, plain_kwargs = tree_map_only(BlockScaledTensor, unwrap, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
-        written = {id(t) for t in _written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}
+        written = {id(t) for t in written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}
         if not written:
+            if self is not None and is_view_op(func):
+                return view_of(out, self, func, args, kwargs)  # it keeps no views (dequantized_view.py)
             return out
         for key in written:
             refuse_shape_change(func, "BlockScaledTensor", *real[key])

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from . import ops
+from .dequantized_view import is_view_op, view_of, written_args
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor", "OP_TABLE"]
@@ -58,22 +59,6 @@ def _quantize_current(x: torch.Tensor, fmt: torch.dtype, margin: int,
     if x.dtype not in HIGH_PRECISION_DTYPES:
         x = x.to(torch.float32)
     return ops.quantize_current(x, fmt, margin=margin, nan_if_nonfinite=nan_if_nonfinite)
-
-
-def _written_args(func, args, kwargs):
-    """The argument values the op's schema marks as written (Tensor(a!) / Tensor(a!)[])."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        if arg.name in kwargs:
-            out.append(kwargs[arg.name])
-        elif not arg.kwarg_only and i < len(args):
-            out.append(args[i])
-    flat = []
-    for v in out:
-        flat.extend(v if isinstance(v, (list, tuple)) else [v])
-    return flat
 
 
 def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -315,11 +300,14 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
             result = handler(func, args, kwargs)
             if result is not NotImplemented:
                 return result
-        written = {id(v): v for v in _written_args(func, args, kwargs) if isinstance(v, ScaledTensor)}
+        written = {id(v): v for v in written_args(func, args, kwargs) if isinstance(v, ScaledTensor)}
         if written:
             return _write_back(func, args, kwargs, list(written.values()))
-        args, kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
-        return func(*args, **kwargs)
+        plain_args, plain_kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if args and isinstance(args[0], ScaledTensor) and is_view_op(func):
+            return view_of(out, args[0], func, args, kwargs)  # a view with no codes view (dequantized_view.py)
+        return out
 
 
 # In-place ops that change a tensor's metadata (shape, strides, storage, autograd), not its values.

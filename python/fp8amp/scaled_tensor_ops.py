@@ -56,10 +56,10 @@ Semantics of ops (``__torch_dispatch__``):
   ``unsqueeze_``, ``resize_`` ...) raise ``NotImplementedError`` naming the op.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on
   plain tensors, returning plain tensors: printing, arithmetic, comparisons, norms over some
-  dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Caveat: views other
-  than those above (``t()``, ``transpose``, column slices, steps) go through this path too, so
-  they return a dequantized *copy*, not an alias: writing into that copy does not reach the
-  ScaledTensor (assign instead, ``x[:, j] = v``, or write the whole tensor with ``copy_``).
+  dimensions, ``isinf`` / ``isnan``, ``.to(other dtype)``, ``.double()``... Views other than those
+  above (``t()``, ``transpose``, column slices, steps) are ``DequantizedView`` (dequantized_view.py):
+  reads dequantize, and an in-place op through one writes into the ScaledTensor (of a tensor
+  that requires grad, in grad mode, and in compiled code, a dequantized copy).
 """
 
 from __future__ import annotations

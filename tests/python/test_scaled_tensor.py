@@ -2,6 +2,7 @@
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fp8amp
 from cast_reference import assert_bits_equal
+from fp8amp.dequantized_view import DequantizedView
 from fp8amp.master_weight import MasterWeight
 from fp8amp.scaled_tensor import ScaledTensor
 
@@ -113,13 +115,21 @@ def test_arithmetic_fallback_equals_dequantized():
         (s + t, a + b), (s * 2, a * 2), (s - y, a - y), (s @ t.T, a @ b.T), (s.sum(), a.sum()),
         (torch.norm(s), torch.norm(a)), (torch.linalg.vector_norm(s, 2.0), torch.linalg.vector_norm(a, 2.0)),
         (s > 0, a > 0), (s == t, a == b), (s.isinf(), a.isinf()), (s.isnan(), a.isnan()),
-        (s.abs().max(), a.abs().max()), (s.t(), a.t()), (s[:, 1:3], a[:, 1:3]), (s[::2], a[::2]),
-        (torch.nn.functional.relu(s), a.relu()),
+        (s.abs().max(), a.abs().max()), (torch.nn.functional.relu(s), a.relu()),
     ]
     for got, want in cases:
         assert type(got) is torch.Tensor
         assert torch.equal(got, want)
     assert torch.allclose(s, a) and torch.equal(s, a)
+    # Views with no codes view: DequantizedViews, whose reads are the dequantized values'
+    # (dequantized_view.py); of a tensor requiring grad, in grad mode, plain copies.
+    for got, want in ((s.t(), a.t()), (s[:, 1:3], a[:, 1:3]), (s[::2], a[::2])):
+        assert type(got) is DequantizedView and torch.equal(got, want) and torch.equal(got + 1, want + 1)
+        assert type(got + 1) is torch.Tensor and got.shape == want.shape and got.stride() == want.stride()
+    master = torch.nn.Parameter(s.clone())
+    assert type(master.t()) is torch.Tensor and torch.equal(master.t(), a.t())
+    with torch.no_grad():
+        assert type(master.t()) is DequantizedView
 
 
 def test_detach_clone_to_device_keep_subclass():
@@ -672,3 +682,58 @@ def test_item_assignment_of_a_master_needs_no_grad_as_for_a_parameter():
     with torch.no_grad():
         model[0].weight[:, 0] = 0.0
     assert not model[0].weight.dequantize()[:, 0].any() and model[0].weight.dequantize()[:, 1].all()
+
+
+VIEW_WRITES = {
+    "column slice zero_": lambda t: t[:, 0:4].zero_(),
+    "transpose mul_": lambda t: t.t().mul_(2),
+    "row of a transpose fill_": lambda t: t.t()[3].fill_(0.5),
+    "column select add_": lambda t: t.select(1, 5).add_(1.0),
+    "diagonal zero_": lambda t: t.diagonal().zero_(),
+    "column unbind mul_": lambda t: t.unbind(1)[3].mul_(0.5),
+    "column split clamp_": lambda t: t.split(64, dim=1)[1].clamp_(-0.1, 0.1),
+    "step slice copy_": lambda t: t[::2].copy_(torch.ones_like(t[::2])),
+    "rows of a block-scaled tensor mul_": lambda t: t[0:2].mul_(2),
+}
+
+
+@pytest.mark.parametrize("kind", ["ScaledTensor E4M3", "BlockScaledTensor"])
+@pytest.mark.parametrize("write", VIEW_WRITES, ids=list(VIEW_WRITES))
+def test_in_place_ops_through_other_views_reach_the_tensor(write, kind):
+    """Views with no codes view (a transpose, a column slice, any view of a block-scaled tensor)
+    are DequantizedViews: an in-place op through one writes into the tensor (it wrote into a
+    dequantized copy, and was lost)."""
+    g = torch.Generator().manual_seed(4)
+    if kind == "BlockScaledTensor":
+        t = fp8amp.BlockScaledTensor.from_tensor(torch.randn(256, 256, generator=g))
+    else:
+        t = ScaledTensor.from_tensor(torch.randn(8, 256, generator=g), fp8amp.E4M3)
+    want = t.dequantize(torch.float32).clone()
+    VIEW_WRITES[write](want)
+    VIEW_WRITES[write](t)  # not a tensor that requires grad: in grad mode too
+    step = 2.0 ** -3
+    torch.testing.assert_close(t.dequantize(torch.float32), want, rtol=step, atol=want.abs().max().item() * step * 2 ** -6)
+
+
+def test_dequantized_views_follow_their_tensor_and_read_as_plain_tensors():
+    """A DequantizedView reads its tensor's current values; reads give plain tensors; tolist,
+    numpy, pickle and deepcopy give its values; an FP8 gradient's column zeroed in grad mode and a
+    master's under no_grad reach them."""
+    x, s = make(fp8amp.FP16)
+    view = s[:, 2]
+    s.copy_(torch.ones(8, 16))
+    assert type(view) is DequantizedView and view.tolist() == [1.0] * 8 and view.numpy().shape == (8,)
+    assert type(view * 2) is torch.Tensor and torch.equal(view * 2, torch.full((8,), 2.0))
+    for copied in (pickle.loads(pickle.dumps(view)), copy.deepcopy(view)):
+        assert type(copied) is torch.Tensor and torch.equal(copied, torch.ones(8))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64))
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", policy="all")
+    model(torch.randn(4, 32)).sum().backward()
+    grad = model[0].weight.grad
+    assert isinstance(grad, ScaledTensor)
+    grad[:, 0].zero_()
+    assert not grad.dequantize()[:, 0].any() and grad.dequantize()[:, 1].any()
+    with torch.no_grad():
+        model[0].weight.t()[1].zero_()  # column 1 of the master
+    assert not model[0].weight.dequantize()[:, 1].any() and model[0].weight.dequantize()[:, 2].all()

@@ -1,0 +1,127 @@
+"""Views of fp8amp's tensor subclasses that they keep no codes view for, and the op-schema
+helpers their dispatch shares.
+
+A ``ScaledTensor`` keeps row views of its codes (they share its one scale); a transpose, a column
+slice or any view of a ``BlockScaledTensor`` (whose rows share 128 x 128 blocks) has no codes
+view to be. Their values are the base's dequantized. Such a view is a :class:`DequantizedView`
+(of a tensor that requires grad, an O1/O2 master, only under ``torch.no_grad()``, where weights
+are edited by hand; of an FP8 gradient always): every read
+dequantizes the base and takes the view, so it always shows the base's current values, and an
+in-place op on it is written into the base, as a plain tensor's view writes into its storage:
+``w.t()[0].zero_()`` and ``w[:, 3].mul_(2)`` change ``w``. Elsewhere (a master's view in grad
+mode, which autograd may save; compiled code) the view is a plain tensor of the dequantized
+values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["DequantizedView", "written_args", "is_view_op", "view_of"]
+
+
+def written_args(func, args, kwargs) -> list:
+    """The argument values the op's schema marks as written (Tensor(a!) / Tensor(a!)[])."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif not arg.kwarg_only and i < len(args):
+            out.append(args[i])
+    flat = []
+    for v in out:
+        flat.extend(v if isinstance(v, (list, tuple)) else [v])
+    return flat
+
+
+# Views that frameworks make of whole buffers (FSDP2's as_strided), whose results go on to their
+# own machinery (collectives read storage): left plain copies.
+_FRAMEWORK_VIEWS = frozenset({"as_strided"})
+
+
+def is_view_op(func) -> bool:
+    """Whether the op returns views of its first argument (transpose, slice, select, split...)."""
+    returns = func._schema.returns
+    return (bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+            and func.overloadpacket.__name__ not in _FRAMEWORK_VIEWS)
+
+
+def view_of(out, base: torch.Tensor, func, args, kwargs):
+    """What a view op ``func(base, *args[1:])`` returns for ``base``, a ScaledTensor or
+    BlockScaledTensor, given ``out``, the op on its dequantized values: DequantizedViews (see the
+    module docstring for where), else ``out`` itself."""
+    if (torch.is_grad_enabled() and base.requires_grad) or torch.compiler.is_compiling():
+        return out
+    rest = args[1:]
+
+    def view(real: torch.Tensor):
+        return func(real, *rest, **kwargs)
+
+    if isinstance(out, torch.Tensor):
+        return DequantizedView(out, base, view)
+    return type(out)(DequantizedView(o, base, lambda real, i=i: view(real)[i]) for i, o in enumerate(out))
+
+
+class DequantizedView(torch.Tensor):
+    """A view ``view_fn(base)`` of a ScaledTensor or BlockScaledTensor ``base`` (see the module
+    docstring): a tensor of the view's shape, strides and logical dtype with no storage of its
+    own."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, base: torch.Tensor, view_fn):
+        self = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(),
+                                                   storage_offset=like.storage_offset(), dtype=like.dtype,
+                                                   device=like.device)
+        self._viewed, self._view_fn = base, view_fn
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The view's current values, a plain tensor (of the base's logical dtype by default)."""
+        return self._view_fn(self._viewed.dequantize(dtype))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = {id(t): t for t in written_args(func, args, kwargs) if isinstance(t, DequantizedView)}
+        # Each written view is taken of its base's values in float32, so the op writes into them;
+        # the base then re-quantizes them. A view read only is taken at the logical dtype.
+        bases = {id(v): v._viewed.dequantize(torch.float32) for v in written.values()}
+        targets = {id(v): v._view_fn(bases[id(v)]) for v in written.values()}
+        plain_args, plain_kwargs = tree_map_only(
+            DequantizedView, lambda t: targets[id(t)] if id(t) in targets else t.values(), (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if written:
+            with torch.no_grad():
+                for v in written.values():
+                    v._viewed.copy_(bases[id(v)])
+            back = {id(targets[k]): v for k, v in written.items()}
+            return tree_map_only(torch.Tensor, lambda t: back.get(id(t), t), out)
+        if is_view_op(func) and args and isinstance(args[0], DequantizedView):
+            first = args[0]
+            return view_of(out, first._viewed, lambda real, *rest, **kw: func(first._view_fn(real), *rest, **kw),
+                           args, kwargs)
+        return out
+
+    # What torch does with a tensor's storage, done with the view's values.
+    def tolist(self):
+        return self.values().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.values().numpy(force=force)
+
+    def __array__(self, dtype=None):
+        return self.values().__array__(dtype)
+
+    def __reduce_ex__(self, protocol):
+        return self.values().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return self.values().clone()
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"DequantizedView({self.values()!r})"
