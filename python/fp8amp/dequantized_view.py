@@ -88,18 +88,22 @@ class DequantizedView(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = {id(t): t for t in written_args(func, args, kwargs) if isinstance(t, DequantizedView)}
-        # Each written view is taken of its base's values in float32, so the op writes into them;
-        # the base then re-quantizes them. A view read only is taken at the logical dtype.
-        bases = {id(v): v._viewed.dequantize(torch.float32) for v in written.values()}
-        targets = {id(v): v._view_fn(bases[id(v)]) for v in written.values()}
+        # Each written view is taken of its base's values in float32 (one copy a base, which
+        # several views may share), so the op writes into them; each base then re-quantizes
+        # them. A view read only is taken at the logical dtype.
+        bases = {}
+        for v in written.values():
+            if id(v._viewed) not in bases:
+                bases[id(v._viewed)] = (v._viewed, v._viewed.dequantize(torch.float32))
+        targets = {key: v._view_fn(bases[id(v._viewed)][1]) for key, v in written.items()}
         plain_args, plain_kwargs = tree_map_only(
             DequantizedView, lambda t: targets[id(t)] if id(t) in targets else t.values(), (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         if written:
             with torch.no_grad():
-                for v in written.values():
-                    v._viewed.copy_(bases[id(v)])
-            back = {id(targets[k]): v for k, v in written.items()}
+                for base, real in bases.values():
+                    base.copy_(real)
+            back = {id(targets[key]): v for key, v in written.items()}
             return tree_map_only(torch.Tensor, lambda t: back.get(id(t), t), out)
         if is_view_op(func) and args and isinstance(args[0], DequantizedView):
             first = args[0]

@@ -694,6 +694,7 @@ VIEW_WRITES = {
     "column split clamp_": lambda t: t.split(64, dim=1)[1].clamp_(-0.1, 0.1),
     "step slice copy_": lambda t: t[::2].copy_(torch.ones_like(t[::2])),
     "rows of a block-scaled tensor mul_": lambda t: t[0:2].mul_(2),
+    "two columns in one foreach": lambda t: torch._foreach_mul_([t[:, 0], t[:, 1]], 0.5),
 }
 
 
