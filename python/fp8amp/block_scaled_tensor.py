@@ -130,7 +130,8 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
                 return self
-        if any(isinstance(t, BlockScaledTensor) for t in written_args(func, args, kwargs)):
+        written_tensors = [t for t in written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)]
+        if written_tensors:
             refuse_metadata_in_place(func, "BlockScaledTensor")
         real = {}
 
@@ -141,7 +142,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
 
         plain_args, plain_kwargs = tree_map_only(BlockScaledTensor, unwrap, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
-        written = {id(t) for t in written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}
+        written = {id(t) for t in written_tensors}
         if not written:
             if self is not None and is_view_op(func):
                 return view_of(out, self, func, args, kwargs)  # it keeps no views (dequantized_view.py)
