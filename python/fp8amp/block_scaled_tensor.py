@@ -16,13 +16,13 @@ with fresh block scales.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from . import ops
 from .formats import E4M3, E5M2
 from .recipes import BLOCK
-from .dequantized_view import is_view_op, view_of, written_args
-from .scaled_tensor import WrapperTensorMixin, norms_from_codes, refuse_metadata_in_place, refuse_shape_change
+from .dequantized_view import view_of
+from .scaled_tensor import WrapperTensorMixin, norms_from_codes
+from .wrapper_ops import is_view_op, run_on_values, written_args
 
 __all__ = ["BlockScaledTensor"]
 
@@ -130,31 +130,12 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
                 return self
-        written_tensors = [t for t in written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)]
-        if written_tensors:
-            refuse_metadata_in_place(func, "BlockScaledTensor")
-        real = {}
-
-        def unwrap(t: BlockScaledTensor) -> torch.Tensor:
-            if id(t) not in real:
-                real[id(t)] = (t, t.dequantize())
-            return real[id(t)][1]
-
-        plain_args, plain_kwargs = tree_map_only(BlockScaledTensor, unwrap, (args, kwargs))
-        out = func(*plain_args, **plain_kwargs)
-        written = {id(t) for t in written_tensors}
-        if not written:
-            if self is not None and is_view_op(func):
-                return view_of(out, self, func, args, kwargs)  # it keeps no views (dequantized_view.py)
-            return out
-        for key in written:
-            refuse_shape_change(func, "BlockScaledTensor", *real[key])
-        back = {}
-        for key in written:
-            tensor, value = real[key]
-            tensor._write(value)
-            back[id(value)] = tensor
-        return tree_map_only(torch.Tensor, lambda t: back.get(id(t), t), out)
+        written = list({id(t): t for t in written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}.values())
+        out = run_on_values(func, args, kwargs, BlockScaledTensor, written, BlockScaledTensor.dequantize,
+                            BlockScaledTensor._write)
+        if not written and self is not None and is_view_op(func):
+            return view_of(out, self, func, args, kwargs)  # it keeps no views (dequantized_view.py)
+        return out
 
     def __tensor_flatten__(self):
         return ["_codes", "_scale_inv"], self.dtype

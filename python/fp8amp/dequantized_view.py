@@ -1,5 +1,4 @@
-"""Views of fp8amp's tensor subclasses that they keep no codes view for, and the op-schema
-helpers their dispatch shares.
+"""Views of fp8amp's tensor subclasses that they keep no codes view for.
 
 A ``ScaledTensor`` keeps row views of its codes (they share its one scale); a transpose, a column
 slice or any view of a ``BlockScaledTensor`` (whose rows share 128 x 128 blocks) has no codes
@@ -18,35 +17,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["DequantizedView", "written_args", "is_view_op", "view_of"]
+from .wrapper_ops import is_view_op, written_args
 
-
-def written_args(func, args, kwargs) -> list:
-    """The argument values the op's schema marks as written (Tensor(a!) / Tensor(a!)[])."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        if arg.name in kwargs:
-            out.append(kwargs[arg.name])
-        elif not arg.kwarg_only and i < len(args):
-            out.append(args[i])
-    flat = []
-    for v in out:
-        flat.extend(v if isinstance(v, (list, tuple)) else [v])
-    return flat
-
-
-# Views that frameworks make of whole buffers (FSDP2's as_strided), whose results go on to their
-# own machinery (collectives read storage): left plain copies.
-_FRAMEWORK_VIEWS = frozenset({"as_strided"})
-
-
-def is_view_op(func) -> bool:
-    """Whether the op returns views of its first argument (transpose, slice, select, split...)."""
-    returns = func._schema.returns
-    return (bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-            and func.overloadpacket.__name__ not in _FRAMEWORK_VIEWS)
+__all__ = ["DequantizedView", "view_of"]
 
 
 def view_of(out, base: torch.Tensor, func, args, kwargs):

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._pytree import tree_map_only
 
 from . import ops
-from .dequantized_view import is_view_op, view_of, written_args
+from .dequantized_view import view_of
+from .wrapper_ops import is_view_op, run_on_values, written_args
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor", "OP_TABLE"]
@@ -300,55 +300,15 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
             result = handler(func, args, kwargs)
             if result is not NotImplemented:
                 return result
-        written = {id(v): v for v in written_args(func, args, kwargs) if isinstance(v, ScaledTensor)}
-        if written:
-            return _write_back(func, args, kwargs, list(written.values()))
-        plain_args, plain_kwargs = tree_map_only(ScaledTensor, lambda t: t.dequantize(), (args, kwargs))
-        out = func(*plain_args, **plain_kwargs)
-        if args and isinstance(args[0], ScaledTensor) and is_view_op(func):
+        written = list({id(v): v for v in written_args(func, args, kwargs) if isinstance(v, ScaledTensor)}.values())
+        # An op that writes into ScaledTensors (clamp_, sub_, masked_fill_, normal_, out=...): on
+        # their real values in float32, each result written back as copy_ writes it (one rounding
+        # into the storage format with a fresh scale; through a row view, into the whole tensor).
+        out = run_on_values(func, args, kwargs, ScaledTensor, written, lambda t: t.dequantize(torch.float32),
+                            lambda t, value: OP_TABLE[aten.copy_.default](aten.copy_.default, (t, value), {}))
+        if not written and args and isinstance(args[0], ScaledTensor) and is_view_op(func):
             return view_of(out, args[0], func, args, kwargs)  # a view with no codes view (dequantized_view.py)
         return out
-
-
-# In-place ops that change a tensor's metadata (shape, strides, storage, autograd), not its values.
-_METADATA_IN_PLACE = frozenset({"as_strided_", "detach_", "requires_grad_", "resize_", "resize_as_", "set_",
-                                "squeeze_", "swapaxes_", "swapdims_", "t_", "transpose_", "unsqueeze_"})
-
-
-def refuse_metadata_in_place(func, name: str) -> None:
-    """The subclasses' codes fix their shape and layout: in-place ops that would change them are
-    refused, naming the op."""
-    if func.overloadpacket.__name__ in _METADATA_IN_PLACE:
-        raise NotImplementedError(f"fp8amp.{name}: in-place op {func} is not supported on a {name} (its shape and "
-                                  "layout are its codes'); make a plain tensor with .dequantize() first")
-
-
-def refuse_shape_change(func, name: str, tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """``value``, what an op wrote for ``tensor`` into a plain copy, must keep its shape (an
-    ``out=`` of another shape resizes the copy)."""
-    if value.shape != tensor.shape:
-        raise NotImplementedError(f"fp8amp.{name}: {func} would change the shape of a {name} from "
-                                  f"{list(tensor.shape)} to {list(value.shape)}; its shape is its codes'")
-
-
-def _write_back(func, args, kwargs, written: list) -> object:
-    """An op with no handler of its own that writes into ScaledTensors (``clamp_``, ``sub_``,
-    ``nan_to_num_``, ``masked_fill_``, ``normal_``, ``_foreach_clamp_min_``, ``out=``...): it runs
-    on their real values in float32 (the others read at their logical dtype), and each result is
-    written back as ``copy_`` writes it: one rounding into the storage format with a fresh current
-    scale, through a row view into the whole tensor's values."""
-    refuse_metadata_in_place(func, "ScaledTensor")
-    wide = {id(t): t.dequantize(torch.float32) for t in written}
-    plain_args, plain_kwargs = tree_map_only(
-        ScaledTensor, lambda t: wide[id(t)] if id(t) in wide else t.dequantize(), (args, kwargs))
-    out = func(*plain_args, **plain_kwargs)
-    for t in written:
-        refuse_shape_change(func, "ScaledTensor", t, wide[id(t)])
-    copy_ = OP_TABLE[aten.copy_.default]
-    for t in written:
-        copy_(aten.copy_.default, (t, wide[id(t)]), {})
-    back = {id(wide[id(t)]): t for t in written}
-    return tree_map_only(torch.Tensor, lambda v: back.get(id(v), v), out)
 
 
 torch.serialization.add_safe_globals([ScaledTensor])

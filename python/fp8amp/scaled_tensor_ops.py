@@ -51,7 +51,7 @@ Semantics of ops (``__torch_dispatch__``):
   for a list, each code read once), other orders from each tensor's codes widened to FP16.
 * Any other op that writes into a ScaledTensor (``sub_``, ``clamp_``, ``lerp_``, ``masked_fill_``,
   ``normal_``, ``_foreach_clamp_min_``, ``out=`` ...) runs on its real values in float32 and writes
-  the result back as ``copy_`` does (``scaled_tensor._write_back``): one rounding into the
+  the result back as ``copy_`` does (``wrapper_ops.run_on_values``): one rounding into the
   storage format with a fresh scale. In-place ops that change the shape or layout (``t_``,
   ``unsqueeze_``, ``resize_`` ...) raise ``NotImplementedError`` naming the op.
 * Every other op: ScaledTensor arguments are dequantized to their logical dtype and the op runs on

@@ -1,0 +1,85 @@
+"""What the dispatch of fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) shares for
+the ops they have no handler of their own for: which arguments an op writes, whether it returns
+a view, and running an op on their real values with its writes put back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["written_args", "is_view_op", "refuse_metadata_in_place", "run_on_values"]
+
+
+def written_args(func, args, kwargs) -> list:
+    """The argument values the op's schema marks as written (Tensor(a!) / Tensor(a!)[])."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif not arg.kwarg_only and i < len(args):
+            out.append(args[i])
+    flat = []
+    for v in out:
+        flat.extend(v if isinstance(v, (list, tuple)) else [v])
+    return flat
+
+
+# Views that frameworks make of whole buffers (FSDP2's as_strided), whose results go on to their
+# own machinery (collectives read storage): left plain copies.
+_FRAMEWORK_VIEWS = frozenset({"as_strided"})
+
+
+def is_view_op(func) -> bool:
+    """Whether the op returns views of its first argument (transpose, slice, select, split...)."""
+    returns = func._schema.returns
+    return (bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+            and func.overloadpacket.__name__ not in _FRAMEWORK_VIEWS)
+
+
+# In-place ops that change a tensor's metadata (shape, strides, storage, autograd), not its values.
+_METADATA_IN_PLACE = frozenset({"as_strided_", "detach_", "requires_grad_", "resize_", "resize_as_", "set_",
+                                "squeeze_", "swapaxes_", "swapdims_", "t_", "transpose_", "unsqueeze_"})
+
+
+def refuse_metadata_in_place(func, name: str) -> None:
+    """The subclasses' codes fix their shape and layout: in-place ops that would change them are
+    refused, naming the op."""
+    if func.overloadpacket.__name__ in _METADATA_IN_PLACE:
+        raise NotImplementedError(f"fp8amp.{name}: in-place op {func} is not supported on a {name} (its shape and "
+                                  "layout are its codes'); make a plain tensor with .dequantize() first")
+
+
+def run_on_values(func, args, kwargs, cls: type, written: list, written_values: Callable,
+                  write: Callable) -> object:
+    """``func`` run on plain tensors: each instance of ``cls`` it writes (``written``, each once)
+    as ``written_values(t)``, every other one dequantized at its logical dtype. Each written value
+    then goes back into its tensor by ``write(t, value)``, and a result that is a written value is
+    returned as its tensor (an in-place op returns its argument). Ops that would change a written
+    tensor's shape or layout are refused, before anything is written."""
+    name = cls.__name__
+    if written:
+        refuse_metadata_in_place(func, name)
+    values = {id(t): written_values(t) for t in written}
+
+    def unwrap(t):
+        if id(t) not in values:
+            values[id(t)] = t.dequantize()
+        return values[id(t)]
+
+    out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
+    if not written:
+        return out
+    for t in written:
+        value = values[id(t)]
+        if value.shape != t.shape:  # an out= of another shape: torch resized the plain copy
+            raise NotImplementedError(f"fp8amp.{name}: {func} would change the shape of a {name} from "
+                                      f"{list(t.shape)} to {list(value.shape)}; its shape is its codes'")
+    for t in written:
+        write(t, values[id(t)])
+    back = {id(values[id(t)]): t for t in written}
+    return tree_map_only(torch.Tensor, lambda v: back.get(id(v), v), out)
