@@ -29,6 +29,8 @@ its cache, the agreement across ranks) and :func:`~fp8amp.convert_policy.decide`
 from __future__ import annotations
 
 import logging
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -268,6 +270,12 @@ def _recipe_note(recipe) -> str:
     return "" if recipe.kind == "tensorwise" else f", recipe {recipe}"
 
 
+# The scaling states some optimizer's hooks update after each step, so that an update by hand of
+# the same states (which would roll their histories twice a step) is told. Weak: a state that is
+# gone leaves it; a deep copy of a model is not in it.
+_STATES_UPDATED_BY_HOOKS: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
+
+
 def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step
@@ -283,8 +291,10 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     if models is not None:
         if not any(m is model for m in models):
             models.append(model)
+            _STATES_UPDATED_BY_HOOKS.update(delayed_states(model))
         return
     models = optimizer.__dict__["_fp8amp_scaled_models"] = [model]
+    _STATES_UPDATED_BY_HOOKS.update(delayed_states(model))
     # The states are found once a step, by the pre-hook, and updated by the post-hook: one walk of
     # the module tree a step (host time in every step's hot loop), not two.
     found: dict[str, list[ScalingState]] = {}
@@ -324,10 +334,18 @@ def update_scaling(model: nn.Module) -> None:
     One launch for all their input states and one for their output-gradient states. With several
     ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
     (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
-    the group must call it."""
+    the group must call it. A model whose optimizer's hooks already update it
+    (:func:`register_scaling_hooks`, which ``initialize`` and ``convert(..., optimizer)`` call)
+    must not be updated again: that is warned, since its histories would roll twice a step."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"update_scaling: model must be an nn.Module, got {type(model).__name__}")
-    _update_states(delayed_states(model))
+    states = delayed_states(model)
+    if any(s in _STATES_UPDATED_BY_HOOKS for s in states):
+        warnings.warn("update_scaling: this model's scaling is already updated after every optimizer.step() by "
+                      "the hooks of initialize / convert(..., optimizer) / register_scaling_hooks; a second "
+                      "update a step rolls each amax history twice (half its window). Remove this call, or "
+                      "convert without the optimizer and keep it", stacklevel=2)
+    _update_states(states)
 
 
 def _update_states(states: list[ScalingState]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import warnings
 
 import pytest
 import torch
@@ -659,3 +660,20 @@ def test_scaling_hook_and_update_arguments_are_checked():
         fp8amp.register_scaling_hooks(model, [])
     with pytest.raises(TypeError, match="update_scaling: model must be an nn.Module, got NoneType"):
         fp8amp.update_scaling(None)
+
+
+def test_update_scaling_by_hand_of_a_hooked_model_is_warned():
+    """initialize's hooks already update after each step; an update by hand as well rolled every
+    history twice a step with no word."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", policy="all")
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    for target in (model, model[2]):
+        with pytest.warns(UserWarning, match="already updated after every optimizer.step"):
+            fp8amp.update_scaling(target)
+    plain = fp8amp.convert(nn.Sequential(nn.Linear(16, 16)), policy="all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8amp.update_scaling(plain)
+        fp8amp.update_scaling(copy.deepcopy(model))  # a copy has no hooks
