@@ -738,3 +738,26 @@ def test_dequantized_views_follow_their_tensor_and_read_as_plain_tensors():
     with torch.no_grad():
         model[0].weight.t()[1].zero_()  # column 1 of the master
     assert not model[0].weight.dequantize()[:, 1].any() and model[0].weight.dequantize()[:, 2].all()
+
+
+def test_dequantized_views_made_in_eager_code_work_in_compiled_functions():
+    """A view made outside compiled code and passed in: read with its tensor's current values, and
+    an in-place op through it (under no_grad, as on a master) reaches the tensor."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    s = ScaledTensor.from_tensor(torch.randn(16, 32, generator=g), fp8amp.FP16)
+    view = s.t()
+    assert type(view) is DequantizedView
+    x = torch.randn(4, 32, generator=g)
+    matmul = torch.compile(lambda a, b: a @ b, backend="aot_eager")
+    torch.testing.assert_close(matmul(x, view), x @ s.dequantize(torch.float32).t())
+    s.copy_(torch.full((16, 32), 0.5))
+    torch.testing.assert_close(matmul(x, view), x @ torch.full((32, 16), 0.5))
+
+    @torch.compile(backend="aot_eager")
+    def double(v):
+        v.mul_(2)
+
+    with torch.no_grad():
+        double(view)
+    assert torch.equal(s.dequantize(torch.float32), torch.ones(16, 32))
