@@ -111,3 +111,10 @@ def assert_same_float(actual: torch.Tensor, expected: torch.Tensor) -> None:
     nan = expected.isnan()
     assert torch.equal(actual.isnan(), nan), f"NaN positions differ: {actual} vs {expected}"
     assert_bits_equal(actual[~nan], expected[~nan])
+
+
+def scaled_example(fmt=fp8amp.E4M3, shape=(8, 16), seed=0, mult=3.0):
+    """A seeded normal tensor ``x`` (times ``mult``) and ``fp8amp.ScaledTensor.from_tensor(x, fmt)``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * mult
+    return x, fp8amp.ScaledTensor.from_tensor(x, fmt)
