@@ -118,3 +118,8 @@ def scaled_example(fmt=fp8amp.E4M3, shape=(8, 16), seed=0, mult=3.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * mult
     return x, fp8amp.ScaledTensor.from_tensor(x, fmt)
+
+
+def fresh_scaling(scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 [1] ``scale`` and a zeroed amax buffer: a cast's scaling arguments."""
+    return torch.tensor([scale], dtype=torch.float32), torch.zeros(1)
