@@ -10,6 +10,9 @@
 #   --only=tiles,gemm_tiles  only these tests/python/test_<name>.py files, and the CTest tests whose
 #               names match one of the names (case-insensitive, underscores dropped), e.g. a quick
 #               check of one op family before the whole suite
+#   --shard=K/N run the K-th of N parts of the pytest files (every N-th file from the K-th, in name
+#               order) and CTest with K=1 only: the whole GPU suite takes longer than one 600 s device
+#               call, e.g. --gpu-only --no-bench --shard=1/2, then --shard=2/2 on the warm machine
 #   --ncu-optim also profile the O2 Adam passes with Nsight Compute (speed of light, occupancy,
 #               warp stalls, memory) into $OUT/ncu_adam.txt (about a minute)
 # A GPU machine without a GoogleTest package builds the C++ tests from sources in .deps/googletest
@@ -23,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu_out}  # the benchmarks write their tables to $OUT/bench_<name>.md
 mkdir -p "$OUT"
-SANITIZE=0 BENCH=1 TESTS=1 NCU=0 BENCHES="" ONLY="" CTEST_ARGS=() PYTEST_ARGS=()
+SANITIZE=0 BENCH=1 TESTS=1 NCU=0 BENCHES="" ONLY="" SHARD="" CTEST_ARGS=() PYTEST_ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --sanitize) SANITIZE=1 ;;
@@ -33,7 +36,8 @@ for arg in "$@"; do
     --benches=*) BENCHES=${arg#--benches=} ;;
     --ncu-optim) NCU=1 ;;
     --only=*) ONLY=${arg#--only=} ;;
-    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b, --only=a,b, --ncu-optim)"; exit 2 ;;
+    --shard=*) SHARD=${arg#--shard=} ;;
+    *) echo "unknown argument: $arg (accepted: --sanitize, --no-bench, --gpu-only, --no-tests, --benches=a,b, --only=a,b, --shard=K/N, --ncu-optim)"; exit 2 ;;
   esac
 done
 PYTEST_PATHS=(tests/python)
@@ -51,6 +55,21 @@ if [ -n "$ONLY" ]; then
     regex+="${regex:+|}$word"
   done
   CTEST_ARGS+=(-R "$regex")
+fi
+RUN_CTEST=1
+if [ -n "$SHARD" ]; then
+  [[ "$SHARD" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "${BASH_REMATCH[2]}" ] \
+    || { echo "--shard: expected K/N with 1 <= K <= N, got $SHARD"; exit 2; }
+  [ -z "$ONLY" ] || { echo "--shard and --only select tests two ways: give one of them"; exit 2; }
+  k=${BASH_REMATCH[1]} n=${BASH_REMATCH[2]} i=0
+  PYTEST_PATHS=()
+  for file in tests/python/test_*.py; do  # the glob's order: by name
+    [ $(( i % n )) -eq $(( k - 1 )) ] && PYTEST_PATHS+=("$file")
+    i=$(( i + 1 ))
+  done
+  note=""
+  [ "$k" = 1 ] || { RUN_CTEST=0; note=", no CTest (shard 1 runs it)"; }
+  echo "shard $k/$n: ${#PYTEST_PATHS[@]} pytest files$note: ${PYTEST_PATHS[*]##*/}"
 fi
 # Keep NVLink multicast off on shared multi-GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -76,8 +95,10 @@ fi
 echo "build: $(( $(date +%s) - start )) s"
 
 if [ "$TESTS" = 1 ]; then
-  ctest --test-dir build/py --output-on-failure "${CTEST_ARGS[@]}" > "$OUT/ctest.log" 2>&1 || status=1
-  tail -8 "$OUT/ctest.log"
+  if [ "$RUN_CTEST" = 1 ]; then
+    ctest --test-dir build/py --output-on-failure "${CTEST_ARGS[@]}" > "$OUT/ctest.log" 2>&1 || status=1
+    tail -8 "$OUT/ctest.log"
+  fi
   python3 -m pytest "${PYTEST_PATHS[@]}" -q -rs -p no:cacheprovider "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
   tail -15 "$OUT/pytest.log"
 fi
