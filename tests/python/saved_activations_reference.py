@@ -1,6 +1,7 @@
 """Shared by the saved-activation tests (test_saved_activations.py and
 test_saved_activations_compile.py): the SQNR measure and its floors, a mid-model activation, the
-unpack hook as the backward calls it, and a small GPT's gradients.
+unpack hook as the backward calls it, a small GPT's gradients, and the bytes an autograd node
+holds for its backward.
 
 SQNR floors, as in test_linear.py: a stored value carries the relative rounding of its format,
 an SQNR of 4.77 + 6.02 (m + 1) dB with m mantissa bits (28.8 dB for E4M3, 22.8 dB for E5M2); the
@@ -52,3 +53,15 @@ def gpt_block_grads(ctx=None, n_layer=1, seed=0) -> tuple[torch.Tensor, dict[str
             _, loss = model(idx, idx)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def held_for_backward(output: torch.Tensor) -> dict[torch.dtype, int]:
+    """Bytes the autograd node that made ``output`` holds for its backward, by dtype: for the output
+    of a compiled graph, all that the graph saved (FP8 codes where the context stored activations);
+    nothing for an eager op's node."""
+    held: dict[torch.dtype, int] = {}
+    with torch.no_grad():  # reading saved tensors unpacks them, as the backward does
+        saved = getattr(output.grad_fn, "saved_tensors", ())  # eager nodes: not seen
+    for t in saved:
+        held[t.dtype] = held.get(t.dtype, 0) + t.numel() * t.element_size()
+    return held

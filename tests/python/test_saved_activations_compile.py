@@ -19,24 +19,12 @@ import fp8amp
 from fp8amp import E4M3, ScaledTensor, saved_activations, saved_activations_graph
 from fp8amp.ops._args import has_row_runs
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
-from saved_activations_reference import FORMATS, SQNR_FLOOR_DB, sqnr_db
+from saved_activations_reference import FORMATS, SQNR_FLOOR_DB, held_for_backward, sqnr_db
 
 
 needs_graph_hooks = pytest.mark.skipif(
     not saved_activations_graph._graph_hooks_supported(),
     reason="this torch does not inline saved-tensor hooks into compiled graphs")
-
-
-def held_for_backward(output: torch.Tensor) -> dict[torch.dtype, int]:
-    """Bytes the autograd node that made ``output`` holds for its backward, by dtype: for the output
-    of a compiled graph, all that the graph saved (FP8 codes where the context stored activations);
-    nothing for an eager op's node."""
-    held: dict[torch.dtype, int] = {}
-    with torch.no_grad():  # reading saved tensors unpacks them, as the backward does
-        saved = getattr(output.grad_fn, "saved_tensors", ())  # eager nodes: not seen
-    for t in saved:
-        held[t.dtype] = held.get(t.dtype, 0) + t.numel() * t.element_size()
-    return held
 
 
 def mlp_and_input():

@@ -14,7 +14,7 @@ from torch import nn
 import fp8amp
 from fp8amp import E4M3, ScaledTensor, ops
 from fp8amp.block_scaled_tensor import BlockScaledTensor
-from test_saved_activations import SQNR_FLOOR_DB, held_for_backward, sqnr_db
+from saved_activations_reference import SQNR_FLOOR_DB, held_for_backward, sqnr_db
 
 TILED = ["rowwise", "blockwise"]
 ROWS, IN, HIDDEN = 64, 128, 256
