@@ -340,7 +340,7 @@ def update_scaling(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"update_scaling: model must be an nn.Module, got {type(model).__name__}")
     states = delayed_states(model)
-    if any(s in _STATES_UPDATED_BY_HOOKS for s in states):
+    if _STATES_UPDATED_BY_HOOKS and any(s in _STATES_UPDATED_BY_HOOKS for s in states):  # (no hooks: no loop)
         warnings.warn("update_scaling: this model's scaling is already updated after every optimizer.step() by "
                       "the hooks of initialize / convert(..., optimizer) / register_scaling_hooks; a second "
                       "update a step rolls each amax history twice (half its window). Remove this call, or "
