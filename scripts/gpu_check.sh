@@ -4,15 +4,15 @@
 #   --sanitize  also run the CUDA gtests under compute-sanitizer (memcheck, racecheck)
 #   --no-bench  skip the benchmarks
 #   --gpu-only  run only the GPU-labelled/marked tests (CI runs the CPU ones)
-#   --no-tests  build, then only the benchmarks (to split a long check over two device calls)
+#   --no-tests  build, then only the benchmarks (to split a long check over two runs)
 #   --benches=cast,gemm  only these benchmarks/bench_<name>.py (default: all); bench_comm runs on 2
 #               GPUs under torchrun, and is skipped (with the reason) on a machine with fewer
 #   --only=tiles,gemm_tiles  only these tests/python/test_<name>.py files, and the CTest tests whose
 #               names match one of the names (case-insensitive, underscores dropped), e.g. a quick
 #               check of one op family before the whole suite
 #   --shard=K/N run the K-th of N parts of the pytest files (every N-th file from the K-th, in name
-#               order) and CTest with K=1 only: the whole GPU suite takes longer than one 600 s device
-#               call, e.g. --gpu-only --no-bench --shard=1/2, then --shard=2/2 on the warm machine
+#               order) and CTest with K=1 only: the whole GPU suite takes longer than a 600 s run on
+#               the GPU machine, e.g. --gpu-only --no-bench --shard=1/2, then --shard=2/2 while warm
 #   --ncu-optim also profile the O2 Adam passes with Nsight Compute (speed of light, occupancy,
 #               warp stalls, memory) into $OUT/ncu_adam.txt (about a minute)
 # A GPU machine without a GoogleTest package builds the C++ tests from sources in .deps/googletest
