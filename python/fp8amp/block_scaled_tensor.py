@@ -22,7 +22,7 @@ from .formats import E4M3, E5M2
 from .recipes import BLOCK
 from .dequantized_view import view_of
 from .scaled_tensor import WrapperTensorMixin, norms_from_codes
-from .wrapper_ops import is_view_op, run_on_values, written_args
+from .wrapper_ops import is_view_op, run_on_values, written_instances
 
 __all__ = ["BlockScaledTensor"]
 
@@ -130,7 +130,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
                 return self
-        written = list({id(t): t for t in written_args(func, args, kwargs) if isinstance(t, BlockScaledTensor)}.values())
+        written = written_instances(func, args, kwargs, BlockScaledTensor)
         out = run_on_values(func, args, kwargs, BlockScaledTensor, written, BlockScaledTensor.dequantize,
                             BlockScaledTensor._write)
         if not written and self is not None and is_view_op(func):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .wrapper_ops import is_view_op, written_args
+from .wrapper_ops import is_view_op, written_instances
 
 __all__ = ["DequantizedView", "view_of"]
 
@@ -60,15 +60,15 @@ class DequantizedView(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        written = {id(t): t for t in written_args(func, args, kwargs) if isinstance(t, DequantizedView)}
+        written = written_instances(func, args, kwargs, DequantizedView)
         # Each written view is taken of its base's values in float32 (one copy a base, which
         # several views may share), so the op writes into them; each base then re-quantizes
         # them. A view read only is taken at the logical dtype.
         bases = {}
-        for v in written.values():
+        for v in written:
             if id(v._viewed) not in bases:
                 bases[id(v._viewed)] = (v._viewed, v._viewed.dequantize(torch.float32))
-        targets = {key: v._view_fn(bases[id(v._viewed)][1]) for key, v in written.items()}
+        targets = {id(v): v._view_fn(bases[id(v._viewed)][1]) for v in written}
         plain_args, plain_kwargs = tree_map_only(
             DequantizedView, lambda t: targets[id(t)] if id(t) in targets else t.values(), (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
@@ -76,7 +76,7 @@ class DequantizedView(torch.Tensor):
             with torch.no_grad():
                 for base, real in bases.values():
                     base.copy_(real)
-            back = {id(targets[key]): v for key, v in written.items()}
+            back = {id(targets[id(v)]): v for v in written}
             return tree_map_only(torch.Tensor, lambda t: back.get(id(t), t), out)
         if is_view_op(func) and args and isinstance(args[0], DequantizedView):
             first = args[0]

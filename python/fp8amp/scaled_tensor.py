@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
 from .dequantized_view import view_of
-from .wrapper_ops import is_view_op, run_on_values, written_args
+from .wrapper_ops import is_view_op, run_on_values, written_instances
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor", "OP_TABLE"]
@@ -300,7 +300,7 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
             result = handler(func, args, kwargs)
             if result is not NotImplemented:
                 return result
-        written = list({id(v): v for v in written_args(func, args, kwargs) if isinstance(v, ScaledTensor)}.values())
+        written = written_instances(func, args, kwargs, ScaledTensor)
         # An op that writes into ScaledTensors (clamp_, sub_, masked_fill_, normal_, out=...): on
         # their real values in float32, each result written back as copy_ writes it (one rounding
         # into the storage format with a fresh scale; through a row view, into the whole tensor).

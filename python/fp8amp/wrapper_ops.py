@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["written_args", "is_view_op", "refuse_metadata_in_place", "run_on_values"]
+__all__ = ["written_args", "written_instances", "is_view_op", "refuse_metadata_in_place", "run_on_values"]
 
 
 def written_args(func, args, kwargs) -> list:
@@ -27,6 +27,11 @@ def written_args(func, args, kwargs) -> list:
     for v in out:
         flat.extend(v if isinstance(v, (list, tuple)) else [v])
     return flat
+
+
+def written_instances(func, args, kwargs, cls: type) -> list:
+    """The instances of ``cls`` among the op's written arguments, each once, in argument order."""
+    return list({id(t): t for t in written_args(func, args, kwargs) if isinstance(t, cls)}.values())
 
 
 # Views that frameworks make of whole buffers (FSDP2's as_strided), whose results go on to their
