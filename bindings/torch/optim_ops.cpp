@@ -6,7 +6,9 @@
 //
 // Updates every listed tensor in place on its device with no host sync. Each scale list is either
 // empty (no tensor of the call has that scale) or holds one entry per param: a float32 [1] tensor
-// where the tensor's format is scaled, None where it is not (optim.h says which formats are).
+// where the tensor's format is scaled, None where it is not (optim.h says which formats are); a
+// scale list (not a scale_inv one) may also be None, or empty, where the format is scaled: the op
+// then derives the old scale from the scale_inv.
 // found_inf (float32 [1]): skip flag, in/out; None gives the op a zeroed one of its own.
 // Returns the amax of the new values, float32 [n, 4]: |grad|, |exp_avg'|, exp_avg_sq', |param'|.
 #include <ATen/ATen.h>

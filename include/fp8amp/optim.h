@@ -98,8 +98,10 @@
 namespace fp8amp {
 
 // The buffers of one parameter tensor. All contiguous, same shape (the scales: float32 with one
-// element, but for a grad's block scales), on one device (every tensor of the call on the same device). A scale is given iff
-// its tensor is in a scaled format:
+// element, but for a grad's block scales), on one device (every tensor of the call on the same device). A scale_inv is given
+// iff its tensor is in a scaled format; its scale may be left out (std::nullopt) even then: the op
+// takes the old scale as 1 / scale_inv (exact for the power-of-two scales) and writes only the
+// scale_inv, which saves a caller that keeps no scale a tensor per param and per step:
 //   param:       float32, or float16 with param_scale + param_scale_inv (FP16 master, docs/o1_o2.md#optimization-levels)
 //   grad:        float32, bfloat16 or float16; or float8_e4m3fn / float8_e5m2 with grad_scale_inv:
 //                one element, or for a 2-D grad [rows, cols] with cols a multiple of 128 (and at

@@ -361,10 +361,10 @@ class Adam(torch.optim.Optimizer):
                     grad_scale_invs[i] = g.scale_inv
                     continue
             grads.append(g.contiguous())
-        data, param_scales, widened = lists.data_and_param_scales()
+        data, widened = lists.step_data()
         beta1, beta2 = group["betas"]
         fast.adam_step(
-            data, grads, lists.exp_avgs, lists.exp_avg_sqs, param_scales, lists.param_scale_invs,
+            data, grads, lists.exp_avgs, lists.exp_avg_sqs, [], lists.param_scale_invs,
             _or_empty(grad_scale_invs), *lists.scale_lists, *lists.copy_lists,
             lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),

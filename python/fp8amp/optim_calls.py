@@ -9,8 +9,8 @@ while :meth:`CallLists.still_for` finds unchanged what they were built from: the
 every state tensor (a state replaced, loaded, moved to another device, a param's first state)
 and of every param's inner tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` /
 ``attach_fp8_copy``; a shard's local tensor) and every param's dtype. What is new every step is
-read every step: the grads, the masters' scales (the reciprocals of their ``scale_inv``, never
-stored), the float32 copies of bfloat16/float16 params. Hyperparameters are the group's, read at
+read every step: the grads and the float32 copies of bfloat16/float16 params. A master keeps no
+scale, only its ``scale_inv``: the op derives the old scale from it and writes the new scale_inv. Hyperparameters are the group's, read at
 every call.
 """
 
@@ -69,10 +69,8 @@ class CallLists:
         self.dtypes = tuple(map(_DTYPE, params))
         self.state_ids = _state_ids(states)
         self.scale_lists = [or_empty([local(s.get(key)) for s in states]) for key in SCALE_KEYS]
-        #: positions of the ScaledTensor params (masters), whose scale is made anew each step
-        self.master_positions = [i for i, p in enumerate(params) if isinstance(p, ScaledTensor)]
-        self.masters = [params[i] for i in self.master_positions]
-        self.master_scale_invs = [p.scale_inv for p in self.masters]
+        #: the ScaledTensor params (masters)
+        self.masters = [p for p in params if isinstance(p, ScaledTensor)]
         #: positions of the bfloat16/float16 plain params, which step through a float32 copy
         self.widened_positions = [i for i, p in enumerate(params)
                                   if not isinstance(p, ScaledTensor) and p.dtype != torch.float32]
@@ -107,24 +105,14 @@ class CallLists:
                 and self._inner_ids() == self.inner_ids
                 and _state_ids(states) == self.state_ids)
 
-    def data_and_param_scales(self) -> tuple[list, list, list]:
-        """This step's ``(data, param_scales, widened)``: ``widened`` the (param, float32 copy)
-        pairs to round back after the call."""
-        data, widened = self.data, []
-        if self.widened_positions:
-            data = list(data)
-            for i in self.widened_positions:
-                wide = self.params[i].float()
-                widened.append((self.params[i], wide))
-                data[i] = wide
-        if not self.masters:
-            return data, [], widened
-        # The op writes each master's new scale as well as its scale_inv; the scale is derived
-        # here (exactly: powers of two) rather than stored, so it can never go stale.
-        scales = torch._foreach_reciprocal(self.master_scale_invs)
-        if len(scales) == len(self.params):
-            return data, scales, widened
-        param_scales = [None] * len(self.params)
-        for i, scale in zip(self.master_positions, scales):
-            param_scales[i] = scale
-        return data, param_scales, widened
+    def step_data(self) -> tuple[list, list]:
+        """This step's ``(data, widened)``: ``widened`` the (param, float32 copy) pairs to round
+        back after the call."""
+        if not self.widened_positions:
+            return self.data, []
+        data, widened = list(self.data), []
+        for i in self.widened_positions:
+            wide = self.params[i].float()
+            widened.append((self.params[i], wide))
+            data[i] = wide
+        return data, widened

@@ -45,17 +45,23 @@ void check_scalar(const TensorView& t, const TensorView& like, const char* name,
   check::same_device(t, like, kOp, name, like_name);
 }
 
-// A scale that must be given iff `needed` (its tensor is in a scaled format, described by `why`).
+// A scale_inv must be given iff `needed` (its tensor is in a scaled format, described by `why`); a
+// scale may be None when needed too: the op then derives the old one from the scale_inv.
+enum class ScaleArg { kScaleInv, kScale };
+
 template <class Ptr>
 Ptr scale_ptr(const std::optional<TensorView>& t, bool needed, const TensorView& param, const char* list, size_t i,
-              const char* why) {
+              const char* why, ScaleArg arg = ScaleArg::kScaleInv) {
   const ListItem item_name(list, i);
   const char* name = item_name.c_str();
   if (!needed) {
     FP8AMP_CHECK_VALUE(!t.has_value(), kOp, name, " must be None: ", why);
     return nullptr;
   }
-  FP8AMP_CHECK_VALUE(t.has_value(), kOp, name, " is required: ", why);
+  if (!t.has_value()) {
+    FP8AMP_CHECK_VALUE(arg == ScaleArg::kScale, kOp, name, " is required: ", why);
+    return nullptr;
+  }
   check_scalar(*t, param, name, "its param");
   return t->template ptr<std::remove_pointer_t<Ptr>>();
 }
@@ -136,14 +142,14 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
   const char* m_why = fp8_m ? "its exp_avg is float8_e4m3fn" : "its exp_avg is float32";
   const char* v_why = fp16_v ? "its exp_avg_sq is float16" : "its exp_avg_sq is float32";
   const char* w_why = weight ? "weights_fp8[i] is given" : "weights_fp8[i] is None";
-  r.param_scale = scale_ptr<float*>(t.param_scale, fp16_param, p, "param_scales", i, param_why);
+  r.param_scale = scale_ptr<float*>(t.param_scale, fp16_param, p, "param_scales", i, param_why, ScaleArg::kScale);
   r.param_scale_inv = scale_ptr<float*>(t.param_scale_inv, fp16_param, p, "param_scale_invs", i, param_why);
   r.grad_scale_inv = grad_scale_inv_ptr(t.grad_scale_inv, fp8_grad, p, i, grad_why, &r.grad_blocks_per_row);
-  r.exp_avg_scale = scale_ptr<float*>(t.exp_avg_scale, fp8_m, p, "exp_avg_scales", i, m_why);
+  r.exp_avg_scale = scale_ptr<float*>(t.exp_avg_scale, fp8_m, p, "exp_avg_scales", i, m_why, ScaleArg::kScale);
   r.exp_avg_scale_inv = scale_ptr<float*>(t.exp_avg_scale_inv, fp8_m, p, "exp_avg_scale_invs", i, m_why);
-  r.exp_avg_sq_scale = scale_ptr<float*>(t.exp_avg_sq_scale, fp16_v, p, "exp_avg_sq_scales", i, v_why);
+  r.exp_avg_sq_scale = scale_ptr<float*>(t.exp_avg_sq_scale, fp16_v, p, "exp_avg_sq_scales", i, v_why, ScaleArg::kScale);
   r.exp_avg_sq_scale_inv = scale_ptr<float*>(t.exp_avg_sq_scale_inv, fp16_v, p, "exp_avg_sq_scale_invs", i, v_why);
-  r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why);
+  r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why, ScaleArg::kScale);
   r.weight_scale_inv = scale_ptr<float*>(t.weight_scale_inv, weight, p, "weight_scale_invs", i, w_why);
   *formats = AdamFormats{p.dtype, t.grad.dtype, t.exp_avg.dtype, t.exp_avg_sq.dtype, r.grad_blocks_per_row != 0};
   return r;

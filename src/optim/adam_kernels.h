@@ -124,8 +124,9 @@ FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamC
 }
 
 // ------------------------------------------------------------------------------------------------
-// One tensor's buffers. A scale pointer is null iff its tensor is not in a scaled format (and the
-// weight pointers iff there is no FP8 weight copy). An FP8 grad has one scale_inv, or one per
+// One tensor's buffers. A scale_inv pointer is null iff its tensor is not in a scaled format (and
+// the weight pointers iff there is no FP8 weight copy); a scaled tensor's scale pointer may be
+// null too: its old scale is then 1 / scale_inv, and only scale_inv is written. An FP8 grad has one scale_inv, or one per
 // 128 x 128 block of its [rows, 128 * grad_blocks_per_row] elements (grad_blocks_per_row != 0).
 struct AdamTensorPtrs {
   void* param;
@@ -206,8 +207,9 @@ struct AdamScales {
 
 FP8AMP_HD numerics::ScalePair new_scale(const float* scale, const float* scale_inv, float amax, float fmax,
                                         int margin) {
-  if (scale == nullptr) return {1.0f, 1.0f};
-  return numerics::scale_from_amax(amax, fmax, margin, true, {*scale, *scale_inv});
+  if (scale_inv == nullptr) return {1.0f, 1.0f};
+  const float old_scale = scale != nullptr ? *scale : rn::div(1.0f, *scale_inv);
+  return numerics::scale_from_amax(amax, fmax, margin, true, {old_scale, *scale_inv});
 }
 
 // amax_row: the tensor's kAdamAmaxColumns amaxes of this step.
@@ -221,7 +223,7 @@ FP8AMP_HD AdamScales adam_new_scales(const AdamTensorPtrs& t, const float* amax_
   // The weight copy is quantized from the stored master; its largest magnitude is the stored form
   // of the largest |p'| (encode, decode and the power-of-two products are all monotonic).
   float weight_amax = amax_row[kAdamAmaxParam];
-  if (t.param_scale != nullptr) {
+  if (t.param_scale_inv != nullptr) {
     weight_amax = rn::mul(numerics::to_float(numerics::quantize_to<numerics::fp16>(rn::mul(weight_amax, s.param.scale))),
                           s.param.scale_inv);
   }
@@ -230,8 +232,8 @@ FP8AMP_HD AdamScales adam_new_scales(const AdamTensorPtrs& t, const float* amax_
 }
 
 FP8AMP_HD void store_scale(float* scale, float* scale_inv, numerics::ScalePair pair) {
-  if (scale == nullptr) return;
-  *scale = pair.scale;
+  if (scale_inv == nullptr) return;
+  if (scale != nullptr) *scale = pair.scale;
   *scale_inv = pair.scale_inv;
 }
 

@@ -10,8 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/numerics.h"
@@ -101,6 +103,7 @@ struct Param {
   Buffer p, g, m, v, w;
   bool weight = false;
   int64_t n = 0;
+  bool scales_given = true;  // false: only the scale_invs (the op derives the old scales)
 
   Param(int64_t numel, DType pd, DType gd, DType md, DType vd, bool with_weight)
       : p(pd, numel), g(gd, numel), m(md, numel), v(vd, numel), w(DType::kFloat8E4M3, numel), weight(with_weight),
@@ -121,6 +124,11 @@ struct Param {
       t.weight_fp8 = w.view(shape);
       t.weight_scale = scalar_view(w.scale);
       t.weight_scale_inv = scalar_view(w.scale_inv);
+    }
+    if (!scales_given) {
+      for (std::optional<TensorView>* scale : {&t.param_scale, &t.exp_avg_scale, &t.exp_avg_sq_scale, &t.weight_scale}) {
+        scale->reset();
+      }
     }
     return t;
   }
@@ -450,6 +458,46 @@ TEST(AdamLowPrecision, ZeroStateKeepsPreviousScale) {
   for (int j = 0; j < 4; ++j) EXPECT_EQ(x.p.real(j), 1.0f);  // update 0 / (0 + eps) = 0
 }
 
+TEST(AdamLowPrecision, ScalesLeftOutAreDerivedFromTheScaleInvs) {
+  // The same three steps with and without the scales: the same codes and scale_invs bit for bit,
+  // and the scales left out are neither read nor written. The zero state keeps its pair either way.
+  std::mt19937 rng(5);
+  const int64_t n = 300;
+  Param given(n, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat16, true);
+  Param zero(3, DType::kFloat32, DType::kFloat32, DType::kFloat8E4M3, DType::kFloat16, false);
+  given.p.set_scale(1024.0f);
+  given.g.set_scale(2048.0f);
+  given.m.set_scale(0.5f);
+  zero.m.set_scale(0.125f);
+  const std::vector<float> p0 = random_values(rng, n, 1), g0 = random_values(rng, n, 1);
+  for (int64_t j = 0; j < n; ++j) {
+    given.p.set_real(j, p0[j]);
+    given.g.set_real(j, g0[j] * 0.01f);
+  }
+  Param derived = given, zero_derived = zero;
+  derived.scales_given = zero_derived.scales_given = false;
+  for (Buffer* b : {&derived.p, &derived.m, &derived.v, &derived.w, &zero_derived.m, &zero_derived.v,
+                    &zero_derived.w}) {
+    b->scale[0] = NAN;  // never read
+  }
+  for (int64_t t = 1; t <= 3; ++t) {
+    Step a, b;
+    a.t = b.t = t;
+    a.run({&given, &zero});
+    b.run({&derived, &zero_derived});
+    EXPECT_EQ(a.amax, b.amax);
+  }
+  for (const auto& [x, y] : {std::pair{&given, &derived}, {&zero, &zero_derived}}) {
+    for (const auto& [bx, by] : {std::pair{&x->p, &y->p}, {&x->m, &y->m}, {&x->v, &y->v}, {&x->w, &y->w}}) {
+      EXPECT_EQ(bx->bytes, by->bytes);
+      EXPECT_EQ(bx->scale_inv, by->scale_inv);
+      if (scaled(by->dtype)) EXPECT_TRUE(std::isnan(by->scale[0]));
+    }
+  }
+  EXPECT_NE(derived.m.scale_inv[0], 2.0f);  // the scales moved
+  EXPECT_EQ(zero_derived.m.scale_inv[0], 8.0f);
+}
+
 TEST(AdamLowPrecision, MixedFormatsInOneCallAndEmptyTensors) {
   Param a = fp32_param({1.0f, 2.0f}, {0.5f, -0.5f}, {0.0f, 0.0f}, {0.0f, 0.0f});
   Param b(3, DType::kFloat16, DType::kFloat8E5M2, DType::kFloat8E4M3, DType::kFloat16, true);
@@ -559,8 +607,8 @@ TEST(AdamErrors, NameTheArgument) {
   };
   expect_value_error(run_with([&](auto& ts, auto&, auto&) { ts[0].param.dtype = DType::kBFloat16; }),
                      "params[0] must be float32, or float16 with a scale");
-  expect_value_error(run_with([](auto& ts, auto&, auto&) { ts[1].param_scale.reset(); }),
-                     "param_scales[1] is required: its param is float16");
+  expect_value_error(run_with([](auto& ts, auto&, auto&) { ts[1].param_scale_inv.reset(); }),
+                     "param_scale_invs[1] is required: its param is float16");
   expect_value_error(run_with([](auto& ts, auto&, auto&) { ts[0].exp_avg_scale = ts[1].exp_avg_scale; }),
                      "exp_avg_scales[0] must be None: its exp_avg is float32");
   expect_value_error(run_with([](auto& ts, auto&, auto&) { ts[1].grad_scale_inv.reset(); }),

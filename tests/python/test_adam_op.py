@@ -248,6 +248,41 @@ def test_low_precision_against_float64_over_ten_steps(adamw, grad_dtype):
 # Non-finite policy, step counter
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_scales_left_out_are_derived_from_the_scale_invs(device):
+    """The *_scales lists left out (empty, or None entries): three steps give the same codes,
+    scale_invs and amaxes bit for bit as with them, and the scales left out are not touched."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    gen = torch.Generator().manual_seed(7)
+    given = [LowPrecisionParam(n, gen, E4M3, device) for n in (4, 300, 2049)]
+    derived = [LowPrecisionParam(n, gen, E4M3, device) for n in (4, 300, 2049)]
+    for x, y in zip(given, derived):
+        for a, b in zip(x.tensors(), y.tensors()):
+            b.copy_(a)
+    for y in derived:
+        for s in (y.p_scale, y.m_scale, y.v_scale, y.w_scale):
+            s.fill_(float("nan"))
+    for t in range(1, 4):
+        g = [random_like(x.p.numel(), gen, -12, -4).to(device) for x in given]
+        for xs in (given, derived):
+            for x, gi in zip(xs, g):
+                x.set_grad(gi)
+        amax = LowPrecisionParam.step(given, step=t)
+        lists = LowPrecisionParam.lists(derived)
+        lists.update({"param_scales": [], "exp_avg_scales": [None] * 3})
+        del lists["exp_avg_sq_scales"], lists["weight_scales"]
+        amax_derived = adam_step([x.p for x in derived], [x.g for x in derived], [x.m for x in derived],
+                                 [x.v for x in derived], step=t, **lists)
+        assert torch.equal(amax, amax_derived)
+    for x, y in zip(given, derived):
+        for a, b in ((x.p, y.p), (x.m, y.m), (x.v, y.v), (x.w, y.w), (x.p_scale_inv, y.p_scale_inv),
+                     (x.m_scale_inv, y.m_scale_inv), (x.v_scale_inv, y.v_scale_inv), (x.w_scale_inv, y.w_scale_inv)):
+            assert bytes_equal(a, b)
+        assert all(s.isnan().all() for s in (y.p_scale, y.m_scale, y.v_scale, y.w_scale))
+    assert not torch.equal(given[1].m_scale_inv, torch.ones(1, device=device))  # the scales moved
+
+
 def test_found_inf_and_nonfinite_grads_leave_everything_bit_identical():
     gen = torch.Generator().manual_seed(9)
     params = [LowPrecisionParam(n, gen) for n in (3, 100)]
@@ -302,7 +337,7 @@ def test_errors_name_the_argument():
         adam_step([p], [g], [m], [v], step=1, param_scales=[None, None])
     with pytest.raises(ValueError, match=r"params\[0\] must be float32, or float16 with a scale"):
         adam_step([p.bfloat16()], [g], [m], [v], step=1)
-    with pytest.raises(ValueError, match=r"exp_avg_scales\[0\] is required: its exp_avg is float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"exp_avg_scale_invs\[0\] is required: its exp_avg is float8_e4m3fn"):
         adam_step([p], [g], [m.to(E4M3)], [v], step=1)
     with pytest.raises(ValueError, match=r"step must be >= 1"):
         adam_step([p], [g], [m], [v])
