@@ -1,7 +1,10 @@
-// CUDA cast kernels against the CPU reference, bit for bit: every op runs through the public API
-// (cast.h) once on CPU tensors and once on CUDA tensors holding the same bytes, and every tensor
-// involved must end up byte-identical (inputs too, and guard elements around each tensor, so a
-// stray write shows). Skips cleanly on a machine without a GPU.
+// CUDA cast kernels against the CPU reference, bit for bit: the one-tensor ops quantize (every
+// 16-bit and float32 pattern, tails, misaligned pointers, warm-up), amax (row runs too),
+// quantize_current and dequantize run through the public API (cast.h) once on CPU tensors and once
+// on CUDA tensors holding the same bytes, and every tensor involved must end up byte-identical
+// (inputs too, and guard elements around each tensor, so a stray write shows). cast_transpose, the
+// multi-tensor ops and the scale updates have their own files (test_cast_transpose_cuda.cu,
+// test_cast_multi_cuda.cu, test_delayed_scaling_cuda.cu). Skips cleanly on a machine without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -9,148 +12,30 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <functional>
-#include <memory>
+#include <limits>
 #include <random>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "cuda_test_util.h"
+#include "cast_cuda_test_util.h"
 #include "common/numerics.h"
+#include "cuda_test_util.h"
 #include "fp8amp/cast.h"
-#include "fp8amp/scaling.h"
 #include "fp8amp/dtype.h"
+#include "fp8amp/scaling.h"
 #include "fp8amp/tensor.h"
 
 namespace fp8amp {
 namespace {
 
 using numerics::bits_float;
-using numerics::float_bits;
 
 #define CUDA_OK(expr)                                                              \
   do {                                                                             \
     const cudaError_t status_ = (expr);                                            \
     ASSERT_EQ(cudaSuccess, status_) << #expr << ": " << cudaGetErrorString(status_); \
   } while (0)
-
-std::vector<MirroredTensor*> operator+(std::vector<MirroredTensor*> a, const std::vector<MirroredTensor*>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-std::vector<MirroredTensor*> pointers(const std::vector<std::unique_ptr<MirroredTensor>>& ts) {
-  std::vector<MirroredTensor*> r;
-  for (const auto& t : ts) r.push_back(t.get());
-  return r;
-}
-
-// The scaling buffers of n tensors, on both sides.
-struct ScalingTensors {
-  MirroredTensor scale, amax, scale_inv;
-  std::unique_ptr<MirroredTensor> warmup_counter;
-  int warmup_steps = 0;
-  ScalingRecipe recipe;
-  TensorView warmup_counter_view[2];
-
-  ScalingTensors(int64_t n, int64_t history)
-      : scale(DType::kFloat32, {n}),
-        amax(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history}),
-        scale_inv(DType::kFloat32, {n}) {
-    for (int64_t i = 0; i < n; ++i) {
-      scale.set_float(i, 1.0f);
-      scale_inv.set_float(i, -7.0f);  // must be overwritten
-    }
-    for (int64_t i = 0; i < amax.numel(); ++i) amax.set_float(i, 0.0f);
-  }
-
-  void with_warmup_counter(std::vector<int32_t> values, int steps) {
-    warmup_counter =
-        std::make_unique<MirroredTensor>(DType::kInt32, std::vector<int64_t>{static_cast<int64_t>(values.size())});
-    for (size_t i = 0; i < values.size(); ++i) warmup_counter->set_int(static_cast<int64_t>(i), values[i]);
-    warmup_steps = steps;
-  }
-
-  Scaling on(Device d) {
-    Scaling s;
-    s.scale = scale.view(d);
-    s.amax = amax.view(d);
-    s.scale_inv = scale_inv.view(d);
-    if (warmup_counter) {
-      warmup_counter_view[static_cast<int>(d)] = warmup_counter->view(d);
-      s.warmup_counter = &warmup_counter_view[static_cast<int>(d)];
-    }
-    s.warmup_steps = warmup_steps;
-    s.recipe = recipe;
-    return s;
-  }
-
-  std::vector<MirroredTensor*> all() {
-    std::vector<MirroredTensor*> r{&scale, &amax, &scale_inv};
-    if (warmup_counter) r.push_back(warmup_counter.get());
-    return r;
-  }
-};
-
-// ------------------------------------------------------------------------------------------------
-// Inputs.
-
-const DType kHighPrecision[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
-const DType kScaled[] = {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kFloat16};
-
-// The bits of v in a high-precision dtype (IEEE rounding).
-uint32_t bits_in(DType dtype, float v) {
-  if (dtype == DType::kFloat32) return float_bits(v);
-  return dtype == DType::kBFloat16 ? numerics::float_to_bf16(v) : numerics::float_to_fp16(v);
-}
-
-// Values whose encoding is delicate in some format: format maxima and their rounding ties,
-// subnormal boundaries, fp32 extremes and specials; each with both signs and fp32 neighbours.
-std::vector<float> boundary_values() {
-  const float anchors[] = {0.0f,        1.0f,         448.0f,        464.0f,       480.0f,       57344.0f,
-                           61440.0f,    65504.0f,     65520.0f,      0x1p-6f,      0x1p-9f,      0x1p-10f,
-                           0x3p-11f,    0x1p-14f,     0x1p-16f,      0x1p-17f,     0x3p-18f,     0x1p-24f,
-                           0x1p-25f,    0x3p-26f,     FLT_MIN,       FLT_MAX,      FLT_TRUE_MIN, 0x1.fffffcp-127f,
-                           INFINITY,    1e38f,        1.5f,          0.3f,         240.0f,       232.0f};
-  std::vector<float> v;
-  for (float a : anchors) {
-    for (float x : {a, std::nextafter(a, 0.0f), std::nextafter(a, INFINITY)}) {
-      v.push_back(x);
-      v.push_back(-x);
-    }
-  }
-  for (uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFFFFFFFFu, 0x7FFFFFFFu}) v.push_back(bits_float(nan));
-  return v;
-}
-
-// Finite values over a wide range of magnitudes and both signs, with a few specials mixed in.
-std::vector<float> random_values(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
-  std::uniform_int_distribution<int> exponent(-40, 40), pick(0, 999), sign(0, 1);
-  const std::vector<float> specials = boundary_values();
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) {
-    if (pick(rng) == 0) {
-      x = specials[static_cast<size_t>(pick(rng)) % specials.size()];
-    } else {
-      x = std::ldexp(mantissa(rng), exponent(rng)) * (sign(rng) ? -1.0f : 1.0f);
-    }
-  }
-  return v;
-}
-
-void fill(MirroredTensor& t, const std::vector<float>& values) {
-  for (int64_t i = 0; i < t.numel(); ++i) t.set_bits(i, bits_in(t.dtype(), values[static_cast<size_t>(i)]));
-}
-
-std::string label(DType in, DType out, const std::string& rest) {
-  return std::string(dtype_name(in)) + " -> " + dtype_name(out) + ", " + rest;
-}
 
 // ------------------------------------------------------------------------------------------------
 // quantize
@@ -489,252 +374,6 @@ TEST(CastCuda, DequantizeTailsAndMisalignedPointers) {
         }
       }
     }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
-// cast_transpose
-
-// With column_sums, cast_transpose_dbias: dbias and the band sums in its workspace compared too.
-void check_cast_transpose(DType in, DType out, int64_t rows, int64_t cols, int64_t x_offset, int counter,
-                          bool column_sums = false) {
-  MirroredTensor x(in, {rows, cols}, x_offset);
-  fill(x, random_values(rows * cols, static_cast<uint32_t>(rows * 131 + cols)));
-  MirroredTensor y(out, {rows, cols});
-  MirroredTensor yt(out, {cols, rows});  // cast.h views x as [rows, cols], rows the product of the leading dims
-  MirroredTensor dbias(DType::kFloat32, {cols});
-  MirroredTensor workspace(DType::kFloat32, {cast_transpose_dbias_workspace(rows, cols)});
-  ScalingTensors s(1, 0);
-  s.scale.set_float(0, 0x1p-4f);
-  s.amax.set_float(0, 1.0f);
-  if (counter >= 0) s.with_warmup_counter({counter}, 2);
-  std::vector<MirroredTensor*> tensors{&x, &y, &yt};
-  if (column_sums) tensors.insert(tensors.end(), {&dbias, &workspace});
-  expect_cuda_matches_cpu(
-      tensors + s.all(),
-      [&](Device d) {
-        if (column_sums) {
-          cast_transpose_dbias(x.view(d), y.view(d), yt.view(d), dbias.view(d), workspace.view(d), s.on(d), nullptr);
-        } else {
-          cast_transpose(x.view(d), y.view(d), yt.view(d), s.on(d), nullptr);
-        }
-      },
-      label(in, out,
-            std::to_string(rows) + "x" + std::to_string(cols) + " offset " + std::to_string(x_offset) +
-                " counter " + std::to_string(counter) + (column_sums ? " with column sums" : "")));
-}
-
-TEST(CastCuda, CastTransposeShapes) {
-  REQUIRE_GPU();
-  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},   {1, 17},  {17, 1},     {33, 65},  {128, 128},
-                                                {64, 48}, {48, 64}, {257, 1031}, {0, 5},    {5, 0}};
-  for (DType in : kHighPrecision) {
-    for (DType out : kScaled) {
-      for (auto [rows, cols] : shapes) check_cast_transpose(in, out, rows, cols, 0, -1);
-      check_cast_transpose(in, out, 128, 256, 1, -1);  // misaligned x: element-wise loads
-      check_cast_transpose(in, out, 96, 160, 0, 1);    // warming up
-      check_cast_transpose(in, out, 96, 160, 0, 2);    // warmed up
-    }
-  }
-  check_cast_transpose(DType::kBFloat16, DType::kFloat8E4M3, 4096, 4096, 0, -1);
-  check_cast_transpose(DType::kFloat32, DType::kFloat8E5M2, 4096, 4096, 0, 0);
-}
-
-// Column sums over bands (256 rows) and column tiles: whole, partial and single ones; NaN and inf
-// from random_values' specials land in some columns.
-TEST(CastCuda, CastTransposeDbiasShapes) {
-  REQUIRE_GPU();
-  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},    {255, 63}, {256, 64},  {257, 65}, {3000, 72},
-                                                {513, 1031}, {16, 8192}, {0, 5},  {5, 0}};
-  for (DType in : kHighPrecision) {
-    for (DType out : kScaled) {
-      for (auto [rows, cols] : shapes) check_cast_transpose(in, out, rows, cols, 0, -1, true);
-      check_cast_transpose(in, out, 300, 256, 1, -1, true);  // misaligned x: element-wise loads
-      check_cast_transpose(in, out, 96, 160, 0, 1, true);    // warming up
-    }
-  }
-  check_cast_transpose(DType::kBFloat16, DType::kFloat8E5M2, 16384, 512, 0, 2, true);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Multi-tensor ops: 300 tensors (several launches' worth), sizes from 0 up, each with its own
-// row of the scaling buffers.
-
-std::vector<int64_t> varied_sizes() {
-  std::vector<int64_t> sizes;
-  std::mt19937 rng(9);
-  std::uniform_int_distribution<int64_t> small(0, 5000), large(5000, 300000);
-  for (int i = 0; i < 300; ++i) sizes.push_back(i % 10 == 0 ? 0 : (i % 3 == 0 ? large(rng) : small(rng)));
-  return sizes;
-}
-
-template <class Make>
-std::vector<std::unique_ptr<MirroredTensor>> make_tensors(const std::vector<int64_t>& sizes, Make&& make) {
-  std::vector<std::unique_ptr<MirroredTensor>> r;
-  for (size_t i = 0; i < sizes.size(); ++i) r.push_back(make(i, sizes[i]));
-  return r;
-}
-
-std::vector<TensorView> views(const std::vector<std::unique_ptr<MirroredTensor>>& ts, Device d) {
-  std::vector<TensorView> r;
-  for (const auto& t : ts) r.push_back(t->view(d));
-  return r;
-}
-
-TEST(CastCuda, MultiTensorOps) {
-  REQUIRE_GPU();
-  const std::vector<int64_t> sizes = varied_sizes();
-  const int64_t n = static_cast<int64_t>(sizes.size());
-  for (DType in : kHighPrecision) {
-    auto xs = make_tensors(sizes, [&](size_t i, int64_t size) {
-      auto t = std::make_unique<MirroredTensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
-      fill(*t, random_values(size, static_cast<uint32_t>(i)));
-      return t;
-    });
-    for (DType out : kScaled) {
-      auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
-        return std::make_unique<MirroredTensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
-      });
-      ScalingTensors s(n, 3);
-      std::vector<int32_t> counters;
-      for (int64_t i = 0; i < n; ++i) {
-        s.scale.set_float(i, std::ldexp(1.0f, static_cast<int>(i % 11) - 5));
-        s.amax.set_float(i * 3, i % 4 == 0 ? 0.0f : 0.5f * static_cast<float>(i));
-        counters.push_back(static_cast<int32_t>(i % 7));
-      }
-      s.with_warmup_counter(counters, 4);
-      expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + s.all(),
-                              [&](Device d) { multi_quantize(views(xs, d), views(ys, d), s.on(d), nullptr); },
-                              label(in, out, "multi_quantize of 300 tensors"));
-    }
-    for (int64_t history : {int64_t{0}, int64_t{5}}) {
-      MirroredTensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
-      for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, i % 5 == 0 ? -0.0f : 0.25f * static_cast<float>(i % 9));
-      expect_cuda_matches_cpu(pointers(xs) + std::vector<MirroredTensor*>{&a},
-                              [&](Device d) { multi_amax(views(xs, d), a.view(d), nullptr); },
-                              std::string(dtype_name(in)) + " multi_amax, history " + std::to_string(history));
-    }
-  }
-  std::mt19937 rng(13);
-  for (DType in : kScaled) {
-    auto xs = make_tensors(sizes, [&](size_t i, int64_t size) {
-      auto t = std::make_unique<MirroredTensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
-      for (int64_t j = 0; j < size; ++j) t->set_bits(j, static_cast<uint32_t>(rng()));
-      return t;
-    });
-    MirroredTensor si(DType::kFloat32, {n});
-    for (int64_t i = 0; i < n; ++i) si.set_float(i, std::ldexp(1.3f, static_cast<int>(i % 13) - 6));
-    for (DType out : kHighPrecision) {
-      auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
-        return std::make_unique<MirroredTensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));
-      });
-      expect_cuda_matches_cpu(pointers(xs) + pointers(ys) + std::vector<MirroredTensor*>{&si},
-                              [&](Device d) { multi_dequantize(views(xs, d), si.view(d), views(ys, d), nullptr); },
-                              label(in, out, "multi_dequantize of 300 tensors"));
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Scale updates over histories full of awkward amaxes.
-
-float awkward_amax(std::mt19937& rng) {
-  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, bits_float(0x7FC00000u), bits_float(0xFFFFFFFFu),
-                            FLT_TRUE_MIN, FLT_MAX, 1e-40f, -3.0f, 448.0f, 65504.0f};
-  std::uniform_int_distribution<int> pick(0, 3), which(0, 11), exponent(-130, 130);
-  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
-  if (pick(rng) == 0) return specials[which(rng)];
-  return std::ldexp(mantissa(rng), exponent(rng));
-}
-
-TEST(CastCuda, ComputeScale) {
-  REQUIRE_GPU();
-  std::mt19937 rng(17);
-  const int64_t n = 1000;
-  for (int64_t history : {int64_t{0}, int64_t{4}}) {
-    for (float fmax : {448.0f, 57344.0f, 65504.0f}) {
-      for (bool pow2_scale : {true, false}) {
-        for (int margin : {0, 3, 126}) {  // the accepted range is [0, 126]
-          MirroredTensor a(DType::kFloat32, history == 0 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, history});
-          for (int64_t i = 0; i < a.numel(); ++i) a.set_float(i, awkward_amax(rng));
-          MirroredTensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n});
-          for (int64_t i = 0; i < n; ++i) {
-            scale.set_float(i, std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
-            scale_inv.set_float(i, 1.0f / std::ldexp(1.0f, static_cast<int>(i % 9) - 4));
-          }
-          const ScalingRecipe recipe{margin, pow2_scale};
-          expect_cuda_matches_cpu(
-              {&a, &scale, &scale_inv},
-              [&](Device d) { compute_scale(a.view(d), scale.view(d), scale_inv.view(d), fmax, recipe, nullptr); },
-              "fmax " + std::to_string(fmax) + " pow2_scale " + std::to_string(pow2_scale) + " margin " + std::to_string(margin));
-        }
-      }
-    }
-  }
-}
-
-TEST(CastCuda, UpdateDelayedScaling) {
-  REQUIRE_GPU();
-  std::mt19937 rng(19);
-  for (int64_t n : {int64_t{1}, int64_t{1000}}) {
-    for (int64_t history : {int64_t{1}, int64_t{16}, int64_t{33}}) {
-      for (bool pow2_scale : {true, false}) {
-        MirroredTensor h(DType::kFloat32, {n, history});
-        for (int64_t i = 0; i < h.numel(); ++i) h.set_float(i, awkward_amax(rng));
-        MirroredTensor scale(DType::kFloat32, {n}), scale_inv(DType::kFloat32, {n}), counter(DType::kInt32, {n});
-        std::uniform_int_distribution<int32_t> count(-2, static_cast<int32_t>(history) + 2);
-        for (int64_t i = 0; i < n; ++i) {
-          scale.set_float(i, 2.0f);
-          scale_inv.set_float(i, 0.5f);
-          counter.set_int(i, i == 0 ? INT32_MAX : count(rng));
-        }
-        const ScalingRecipe recipe{1, pow2_scale};
-        // Several steps in a row, so rolled histories and counters feed the next update.
-        for (int step = 0; step < 3; ++step) {
-          expect_cuda_matches_cpu({&h, &scale, &scale_inv, &counter},
-                                  [&](Device d) {
-                                    update_delayed_scaling(h.view(d), scale.view(d), scale_inv.view(d),
-                                                           counter.view(d), 448.0f, recipe, nullptr);
-                                  },
-                                  "n " + std::to_string(n) + " H " + std::to_string(history) + " pow2_scale " +
-                                      std::to_string(pow2_scale) + " step " + std::to_string(step));
-        }
-      }
-    }
-  }
-}
-
-// 150 states of different row counts and history lengths: three launches of up to 64 states.
-TEST(CastCuda, MultiUpdateDelayedScaling) {
-  REQUIRE_GPU();
-  std::mt19937 rng(23);
-  std::vector<std::unique_ptr<MirroredTensor>> hs, scales, scale_invs, counters;
-  for (int i = 0; i < 150; ++i) {
-    const int64_t n = i % 7 == 0 ? 3 : 1, history = 1 + i % 17;
-    hs.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n, history}));
-    scales.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n}));
-    scale_invs.push_back(std::make_unique<MirroredTensor>(DType::kFloat32, std::vector<int64_t>{n}));
-    counters.push_back(std::make_unique<MirroredTensor>(DType::kInt32, std::vector<int64_t>{n}));
-    for (int64_t j = 0; j < hs.back()->numel(); ++j) hs.back()->set_float(j, awkward_amax(rng));
-    for (int64_t j = 0; j < n; ++j) {
-      scales.back()->set_float(j, 2.0f);
-      scale_invs.back()->set_float(j, 0.5f);
-      counters.back()->set_int(j, static_cast<int32_t>(rng() % 20));
-    }
-  }
-  const auto views_on = [](const std::vector<std::unique_ptr<MirroredTensor>>& ts, Device d) {
-    std::vector<TensorView> v;
-    for (const auto& t : ts) v.push_back(t->view(d));
-    return v;
-  };
-  for (int step = 0; step < 3; ++step) {
-    expect_cuda_matches_cpu(pointers(hs) + pointers(scales) + pointers(scale_invs) + pointers(counters),
-                            [&](Device d) {
-                              multi_update_delayed_scaling(views_on(hs, d), views_on(scales, d),
-                                                           views_on(scale_invs, d), views_on(counters, d), 57344.0f,
-                                                           ScalingRecipe{0, true}, nullptr);
-                            },
-                            "step " + std::to_string(step));
   }
 }
 
