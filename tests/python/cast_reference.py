@@ -82,6 +82,18 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, inputs: torc
                              f"expected {e}{where}")
 
 
+def assert_all_same(a, b):
+    """Nested lists / tuples of tensors equal bit for bit, NaN payloads included."""
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            assert_all_same(u, v)
+    elif isinstance(a, torch.Tensor):
+        assert_bits_equal(b, a)
+    else:
+        assert a == b
+
+
 def assert_quantized(out: torch.Tensor, x_scaled: torch.Tensor, dtype: torch.dtype) -> None:
     """out must be torch's cast of clamp(x_scaled, +-fmax), and NAN_CODE where x_scaled is NaN or infinite."""
     fmax = fp8amp.format_max(dtype)

@@ -1,6 +1,7 @@
-"""References for the FP8 gradient all-reduce tests (test_distributed.py): synthetic gradients,
-the exact mean with its derived bound, and the algorithm of fp8amp/distributed.py written out plainly
-in one process (reference_mean), with NCCL's float8 SUM emulated for method "native".
+"""References for the FP8 gradient all-reduce tests (test_distributed.py, test_distributed_models.py):
+synthetic gradients, the exact mean with its derived bound, and the algorithm of
+fp8amp/distributed.py written out plainly in one process (reference_mean), with NCCL's float8 SUM
+emulated for method "native".
 
 The bound (method "all_to_all", per element, derived in fp8amp/distributed.py's docstring): with
 ``u`` the format's unit roundoff (E4M3 2^-4, E5M2 2^-3), ``eta`` half its smallest subnormal
