@@ -188,6 +188,24 @@ TEST(AdamCuda, EveryFormatCombinationManySizesBitExact) {
   }
 }
 
+TEST(AdamCuda, MoreTensorsThanALaunchHolds) {
+  // 300 tensors of one format: several launches a pass and several commits; an empty one and a
+  // large one among them. Bit-exact against the CPU over two steps.
+  REQUIRE_GPU();
+  std::mt19937 rng(8);
+  const Formats o2{DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat16, true};
+  const size_t n = 300;
+  Call call(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = i == 7 ? 0 : i == 150 ? 70001 : static_cast<int64_t>(1 + i % 37);
+    call.params.push_back(std::make_unique<Param>(numel, o2, 0, rng));
+  }
+  for (int t = 0; t < 2; ++t) {
+    for (auto& p : call.params) p->new_grad(rng);
+    call.step_and_compare("step " + std::to_string(t));
+  }
+}
+
 TEST(AdamCuda, TypicalAndExtremeHyperparameters) {
   REQUIRE_GPU();
   std::mt19937 rng(6);
