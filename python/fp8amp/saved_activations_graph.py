@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from . import ops
 from .ops._args import has_row_runs
 from .formats import HIGH_PRECISION_DTYPES, format_max
+from .wrapper_ops import returns_view
 
 # When the saved-tensor hooks on top of the stack are torch.fx.GraphModules, AOTAutograd traces them
 # and inlines them into the compiled forward (pack, after the save) and backward (unpack, before
@@ -79,14 +80,6 @@ def _packet(target: object) -> object:
     return getattr(target, "overloadpacket", target)
 
 
-def _is_view_op(target: object) -> bool:
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
-
-
 _CASTS = frozenset({_prims.convert_element_type, _aten._to_copy})
 # Outputs that are statistics or whose backward amplifies a relative rounding: normalization and
 # softmax statistics (rstd, 1/x, max, log-sum-exp), the saturating functions, exp and log.
@@ -111,9 +104,9 @@ def _source(node: torch.fx.Node) -> torch.fx.Node:
     while node.op == "call_function":
         if node.target is operator.getitem:
             parent = node.args[0]
-            if not (isinstance(parent, torch.fx.Node) and parent.op == "call_function" and _is_view_op(parent.target)):
+            if not (isinstance(parent, torch.fx.Node) and parent.op == "call_function" and returns_view(parent.target)):
                 break
-        elif _is_view_op(node.target) or _packet(node.target) in _CASTS:
+        elif returns_view(node.target) or _packet(node.target) in _CASTS:
             parent = node.args[0]
         else:
             break
@@ -129,7 +122,7 @@ def _is_statistic(node: torch.fx.Node) -> bool:
     if node.target is operator.getitem:
         parent, index = node.args[0], node.args[1]
         # (the items of a view op, unbind's or split's, are peers: k and v of timm's unbound qkv)
-        if isinstance(parent, torch.fx.Node) and parent.op == "call_function" and not _is_view_op(parent.target):
+        if isinstance(parent, torch.fx.Node) and parent.op == "call_function" and not returns_view(parent.target):
             return index != 0 or _packet(parent.target) in _STATISTICS_FIRST  # LayerNorm's mean, rstd; SDPA's lse
         return False
     return _packet(node.target) in _STATISTIC_OPS
@@ -161,7 +154,7 @@ def _backward_exponentiates(name: str, bw_graph: torch.fx.Graph) -> bool:
                     return True
                 scaled_by_number = packet in (_aten.mul, _aten.div) and not all(
                     isinstance(a, torch.fx.Node) for a in user.args)
-                if _is_view_op(user.target) or (packet in _SHIFTS and (packet not in (_aten.mul, _aten.div) or scaled_by_number)):
+                if returns_view(user.target) or (packet in _SHIFTS and (packet not in (_aten.mul, _aten.div) or scaled_by_number)):
                     following.append(user)
         frontier = following
     return False

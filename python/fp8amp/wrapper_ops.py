@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["written_args", "written_instances", "is_view_op", "refuse_metadata_in_place", "run_on_values"]
+__all__ = ["written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place", "run_on_values"]
 
 
 def written_args(func, args, kwargs) -> list:
@@ -39,11 +39,20 @@ def written_instances(func, args, kwargs, cls: type) -> list:
 _FRAMEWORK_VIEWS = frozenset({"as_strided"})
 
 
+def returns_view(target: object) -> bool:
+    """Whether the op's schema says its first output is a view of an input (transpose, slice,
+    detach...); False for a target without a schema (a Python function in an FX graph)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
 def is_view_op(func) -> bool:
-    """Whether the op returns views of its first argument (transpose, slice, select, split...)."""
-    returns = func._schema.returns
-    return (bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-            and func.overloadpacket.__name__ not in _FRAMEWORK_VIEWS)
+    """Whether the op returns views of its first argument (transpose, slice, select, split...),
+    framework views aside."""
+    return returns_view(func) and func.overloadpacket.__name__ not in _FRAMEWORK_VIEWS
 
 
 # In-place ops that change a tensor's metadata (shape, strides, storage, autograd), not its values.
