@@ -10,8 +10,8 @@ every state tensor (a state replaced, loaded, moved to another device, a param's
 and of every param's inner tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` /
 ``attach_fp8_copy``; a shard's local tensor) and every param's dtype. What is new every step is
 read every step: the grads and the float32 copies of bfloat16/float16 params. A master keeps no
-scale, only its ``scale_inv``: the op derives the old scale from it and writes the new scale_inv. Hyperparameters are the group's, read at
-every call.
+scale, only its ``scale_inv``: the op derives the old scale from it and writes the new
+scale_inv. Hyperparameters are the group's, read at every call.
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ def adam_step(
     ``weights_fp8``, ``weight_scales``, ``weight_scale_invs``: each list is empty (no tensor has
     one) or holds one tensor or None per tensor. A scale list (``*_scales``, not ``*_scale_invs``)
     may be empty or None where the buffer is scaled: the step then takes the old scale as
-    ``1 / scale_inv`` (exact for power-of-two scales) and writes only the scale_inv. The step number is ``step`` (a host count >= 1)
-    or, with ``step=0``, ``step_tensor`` (float32 [1], incremented on the device).
+    ``1 / scale_inv`` (exact for power-of-two scales) and writes only the scale_inv. The step
+    number is ``step`` (a host count >= 1) or, with ``step=0``, ``step_tensor`` (float32 [1],
+    incremented on the device).
     ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
     the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
     ``[n, 4]`` (grad, exp_avg, exp_avg_sq, param).
