@@ -9,7 +9,8 @@
 #               GPUs under torchrun, and is skipped (with the reason) on a machine with fewer
 #   --only=tiles,gemm_tiles  only these tests/python/test_<name>.py files, and the CTest tests whose
 #               names match one of the names (case-insensitive, underscores dropped), e.g. a quick
-#               check of one op family before the whole suite
+#               check of one op family before the whole suite; a name ending in * takes every file
+#               it begins (--only='cuda*': test_cuda.py, test_cuda_graph.py, ...; CTest: cuda)
 #   --shard=K/N run the K-th of N parts of the pytest files (every N-th file from the K-th, in name
 #               order) and CTest with K=1 only: the whole GPU suite takes longer than a 600 s run on
 #               the GPU machine, e.g. --gpu-only --no-bench --shard=1/2, then --shard=2/2 while warm
@@ -45,8 +46,12 @@ if [ -n "$ONLY" ]; then
   IFS=, read -ra names <<< "$ONLY"
   PYTEST_PATHS=() regex=""
   for name in "${names[@]}"; do
-    [ -f "tests/python/test_$name.py" ] || { echo "--only: no tests/python/test_$name.py"; exit 2; }
-    PYTEST_PATHS+=("tests/python/test_$name.py")
+    [[ $name =~ ^[A-Za-z0-9_]+\*?$ ]] || { echo "--only: expected names of letters, digits and _ (a * at the end), got '$name'"; exit 2; }
+    files=()
+    for f in tests/python/test_$name.py; do [ -f "$f" ] && files+=("$f"); done  # (a name with * expands)
+    [ ${#files[@]} -gt 0 ] || { echo "--only: no tests/python/test_$name.py"; exit 2; }
+    PYTEST_PATHS+=("${files[@]}")
+    name=${name%\*}
     word=""  # CTest's regexes have no case-insensitive flag: each letter as [xX]
     for ((i = 0; i < ${#name}; i++)); do
       c=${name:i:1}
@@ -55,6 +60,7 @@ if [ -n "$ONLY" ]; then
     regex+="${regex:+|}$word"
   done
   CTEST_ARGS+=(-R "$regex")
+  echo "only: ${#PYTEST_PATHS[@]} pytest files: ${PYTEST_PATHS[*]##*/}; CTest names matching $regex"
 fi
 RUN_CTEST=1
 if [ -n "$SHARD" ]; then

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.sh's --shard: its parts of the pytest files cover every file once, and bad
-values are refused (run up to the build, which a stub python3 makes fail at once)."""
+"""scripts/gpu_check.sh's --shard and --only: the shards of the pytest files cover every file once,
+--only takes the files named (a trailing * for every file a name begins), and bad values are
+refused (run up to the build, which a stub python3 makes fail at once)."""
 
 import os
 import pathlib
@@ -36,3 +37,18 @@ def test_shards_cover_every_pytest_file_once(tmp_path):
 def test_bad_shards_are_refused(tmp_path, args):
     out = run_check(tmp_path, *args)
     assert out.returncode == 2 and "--shard" in out.stdout
+
+
+def test_only_takes_the_files_named_and_the_families_of_a_star(tmp_path):
+    out = run_check(tmp_path, "--only=adam_op,cuda*", "--gpu-only", "--no-bench")
+    line = next(line for line in out.stdout.splitlines() if line.startswith("only: "))
+    files = line.split(": ", 2)[2].split(";")[0].split()
+    family = sorted(p.name for p in (ROOT / "tests" / "python").glob("test_cuda*.py"))
+    assert len(family) >= 2 and files == ["test_adam_op.py", *family]
+    assert out.returncode == 1 and "BUILD FAILED" in out.stdout
+
+
+@pytest.mark.parametrize("only", ["--only=no_such_tests", "--only=no_such*", "--only=cu*da", "--only=../x"])
+def test_bad_only_names_are_refused(tmp_path, only):
+    out = run_check(tmp_path, only)
+    assert out.returncode == 2 and "--only" in out.stdout
