@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place", "run_on_values"]
+__all__ = ["written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place",
+           "run_on_values"]
 
 
 def written_args(func, args, kwargs) -> list:

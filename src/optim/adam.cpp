@@ -147,7 +147,8 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
   r.grad_scale_inv = grad_scale_inv_ptr(t.grad_scale_inv, fp8_grad, p, i, grad_why, &r.grad_blocks_per_row);
   r.exp_avg_scale = scale_ptr<float*>(t.exp_avg_scale, fp8_m, p, "exp_avg_scales", i, m_why, ScaleArg::kScale);
   r.exp_avg_scale_inv = scale_ptr<float*>(t.exp_avg_scale_inv, fp8_m, p, "exp_avg_scale_invs", i, m_why);
-  r.exp_avg_sq_scale = scale_ptr<float*>(t.exp_avg_sq_scale, fp16_v, p, "exp_avg_sq_scales", i, v_why, ScaleArg::kScale);
+  r.exp_avg_sq_scale =
+      scale_ptr<float*>(t.exp_avg_sq_scale, fp16_v, p, "exp_avg_sq_scales", i, v_why, ScaleArg::kScale);
   r.exp_avg_sq_scale_inv = scale_ptr<float*>(t.exp_avg_sq_scale_inv, fp16_v, p, "exp_avg_sq_scale_invs", i, v_why);
   r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why, ScaleArg::kScale);
   r.weight_scale_inv = scale_ptr<float*>(t.weight_scale_inv, weight, p, "weight_scale_invs", i, w_why);

@@ -126,8 +126,9 @@ FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamC
 // ------------------------------------------------------------------------------------------------
 // One tensor's buffers. A scale_inv pointer is null iff its tensor is not in a scaled format (and
 // the weight pointers iff there is no FP8 weight copy); a scaled tensor's scale pointer may be
-// null too: its old scale is then 1 / scale_inv, and only scale_inv is written. An FP8 grad has one scale_inv, or one per
-// 128 x 128 block of its [rows, 128 * grad_blocks_per_row] elements (grad_blocks_per_row != 0).
+// null too: its old scale is then 1 / scale_inv, and only scale_inv is written. An FP8 grad has
+// one scale_inv, or one per 128 x 128 block of its [rows, 128 * grad_blocks_per_row] elements
+// (grad_blocks_per_row != 0).
 struct AdamTensorPtrs {
   void* param;
   const void* grad;

@@ -117,11 +117,7 @@ struct Param {
       t.weight_scale = scalar_view(w.scale);
       t.weight_scale_inv = scalar_view(w.scale_inv);
     }
-    if (!scales_given) {
-      for (std::optional<TensorView>* scale : {&t.param_scale, &t.exp_avg_scale, &t.exp_avg_sq_scale, &t.weight_scale}) {
-        scale->reset();
-      }
-    }
+    if (!scales_given) t.param_scale = t.exp_avg_scale = t.exp_avg_sq_scale = t.weight_scale = std::nullopt;
     return t;
   }
 
