@@ -58,7 +58,7 @@
 //
 // How, without a host sync (the CUDA path; the CPU reference runs the same steps in order):
 //   1. zero `amax` (a memset);
-//   2. pass 1, one launch per up to 29 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
+//   2. pass 1, one launch per up to 128 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
 //      |p'| into amax[i, 0..3]; nothing is stored. A block that meets a non-finite value sets
 //      found_inf = 1;
 //   3. pass 2 (same batching): if found_inf != 0 nothing happens; else each block derives the new
@@ -66,12 +66,12 @@
 //      and the FP8 weight copy;
 //   4. commit, one thread per tensor: if found_inf == 0, write the new scale/scale_inv pairs (pass
 //      2 still needed the old ones) and increment step_tensor.
-// A pass launch takes tensors of one dtype combination (a call may mix them), up to 29 (the 4 KB
-// of kernel parameters hold their pointers); an empty tensor takes no block. Launches per call:
-// 1 memset + 2 x sum over combinations of ceil(tensors / 29) + ceil(n / 29) commits. Pass 1 reads
-// p, g, m, v; pass 2 reads them again and writes p, m, v and the weight copy: at O2 (FP16 master,
-// FP8 grad and m, FP16 v, FP8 copy) 6 + 6 + 6 = 18 bytes per element, against 28 for a fused
-// FP32 AdamW (read 16, write 12).
+// A pass launch takes tensors of one dtype combination (a call may mix them), up to 128 (the
+// kernel parameters, up to 32,764 bytes, hold their pointers); an empty tensor takes no block.
+// Launches per call: 1 memset + 2 x sum over combinations of ceil(tensors / 128) + ceil(n / 128)
+// commits. Pass 1 reads p, g, m, v; pass 2 reads them again and writes p, m, v and the weight
+// copy: at O2 (FP16 master, FP8 grad and m, FP16 v, FP8 copy) 6 + 6 + 6 = 18 bytes per element,
+// against 28 for a fused FP32 AdamW (read 16, write 12).
 // No two written tensors or scales of a call may share memory, nor a grad with a written one (each
 // tensor's scales are its own; grads may share memory with each other): a ValueError names both.
 //

@@ -33,8 +33,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kElementsPerThread = 32;  // per block: a chunk of kThreads * 32 elements of one tensor
 constexpr int64_t kChunk = int64_t{kThreads} * kElementsPerThread;
 
-// Tensors per launch: the batch must fit the 4 KB of kernel parameters with AdamArgs.
-constexpr int kMaxTensors = 29;
+// Tensors per launch: the batch travels in the kernel parameters, which may take 32,764 bytes
+// since CUDA 12.1 (on Volta and later; fp8amp needs CUDA 13). 128 covers the params of a typical
+// model's call in one launch a pass: each launch costs the host a few microseconds.
+constexpr int kMaxTensors = 128;
 
 // Blocks the passes keep resident an SM: 4 (half occupancy) caps them at 64 registers a thread,
 // what they used before holding a second pack; 3 would leave them their 70-73.
@@ -46,7 +48,7 @@ struct AdamBatch {
   int32_t block_begin[kMaxTensors + 1];
   int32_t count;
 };
-static_assert(sizeof(AdamBatch) + sizeof(AdamArgs) <= 4096, "kernel parameters must stay under 4 KB");
+static_assert(sizeof(AdamBatch) + sizeof(AdamArgs) <= 32764, "kernel parameters must stay within 32,764 bytes");
 
 // ------------------------------------------------------------------------------------------------
 // The passes.
