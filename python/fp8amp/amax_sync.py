@@ -184,7 +184,21 @@ def _take_pending(states: list[ScalingState]) -> "_Pending | None":
     return states[0].__dict__.pop("_pending_amax_reduction", None)
 
 
-@torch.compiler.disable  # the collective runs eagerly: a compiled region calling it breaks the graph here
+def _checked(states: Iterable[ScalingState], where: str) -> list[ScalingState]:
+    """``states`` as a list, refused unless every element is a ScalingState (the public functions;
+    fp8amp's optimizer hooks pass lists made by :func:`delayed_states` to the unchecked ones)."""
+    try:
+        states = list(states)
+    except TypeError:
+        raise TypeError(f"fp8amp.amax_sync.{where}: states must be an iterable of fp8amp.ScalingState "
+                        f"(e.g. delayed_states(model)), got {type(states).__name__}") from None
+    for i, st in enumerate(states):
+        if not isinstance(st, ScalingState):
+            raise TypeError(f"fp8amp.amax_sync.{where}: states must hold fp8amp.ScalingState objects "
+                            f"(e.g. delayed_states(model)); element {i} is {type(st).__name__}")
+    return states
+
+
 def start_amax_reduction(states: Iterable[ScalingState], *, step_bound: bool = False) -> int:
     """Issues the reduction of :func:`reduce_amaxes` without waiting for it, so that it runs while
     other work does: call it once all of the step's amaxes are recorded (after the backward; the
@@ -195,7 +209,15 @@ def start_amax_reduction(states: Iterable[ScalingState], *, step_bound: bool = F
     and discarded first. ``step_bound=True`` (the optimizer's pre-hook): the reduction belongs to
     the step about to run, and is applied only after :func:`end_step`, which the post-hook calls;
     if the step raises, the next issue or reduction discards it. Returns the number of
-    collectives issued."""
+    collectives issued. A TypeError refuses ``states`` that are not ScalingStates."""
+    if not isinstance(step_bound, bool):
+        raise TypeError(f"fp8amp.amax_sync.start_amax_reduction: step_bound must be a bool, got "
+                        f"{type(step_bound).__name__}")
+    return _start_amax_reduction(_checked(states, "start_amax_reduction"), step_bound)
+
+
+@torch.compiler.disable  # the collective runs eagerly: a compiled region calling it breaks the graph here
+def _start_amax_reduction(states: list[ScalingState], step_bound: bool) -> int:
     plan = _reducing(states)
     if plan is None:
         return 0
@@ -210,13 +232,16 @@ def start_amax_reduction(states: Iterable[ScalingState], *, step_bound: bool = F
 def end_step(states: Iterable[ScalingState]) -> None:
     """Says that the optimizer step whose pre-hook started the reduction of ``states`` has ended
     (its post-hook, before :func:`fp8amp.update_scaling`): the pending reduction may now be applied."""
+    _end_step(_checked(states, "end_step"))
+
+
+def _end_step(states: list[ScalingState]) -> None:
     plan = _reducing(states)
     pending = None if plan is None else plan[0][0].__dict__.get("_pending_amax_reduction")
     if pending is not None:
         pending.step_bound = False
 
 
-@torch.compiler.disable
 def reduce_amaxes(states: Iterable[ScalingState]) -> int:
     """MAX-reduces this step's amaxes (column 0 of the histories) of ``states`` over their process
     group, in place: one ``all_reduce`` of one flat float32 tensor per device, asynchronous
@@ -227,8 +252,14 @@ def reduce_amaxes(states: Iterable[ScalingState]) -> int:
     is done. Returns the number of collectives it issued.
 
     Raises:
+        TypeError: ``states`` are not ScalingStates.
         ValueError: the states name different process groups, or the ranks hold different states.
     """
+    return _reduce_amaxes(_checked(states, "reduce_amaxes"))
+
+
+@torch.compiler.disable
+def _reduce_amaxes(states: list[ScalingState]) -> int:
     plan = _reducing(states)
     if plan is None:
         return 0

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .amax_sync import delayed_states, end_step, reduce_amaxes, start_amax_reduction
+from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
@@ -112,6 +112,8 @@ class ConversionReport:
 def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     """The :class:`ConversionReport` of the last :func:`convert` that returned ``model``
     (``None`` if it never went through ``convert``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"conversion_report: model must be an nn.Module, got {type(model).__name__}")
     return model.__dict__.get("_fp8amp_conversion_report")
 
 
@@ -306,12 +308,12 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
 
     def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
         found["states"] = states_of_models()
-        start_amax_reduction(found["states"], step_bound=True)
+        _start_amax_reduction(found["states"], step_bound=True)
 
     def finish(*_) -> None:  # not run when the step raises: its reduction is then discarded
         states = found.pop("states", None)
         states = states_of_models() if states is None else states
-        end_step(states)
+        _end_step(states)
         _update_states(states)
 
     optimizer.register_step_pre_hook(start)
@@ -350,5 +352,5 @@ def update_scaling(model: nn.Module) -> None:
 
 def _update_states(states: list[ScalingState]) -> None:
     with torch.no_grad():
-        reduce_amaxes(states)
+        _reduce_amaxes(states)
         update_states(states)

@@ -466,6 +466,8 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
     numels = tuple(c for c in numels if c > 0)
     if method not in METHODS + ("all_reduce",):
         raise ValueError(f"{where}: method must be one of 'all_to_all', 'native', 'all_reduce'; got {method!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: dtype must be the gradients' floating-point torch.dtype; got {dtype!r}")
     if world <= 1 or not numels:
         return 0
     n = sum(numels)

@@ -28,6 +28,7 @@ float32 by each receiving rank (docs/distributed.md, "FP8 reduce-scatter under F
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -81,6 +82,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         if not isinstance(tensor, torch.Tensor) or isinstance(tensor, (Fp8AllGatherWeight, ScaledTensor)):
             raise TypeError(f"fp8amp.fsdp.Fp8AllGatherWeight: tensor must be a plain torch.Tensor, got "
                             f"{type(tensor).__name__}")
+        if tensor.dtype not in HIGH_PRECISION_DTYPES:
+            raise ValueError(f"fp8amp.fsdp.Fp8AllGatherWeight: tensor must be a weight of one of "
+                             f"{', '.join(map(str, HIGH_PRECISION_DTYPES))}; got {tensor.dtype}")
         self = torch.Tensor._make_wrapper_subclass(
             cls, tensor.shape, strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
             device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad)
@@ -98,7 +102,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         out = func(*args, **kwargs)
         if func not in _PRESERVED:
             return out
-        return tree_map_only(torch.Tensor, Fp8AllGatherWeight, out)
+        # (a move to another dtype, e.g. float64, leaves the weights fp8amp casts: a plain result)
+        return tree_map_only(torch.Tensor, lambda t: Fp8AllGatherWeight(t) if t.dtype in HIGH_PRECISION_DTYPES else t,
+                             out)
 
     def __tensor_flatten__(self):
         return ["_tensor"], None
@@ -171,6 +177,11 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optiona
     any rank's input makes every rank's whole output NaN. ``input`` and ``output`` of one dtype.
     """
     where = "fp8amp.fsdp.fp8_reduce_scatter"
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not 0 < divisor < math.inf:
+        raise ValueError(f"{where}: divisor must be a positive finite number, got {divisor!r}")
     if fmt not in FORMATS:
         raise ValueError(f"{where}: fmt must be one of {', '.join(map(str, FORMATS))}; got {fmt!r}")
     if input.dtype not in HIGH_PRECISION_DTYPES or output.dtype != input.dtype:

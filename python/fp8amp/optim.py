@@ -168,11 +168,12 @@ class Adam(torch.optim.Optimizer):
             if not value >= 0.0:
                 raise ValueError(f"{self._name}: invalid {key}: {value} (must be >= 0)")
         betas = group["betas"]
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
             raise ValueError(f"{self._name}: betas must be two Python floats, got {betas!r}")
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
-                raise ValueError(f"{self._name}: invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+                raise ValueError(f"{self._name}: invalid betas[{i}]: {b} (must be in [0, 1))")
 
     # --------------------------------------------------------------------------------------------
     # State
@@ -234,20 +235,35 @@ class Adam(torch.optim.Optimizer):
         are cast back bit for bit; ``step`` and the scales go to the param's device. Takes what
         :meth:`state_dict` saves (O2 moments as :class:`ScaledMoment`), the older form (codes and
         scale entries), and a plain ``torch.optim`` state dict, converted to this optimizer's
-        levels (fp8amp.optim_state)."""
+        levels (fp8amp.optim_state). A state dict without ``state`` and ``param_groups``, or with a
+        moment whose shape is not its param's, is refused (ValueError) before anything is loaded."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"{self._name}.load_state_dict: state_dict must be a dict with 'state' and "
+                             f"'param_groups' (what state_dict() returns); got {got}")
         state_dict = {**state_dict, "state": {pid: _moments_as_codes(state)
                                               for pid, state in state_dict["state"].items()}}
         saved = state_dict["state"]
         state_dict = {**state_dict, "param_groups": complete_groups(state_dict["param_groups"], self.param_groups)}
         for group in state_dict["param_groups"]:
             self._check_options(group)  # before anything is loaded
+
+        def params():  # (saved id, param, group, its name in messages), in the saved order
+            ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+            ours = itertools.chain.from_iterable(((p, g, f"param {i} of group {k}") for i, p in enumerate(g["params"]))
+                                                 for k, g in enumerate(self.param_groups))
+            return zip(ids, ours)
+
+        for pid, (p, _, which) in params():  # also before anything is loaded
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = saved.get(pid, {}).get(key)
+                if isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ValueError(f"{self._name}.load_state_dict: {which} has shape {tuple(p.shape)} but its "
+                                     f"saved {key!r} {tuple(value.shape)}: a state dict of another model")
         super().load_state_dict(state_dict)
-        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(((p, g, f"param {i} of group {k}") for i, p in enumerate(g["params"]))
-                                               for k, g in enumerate(self.param_groups))
         self._cohorts = {}
         self._call_lists = {}  # the states are new tensors (CallLists.still_for would tell too)
-        for pid, (p, group, which) in zip(ids, params):
+        for pid, (p, group, which) in params():
             if pid not in saved:
                 continue
             state = self.state[p]

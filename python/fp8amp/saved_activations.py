@@ -242,7 +242,8 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
     keep one). What compiled graphs store is decided when they are compiled, and not counted.
 
     Raises:
-        TypeError: ``fmt`` is not a torch.dtype, ``min_numel`` not an int.
+        TypeError: ``fmt`` is not a torch.dtype, ``min_numel`` not an int, ``compiled_graphs`` not
+            a bool.
         ValueError: ``fmt`` is not E4M3 or E5M2, ``min_numel`` is below 1.
     """
 
@@ -253,8 +254,10 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
         if min_numel < 1:
             raise ValueError(f"{_WHERE}: min_numel must be a positive int (1 or more), got {min_numel}")
         self.min_numel = min_numel
+        if not isinstance(compiled_graphs, bool):
+            raise TypeError(f"{_WHERE}: compiled_graphs must be a bool, got {type(compiled_graphs).__name__}")
         #: Whether compiled graphs store their activations too (compiled_graphs and this torch allows).
-        self.in_compiled_graphs = bool(compiled_graphs) and _graph_hooks_supported()
+        self.in_compiled_graphs = compiled_graphs and _graph_hooks_supported()
         self._reset_counts()
         self._config_patch = None
         if self.in_compiled_graphs:

@@ -55,12 +55,16 @@ def unconvert(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not a ``torch.optim.Optimizer``.
+        ValueError: ``optimizer`` holds O1/O2 master weights that are not ``model``'s, or holds
+            masters and is not fp8amp's (checked before the model is changed).
         NotImplementedError: a weight sharded by FSDP2 (a DTensor).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"unconvert: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"unconvert: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if optimizer is not None:
+        _check_optimizer_masters(model, optimizer)  # before the model is changed
     replaced: dict[int, torch.Tensor] = {}  # id(old weight) -> new plain parameter
     model = _unconvert_modules(model, replaced)
     model.__dict__.pop("_fp8amp_conversion_report", None)
@@ -69,6 +73,25 @@ def unconvert(
     if isinstance(optimizer, fp8_optim.Adam):
         optimizer = _plain_optimizer(optimizer, replaced)
     return model, optimizer
+
+
+def _check_optimizer_masters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuses an optimizer that would be left stepping O1/O2 masters outside the unconverted model:
+    masters of another model (in a new plain optimizer they would stay ScaledTensors), or masters
+    in an optimizer that is not fp8amp's (returned as it is, it would hold the replaced tensors)."""
+    masters = {id(m.weight) for m in model.modules() if isinstance(m, Fp8Linear)}
+    for k, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if not isinstance(p, ScaledTensor):
+                continue
+            if id(p) not in masters:
+                raise ValueError(f"unconvert: param {i} of the optimizer's group {k} is an O1/O2 master weight "
+                                 f"that is not in model: pass the optimizer of this model")
+            if not isinstance(optimizer, fp8_optim.Adam):
+                raise ValueError(f"unconvert: the optimizer ({type(optimizer).__name__}) holds O1/O2 master weights "
+                                 f"(param {i} of group {k}), which unconvert replaces; only fp8amp's Adam / AdamW "
+                                 f"is converted with them: build a new optimizer over the unconverted model's "
+                                 f"parameters instead")
 
 
 def _unconvert_modules(model: nn.Module, replaced: dict[int, torch.Tensor]) -> nn.Module:

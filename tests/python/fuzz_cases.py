@@ -6,7 +6,9 @@ is invalid and must be refused. An exception is a *clear error* when it is a Typ
 ValueError / NotImplementedError / RuntimeError whose message names one of ``names`` (the
 argument), else *unclear*. Run as a program, it runs cases [start, end) and prints one JSON line
 as each case starts and one with its outcome, so the parent can name a case that crashed it.
-The tile ops' cases are in fuzz_cases_tiles.py, the MXFP8 ops' in fuzz_cases_mx.py.
+The tile ops' cases are in fuzz_cases_tiles.py, the MXFP8 ops' in fuzz_cases_mx.py, the modules'
+and the rest of the public API's (convert, initialize, unconvert, the optimizer, recipes, the
+distributed helpers) in fuzz_cases_api.py.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import sys
 import zlib
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import fp8amp
 from fp8amp import ops
@@ -385,118 +385,16 @@ def meta_and_alias_cases():
 # ------------------------------------------------------------------------------------------ the modules
 
 
-def _linear(seed=0, n_in=32, n_out=16):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _fp8_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Error bound of an FP8 forward: E4M3 inputs and weights (relative 2^-4 each, after scaling),
-    and the bias in bfloat16 (cuBLASLt's FP8 bias type for a float32 output)."""
-    return (x.abs().double() @ w.abs().double().t()) * 2.0 ** -2 + b.abs().double() * 2.0 ** -8 + 1e-6
-
-
-def module_cases():
-    for level, kind, shape in itertools.product(("fp8", "O1", "O2"), KINDS, ((4, 32), (2, 3, 32), (0, 32), (1, 32))):
-        x = values(kind, shape)
-
-        def forward(level=level, x=x):
-            ref = _linear()
-            model = (fp8amp.convert(nn.Sequential(_linear()), policy="all") if level == "fp8"
-                     else fp8amp.initialize(nn.Sequential(_linear()), None, level, policy="all")[0])
-            return ref, x, model(x)
-
-        def check(r):
-            ref, x, y = r
-            expected = F.linear(x.double(), ref.weight.double(), ref.bias.double())
-            assert y.shape == expected.shape
-            bad = ~expected.isfinite()
-            assert bool(y[bad].isnan().all() | (y[bad] == expected[bad]).all()), "non-finite outputs differ"
-            ok = ~bad
-            assert bool(((y.double() - expected).abs()[ok] <= _fp8_bound(x, ref.weight, ref.bias)[ok]).all()), "error bound"
-
-        yield f"Fp8Linear {level} input {kind} {shape}", forward, check, ()
-    for level in ("fp8", "O1", "O2"):
-        model = lambda level=level: (fp8amp.convert(nn.Sequential(_linear()), policy="all") if level == "fp8"
-                                     else fp8amp.initialize(nn.Sequential(_linear()), None, level, policy="all")[0])
-        yield f"Fp8Linear {level} in_features mismatch", lambda m=model: m()(torch.randn(4, 16)), None, ("in_features",)
-        yield f"Fp8Linear {level} float64 input", lambda m=model: m()(torch.randn(4, 32, dtype=torch.float64)), None, ("x",)
-        yield f"Fp8Linear {level} int input", lambda m=model: m()(torch.ones(4, 32, dtype=torch.int32)), None, ("x",)
-        yield f"Fp8Linear {level} meta input", lambda m=model: m()(torch.randn(4, 32, device="meta")), None, ("on meta",)
-        yield f"Fp8Linear {level} sparse input", lambda m=model: m()(torch.randn(4, 32).to_sparse()), None, ("dense",)
-    for fmt, kind, shape in itertools.product(FORMATS, KINDS, SHAPES[:6]):
-        x = values(kind, shape)
-
-        def from_tensor(fmt=fmt, x=x):
-            return x, fp8amp.ScaledTensor.from_tensor(x, fmt).dequantize()
-
-        def check(r, fmt=fmt):
-            x, real = r
-            if not bool(x.isfinite().all()):
-                assert real.isnan().all()  # docs/numerics.md#non-finite-values
-                return
-            scale = current_scale(torch_amax(x), fp8amp.format_max(fmt))
-            scale = scale.reshape(())
-            expected = (x * scale).clamp(-fp8amp.format_max(fmt), fp8amp.format_max(fmt)).to(fmt).float() / scale
-            assert torch.equal(bits(real), bits(expected)), "values differ"
-
-        yield f"ScaledTensor.from_tensor {fmt} {kind} {shape}", from_tensor, check, ()
-
-        def copy(fmt=fmt, x=x, shape=shape):
-            s = fp8amp.ScaledTensor.from_tensor(torch.ones(shape), fmt)
-            s.copy_(x)
-            return x, s.dequantize()
-
-        yield f"ScaledTensor.copy_ {fmt} {kind} {shape}", copy, check, ()
-    s = lambda: fp8amp.ScaledTensor.from_tensor(torch.ones(4), FP16)  # noqa: E731
-    yield "ScaledTensor.from_tensor dtype bfloat16", lambda: fp8amp.ScaledTensor.from_tensor(torch.ones(4),
-                                                                                             torch.bfloat16), None, ("dtype",)
-    yield "ScaledTensor.from_tensor complex", lambda: fp8amp.ScaledTensor.from_tensor(torch.ones(4, dtype=torch.complex64)), \
-        None, ("real",)
-    yield "ScaledTensor.add_ complex", lambda: s().add_(torch.ones(4, dtype=torch.complex64)), None, ("real",)
-    yield "ScaledTensor.add_ meta", lambda: s().add_(torch.ones(4, device="meta")), None, ("device",)
-    yield "ScaledTensor.sub_", lambda: s().sub_(torch.full((4,), 0.25)).dequantize(), \
-        lambda r: close(r, torch.full((4,), 0.75), 0), ()
-    yield "ScaledTensor.t_", lambda: s().t_(), None, ("t_",)
-    yield "ScaledTensor.add_ float64", lambda: s().add_(torch.full((4,), 0.5, dtype=torch.float64)).dequantize(), \
-        lambda r: close(r, torch.full((4,), 1.5), 0), ()
-    net = lambda: nn.Sequential(_linear(), nn.ReLU(), _linear(1, 16, 32))  # noqa: E731
-    yield "initialize model not a module", lambda: fp8amp.initialize(object(), None, "O1"), None, ("model",)
-    yield "initialize opt_level O3", lambda: fp8amp.initialize(net(), None, "O3"), None, ("opt_level",)
-    yield "initialize SGD", lambda: fp8amp.initialize(net(), torch.optim.SGD(net().parameters(), lr=0.1), "O1"), None, \
-        ("optimizer",)
-    yield "initialize weight_grad fp16", lambda: fp8amp.initialize(net(), None, "O1", weight_grad="fp16"), None, \
-        ("weight_grad",)
-    yield "convert policy unknown", lambda: fp8amp.convert(net(), policy="some"), None, ("policy",)
-    for level in ("O1", "O2"):
-        def train(level=level):
-            model = net()
-            model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, policy="all")
-            before = [p.float().clone() if not isinstance(p, fp8amp.ScaledTensor) else p.dequantize() for p in
-                      model.parameters()]
-            model(torch.randn(8, 32)).square().mean().backward()
-            opt.step()
-            after = [p.float() if not isinstance(p, fp8amp.ScaledTensor) else p.dequantize() for p in model.parameters()]
-            return before, after
-
-        def moved(r):
-            assert all(bool(a.isfinite().all()) and not torch.equal(a, b) for a, b in zip(*r)), "a param did not train"
-
-        yield f"initialize {level} one training step", train, moved, ()
-        yield f"initialize {level} odd Linear stays", lambda level=level: type(fp8amp.initialize(
-            nn.Sequential(nn.Linear(10, 7)), None, level, policy="all")[0][0]).__name__, \
-            lambda name: (name == "Linear") or raises_only(name), ()
-
-
 def all_cases() -> list:
-    from fuzz_cases_mx import mx_cases  # noqa: E402 (beside this file, on sys.path above)
+    from fuzz_cases_api import api_cases, module_cases  # noqa: E402 (beside this file, on sys.path above)
+    from fuzz_cases_mx import mx_cases  # noqa: E402
     from fuzz_cases_tiles import tile_cases  # noqa: E402
 
     def mx():
         return mx_cases(values, KINDS, SHAPES[:6], HIGH, BAD_DTYPES)
 
     return [c for gen in (cast_cases, scaling_cases, gemm_cases, accumulate_adam_cases, meta_and_alias_cases,
-                          tile_cases, module_cases, mx) for c in gen()]
+                          tile_cases, module_cases, api_cases, mx) for c in gen()]
 
 
 def outcome(case) -> tuple[str, str]:

@@ -315,7 +315,7 @@ def test_errors_name_the_argument():
         AdamW(mlp().double().parameters())
     with pytest.raises(ValueError, match=r"lr must be a Python float, got Tensor"):
         AdamW(params, lr=torch.tensor(1e-3))
-    with pytest.raises(ValueError, match=r"invalid beta parameter at index 1"):
+    with pytest.raises(ValueError, match=r"invalid betas\[1\]"):
         AdamW(params, betas=(0.9, 1.0))
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = AdamW(emb.parameters())
