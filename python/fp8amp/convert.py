@@ -52,11 +52,12 @@ from .convert_policy import (
     step_rule_applies,
 )
 from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d
-from .recipes import resolve_recipe
+from .recipes import Recipe, resolve_recipe
 from .scaling import ScalingState, update_states
 
 __all__ = [
     "convert",
+    "check_options",
     "update_scaling",
     "register_scaling_hooks",
     "POLICIES",
@@ -117,16 +118,18 @@ def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     return model.__dict__.get("_fp8amp_conversion_report")
 
 
-def _check_convert_args(model, module_filter_fn, optimizer, policy, tokens, min_speedup, timer) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
+def check_options(*, module_filter_fn: Optional[ModuleFilter] = None, recipe: RecipeArg = None, policy: str = "auto",
+                  tokens: int = DEFAULT_TOKENS, compiled: Optional[bool] = None,
+                  min_speedup: float = DEFAULT_MIN_SPEEDUP, timer: Optional[Timer] = None) -> Recipe:
+    """:func:`convert`'s checks of its options, without a model (for what takes the options before
+    the model, as the Lightning plugins do); returns the recipe resolved."""
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError("convert: module_filter_fn must be a callable (module, name) -> bool")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"convert: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"convert: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r}")
     _check_policy_args(tokens, min_speedup, timer)
+    check_compiled(compiled, "convert")
+    return resolve_recipe(recipe, "convert")
 
 
 def convert(
@@ -190,9 +193,12 @@ def convert(
             a ``min_speedup`` that is not a positive finite number.
         TypeError: an argument of the wrong type.
     """
-    _check_convert_args(model, module_filter_fn, optimizer, policy, tokens, min_speedup, timer)
-    check_compiled(compiled, "convert")
-    recipe = resolve_recipe(recipe, "convert")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"convert: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    recipe = check_options(module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
+                           compiled=compiled, min_speedup=min_speedup, timer=timer)
     for device in {p.device for p in model.parameters()}:  # before any layer changes (mxfp8 below Blackwell)
         recipe.check_device(device, "fp8amp.convert")
     report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind,

@@ -96,14 +96,7 @@ def initialize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-        extra = (" (O3's sharding: O1/O2 under FSDP2's fully_shard, docs/distributed.md)" if opt_level == "O3"
-                 else "")
-        raise ValueError(f"initialize: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
-                         f"got {opt_level!r}{extra}")
-    if weight_grad not in WEIGHT_GRADS:
-        raise ValueError(f"initialize: weight_grad must be one of {', '.join(map(repr, WEIGHT_GRADS))}; "
-                         f"got {weight_grad!r}")
+    check_level(opt_level, weight_grad)
     if optimizer is not None:
         _check_optimizer(optimizer)
         _check_optimizer_of(model, optimizer)
@@ -133,6 +126,18 @@ def _note_level_below_crossover(model: nn.Module, opt_level: str) -> None:
     report.notes.append(f"{opt_level}: the optimizer states of every parameter still take the level's formats "
                         f"(exp_avg {m_dtype}, exp_avg_sq {v_dtype}); FP16 master weights are made for FP8 layers "
                         "only, so the Linear weights keep their dtype")
+
+
+def check_level(opt_level: str, weight_grad: str = "fp8") -> None:
+    """:func:`initialize`'s checks of ``opt_level`` and ``weight_grad``."""
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        extra = (" (O3's sharding: O1/O2 under FSDP2's fully_shard, docs/distributed.md)" if opt_level == "O3"
+                 else "")
+        raise ValueError(f"initialize: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
+                         f"got {opt_level!r}{extra}")
+    if not isinstance(weight_grad, str) or weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"initialize: weight_grad must be one of {', '.join(map(repr, WEIGHT_GRADS))}; "
+                         f"got {weight_grad!r}")
 
 
 def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",

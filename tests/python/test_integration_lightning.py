@@ -9,7 +9,7 @@ from torch import nn
 import fp8amp
 
 L = pytest.importorskip("lightning")
-from fp8amp.integrations.lightning import Fp8ampPrecision  # noqa: E402 (needs lightning)
+from fp8amp.integrations.lightning import Fp8ampFabricPrecision, Fp8ampPrecision  # noqa: E402 (needs lightning)
 
 
 class Regression(L.LightningModule):
@@ -114,6 +114,28 @@ def test_bad_plugin_arguments():
         Fp8ampPrecision("O3")
     with pytest.raises(ValueError, match="autocast_dtype must be"):
         Fp8ampPrecision(autocast_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("plugin", [Fp8ampPrecision, Fp8ampFabricPrecision])
+@pytest.mark.parametrize("options, error, message", [
+    (dict(recipee="blockwise"), TypeError, r"unknown keyword argument\(s\) recipee; accepted: .*recipe"),
+    (dict(recipe="fancy"), ValueError, "recipe must be one of"),
+    (dict(policy="fast"), ValueError, "policy must be one of"),
+    (dict(tokens=0), ValueError, "tokens must be >= 1"),
+    (dict(weight_grad="fp16"), ValueError, "weight_grad must be one of"),
+    (dict(compiled="yes"), TypeError, "compiled must be"),
+    (dict(module_filter_fn=3), TypeError, "module_filter_fn must be a callable"),
+])
+def test_bad_initialize_options_are_refused_when_the_plugin_is_made(plugin, options, error, message):
+    """The options for fp8amp.initialize are checked by the plugin's constructor, not first when
+    the Trainer or Fabric converts the module (after its own set-up)."""
+    with pytest.raises(error, match=message):
+        plugin(**options)
+
+
+def test_fabric_plugin_refuses_fp8_allreduce():
+    with pytest.raises(TypeError, match="unknown keyword argument\\(s\\) fp8_allreduce"):
+        Fp8ampFabricPrecision(fp8_allreduce=True)
 
 
 class ClippedByValue(Regression):

@@ -44,7 +44,8 @@ from torch import nn
 
 from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
-from ..initialize import OPT_LEVELS, initialize, initialize_optimizer
+from ..convert import check_options
+from ..initialize import OPT_LEVELS, check_level, initialize, initialize_optimizer
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor
 from ..scaling import ScalingState
@@ -52,6 +53,8 @@ from ..scaling import ScalingState
 __all__ = ["Fp8ampPrecision", "Fp8ampFabricPrecision"]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16, None)
+#: The keywords the plugins pass on to fp8amp.initialize.
+_INITIALIZE_OPTIONS = ("module_filter_fn", "recipe", "weight_grad", "policy", "tokens", "compiled")
 _PRECISION_NAMES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}
 _CHECKPOINT_KEY = "fp8amp"
 
@@ -67,6 +70,15 @@ class _Fp8ampConversion:
         if autocast_dtype not in _AUTOCAST_DTYPES:
             raise ValueError(f"{where}: autocast_dtype must be torch.bfloat16, torch.float16 or None; "
                              f"got {autocast_dtype!r}")
+        unknown = sorted(set(options) - set(_INITIALIZE_OPTIONS))
+        if unknown:
+            raise TypeError(f"{where}: unknown keyword argument(s) {', '.join(unknown)}; accepted: opt_level, "
+                            f"autocast_dtype, {', '.join(_INITIALIZE_OPTIONS)}"
+                            + (", fp8_allreduce" if isinstance(self, Precision) else ""))
+        # The options' values are checked now, as initialize checks them, not when the Trainer
+        # first converts the module.
+        check_level(opt_level, options.get("weight_grad", "fp8"))
+        check_options(**{k: v for k, v in options.items() if k != "weight_grad"})
         self.opt_level = opt_level
         self.autocast_dtype = autocast_dtype
         self.precision = _PRECISION_NAMES[autocast_dtype]
