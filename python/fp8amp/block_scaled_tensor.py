@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from .recipes import BLOCK
 from .dequantized_view import view_of
 from .scaled_tensor import WrapperTensorMixin, norms_from_codes
@@ -55,6 +55,14 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
     def from_tensor(cls, x: torch.Tensor, fmt: torch.dtype = E4M3, dtype: torch.dtype | None = None):
         """``x`` [rows, cols] quantized with one current power-of-two scale per 128 x 128 block (a
         block holding an inf or NaN reads NaN); logical dtype ``dtype`` (default ``x.dtype``)."""
+        where = "fp8amp.BlockScaledTensor.from_tensor"
+        if isinstance(x, torch.Tensor) and x.dim() != 2:
+            raise ValueError(f"{where}: x must be 2-D [rows, cols], got shape {list(x.shape)}")
+        if fmt not in (E4M3, E5M2):
+            raise ValueError(f"{where}: fmt must be torch.float8_e4m3fn or torch.float8_e5m2; got {fmt!r}")
+        if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
+            raise ValueError(f"{where}: dtype must be None or one of {', '.join(map(str, HIGH_PRECISION_DTYPES))}; "
+                             f"got {dtype!r}")
         codes, scale_inv = ops.quantize_tiles(x, fmt, BLOCK_TILE)
         return cls(codes, scale_inv, dtype or x.dtype)
 

@@ -153,7 +153,8 @@ def convert(
             itself an ``nn.Linear``, the new module is returned (there is no parent to put it in).
         module_filter_fn: ``(module, fully_qualified_name) -> bool``; a Linear is converted only
             if this returns True. Linears whose in/out features are not multiples of 16 (cuBLASLt's
-            FP8 rule) are always left as they are.
+            FP8 rule), or whose weight is not float32, bfloat16 or float16 (float64), are always
+            left as they are.
         recipe: how the new layers scale their FP8 operands (docs/tiles.md#recipes):
             ``"tensorwise"`` (default: one scale per tensor, delayed scaling), ``"rowwise"``,
             ``"blockwise"``, ``"mxfp8"`` (OCP MX 1 x 32 blocks; CPU emulation or a Blackwell
@@ -228,7 +229,7 @@ def convert(
     for parent, child_name, fqn, linear in candidates:
         if id(linear) in decisions:  # a Linear reachable under two names is decided once
             continue
-        if (why := recipe.unsupported_reason(linear.in_features, linear.out_features)) is not None:
+        if (why := recipe.unsupported_reason(linear.in_features, linear.out_features, linear.weight.dtype)) is not None:
             decisions[id(linear)] = _decision(fqn, linear, False, why)
         elif module_filter_fn is not None and not bool(module_filter_fn(getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")

@@ -292,7 +292,7 @@ def decide(
         raise TypeError(f"decide: linear must be an nn.Linear (not yet converted), got {type(linear).__name__}")
     _check_policy_args(tokens, min_speedup, timer)
     recipe = resolve_recipe(recipe, "decide")
-    if (why := recipe.unsupported_reason(linear.in_features, linear.out_features)) is not None:
+    if (why := recipe.unsupported_reason(linear.in_features, linear.out_features, linear.weight.dtype)) is not None:
         return _decision("", linear, False, why)
     decisions = {id(linear): None}
     _decide_auto([("", linear)], decisions, tokens, float(min_speedup), timer, recipe)

@@ -34,6 +34,7 @@ from torch import nn
 from . import optim as fp8_optim
 from .convert import ModuleFilter, conversion_report, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
+from .formats import HIGH_PRECISION_DTYPES
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
@@ -171,6 +172,11 @@ def _check_optimizer(optimizer: object, caller: str = "initialize") -> None:
     if any(optimizer.state.values()):
         raise ValueError(f"{caller}: the optimizer has already taken steps (it holds state); convert it "
                          "before the first step, or load the checkpoint into the optimizer fp8amp returns")
+    for k, group in enumerate(optimizer.param_groups):  # what fp8amp's optimizer takes, before the model changes
+        for i, p in enumerate(group["params"]):
+            if not isinstance(p, ScaledTensor) and p.dtype not in HIGH_PRECISION_DTYPES:
+                raise ValueError(f"{caller}: the optimizer's params must be float32, bfloat16 or float16 (fp8amp's "
+                                 f"Adam steps no other dtype); param {i} of group {k} is {p.dtype}")
 
 
 def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

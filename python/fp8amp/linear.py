@@ -56,9 +56,16 @@ def fp8_linear_supported(in_features: int, out_features: int) -> bool:
 RecipeArg = Union[None, str, Recipe, ScalingRecipe]
 
 
-def _recipe_for(caller: str, recipe: RecipeArg, in_features: int, out_features: int) -> Recipe:
-    """The resolved recipe, if it can take a Linear of this shape (else ValueError saying why)."""
+def _recipe_for(caller: str, recipe: RecipeArg, in_features: int, out_features: int, dtype: torch.dtype) -> Recipe:
+    """The resolved recipe, if it can take a Linear of this shape and weight dtype (else ValueError
+    saying why)."""
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
     recipe = resolve_recipe(recipe, caller)
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise ValueError(f"{caller}: dtype must be one of {', '.join(map(str, HIGH_PRECISION_DTYPES))} (the weight's, "
+                         f"which the FP8 casts read), got {dtype}; keep this layer as nn.Linear")
     why = recipe.unsupported_reason(in_features, out_features)
     if why is not None:
         raise ValueError(f"{caller}: in_features ({in_features}) and out_features ({out_features}): {why}; keep "
@@ -231,7 +238,8 @@ class Fp8Linear(nn.Linear):
         *,
         recipe: RecipeArg = None,
     ) -> None:
-        recipe = _recipe_for("Fp8Linear", recipe, in_features, out_features)
+        recipe = _recipe_for("Fp8Linear", recipe, in_features, out_features,
+                             torch.get_default_dtype() if dtype is None else dtype)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
@@ -272,7 +280,8 @@ class Fp8Linear(nn.Linear):
         the old module keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Fp8Linear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
-        recipe = _recipe_for("Fp8Linear.from_linear", recipe, linear.in_features, linear.out_features)
+        recipe = _recipe_for("Fp8Linear.from_linear", recipe, linear.in_features, linear.out_features,
+                             linear.weight.dtype)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features = linear.in_features
@@ -397,7 +406,7 @@ class Fp8Conv1D(Fp8Linear):
         if not is_hf_conv1d(conv):
             raise TypeError(f"Fp8Conv1D.from_conv1d: conv must be a transformers Conv1D, got {type(conv).__name__}")
         in_features, out_features = conv.weight.shape
-        recipe = _recipe_for("Fp8Conv1D.from_conv1d", recipe, in_features, out_features)
+        recipe = _recipe_for("Fp8Conv1D.from_conv1d", recipe, in_features, out_features, conv.weight.dtype)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = in_features, out_features

@@ -68,7 +68,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
 from .ops import fast, multi_amax
-from .formats import E4M3, FP16
+from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
@@ -82,8 +82,6 @@ STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "O2": (E4M3, FP16),
 }
 
-#: The dtypes of plain (not ScaledTensor) params; bfloat16/float16 ones step in float32.
-_PLAIN_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Adam(torch.optim.Optimizer):
@@ -146,7 +144,7 @@ class Adam(torch.optim.Optimizer):
                     raise ValueError(
                         f"{self._name}: a ScaledTensor param must hold float16 codes (the O1/O2 master); "
                         f"param {i} of group {len(self.param_groups) - 1} holds {p.storage_format}")
-            elif p.dtype not in _PLAIN_PARAM_DTYPES:
+            elif p.dtype not in HIGH_PRECISION_DTYPES:  # (bfloat16/float16 ones step in float32)
                 raise ValueError(
                     f"{self._name}: params must be float32, bfloat16 or float16 tensors or FP16 ScaledTensors (the "
                     f"master weights); param {i} of group {len(self.param_groups) - 1} is {p.dtype}")

@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from .scaling import ScalingRecipe
 
 __all__ = ["Recipe", "RECIPES", "resolve_recipe"]
@@ -104,11 +104,16 @@ class Recipe:
         and whole 1 x 32 blocks for mxfp8."""
         return self.feature_multiple
 
-    def unsupported_reason(self, in_features: int, out_features: int) -> Optional[str]:
-        """Why a Linear of this shape cannot run under this recipe (None: it can)."""
+    def unsupported_reason(self, in_features: int, out_features: int,
+                           dtype: Optional[torch.dtype] = None) -> Optional[str]:
+        """Why a Linear of this shape (and weight ``dtype``, if given) cannot run under this recipe
+        (None: it can)."""
         def multiples(m: int) -> bool:
             return in_features > 0 and out_features > 0 and in_features % m == 0 and out_features % m == 0
 
+        if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
+            return (f"weight dtype {dtype} (the FP8 casts read "
+                    f"{', '.join(str(d).removeprefix('torch.') for d in HIGH_PRECISION_DTYPES)})")
         if not multiples(_GEMM_ALIGN):
             return f"in/out features not multiples of {_GEMM_ALIGN} (cuBLASLt FP8)"
         if not multiples(self.feature_multiple):

@@ -216,6 +216,42 @@ def api_cases():
 
     yield "unconvert O2 model and optimizer", unconvert_values, unconverted, ()
 
+    for case, name, call in (
+            ("float64", "dtype", lambda: fp8amp.Fp8Linear(32, 16, dtype=torch.float64)),
+            ("int32", "dtype", lambda: fp8amp.Fp8Linear(32, 16, dtype=torch.int32)),
+            ("float in_features", "in_features", lambda: fp8amp.Fp8Linear(32.0, 16)),
+            ("from_linear float64", "dtype", lambda: fp8amp.Fp8Linear.from_linear(nn.Linear(32, 16, dtype=torch.float64)))):
+        yield f"Fp8Linear {case}", call, None, (name,)
+
+    def convert_float64():
+        model = nn.Sequential(nn.Linear(32, 16, dtype=torch.float64), _linear(1, 16, 32))
+        fp8amp.convert(model, policy="all")
+        return model
+
+    def float64_kept(model):
+        assert [type(m) for m in model] == [nn.Linear, fp8amp.Fp8Linear], [type(m).__name__ for m in model]
+        assert "float64" in fp8amp.conversion_report(model).decisions[0].reason
+
+    yield "convert keeps a float64 Linear", convert_float64, float64_kept, ()
+
+    def initialize_float64():
+        model = nn.Sequential(_linear(), nn.Linear(16, 32, dtype=torch.float64))
+        optimizer = torch.optim.AdamW(model.parameters())
+        return _refused(lambda: fp8amp.initialize(model, optimizer, "O2", policy="all")), model
+
+    def refused_unconverted(r):
+        message, model = r
+        assert message is not None and "param" in message, f"not refused: {message}"
+        assert type(model[0]) is nn.Linear, "a refused initialize converted the model"
+
+    yield "initialize optimizer over a float64 param", initialize_float64, refused_unconverted, ()
+    block = fp8amp.BlockScaledTensor.from_tensor
+    yield "BlockScaledTensor.from_tensor 1-D", lambda: block(torch.ones(256)), None, ("x",)
+    yield "BlockScaledTensor.from_tensor fmt float16", lambda: block(torch.ones(128, 128), torch.float16), None, \
+        ("fmt",)
+    yield "BlockScaledTensor.from_tensor dtype int32", lambda: block(torch.ones(128, 128), dtype=torch.int32), None, \
+        ("dtype",)
+
     from fp8amp import amax_sync, distributed, fsdp
 
     states = lambda: amax_sync.delayed_states(_o2()[0])  # noqa: E731
