@@ -85,8 +85,8 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
 
 class WrapperTensorMixin:
     """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
-    inner tensors with no storage of their own: pickling, ``.data`` assignment and item
-    assignment."""
+    inner tensors with no storage of their own: pickling, ``.data`` assignment, item assignment,
+    and ``tolist`` / ``numpy`` (which torch refuses for any subclass) of the real values."""
 
     # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
     # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
@@ -123,6 +123,18 @@ class WrapperTensorMixin:
                              f"{list(self.shape)}; got x of shape {list(value.shape)}")
         with torch.no_grad():
             self.copy_(value)
+
+    def tolist(self):
+        """The real values as (nested) Python numbers, as ``Tensor.tolist`` gives them."""
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False):
+        """The real values as a NumPy array (a copy: the codes are not the values). As for a plain
+        tensor, a tensor that requires grad needs ``force=True`` (or ``.detach()`` first)."""
+        if self.requires_grad and not force:
+            raise RuntimeError(f"fp8amp.{type(self).__name__}: can't call numpy() on a tensor that requires grad; "
+                               "use .detach().numpy() (or numpy(force=True))")
+        return self.dequantize().detach().cpu().numpy()
 
     def __setitem__(self, index, value) -> None:
         # A plain tensor's item assignment writes through a view of it; views of these wrappers

@@ -455,3 +455,23 @@ def test_master_weight_refuses_what_it_cannot_be():
     with pytest.raises(ValueError, match="fp8_copy codes must be float8_e4m3fn"):
         MasterWeight(torch.zeros(4, 4, dtype=torch.float16), scale_inv,
                      fp8_copy=(torch.zeros(2, 2, dtype=fp8amp.E4M3), scale_inv, scale_inv))
+
+
+@pytest.mark.parametrize("fmt", [fp8amp.E4M3, fp8amp.FP16])
+def test_tolist_and_numpy_give_the_real_values(fmt):
+    """torch refuses tolist() and numpy() of any tensor subclass; these give the dequantized values
+    (not the codes), with numpy()'s rule for tensors that require grad."""
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+    scaled = fp8amp.ScaledTensor.from_tensor(x, fmt)
+    real = scaled.dequantize()
+    assert scaled.tolist() == real.tolist() and scaled.tolist() != scaled.codes.float().tolist()
+    assert torch.equal(torch.from_numpy(scaled.numpy()), real)
+    block = fp8amp.BlockScaledTensor.from_tensor(torch.randn(128, 256))
+    assert block.tolist() == block.dequantize().tolist()
+    assert torch.equal(torch.from_numpy(block.numpy()), block.dequantize())
+    param = torch.nn.Parameter(fp8amp.ScaledTensor.from_tensor(x, fmt), requires_grad=True)
+    assert param.tolist() == real.tolist()
+    with pytest.raises(RuntimeError, match=r"numpy\(\) on a tensor that requires grad"):
+        param.numpy()
+    assert torch.equal(torch.from_numpy(param.numpy(force=True)), real)
+    assert torch.equal(torch.from_numpy(param.detach().numpy()), real)
