@@ -83,7 +83,6 @@ STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
 }
 
 
-
 class Adam(torch.optim.Optimizer):
     """``torch.optim.Adam`` over the fused fp8amp op; see the module docstring.
 

@@ -145,7 +145,8 @@ def api_cases():
     net = lambda: nn.Sequential(_linear(), nn.ReLU(), _linear(1, 16, 32))  # noqa: E731
     params = lambda: net().parameters()  # noqa: E731
     yield "conversion_report not a module", lambda: fp8amp.conversion_report("model"), None, ("model",)
-    yield "conversion_report plain model", lambda: fp8amp.conversion_report(net()), lambda r: r is None or raises_only(r), ()
+    yield "conversion_report plain model", lambda: fp8amp.conversion_report(net()), \
+        lambda r: r is None or raises_only(r), ()
     for name, kwargs in (("kind", dict(kind="fancy")), ("grad_format", dict(grad_format=torch.float16)),
                          ("history_len", dict(history_len=0)), ("margin", dict(margin=True)),
                          ("pow2_scale", dict(pow2_scale="yes"))):
@@ -220,7 +221,8 @@ def api_cases():
             ("float64", "dtype", lambda: fp8amp.Fp8Linear(32, 16, dtype=torch.float64)),
             ("int32", "dtype", lambda: fp8amp.Fp8Linear(32, 16, dtype=torch.int32)),
             ("float in_features", "in_features", lambda: fp8amp.Fp8Linear(32.0, 16)),
-            ("from_linear float64", "dtype", lambda: fp8amp.Fp8Linear.from_linear(nn.Linear(32, 16, dtype=torch.float64)))):
+            ("from_linear float64", "dtype",
+             lambda: fp8amp.Fp8Linear.from_linear(nn.Linear(32, 16, dtype=torch.float64)))):
         yield f"Fp8Linear {case}", call, None, (name,)
 
     def convert_float64():
