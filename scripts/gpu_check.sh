@@ -106,8 +106,9 @@ if [ "$TESTS" = 1 ]; then
     tail -8 "$OUT/ctest.log"
   fi
   if [ ${#PYTEST_PATHS[@]} -gt 0 ]; then  # (a shard past the last file has none: not the whole suite)
+    # (--durations: the slowest tests, in pytest.log, for fitting the suite into the GPU machine's runs)
     FP8AMP_LOSS_LOG="$OUT/small_gpt_losses.txt" python3 -m pytest "${PYTEST_PATHS[@]}" -q -rs -p no:cacheprovider \
-      "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
+      --durations=25 "${PYTEST_ARGS[@]}" > "$OUT/pytest.log" 2>&1 || status=1
     tail -15 "$OUT/pytest.log"
     # the small GPT's losses against BF16, each run's (their spread sits near the test's 1 % line)
     [ -f "$OUT/small_gpt_losses.txt" ] && cat "$OUT/small_gpt_losses.txt"
