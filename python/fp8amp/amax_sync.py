@@ -127,7 +127,9 @@ def delayed_states(model: nn.Module) -> list[ScalingState]:
     states, seen, stack = [], set(), [model]
     while stack:
         m = stack.pop()
-        if id(m) in seen:  # a module reached twice (shared) counts once, where modules() first meets it
+        # (None: a child slot set to None, skipped here rather than by a generator a module.) A
+        # module reached twice (shared) counts once, where modules() first meets it.
+        if m is None or id(m) in seen:
             continue
         seen.add(id(m))
         if isinstance(m, Fp8Linear):
@@ -135,7 +137,7 @@ def delayed_states(model: nn.Module) -> list[ScalingState]:
                 children = m._modules  # (not m.input_scaling: Module.__getattr__ is slow)
                 states += (children["input_scaling"], children["grad_output_scaling"])
             continue
-        stack.extend(child for child in reversed(m._modules.values()) if child is not None)
+        stack.extend(reversed(m._modules.values()))
     return states
 
 

@@ -309,10 +309,14 @@ class Adam(torch.optim.Optimizer):
                 cohort = cohorts.get(id(p))
                 if cohort is None:
                     cohort = self._cohort_from_state(p)
-                # (the device's index, not the device: an int, where p.device makes an object)
-                params, states = parts.setdefault((p.get_device(), cohort), ([], []))
-                params.append(p)
-                states.append(state)
+                # (the device's index, not the device: an int, where p.device makes an object; no
+                # setdefault, whose default lists would be made for every param)
+                key = (p.get_device(), cohort)
+                part = parts.get(key)
+                if part is None:
+                    part = parts[key] = ([], [])
+                part[0].append(p)
+                part[1].append(state)
             calls += [(group, *part) for part in parts.values()]
 
         found_infs = self._found_infs(calls)
