@@ -129,15 +129,15 @@ def _note_level_below_crossover(model: nn.Module, opt_level: str) -> None:
                         "only, so the Linear weights keep their dtype")
 
 
-def check_level(opt_level: str, weight_grad: str = "fp8") -> None:
-    """:func:`initialize`'s checks of ``opt_level`` and ``weight_grad``."""
+def check_level(opt_level: str, weight_grad: str = "fp8", caller: str = "initialize") -> None:
+    """:func:`initialize`'s checks of ``opt_level`` and ``weight_grad`` (``caller`` names who took them)."""
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
         extra = (" (O3's sharding: O1/O2 under FSDP2's fully_shard, docs/distributed.md)" if opt_level == "O3"
                  else "")
-        raise ValueError(f"initialize: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
+        raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
                          f"got {opt_level!r}{extra}")
     if not isinstance(weight_grad, str) or weight_grad not in WEIGHT_GRADS:
-        raise ValueError(f"initialize: weight_grad must be one of {', '.join(map(repr, WEIGHT_GRADS))}; "
+        raise ValueError(f"{caller}: weight_grad must be one of {', '.join(map(repr, WEIGHT_GRADS))}; "
                          f"got {weight_grad!r}")
 
 

@@ -63,13 +63,10 @@ def _recipe_for(caller: str, recipe: RecipeArg, in_features: int, out_features: 
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
     recipe = resolve_recipe(recipe, caller)
-    if dtype not in HIGH_PRECISION_DTYPES:
-        raise ValueError(f"{caller}: dtype must be one of {', '.join(map(str, HIGH_PRECISION_DTYPES))} (the weight's, "
-                         f"which the FP8 casts read), got {dtype}; keep this layer as nn.Linear")
-    why = recipe.unsupported_reason(in_features, out_features)
+    why = recipe.unsupported_reason(in_features, out_features, dtype)
     if why is not None:
-        raise ValueError(f"{caller}: in_features ({in_features}) and out_features ({out_features}): {why}; keep "
-                         "this layer as nn.Linear")
+        raise ValueError(f"{caller}: in_features ({in_features}) and out_features ({out_features}) of dtype {dtype}: "
+                         f"{why}; keep this layer as nn.Linear")
     return recipe
 
 

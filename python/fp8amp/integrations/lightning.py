@@ -45,7 +45,7 @@ from torch import nn
 from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
 from ..convert import check_options
-from ..initialize import OPT_LEVELS, check_level, initialize, initialize_optimizer
+from ..initialize import check_level, initialize, initialize_optimizer
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor
 from ..scaling import ScalingState
@@ -64,9 +64,7 @@ class _Fp8ampConversion:
 
     def _configure(self, opt_level: str, autocast_dtype: Optional[torch.dtype], options: dict) -> None:
         where = type(self).__name__
-        if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-            raise ValueError(f"{where}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; "
-                             f"got {opt_level!r}")
+        check_level(opt_level, options.get("weight_grad", "fp8"), where)
         if autocast_dtype not in _AUTOCAST_DTYPES:
             raise ValueError(f"{where}: autocast_dtype must be torch.bfloat16, torch.float16 or None; "
                              f"got {autocast_dtype!r}")
@@ -77,7 +75,6 @@ class _Fp8ampConversion:
                             + (", fp8_allreduce" if isinstance(self, Precision) else ""))
         # The options' values are checked now, as initialize checks them, not when the Trainer
         # first converts the module.
-        check_level(opt_level, options.get("weight_grad", "fp8"))
         check_options(**{k: v for k, v in options.items() if k != "weight_grad"})
         self.opt_level = opt_level
         self.autocast_dtype = autocast_dtype
