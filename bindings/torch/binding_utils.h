@@ -85,10 +85,31 @@ inline at::Tensor empty_transposed(const at::Tensor& x, at::ScalarType dtype) {
   return at::empty_symint({columns(x), matrix_rows(x.sym_sizes())}, x.options().dtype(dtype));
 }
 
+// A core error as the Python exception of its kind (ValueError, TypeError, ...).
+[[noreturn]] inline void raise(const Error& e) {
+  switch (e.kind()) {
+    case ErrorKind::kValue: C10_THROW_ERROR(ValueError, e.what());
+    case ErrorKind::kType: C10_THROW_ERROR(TypeError, e.what());
+    case ErrorKind::kNotImplemented: C10_THROW_ERROR(NotImplementedError, e.what());
+    case ErrorKind::kRuntime: break;
+  }
+  C10_THROW_ERROR(Error, e.what());
+}
+
+// Runs `f` and translates core errors.
+template <class F>
+auto translating_errors(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    raise(e);
+  }
+}
+
 // Runs `f` on the current stream of `t`'s device and translates core errors.
 template <class F>
 void call(const at::Tensor& t, F&& f) {
-  try {
+  translating_errors([&] {
     Stream stream = nullptr;
 #ifdef FP8AMP_WITH_CUDA
     std::optional<c10::cuda::CUDAGuard> guard;
@@ -98,14 +119,7 @@ void call(const at::Tensor& t, F&& f) {
     }
 #endif
     f(stream);
-  } catch (const Error& e) {
-    switch (e.kind()) {
-      case ErrorKind::kValue: C10_THROW_ERROR(ValueError, e.what());
-      case ErrorKind::kType: C10_THROW_ERROR(TypeError, e.what());
-      case ErrorKind::kNotImplemented: C10_THROW_ERROR(NotImplementedError, e.what());
-      case ErrorKind::kRuntime: C10_THROW_ERROR(Error, e.what());
-    }
-  }
+  });
 }
 
 }  // namespace fp8amp::torch_binding

@@ -11,7 +11,18 @@
 // then derives the old scale from the scale_inv.
 // found_inf (float32 [1]): skip flag, in/out; None gives the op a zeroed one of its own.
 // Returns the amax of the new values, float32 [n, 4]: |grad|, |exp_avg'|, exp_avg_sq', |param'|.
+//
+//   torch.classes.fp8amp.AdamPlan(params, exp_avgs, exp_avg_sqs, <the scale lists but grad_scale_invs>)
+//   plan.step(grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay, adamw, maximize, step,
+//             step_tensor, found_inf, margin) -> amax [n, 4], or None
+//
+// The same step over buffers checked once (fp8amp/optim.h's AdamPlan), for a caller that repeats
+// it: each step passes only its grads and numbers. The plan holds its tensors (they live as long
+// as it does); a step finds none of them with other storage, shape or dtype than when the plan was
+// made (a `.data` swap, a resize), or it does nothing and returns None: make a new plan.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -48,6 +59,46 @@ at::Tensor amax_like(at::TensorList params) {
   return at::empty({static_cast<int64_t>(params.size()), int64_t{kAdamAmaxColumns}}, options.dtype(at::kFloat));
 }
 
+// The scale lists of the schema but grad_scale_invs, in its order.
+struct ScaleLists {
+  const OptionalTensorList &param_scales, &param_scale_invs, &exp_avg_scales, &exp_avg_scale_invs,
+      &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales, &weight_scale_invs;
+};
+
+// The views of tensor i's buffers but its grad.
+AdamTensors buffers(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const ScaleLists& s,
+                    size_t i) {
+  const size_t n = params.size();
+  AdamTensors t;
+  t.param = view(params[i], kOp, ListItem("params", i).c_str());
+  t.exp_avg = view(exp_avgs[i], kOp, ListItem("exp_avgs", i).c_str());
+  t.exp_avg_sq = view(exp_avg_sqs[i], kOp, ListItem("exp_avg_sqs", i).c_str());
+  t.param_scale = entry(s.param_scales, i, n, "param_scales");
+  t.param_scale_inv = entry(s.param_scale_invs, i, n, "param_scale_invs");
+  t.exp_avg_scale = entry(s.exp_avg_scales, i, n, "exp_avg_scales");
+  t.exp_avg_scale_inv = entry(s.exp_avg_scale_invs, i, n, "exp_avg_scale_invs");
+  t.exp_avg_sq_scale = entry(s.exp_avg_sq_scales, i, n, "exp_avg_sq_scales");
+  t.exp_avg_sq_scale_inv = entry(s.exp_avg_sq_scale_invs, i, n, "exp_avg_sq_scale_invs");
+  t.weight_fp8 = entry(s.weights_fp8, i, n, "weights_fp8");
+  t.weight_scale = entry(s.weight_scales, i, n, "weight_scales");
+  t.weight_scale_inv = entry(s.weight_scale_invs, i, n, "weight_scale_invs");
+  return t;
+}
+
+AdamHyper hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw, bool maximize,
+                int64_t margin) {
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.adamw = adamw;
+  h.maximize = maximize;
+  h.margin = narrow_int(margin, kOp, "margin");
+  return h;
+}
+
 at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                      const OptionalTensorList& param_scales, const OptionalTensorList& param_scale_invs,
                      const OptionalTensorList& grad_scale_invs, const OptionalTensorList& exp_avg_scales,
@@ -60,43 +111,103 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
   const size_t n = params.size();
   at::Tensor amax = amax_like(params);
   const at::Tensor found = found_inf ? *found_inf : at::zeros({1}, amax.options());
+  const ScaleLists scales{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
+                          exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
+                          weight_scale_invs};
   call(amax, [&](Stream stream) {
     check_length(grads.size(), n, "grads");
     check_length(exp_avgs.size(), n, "exp_avgs");
     check_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
     std::vector<AdamTensors> tensors(n);
     for (size_t i = 0; i < n; ++i) {
-      AdamTensors& t = tensors[i];
-      t.param = view(params[i], kOp, ListItem("params", i).c_str());
-      t.grad = view(grads[i], kOp, ListItem("grads", i).c_str());
-      t.exp_avg = view(exp_avgs[i], kOp, ListItem("exp_avgs", i).c_str());
-      t.exp_avg_sq = view(exp_avg_sqs[i], kOp, ListItem("exp_avg_sqs", i).c_str());
-      t.param_scale = entry(param_scales, i, n, "param_scales");
-      t.param_scale_inv = entry(param_scale_invs, i, n, "param_scale_invs");
-      t.grad_scale_inv = entry(grad_scale_invs, i, n, "grad_scale_invs");
-      t.exp_avg_scale = entry(exp_avg_scales, i, n, "exp_avg_scales");
-      t.exp_avg_scale_inv = entry(exp_avg_scale_invs, i, n, "exp_avg_scale_invs");
-      t.exp_avg_sq_scale = entry(exp_avg_sq_scales, i, n, "exp_avg_sq_scales");
-      t.exp_avg_sq_scale_inv = entry(exp_avg_sq_scale_invs, i, n, "exp_avg_sq_scale_invs");
-      t.weight_fp8 = entry(weights_fp8, i, n, "weights_fp8");
-      t.weight_scale = entry(weight_scales, i, n, "weight_scales");
-      t.weight_scale_inv = entry(weight_scale_invs, i, n, "weight_scale_invs");
+      tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, scales, i);
+      tensors[i].grad = view(grads[i], kOp, ListItem("grads", i).c_str());
+      tensors[i].grad_scale_inv = entry(grad_scale_invs, i, n, "grad_scale_invs");
     }
-    AdamHyper hyper;
-    hyper.lr = lr;
-    hyper.beta1 = beta1;
-    hyper.beta2 = beta2;
-    hyper.eps = eps;
-    hyper.weight_decay = weight_decay;
-    hyper.adamw = adamw;
-    hyper.maximize = maximize;
-    hyper.margin = narrow_int(margin, kOp, "margin");
     const auto step_view = optional_view(step_tensor, kOp, "step_tensor");
-    fp8amp::adam_step(tensors, hyper, step, step_view ? &*step_view : nullptr, view(found, kOp, "found_inf"),
-                      view(amax, kOp, "amax"), stream);
+    fp8amp::adam_step(tensors, hyper(lr, beta1, beta2, eps, weight_decay, adamw, maximize, margin), step,
+                      step_view ? &*step_view : nullptr, view(found, kOp, "found_inf"), view(amax, kOp, "amax"),
+                      stream);
   });
   return amax;
 }
+
+// torch.classes.fp8amp.AdamPlan: the core's plan and the tensors it was made from.
+class TorchAdamPlan : public torch::CustomClassHolder {
+ public:
+  TorchAdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+                OptionalTensorList param_scales, OptionalTensorList param_scale_invs,
+                OptionalTensorList exp_avg_scales, OptionalTensorList exp_avg_scale_invs,
+                OptionalTensorList exp_avg_sq_scales, OptionalTensorList exp_avg_sq_scale_invs,
+                OptionalTensorList weights_fp8, OptionalTensorList weight_scales, OptionalTensorList weight_scale_invs)
+      : plan_(translating_errors([&] {
+          const size_t n = params.size();
+          check_length(exp_avgs.size(), n, "exp_avgs");
+          check_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
+          const ScaleLists scales{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
+                                  exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
+                                  weight_scale_invs};
+          std::vector<AdamTensors> tensors(n);
+          for (size_t i = 0; i < n; ++i) tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, scales, i);
+          return AdamPlan(tensors);
+        })) {
+    for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs}) {
+      for (const at::Tensor& t : *list) hold(t);
+    }
+    for (const OptionalTensorList* list : {&param_scales, &param_scale_invs, &exp_avg_scales, &exp_avg_scale_invs,
+                                           &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales,
+                                           &weight_scale_invs}) {
+      for (const std::optional<at::Tensor>& t : *list) {
+        if (t) hold(*t);
+      }
+    }
+  }
+
+  std::optional<at::Tensor> step(std::vector<at::Tensor> grads, OptionalTensorList grad_scale_invs, double lr,
+                                 double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                                 bool maximize, int64_t step, std::optional<at::Tensor> step_tensor,
+                                 std::optional<at::Tensor> found_inf, int64_t margin) {
+    RECORD_FUNCTION("fp8amp::AdamPlan.step", std::vector<c10::IValue>());  // (a method: no dispatcher event)
+    for (const Held& h : held_) {
+      if (!h.unchanged()) return std::nullopt;
+    }
+    const size_t n = plan_.size();
+    at::Tensor amax = at::empty({static_cast<int64_t>(n), int64_t{kAdamAmaxColumns}},
+                                held_.front().tensor.options().dtype(at::kFloat));
+    const at::Tensor found = found_inf ? *found_inf : at::zeros({1}, amax.options());
+    call(amax, [&](Stream stream) {
+      std::vector<TensorView> grad_views(grads.size());
+      for (size_t i = 0; i < grads.size(); ++i) grad_views[i] = view(grads[i], kOp, ListItem("grads", i).c_str());
+      std::vector<std::optional<TensorView>> scale_inv_views(grad_scale_invs.size());
+      for (size_t i = 0; i < grad_scale_invs.size(); ++i) {
+        scale_inv_views[i] = entry(grad_scale_invs, i, grad_scale_invs.size(), "grad_scale_invs");
+      }
+      const auto step_view = optional_view(step_tensor, kOp, "step_tensor");
+      plan_.step(grad_views, scale_inv_views, hyper(lr, beta1, beta2, eps, weight_decay, adamw, maximize, margin),
+                 step, step_view ? &*step_view : nullptr, view(found, kOp, "found_inf"), view(amax, kOp, "amax"),
+                 stream);
+    });
+    return amax;
+  }
+
+ private:
+  // A tensor of the plan, and its storage, dtype and sizes when the plan was made.
+  struct Held {
+    at::Tensor tensor;
+    const void* data;
+    at::ScalarType dtype;
+    std::vector<int64_t> sizes;
+    bool unchanged() const {
+      return tensor.data_ptr() == data && tensor.scalar_type() == dtype && tensor.sizes().equals(sizes) &&
+             tensor.is_contiguous();
+    }
+  };
+
+  void hold(const at::Tensor& t) { held_.push_back({t, t.data_ptr(), t.scalar_type(), t.sizes().vec()}); }
+
+  AdamPlan plan_;
+  std::vector<Held> held_;
+};
 
 // Meta kernel: the amax output's shape only, for torch.compile's fake tensors.
 at::Tensor adam_step_meta(at::TensorList params, at::TensorList, at::TensorList, at::TensorList,
@@ -122,6 +233,17 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
       "Tensor(l!)?[] weight_scale_invs, *, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adamw, bool maximize, int step=0, Tensor(m!)? step_tensor=None, Tensor(n!)? found_inf=None, "
       "int margin=0) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
+  m.class_<fp8amp::torch_binding::TorchAdamPlan>("AdamPlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
+                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
+                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
+                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
+                       fp8amp::torch_binding::OptionalTensorList>())
+      .def("step", &fp8amp::torch_binding::TorchAdamPlan::step);
 }
 
 // The same function serves CPU and CUDA: the core dispatches on the tensors' device.

@@ -90,6 +90,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -159,5 +160,33 @@ enum AdamAmaxColumn : int {
 //            step too, for diagnosis).
 void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, int64_t step,
                const TensorView* step_tensor, const TensorView& found_inf, const TensorView& amax, Stream stream);
+
+// The same step for a caller that repeats it over the same buffers (an optimizer's steady state):
+// the plan checks every buffer but the grads once, when it is made, and each step() brings only
+// that step's grads and numbers. Both are the one op above: adam_step(tensors, ...) is
+// AdamPlan(tensors).step(their grads, ...), so the results are the same bit for bit.
+//
+// Made from the tensors of a call (their grad and grad_scale_inv are not used, and may be empty
+// views); checks them as adam_step does, with the same messages. The plan keeps the views, not the
+// tensors: the caller keeps the buffers alive and unchanged (no other storage, shape or dtype)
+// while it steps the plan, and makes a new plan otherwise.
+class AdamPlan {
+ public:
+  explicit AdamPlan(const std::vector<AdamTensors>& tensors);
+  AdamPlan(AdamPlan&&) noexcept;
+  AdamPlan& operator=(AdamPlan&&) noexcept;
+  ~AdamPlan();
+  size_t size() const;
+  // adam_step with grads[i] and grad_scale_invs[i] as tensor i's grad and grad_scale_inv
+  // (grad_scale_invs: empty, no grad is float8, or one entry per tensor), checked as adam_step
+  // checks them.
+  void step(const std::vector<TensorView>& grads, const std::vector<std::optional<TensorView>>& grad_scale_invs,
+            const AdamHyper& hyper, int64_t step, const TensorView* step_tensor, const TensorView& found_inf,
+            const TensorView& amax, Stream stream) const;
+
+ private:
+  struct Checked;  // the checked buffers, as the kernels take them (adam.cpp)
+  std::unique_ptr<const Checked> checked_;
+};
 
 }  // namespace fp8amp

@@ -132,6 +132,28 @@ void disjoint_writes(std::initializer_list<NamedView> written, std::initializer_
 void disjoint_writes(const std::vector<const TensorView*>& written_list, const std::vector<const TensorView*>& read_list,
                      std::initializer_list<NamedView> written, std::initializer_list<NamedView> read, const char* op,
                      const std::function<std::string(bool written, size_t i)>& list_names);
+
+// The written views of an op that is called many times over the same buffers (the fused Adam
+// step's plan), checked once for overlap among themselves (as disjoint_writes does); each call
+// then checks only its own views against them, in O(log n) each. It copies the views: the
+// buffers must outlive it. name(i) names views[i] (called only to build a message).
+class WrittenViews {
+ public:
+  WrittenViews(std::vector<TensorView> views, const char* op, std::function<std::string(size_t i)> name);
+  // Refuses `view` sharing a byte with one of the views; view_name() names it (called only to
+  // build the message).
+  void refuse_overlap(const TensorView& view, const std::function<std::string()>& view_name) const;
+
+ private:
+  struct Range {
+    uintptr_t begin, end;
+    size_t index;
+  };
+  std::vector<TensorView> views_;
+  std::vector<Range> sorted_;  // the non-empty views' bytes, by address
+  const char* op_;
+  std::function<std::string(size_t)> name_;
+};
 }  // namespace check
 
 }  // namespace fp8amp

@@ -67,7 +67,7 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
-from .ops import fast, multi_amax
+from .ops import multi_amax
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
@@ -378,18 +378,15 @@ class Adam(torch.optim.Optimizer):
                     grad_scale_invs[i] = g.scale_inv
                     continue
             grads.append(g.contiguous())
-        data, widened = lists.step_data()
         beta1, beta2 = group["betas"]
-        fast.adam_step(
-            data, grads, lists.exp_avgs, lists.exp_avg_sqs, [], lists.param_scale_invs,
-            _or_empty(grad_scale_invs), *lists.scale_lists, *lists.copy_lists,
-            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
-            maximize=bool(group["maximize"]), step_tensor=lists.step_tensor, found_inf=found_inf,
-        )
-        for p, wide in widened:
-            p.copy_(wide)
-        if lists.masters:  # changed in place under a custom op on their inner codes: say so
+        lists.step(grads, _or_empty(grad_scale_invs),
+                   (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                    float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"])),
+                   found_inf)
+        # changed in place under a custom op (a master: on its inner codes): say so, as torch's
+        # optimizers' in-place updates do
+        torch.autograd.graph.increment_version(sharded)
+        if lists.masters:
             torch.autograd.graph.increment_version(lists.masters)
         if lists.other_steps:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(lists.other_steps, lists.first_steps)

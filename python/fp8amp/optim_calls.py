@@ -12,6 +12,13 @@ and of every param's inner tensors (a master's codes, scale, E4M3 copy: ``drop_f
 read every step: the grads and the float32 copies of bfloat16/float16 params. A master keeps no
 scale, only its ``scale_inv``: the op derives the old scale from it and writes the new
 scale_inv. Hyperparameters are the group's, read at every call.
+
+The op's own checks of those tensors are kept too: :meth:`CallLists.step` steps a
+``fast.AdamPlan`` (the core checks every buffer but the grads once, when the plan is made), which
+refuses to step once a tensor it holds has other storage, shape or dtype (a ``.data`` swap, a
+resize: the identities ``still_for`` compares do not change then), and is then made again. A
+cohort with bfloat16/float16 params, whose float32 copies are new every step, and a step that
+Dynamo traces call the op itself.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
 from .master_weight import MasterWeight
+from .ops import fast
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
@@ -85,6 +93,7 @@ class CallLists:
         self.step_tensor = steps[0].view(1)
         # the cohort's counts were equal: after the call they are copied from the first
         self.other_steps, self.first_steps = steps[1:], [steps[0]] * (len(steps) - 1)
+        self._plan = None
 
     def _inner_ids(self) -> tuple:
         inner = []
@@ -105,7 +114,27 @@ class CallLists:
                 and self._inner_ids() == self.inner_ids
                 and _state_ids(states) == self.state_ids)
 
-    def step_data(self) -> tuple[list, list]:
+    def step(self, grads: list, grad_scale_invs: list, hyper: tuple, found_inf: torch.Tensor) -> None:
+        """One ``adam_step`` over these lists with this step's ``grads`` and ``grad_scale_invs``
+        (empty, or one tensor or None per param) and ``hyper``: ``(lr, beta1, beta2, eps,
+        weight_decay, adamw, maximize)``."""
+        data, widened = self._step_data()
+        if widened or torch.compiler.is_compiling():
+            lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
+            fast.adam_step(data, grads, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs, grad_scale_invs,
+                           *self.scale_lists, *self.copy_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, adamw=adamw, maximize=maximize, step_tensor=self.step_tensor,
+                           found_inf=found_inf)
+            for p, wide in widened:
+                p.copy_(wide)
+            return
+        args = (grads, grad_scale_invs, *hyper, 0, self.step_tensor, found_inf, 0)
+        if self._plan is None or self._plan.step(*args) is None:
+            self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
+                                       *self.scale_lists, *self.copy_lists)
+            self._plan.step(*args)
+
+    def _step_data(self) -> tuple[list, list]:
         """This step's ``(data, widened)``: ``widened`` the (param, float32 copy) pairs to round
         back after the call."""
         if not self.widened_positions:

@@ -145,45 +145,56 @@ void no_overlap(const TensorView& a, const TensorView& b, const char* op, const 
 void disjoint_writes(const std::vector<const TensorView*>& written_list, const std::vector<const TensorView*>& read_list,
                      std::initializer_list<NamedView> written_args, std::initializer_list<NamedView> read_args,
                      const char* op, const std::function<std::string(bool written, size_t i)>& list_names) {
-  std::vector<const TensorView*> written = written_list, read = read_list;
-  std::vector<const char*> written_names, read_names;  // of the named views after the lists'
-  for (const auto& [args, views, names] :
-       {std::tuple{&written_args, &written, &written_names}, std::tuple{&read_args, &read, &read_names}}) {
-    for (const NamedView& a : *args) {
-      if (a.view == nullptr) continue;  // an optional argument not given
-      views->push_back(a.view);
-      names->push_back(a.name);
+  std::vector<TensorView> written;
+  std::vector<const char*> written_names;  // of the named views after the list's
+  written.reserve(written_list.size() + written_args.size());
+  for (const TensorView* v : written_list) written.push_back(*v);
+  for (const NamedView& a : written_args) {
+    if (a.view == nullptr) continue;  // an optional argument not given
+    written.push_back(*a.view);
+    written_names.push_back(a.name);
+  }
+  const size_t listed = written_list.size();
+  const WrittenViews views(std::move(written), op, [&](size_t i) {
+    return i < listed ? list_names(true, i) : std::string(written_names[i - listed]);
+  });
+  for (size_t i = 0; i < read_list.size(); ++i) {
+    views.refuse_overlap(*read_list[i], [&] { return list_names(false, i); });
+  }
+  for (const NamedView& a : read_args) {
+    if (a.view != nullptr) views.refuse_overlap(*a.view, [&] { return std::string(a.name); });
+  }
+}
+
+WrittenViews::WrittenViews(std::vector<TensorView> views, const char* op, std::function<std::string(size_t)> name)
+    : views_(std::move(views)), op_(op), name_(std::move(name)) {
+  sorted_.reserve(views_.size());
+  for (size_t i = 0; i < views_.size(); ++i) {
+    const ByteRange r = bytes_of(views_[i]);
+    if (r.begin < r.end) sorted_.push_back({r.begin, r.end, i});
+  }
+  std::sort(sorted_.begin(), sorted_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // If two views overlap, so do two neighbours (a view that begins between them begins inside the
+  // first).
+  for (size_t k = 1; k < sorted_.size(); ++k) {
+    const Range& a = sorted_[k - 1];
+    const Range& b = sorted_[k];
+    if (overlap({a.begin, a.end}, {b.begin, b.end})) {
+      no_overlap(views_[a.index], views_[b.index], op_, name_(a.index).c_str(), name_(b.index).c_str());
     }
   }
-  const auto name = [&](bool is_written, size_t i) {
-    const size_t listed = (is_written ? written_list : read_list).size();
-    return i < listed ? list_names(is_written, i) : std::string((is_written ? written_names : read_names)[i - listed]);
-  };
-  // The non-empty written views by address: if two overlap, so do two neighbours (a view that
-  // begins between them begins inside the first). Once they are disjoint their ends are sorted
-  // too, so a read view overlaps some written one iff it overlaps the last one that begins
-  // before its end.
-  std::vector<std::pair<ByteRange, size_t>> sorted;
-  sorted.reserve(written.size());
-  for (size_t i = 0; i < written.size(); ++i) {
-    const ByteRange r = bytes_of(*written[i]);
-    if (r.begin < r.end) sorted.push_back({r, i});
-  }
-  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
-  const auto refuse_if_overlapping = [&](const TensorView& a, ByteRange ra, bool a_written, size_t i,
-                                         const std::pair<ByteRange, size_t>& w) {
-    if (!overlap(ra, w.first)) return;
-    no_overlap(a, *written[w.second], op, name(a_written, i).c_str(), name(true, w.second).c_str());
-  };
-  for (size_t k = 1; k < sorted.size(); ++k) {
-    const auto& [range, i] = sorted[k - 1];
-    refuse_if_overlapping(*written[i], range, true, i, sorted[k]);
-  }
-  for (size_t i = 0; i < read.size(); ++i) {
-    const ByteRange r = bytes_of(*read[i]);
-    const auto after = std::partition_point(sorted.begin(), sorted.end(),
-                                            [&](const auto& w) { return w.first.begin < r.end; });
-    if (after != sorted.begin()) refuse_if_overlapping(*read[i], r, false, i, *(after - 1));
+}
+
+void WrittenViews::refuse_overlap(const TensorView& view, const std::function<std::string()>& view_name) const {
+  // The views are disjoint, so their ends are sorted too: `view` overlaps one of them iff it
+  // overlaps the last one that begins before its end.
+  const ByteRange r = bytes_of(view);
+  const auto after =
+      std::partition_point(sorted_.begin(), sorted_.end(), [&](const Range& w) { return w.begin < r.end; });
+  if (after == sorted_.begin()) return;
+  const Range& w = *(after - 1);
+  if (overlap(r, {w.begin, w.end})) {
+    no_overlap(view, views_[w.index], op_, view_name().c_str(), name_(w.index).c_str());
   }
 }
 

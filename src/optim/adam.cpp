@@ -106,7 +106,8 @@ void check_hyper(const AdamHyper& h) {
                      numerics::kMaxScaleExponent, "], got ", h.margin);
 }
 
-AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t i, AdamFormats* formats) {
+// Tensor i's buffers but its grad, checked; set_grad adds the grad's pointers and format.
+AdamTensorPtrs buffer_ptrs(const AdamTensors& t, const TensorView& first, size_t i, AdamFormats* formats) {
   const TensorView& p = t.param;
   const ListItem item_name("params", i);
   const char* pname = item_name.c_str();
@@ -114,9 +115,6 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
                      " must be float32, or float16 with a scale (the FP16 master), got ", p.describe());
   check::contiguous(p, kOp, pname);
   check::same_device(p, first, kOp, pname, "params[0]");
-  check_buffer(t.grad, p, ListItem("grads", i).c_str(),
-               {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E5M2},
-               "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
   check_buffer(t.exp_avg, p, ListItem("exp_avgs", i).c_str(), {DType::kFloat32, DType::kFloat8E4M3},
                "float32 or float8_e4m3fn");
   check_buffer(t.exp_avg_sq, p, ListItem("exp_avg_sqs", i).c_str(), {DType::kFloat32, DType::kFloat16}, "float32 or float16");
@@ -126,25 +124,21 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
 
   AdamTensorPtrs r{};
   r.param = p.data;
-  r.grad = t.grad.data;
   r.exp_avg = t.exp_avg.data;
   r.exp_avg_sq = t.exp_avg_sq.data;
   r.weight_fp8 = t.weight_fp8 ? t.weight_fp8->data : nullptr;
   r.numel = p.numel();
 
   const bool fp16_param = p.dtype == DType::kFloat16;
-  const bool fp8_grad = is_fp8(t.grad.dtype);
   const bool fp8_m = t.exp_avg.dtype == DType::kFloat8E4M3;
   const bool fp16_v = t.exp_avg_sq.dtype == DType::kFloat16;
   const bool weight = t.weight_fp8.has_value();
   const char* param_why = fp16_param ? "its param is float16" : "its param is float32";
-  const char* grad_why = fp8_grad ? "its grad is float8" : "its grad is not float8";
   const char* m_why = fp8_m ? "its exp_avg is float8_e4m3fn" : "its exp_avg is float32";
   const char* v_why = fp16_v ? "its exp_avg_sq is float16" : "its exp_avg_sq is float32";
   const char* w_why = weight ? "weights_fp8[i] is given" : "weights_fp8[i] is None";
   r.param_scale = scale_ptr<float*>(t.param_scale, fp16_param, p, "param_scales", i, param_why, ScaleArg::kScale);
   r.param_scale_inv = scale_ptr<float*>(t.param_scale_inv, fp16_param, p, "param_scale_invs", i, param_why);
-  r.grad_scale_inv = grad_scale_inv_ptr(t.grad_scale_inv, fp8_grad, p, i, grad_why, &r.grad_blocks_per_row);
   r.exp_avg_scale = scale_ptr<float*>(t.exp_avg_scale, fp8_m, p, "exp_avg_scales", i, m_why, ScaleArg::kScale);
   r.exp_avg_scale_inv = scale_ptr<float*>(t.exp_avg_scale_inv, fp8_m, p, "exp_avg_scale_invs", i, m_why);
   r.exp_avg_sq_scale =
@@ -152,58 +146,107 @@ AdamTensorPtrs tensor_ptrs(const AdamTensors& t, const TensorView& first, size_t
   r.exp_avg_sq_scale_inv = scale_ptr<float*>(t.exp_avg_sq_scale_inv, fp16_v, p, "exp_avg_sq_scale_invs", i, v_why);
   r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why, ScaleArg::kScale);
   r.weight_scale_inv = scale_ptr<float*>(t.weight_scale_inv, weight, p, "weight_scale_invs", i, w_why);
-  *formats = AdamFormats{p.dtype, t.grad.dtype, t.exp_avg.dtype, t.exp_avg_sq.dtype, r.grad_blocks_per_row != 0};
+  *formats = AdamFormats{p.dtype, DType::kFloat32, t.exp_avg.dtype, t.exp_avg_sq.dtype, false};
   return r;
+}
+
+// This step's grad of tensor i (of `param`): checked, its pointers into *r, its format into *formats.
+void set_grad(const TensorView& grad, const std::optional<TensorView>& grad_scale_inv, const TensorView& param,
+              size_t i, AdamTensorPtrs* r, AdamFormats* formats) {
+  check_buffer(grad, param, ListItem("grads", i).c_str(),
+               {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E5M2},
+               "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
+  const bool fp8_grad = is_fp8(grad.dtype);
+  r->grad = grad.data;
+  r->grad_scale_inv = grad_scale_inv_ptr(grad_scale_inv, fp8_grad, param, i,
+                                         fp8_grad ? "its grad is float8" : "its grad is not float8",
+                                         &r->grad_blocks_per_row);
+  formats->grad = grad.dtype;
+  formats->grad_blocks = r->grad_blocks_per_row != 0;
 }
 
 // Every buffer but the grads and their scales is rewritten in place, element by element, and read
 // again in pass 2 (optim.h, "How"): two sharing memory, or a grad inside one of them, would give
 // wrong values on the CPU and a race on the GPU. The grads may share memory with each other.
-void check_disjoint(const std::vector<AdamTensors>& tensors, const TensorView* step_tensor, const TensorView& found_inf,
-                    const TensorView& amax) {
-  std::vector<const TensorView*> written, read;
-  std::vector<std::pair<const char*, size_t>> written_at, read_at;  // (list, i), as the torch op names them
-  const auto add = [](std::vector<const TensorView*>* views, std::vector<std::pair<const char*, size_t>>* at,
-                      const TensorView* t, const char* list, size_t i) {
-    if (t == nullptr) return;
-    views->push_back(t);
-    at->push_back({list, i});
-  };
-  const auto opt = [](const std::optional<TensorView>& t) { return t ? &*t : nullptr; };
+// These are the plan's written buffers, checked against each other once; each step checks its
+// grads and its own outputs against them.
+check::WrittenViews written_buffers(const std::vector<AdamTensors>& tensors) {
+  std::vector<TensorView> written;
+  std::vector<std::pair<const char*, size_t>> written_at;  // (list, i), as the torch op names them
   for (size_t i = 0; i < tensors.size(); ++i) {
     const AdamTensors& t = tensors[i];
-    for (const auto& [view, list] : {std::pair{&t.param, "params"}, {&t.exp_avg, "exp_avgs"},
-                                     {&t.exp_avg_sq, "exp_avg_sqs"}, {opt(t.param_scale), "param_scales"},
-                                     {opt(t.param_scale_inv), "param_scale_invs"},
-                                     {opt(t.exp_avg_scale), "exp_avg_scales"},
-                                     {opt(t.exp_avg_scale_inv), "exp_avg_scale_invs"},
-                                     {opt(t.exp_avg_sq_scale), "exp_avg_sq_scales"},
-                                     {opt(t.exp_avg_sq_scale_inv), "exp_avg_sq_scale_invs"},
-                                     {opt(t.weight_fp8), "weights_fp8"}, {opt(t.weight_scale), "weight_scales"},
-                                     {opt(t.weight_scale_inv), "weight_scale_invs"}}) {
-      add(&written, &written_at, view, list, i);
-    }
-    add(&read, &read_at, &t.grad, "grads", i);
-    add(&read, &read_at, opt(t.grad_scale_inv), "grad_scale_invs", i);
+    const auto add = [&](const TensorView& view, const char* list) {
+      written.push_back(view);
+      written_at.push_back({list, i});
+    };
+    const auto add_optional = [&](const std::optional<TensorView>& view, const char* list) {
+      if (view) add(*view, list);
+    };
+    add(t.param, "params");
+    add(t.exp_avg, "exp_avgs");
+    add(t.exp_avg_sq, "exp_avg_sqs");
+    add_optional(t.param_scale, "param_scales");
+    add_optional(t.param_scale_inv, "param_scale_invs");
+    add_optional(t.exp_avg_scale, "exp_avg_scales");
+    add_optional(t.exp_avg_scale_inv, "exp_avg_scale_invs");
+    add_optional(t.exp_avg_sq_scale, "exp_avg_sq_scales");
+    add_optional(t.exp_avg_sq_scale_inv, "exp_avg_sq_scale_invs");
+    add_optional(t.weight_fp8, "weights_fp8");
+    add_optional(t.weight_scale, "weight_scales");
+    add_optional(t.weight_scale_inv, "weight_scale_invs");
   }
-  check::disjoint_writes(written, read, {{step_tensor, "step_tensor"}, {&found_inf, "found_inf"}, {&amax, "amax"}}, {},
-                         kOp, [&](bool is_written, size_t k) {
-                           const auto& [list, i] = (is_written ? written_at : read_at)[k];
-                           return std::string(ListItem(list, i).c_str());
-                         });
+  return check::WrittenViews(std::move(written), kOp, [written_at = std::move(written_at)](size_t k) {
+    return std::string(ListItem(written_at[k].first, written_at[k].second).c_str());
+  });
 }
 
 }  // namespace
 
-void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, int64_t step,
-               const TensorView* step_tensor, const TensorView& found_inf, const TensorView& amax, Stream stream) {
+struct AdamPlan::Checked {
+  std::vector<TensorView> params;
+  std::vector<AdamTensorPtrs> ptrs;  // the grads' pointers left null
+  std::vector<AdamFormats> formats;  // the grads' formats left float32
+  check::WrittenViews written;
+};
+
+AdamPlan::AdamPlan(const std::vector<AdamTensors>& tensors) {
   FP8AMP_CHECK_VALUE(!tensors.empty(), kOp, "params must hold at least one tensor");
-  check_hyper(hyper);
   const TensorView& first = tensors[0].param;
   const size_t n = tensors.size();
+  std::vector<TensorView> params(n);
   std::vector<AdamTensorPtrs> ptrs(n);
   std::vector<AdamFormats> formats(n);
-  for (size_t i = 0; i < n; ++i) ptrs[i] = tensor_ptrs(tensors[i], first, i, &formats[i]);
+  for (size_t i = 0; i < n; ++i) {
+    params[i] = tensors[i].param;
+    ptrs[i] = buffer_ptrs(tensors[i], first, i, &formats[i]);
+  }
+  checked_ = std::make_unique<const Checked>(
+      Checked{std::move(params), std::move(ptrs), std::move(formats), written_buffers(tensors)});
+}
+
+AdamPlan::AdamPlan(AdamPlan&&) noexcept = default;
+AdamPlan& AdamPlan::operator=(AdamPlan&&) noexcept = default;
+AdamPlan::~AdamPlan() = default;
+
+size_t AdamPlan::size() const { return checked_->params.size(); }
+
+void AdamPlan::step(const std::vector<TensorView>& grads, const std::vector<std::optional<TensorView>>& grad_scale_invs,
+                    const AdamHyper& hyper, int64_t step, const TensorView* step_tensor, const TensorView& found_inf,
+                    const TensorView& amax, Stream stream) const {
+  const Checked& c = *checked_;
+  const size_t n = c.params.size();
+  const TensorView& first = c.params[0];
+  check_hyper(hyper);
+  FP8AMP_CHECK_VALUE(grads.size() == n, kOp, "grads must hold one tensor per param (", n, "), got ", grads.size());
+  FP8AMP_CHECK_VALUE(grad_scale_invs.empty() || grad_scale_invs.size() == n, kOp,
+                     "grad_scale_invs must be empty or hold one entry per param (", n, "), got ",
+                     grad_scale_invs.size());
+  std::vector<AdamTensorPtrs> ptrs = c.ptrs;
+  std::vector<AdamFormats> formats = c.formats;
+  static const std::optional<TensorView> kNone;
+  for (size_t i = 0; i < n; ++i) {
+    set_grad(grads[i], grad_scale_invs.empty() ? kNone : grad_scale_invs[i], c.params[i], i, &ptrs[i], &formats[i]);
+  }
 
   AdamArgs args{hyper, step, nullptr, nullptr, nullptr};
   if (step_tensor != nullptr) {
@@ -223,11 +266,47 @@ void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, 
                      kOp, "amax must be [", n, ", ", static_cast<int>(kAdamAmaxColumns), "], got ", amax.describe());
   check::same_device(amax, first, kOp, "amax", "params[0]");
   args.amax = amax.ptr<float>();
-  check_disjoint(tensors, step_tensor, found_inf, amax);
+
+  // This step's outputs against each other and the plan's buffers, then what it reads against both.
+  std::vector<TensorView> outputs{found_inf, amax};
+  std::vector<const char*> output_names{"found_inf", "amax"};
+  if (step_tensor != nullptr) {
+    outputs.push_back(*step_tensor);
+    output_names.push_back("step_tensor");
+  }
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    c.written.refuse_overlap(outputs[k], [&] { return std::string(output_names[k]); });
+  }
+  const check::WrittenViews step_outputs(std::move(outputs), kOp,
+                                         [&](size_t k) { return std::string(output_names[k]); });
+  for (size_t i = 0; i < n; ++i) {
+    const auto grad_name = [&] { return std::string(ListItem("grads", i).c_str()); };
+    c.written.refuse_overlap(grads[i], grad_name);
+    step_outputs.refuse_overlap(grads[i], grad_name);
+    if (!grad_scale_invs.empty() && grad_scale_invs[i]) {
+      const auto scale_name = [&] { return std::string(ListItem("grad_scale_invs", i).c_str()); };
+      c.written.refuse_overlap(*grad_scale_invs[i], scale_name);
+      step_outputs.refuse_overlap(*grad_scale_invs[i], scale_name);
+    }
+  }
 
   run_on(
       first, kOp, [&] { cpu::adam_step(ptrs, formats, args); },
       [&] { cuda::adam_step(ptrs, formats, args, stream); });
+}
+
+void adam_step(const std::vector<AdamTensors>& tensors, const AdamHyper& hyper, int64_t step,
+               const TensorView* step_tensor, const TensorView& found_inf, const TensorView& amax, Stream stream) {
+  const AdamPlan plan(tensors);
+  std::vector<TensorView> grads;
+  std::vector<std::optional<TensorView>> grad_scale_invs;
+  grads.reserve(tensors.size());
+  grad_scale_invs.reserve(tensors.size());
+  for (const AdamTensors& t : tensors) {
+    grads.push_back(t.grad);
+    grad_scale_invs.push_back(t.grad_scale_inv);
+  }
+  plan.step(grads, grad_scale_invs, hyper, step, step_tensor, found_inf, amax, stream);
 }
 
 }  // namespace fp8amp

@@ -158,7 +158,7 @@ TEST(Aliasing, AdamRefusesSharedStateAndGradsInsideWrittenBuffers) {
                                      AdamHyper{}, 1, nullptr, found_inf, view(amax2, DType::kFloat32, {2, 4}), nullptr); },
                      "adam_step: params[0] and exp_avg_sqs[1] must not share memory");
   expect_value_error([&] { adam_step({{p, g, m1, v}}, AdamHyper{}, 1, nullptr, m.at(30, {1}), amax_out, nullptr); },
-                     "adam_step: exp_avg_sqs[0] and found_inf must not share memory");
+                     "adam_step: found_inf and exp_avg_sqs[0] must not share memory");
   for (float x : m.buf) ASSERT_EQ(x, 1.0f);  // nothing written
   // Grads may share memory with each other: they are only read.
   adam_step({{p, g, m1, v}, {m.at(40, {8}), g, m.at(56, {8}), m.at(64, {8})}}, AdamHyper{}, 1, nullptr, found_inf,

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import fp8amp  # noqa: F401 (loads the extension: registers torch.ops.fp8amp)
+from fp8amp.ops import fast
 
 ops = torch.ops.fp8amp
 E4M3, FP16 = torch.float8_e4m3fn, torch.float16
@@ -281,6 +282,54 @@ def test_scales_left_out_are_derived_from_the_scale_invs(device):
             assert bytes_equal(a, b)
         assert all(s.isnan().all() for s in (y.p_scale, y.m_scale, y.v_scale, y.w_scale))
     assert not torch.equal(given[1].m_scale_inv, torch.ones(1, device=device))  # the scales moved
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
+    """fast.AdamPlan, the optimizer's kept call: steps over new grads with changing numbers equal
+    the op's bit for bit; once a tensor of the plan has other storage (a ``.data`` swap) or another
+    shape (a resize), its step does nothing and returns None; bad grads are named."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    gen = torch.Generator().manual_seed(17)
+    planned = [LowPrecisionParam(n, gen, E4M3, device) for n in (5, 300, 2049)]
+    direct = [LowPrecisionParam(n, gen, E4M3, device) for n in (5, 300, 2049)]
+    for x, y in zip(planned, direct):
+        for a, b in zip(x.tensors(), y.tensors()):
+            b.copy_(a)
+    lists = LowPrecisionParam.lists(planned)
+    plan = fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
+                         *(lists[name] for name in SCALE_LISTS if name != "grad_scale_invs"))
+
+    def plan_step(t, lr, grads=None):
+        grads = [x.g for x in planned] if grads is None else grads
+        return plan.step(grads, [x.g_scale_inv for x in planned], lr, 0.9, 0.999, 1e-8, 0.01, True, False, t,
+                         None, None, 0)
+
+    for t in range(1, 4):
+        g = [random_like(x.p.numel(), gen, -12, -4).to(device) for x in planned]
+        for xs in (planned, direct):
+            for x, gi in zip(xs, g):
+                x.set_grad(gi)  # a new grad tensor every step
+        amax = LowPrecisionParam.step(direct, step=t, lr=1e-3 * t, weight_decay=0.01)
+        assert torch.equal(plan_step(t, 1e-3 * t), amax)
+    for x, y in zip(planned, direct):
+        assert all(bytes_equal(a, b) for a, b in zip(x.tensors(), y.tensors()))
+
+    with pytest.raises(ValueError, match=r"grads\[1\] and its param must have the same shape"):
+        plan_step(4, 1e-3, [planned[0].g, planned[0].g, planned[2].g])
+    with pytest.raises(ValueError, match=r"grads\[2\] and exp_avgs\[2\] must not share memory"):
+        plan_step(4, 1e-3, [planned[0].g, planned[1].g, planned[2].m])
+    before = [t.clone() for x in planned for t in x.tensors()]
+    planned[1].v.data = planned[1].v.data.clone()  # the same tensor object, other storage
+    assert plan_step(4, 1e-3) is None
+    planned[2].w.resize_(100)
+    assert plan_step(4, 1e-3) is None
+    after = [t for x in planned for t in x.tensors()]
+    assert all(bytes_equal(a, b) for a, b in zip(before[:26], after[:26]))  # the first two params' untouched
+    with pytest.raises(ValueError, match=r"weights_fp8\[2\] and its param must have the same shape"):
+        fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
+                      *(lists[name] for name in SCALE_LISTS if name != "grad_scale_invs"))
 
 
 def test_found_inf_and_nonfinite_grads_leave_everything_bit_identical():

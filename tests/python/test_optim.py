@@ -396,7 +396,8 @@ def test_kept_call_lists_follow_every_change_of_params_states_and_groups():
     """The optimizer that keeps its calls' lists across steps against one that rebuilds them every
     step, bit for bit, through every change the lists depend on: hyperparameters, a cohort split
     (a param without grad), a new param group (of a bfloat16 param, stepped through float32), a
-    state tensor replaced, a master's E4M3 copy dropped and attached anew, load_state_dict."""
+    state tensor replaced, a master's E4M3 copy dropped and attached anew, load_state_dict, a
+    param's and a state's storage swapped under the same tensor object."""
     (kept_model, kept), (fresh_model, fresh) = twins = o2_twins()
     saved = {}
 
@@ -445,14 +446,24 @@ def test_kept_call_lists_follow_every_change_of_params_states_and_groups():
     step(9, load)
     step(10)
 
+    def swap_storage(model, opt):  # the same tensor objects, other storage: the op's kept plan is stale
+        model[0].weight.data = model[0].weight.data.clone()
+        opt.state[model[4].weight]["exp_avg"].data = opt.state[model[4].weight]["exp_avg"].data.clone()
+    step(11, swap_storage)
+    step(12)
 
-def test_a_step_bumps_the_version_counter_of_every_master():
-    """The op rewrites the masters' codes in place, unseen by autograd: the step says so, so that a
-    graph that saved a master before the step fails loudly instead of using changed values."""
+
+def test_a_step_bumps_the_version_counter_of_every_param():
+    """The op rewrites the params (a master: its codes) in place, unseen by autograd: the step says
+    so, as torch's optimizers do, so that a graph that saved a param before the step fails loudly
+    instead of using changed values."""
     (model, opt), _ = o2_twins()
-    masters = [p for p in model.parameters() if isinstance(p, fp8amp.ScaledTensor)]
-    assert masters
-    loss_of(model, 0).backward()
-    before = [p._version for p in masters]
+    params = list(model.parameters())
+    assert any(isinstance(p, fp8amp.ScaledTensor) for p in params)
+    loss = loss_of(model, 0)
+    loss.backward(retain_graph=True)
+    before = [p._version for p in params]
     opt.step()
-    assert all(p._version > v for p, v in zip(masters, before))
+    assert all(p._version > v for p, v in zip(params, before))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -1,6 +1,8 @@
-"""Loads the compiled extension, which registers the ``torch.ops.fp8amp`` operators.
+"""Loads the compiled extension, which registers the ``torch.ops.fp8amp`` operators and the
+``torch.classes.fp8amp`` classes.
 
-``lib`` is the operator namespace; only the op layer (this package) uses it."""
+``lib`` is the operator namespace, ``classes`` the classes'; only the op layer (this package) uses
+them."""
 
 import glob
 import os
@@ -23,3 +25,4 @@ def _load() -> None:
 
 _load()
 lib = torch.ops.fp8amp
+classes = torch.classes.fp8amp
