@@ -40,6 +40,9 @@ inline DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
 inline TensorView view(const at::Tensor& t, const char* op, const char* arg) {
   TensorView v;
   v.data = t.data_ptr();
+  // (a wrapper subclass reaches a custom class's method unwrapped by no dispatch: no data of its own)
+  FP8AMP_CHECK_VALUE(v.data != nullptr || t.numel() == 0, op, arg, " has no data of its own (a tensor subclass that "
+                     "wraps another?), got ", c10::toString(t.scalar_type()), t.sizes());
   v.dtype = to_dtype(t.scalar_type(), op, arg);
   v.shape.assign(t.sizes().begin(), t.sizes().end());
   v.strides.assign(t.strides().begin(), t.strides().end());

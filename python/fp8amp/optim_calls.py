@@ -17,8 +17,10 @@ The op's own checks of those tensors are kept too: :meth:`CallLists.step` steps 
 ``fast.AdamPlan`` (the core checks every buffer but the grads once, when the plan is made), which
 refuses to step once a tensor it holds has other storage, shape or dtype (a ``.data`` swap, a
 resize: the identities ``still_for`` compares do not change then), and is then made again. A
-cohort with bfloat16/float16 params, whose float32 copies are new every step, and a step that
-Dynamo traces call the op itself.
+cohort with bfloat16/float16 params, whose float32 copies are new every step, a cohort with a
+tensor subclass among its buffers (an ``Fp8AllGatherWeight``: the op's dispatch hands the kernel
+the tensor it wraps, the plan would get the wrapper), and a step that Dynamo traces or that runs
+under a ``TorchDispatchMode`` (which sees ops, not the plan's method) call the op itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import itertools
 from operator import attrgetter
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 try:
     from torch.distributed.tensor import DTensor
@@ -42,6 +45,7 @@ __all__ = ["CallLists", "local", "or_empty", "SCALE_KEYS"]
 
 #: The state keys of the moments' scales, in the op's order of its scale lists.
 SCALE_KEYS = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types whose storage is their own (no wrapper)
 _DTYPE = attrgetter("dtype")
 _INNER = attrgetter("_data", "_scale_inv")
 _COPY = attrgetter("_fp8", "_fp8_scale", "_fp8_scale_inv")
@@ -94,6 +98,9 @@ class CallLists:
         # the cohort's counts were equal: after the call they are copied from the first
         self.other_steps, self.first_steps = steps[1:], [steps[0]] * (len(steps) - 1)
         self._plan = None
+        self._plannable = all(type(t) in _PLAIN for t in itertools.chain(
+            self.data, self.exp_avgs, self.exp_avg_sqs, self.param_scale_invs, *self.scale_lists,
+            *self.copy_lists) if t is not None)
 
     def _inner_ids(self) -> tuple:
         inner = []
@@ -119,7 +126,7 @@ class CallLists:
         (empty, or one tensor or None per param) and ``hyper``: ``(lr, beta1, beta2, eps,
         weight_decay, adamw, maximize)``."""
         data, widened = self._step_data()
-        if widened or torch.compiler.is_compiling():
+        if widened or not self._plannable or torch.compiler.is_compiling() or _get_current_dispatch_mode():
             lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
             fast.adam_step(data, grads, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs, grad_scale_invs,
                            *self.scale_lists, *self.copy_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

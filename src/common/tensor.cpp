@@ -173,7 +173,8 @@ WrittenViews::WrittenViews(std::vector<TensorView> views, const char* op, std::f
     const ByteRange r = bytes_of(views_[i]);
     if (r.begin < r.end) sorted_.push_back({r.begin, r.end, i});
   }
-  std::sort(sorted_.begin(), sorted_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // (stable: two views that begin at one address are named in the order given)
+  std::stable_sort(sorted_.begin(), sorted_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
   // If two views overlap, so do two neighbours (a view that begins between them begins inside the
   // first).
   for (size_t k = 1; k < sorted_.size(); ++k) {

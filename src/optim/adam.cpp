@@ -268,12 +268,14 @@ void AdamPlan::step(const std::vector<TensorView>& grads, const std::vector<std:
   args.amax = amax.ptr<float>();
 
   // This step's outputs against each other and the plan's buffers, then what it reads against both.
-  std::vector<TensorView> outputs{found_inf, amax};
-  std::vector<const char*> output_names{"found_inf", "amax"};
+  std::vector<TensorView> outputs;
+  std::vector<const char*> output_names;
   if (step_tensor != nullptr) {
     outputs.push_back(*step_tensor);
     output_names.push_back("step_tensor");
   }
+  outputs.insert(outputs.end(), {found_inf, amax});
+  output_names.insert(output_names.end(), {"found_inf", "amax"});
   for (size_t k = 0; k < outputs.size(); ++k) {
     c.written.refuse_overlap(outputs[k], [&] { return std::string(output_names[k]); });
   }

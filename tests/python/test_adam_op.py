@@ -330,6 +330,13 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
     with pytest.raises(ValueError, match=r"weights_fp8\[2\] and its param must have the same shape"):
         fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
                       *(lists[name] for name in SCALE_LISTS if name != "grad_scale_invs"))
+    # a wrapper subclass, which no dispatch unwraps on the way to the plan, is refused, not read
+    from fp8amp.fsdp import Fp8AllGatherWeight
+
+    wrapped = Fp8AllGatherWeight(torch.zeros(8, device=device))
+    with pytest.raises(ValueError, match=r"params\[0\] has no data of its own"):
+        fast.AdamPlan([wrapped], [torch.zeros(8, device=device)], [torch.zeros(8, device=device)],
+                      *([] for _ in range(9)))
 
 
 def test_found_inf_and_nonfinite_grads_leave_everything_bit_identical():

@@ -467,3 +467,31 @@ def test_a_step_bumps_the_version_counter_of_every_param():
     assert all(p._version > v for p, v in zip(params, before))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_wrapped_param_steps_as_the_tensor_it_wraps():
+    """A cohort holding a tensor subclass (FSDP2's FP8 all-gather weight wraps the weight it is)
+    steps through the op, whose dispatch hands the kernel the wrapped tensor, not through a kept
+    plan: the same bits as the plain weights, step after step."""
+    from fp8amp.fsdp import Fp8AllGatherWeight, enable_fp8_all_gather
+
+    twins = []
+    for wrap in (True, False):
+        torch.manual_seed(0)
+        model = fp8amp.convert(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                                   torch.nn.Tanh(), torch.nn.Linear(32, 4)), policy="all")
+        if wrap:
+            assert enable_fp8_all_gather(model) == 1  # the middle Linear (FP8 takes no 8 or 4 features)
+        twins.append((model, fp8amp.optim.AdamW(model.parameters(), lr=1e-2, state_dtypes="O2")))
+    assert isinstance(twins[0][0][2].weight, Fp8AllGatherWeight)
+    before = twins[1][0][2].weight.detach().clone()
+    for n in range(3):
+        for model, opt in twins:
+            loss_of(model, n).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        (wrapped, _), (plain, _) = twins
+        for a, b in zip(wrapped.parameters(), plain.parameters()):
+            a = a._tensor if isinstance(a, Fp8AllGatherWeight) else a
+            assert torch.equal(a.detach(), b.detach()), f"step {n}"
+    assert not torch.equal(twins[1][0][2].weight.detach(), before)
