@@ -37,11 +37,14 @@ from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
 
 @contextlib.contextmanager
-def timing_fp8amp_ops() -> Iterator[list]:
+def timing_fp8amp_ops(optimizer=None) -> Iterator[list]:
     """Inside it every op of fp8amp.ops.fast (through which all of fp8amp's code calls the core)
-    adds the seconds it ran to the list yielded."""
+    and every step of an ``AdamPlan`` made inside it adds the seconds it ran to the list yielded.
+    ``optimizer`` (fp8amp's): its kept plans are dropped on the way in and out, so that its steps
+    inside make timed ones."""
     spent = [0.0]
     originals = {name: op for name, op in vars(fp8amp.ops.fast).items() if isinstance(op, torch._ops.OpOverload)}
+    adam_plan = fp8amp.ops.fast.AdamPlan
 
     def timed(op):
         def call(*args, **kwargs):
@@ -52,19 +55,29 @@ def timing_fp8amp_ops() -> Iterator[list]:
                 spent[0] += time.thread_time() - start
         return call
 
+    class TimedPlan:
+        def __init__(self, *buffers):
+            self.step = timed(adam_plan(*buffers).step)
+
+    kept = getattr(optimizer, "_call_lists", {})
     for name, op in originals.items():
         setattr(fp8amp.ops.fast, name, timed(op))
+    fp8amp.ops.fast.AdamPlan = TimedPlan
+    kept.clear()
     try:
         yield spent
     finally:
         for name, op in originals.items():
             setattr(fp8amp.ops.fast, name, op)
+        fp8amp.ops.fast.AdamPlan = adam_plan
+        kept.clear()
 
 
-def median_us(fn: Callable[[], object], repeats: int, warmup: int = 5) -> tuple[float, float]:
+def median_us(fn: Callable[[], object], repeats: int, warmup: int = 5, optimizer=None) -> tuple[float, float]:
     """Median CPU microseconds of this thread (where all of the step runs, with one thread: a
     loaded machine's other processes do not count) of one fn() call, and of one call less the time inside fp8amp's ops
-    (measured in separate calls, which the timing wrappers slow a little)."""
+    (measured in separate calls, which the timing wrappers slow a little; ``optimizer``: the one
+    fn steps, see timing_fp8amp_ops)."""
     for _ in range(warmup):
         fn()
     times, outside = [], []
@@ -72,7 +85,8 @@ def median_us(fn: Callable[[], object], repeats: int, warmup: int = 5) -> tuple[
         start = time.thread_time()
         fn()
         times.append(time.thread_time() - start)
-    with timing_fp8amp_ops() as spent:
+    with timing_fp8amp_ops(optimizer) as spent:
+        fn()  # (makes the optimizer's timed plans)
         for _ in range(repeats):
             spent[0] = 0.0
             start = time.thread_time()
@@ -155,11 +169,12 @@ def main() -> None:
     print(f"  one Linear forward + backward, 16 x 64, us: nn.Linear {t_plain[0]:.0f}, Fp8Linear O2 {_both(t_o2)}")
 
     steps = {mode: build_gpt(mode, cfg) for mode in ("bf16", "O2")}
-    t_step = {mode: median_us(gpt_step(*built, cfg), args.repeats) for mode, built in steps.items()}
+    t_step = {mode: median_us(gpt_step(*built, cfg), args.repeats, optimizer=built[1])
+              for mode, built in steps.items()}
     print(f"  one GPT step (d {args.d_model}, {args.layers} layers, {args.seq} tokens, eager), ms: BF16 recipe "
           f"{t_step['bf16'][0] / 1e3:.2f}, O2 {_both(t_step['O2'], 1e3, 2)}")
     model, optimizer = steps["O2"]
-    t_optim = median_us(optimizer_step(model, optimizer, cfg), args.repeats)
+    t_optim = median_us(optimizer_step(model, optimizer, cfg), args.repeats, optimizer=optimizer)
     print(f"  the O2 optimizer step alone (with its scaling hooks), ms: {_both(t_optim, 1e3, 2)}")
     if args.profile:
         optimizer.zero_grad(set_to_none=True)
