@@ -18,8 +18,8 @@ The op's own checks of those tensors are kept too: :meth:`CallLists.step` steps 
 refuses to step once a tensor it holds has other storage, shape or dtype (a ``.data`` swap, a
 resize: the identities ``still_for`` compares do not change then), and is then made again. A
 cohort with bfloat16/float16 params, whose float32 copies are new every step, a cohort with a
-tensor subclass among its buffers (an ``Fp8AllGatherWeight``: the op's dispatch hands the kernel
-the tensor it wraps, the plan would get the wrapper), and a step that Dynamo traces or that runs
+tensor subclass among its buffers or grads (an ``Fp8AllGatherWeight``: the op's dispatch hands the
+kernel the tensor it wraps, the plan would get the wrapper), and a step that Dynamo traces or that runs
 under a ``TorchDispatchMode`` (which sees ops, not the plan's method) call the op itself.
 """
 
@@ -126,7 +126,8 @@ class CallLists:
         (empty, or one tensor or None per param) and ``hyper``: ``(lr, beta1, beta2, eps,
         weight_decay, adamw, maximize)``."""
         data, widened = self._step_data()
-        if widened or not self._plannable or torch.compiler.is_compiling() or _get_current_dispatch_mode():
+        if (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
+                or torch.compiler.is_compiling() or _get_current_dispatch_mode()):
             lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
             fast.adam_step(data, grads, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs, grad_scale_invs,
                            *self.scale_lists, *self.copy_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

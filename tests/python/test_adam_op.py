@@ -249,6 +249,16 @@ def test_low_precision_against_float64_over_ten_steps(adamw, grad_dtype):
 # Non-finite policy, step counter
 
 
+def twin_params(sizes, gen, device):
+    """Two lists of E4M3-gradient LowPrecisionParams of ``sizes``, the second a copy of the first."""
+    first = [LowPrecisionParam(n, gen, E4M3, device) for n in sizes]
+    second = [LowPrecisionParam(n, gen, E4M3, device) for n in sizes]
+    for x, y in zip(first, second):
+        for a, b in zip(x.tensors(), y.tensors()):
+            b.copy_(a)
+    return first, second
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_scales_left_out_are_derived_from_the_scale_invs(device):
     """The *_scales lists left out (empty, or None entries): three steps give the same codes,
@@ -256,11 +266,7 @@ def test_scales_left_out_are_derived_from_the_scale_invs(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     gen = torch.Generator().manual_seed(7)
-    given = [LowPrecisionParam(n, gen, E4M3, device) for n in (4, 300, 2049)]
-    derived = [LowPrecisionParam(n, gen, E4M3, device) for n in (4, 300, 2049)]
-    for x, y in zip(given, derived):
-        for a, b in zip(x.tensors(), y.tensors()):
-            b.copy_(a)
+    given, derived = twin_params((4, 300, 2049), gen, device)
     for y in derived:
         for s in (y.p_scale, y.m_scale, y.v_scale, y.w_scale):
             s.fill_(float("nan"))
@@ -292,11 +298,7 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     gen = torch.Generator().manual_seed(17)
-    planned = [LowPrecisionParam(n, gen, E4M3, device) for n in (5, 300, 2049)]
-    direct = [LowPrecisionParam(n, gen, E4M3, device) for n in (5, 300, 2049)]
-    for x, y in zip(planned, direct):
-        for a, b in zip(x.tensors(), y.tensors()):
-            b.copy_(a)
+    planned, direct = twin_params((5, 300, 2049), gen, device)
     lists = LowPrecisionParam.lists(planned)
     plan = fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
                          *(lists[name] for name in SCALE_LISTS if name != "grad_scale_invs"))
