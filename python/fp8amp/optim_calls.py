@@ -126,8 +126,8 @@ class CallLists:
         (empty, or one tensor or None per param) and ``hyper``: ``(lr, beta1, beta2, eps,
         weight_decay, adamw, maximize)``."""
         data, widened = self._step_data()
-        if (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
-                or torch.compiler.is_compiling() or _get_current_dispatch_mode()):
+        if (torch.compiler.is_compiling() or widened or not self._plannable
+                or not all(type(g) in _PLAIN for g in grads) or _get_current_dispatch_mode()):
             lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
             fast.adam_step(data, grads, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs, grad_scale_invs,
                            *self.scale_lists, *self.copy_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

@@ -495,3 +495,22 @@ def test_a_wrapped_param_steps_as_the_tensor_it_wraps():
             a = a._tensor if isinstance(a, Fp8AllGatherWeight) else a
             assert torch.equal(a.detach(), b.detach()), f"step {n}"
     assert not torch.equal(twins[1][0][2].weight.detach(), before)
+
+
+def test_a_compiled_step_equals_the_eager_one():
+    """``torch.compile(optimizer.step)``: Dynamo traces the step (the op, which it sees, where
+    eager steps use a kept plan); the same bits as eager, step after step."""
+    twins = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        twins.append((model, fp8amp.optim.AdamW(model.parameters(), lr=1e-2, state_dtypes="O2")))
+    (eager_model, eager), (compiled_model, compiled) = twins
+    torch._dynamo.reset()
+    compiled_step = torch.compile(compiled.step, backend="eager")
+    for n in range(3):
+        for model, step in ((eager_model, eager.step), (compiled_model, compiled_step)):
+            loss_of(model, n).backward()
+            step()
+            model.zero_grad(set_to_none=True)
+        assert same(all_bits(*twins[0]), all_bits(*twins[1])), f"step {n}"
