@@ -121,10 +121,10 @@ class CallLists:
                 and self._inner_ids() == self.inner_ids
                 and _state_ids(states) == self.state_ids)
 
-    def step(self, grads: list, grad_scale_invs: list, hyper: tuple, found_inf: torch.Tensor) -> None:
+    def step(self, grads: list, grad_scale_invs: list, hyper: tuple, found_inf: torch.Tensor | None) -> None:
         """One ``adam_step`` over these lists with this step's ``grads`` and ``grad_scale_invs``
-        (empty, or one tensor or None per param) and ``hyper``: ``(lr, beta1, beta2, eps,
-        weight_decay, adamw, maximize)``."""
+        (empty, or one tensor or None per param), ``hyper``: ``(lr, beta1, beta2, eps,
+        weight_decay, adamw, maximize)``, and the skip flag ``found_inf`` (None: the op's own)."""
         data, widened = self._step_data()
         if (torch.compiler.is_compiling() or widened or not self._plannable
                 or not all(type(g) in _PLAIN for g in grads) or _get_current_dispatch_mode()):
