@@ -385,10 +385,10 @@ class Adam(torch.optim.Optimizer):
                     float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"])),
                    found_inf)
         # changed in place under a custom op (a master: on its inner codes): say so, as torch's
-        # optimizers' in-place updates do
+        # optimizers' in-place updates do; a DTensor's local shard has a counter of its own
         torch.autograd.graph.increment_version(sharded)
-        if lists.masters:
-            torch.autograd.graph.increment_version(lists.masters)
+        if lists.sharded_positions:
+            torch.autograd.graph.increment_version([lists.params[i] for i in lists.sharded_positions])
         if lists.other_steps:  # the cohort's counts were equal: they stay equal
             torch._foreach_copy_(lists.other_steps, lists.first_steps)
 
