@@ -1,18 +1,20 @@
 // torch.library registration of the fused Adam/AdamW step (fp8amp/optim.h): argument plumbing only.
 //
-//   adam_step(params!, grads, exp_avgs!, exp_avg_sqs!, <scale lists>, *, lr, beta1, beta2, eps,
-//             weight_decay, adamw, maximize, step=0, step_tensor!=None, found_inf!=None, margin=0)
-//       -> amax [n, 4]
+//   adam_step(params!, grads, exp_avgs!, exp_avg_sqs!, <scale lists>, step_counts!, *, lr, beta1,
+//             beta2, eps, weight_decay, adamw, maximize, step=0, step_tensor!=None, found_inf!=None,
+//             margin=0) -> amax [n, 4]
 //
 // Updates every listed tensor in place on its device with no host sync. Each scale list is either
 // empty (no tensor of the call has that scale) or holds one entry per param: a float32 [1] tensor
 // where the tensor's format is scaled, None where it is not (optim.h says which formats are); a
 // scale list (not a scale_inv one) may also be None, or empty, where the format is scaled: the op
-// then derives the old scale from the scale_inv.
+// then derives the old scale from the scale_inv. step_counts, empty or one entry per param (a
+// float32 [1] count, or None), are incremented with step_tensor.
 // found_inf (float32 [1]): skip flag, in/out; None gives the op a zeroed one of its own.
 // Returns the amax of the new values, float32 [n, 4]: |grad|, |exp_avg'|, exp_avg_sq', |param'|.
 //
-//   torch.classes.fp8amp.AdamPlan(params, exp_avgs, exp_avg_sqs, <the scale lists but grad_scale_invs>)
+//   torch.classes.fp8amp.AdamPlan(params, exp_avgs, exp_avg_sqs, <the scale lists but grad_scale_invs>,
+//                                 step_counts)
 //   plan.step(grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay, adamw, maximize, step,
 //             step_tensor, found_inf, margin) -> amax [n, 4], or None
 //
@@ -59,15 +61,15 @@ at::Tensor amax_like(at::TensorList params) {
   return at::empty({static_cast<int64_t>(params.size()), int64_t{kAdamAmaxColumns}}, options.dtype(at::kFloat));
 }
 
-// The scale lists of the schema but grad_scale_invs, in its order.
-struct ScaleLists {
+// The per-param optional lists of the schema but grad_scale_invs, in its order.
+struct OptionalLists {
   const OptionalTensorList &param_scales, &param_scale_invs, &exp_avg_scales, &exp_avg_scale_invs,
-      &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales, &weight_scale_invs;
+      &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales, &weight_scale_invs, &step_counts;
 };
 
 // The views of tensor i's buffers but its grad.
-AdamTensors buffers(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const ScaleLists& s,
-                    size_t i) {
+AdamTensors buffers(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                    const OptionalLists& s, size_t i) {
   const size_t n = params.size();
   AdamTensors t;
   t.param = view(params[i], kOp, ListItem("params", i).c_str());
@@ -82,6 +84,7 @@ AdamTensors buffers(at::TensorList params, at::TensorList exp_avgs, at::TensorLi
   t.weight_fp8 = entry(s.weights_fp8, i, n, "weights_fp8");
   t.weight_scale = entry(s.weight_scales, i, n, "weight_scales");
   t.weight_scale_inv = entry(s.weight_scale_invs, i, n, "weight_scale_invs");
+  t.step_count = entry(s.step_counts, i, n, "step_counts");
   return t;
 }
 
@@ -105,22 +108,22 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
                      const OptionalTensorList& exp_avg_scale_invs, const OptionalTensorList& exp_avg_sq_scales,
                      const OptionalTensorList& exp_avg_sq_scale_invs, const OptionalTensorList& weights_fp8,
                      const OptionalTensorList& weight_scales, const OptionalTensorList& weight_scale_invs,
-                     double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                     const OptionalTensorList& step_counts, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                      bool maximize, int64_t step, const std::optional<at::Tensor>& step_tensor,
                      const std::optional<at::Tensor>& found_inf, int64_t margin) {
   const size_t n = params.size();
   at::Tensor amax = amax_like(params);
   const at::Tensor found = found_inf ? *found_inf : at::zeros({1}, amax.options());
-  const ScaleLists scales{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
-                          exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
-                          weight_scale_invs};
+  const OptionalLists lists{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
+                            exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
+                            weight_scale_invs, step_counts};
   call(amax, [&](Stream stream) {
     check_length(grads.size(), n, "grads");
     check_length(exp_avgs.size(), n, "exp_avgs");
     check_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
     std::vector<AdamTensors> tensors(n);
     for (size_t i = 0; i < n; ++i) {
-      tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, scales, i);
+      tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, lists, i);
       tensors[i].grad = view(grads[i], kOp, ListItem("grads", i).c_str());
       tensors[i].grad_scale_inv = entry(grad_scale_invs, i, n, "grad_scale_invs");
     }
@@ -139,16 +142,17 @@ class TorchAdamPlan : public torch::CustomClassHolder {
                 OptionalTensorList param_scales, OptionalTensorList param_scale_invs,
                 OptionalTensorList exp_avg_scales, OptionalTensorList exp_avg_scale_invs,
                 OptionalTensorList exp_avg_sq_scales, OptionalTensorList exp_avg_sq_scale_invs,
-                OptionalTensorList weights_fp8, OptionalTensorList weight_scales, OptionalTensorList weight_scale_invs)
+                OptionalTensorList weights_fp8, OptionalTensorList weight_scales, OptionalTensorList weight_scale_invs,
+                OptionalTensorList step_counts)
       : plan_(translating_errors([&] {
           const size_t n = params.size();
           check_length(exp_avgs.size(), n, "exp_avgs");
           check_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
-          const ScaleLists scales{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
-                                  exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
-                                  weight_scale_invs};
+          const OptionalLists lists{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
+                                    exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
+                                    weight_scale_invs, step_counts};
           std::vector<AdamTensors> tensors(n);
-          for (size_t i = 0; i < n; ++i) tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, scales, i);
+          for (size_t i = 0; i < n; ++i) tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, lists, i);
           return AdamPlan(tensors);
         })) {
     for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs}) {
@@ -156,7 +160,7 @@ class TorchAdamPlan : public torch::CustomClassHolder {
     }
     for (const OptionalTensorList* list : {&param_scales, &param_scale_invs, &exp_avg_scales, &exp_avg_scale_invs,
                                            &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales,
-                                           &weight_scale_invs}) {
+                                           &weight_scale_invs, &step_counts}) {
       for (const std::optional<at::Tensor>& t : *list) {
         if (t) hold(*t);
       }
@@ -214,7 +218,8 @@ at::Tensor adam_step_meta(at::TensorList params, at::TensorList, at::TensorList,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
-                          const OptionalTensorList&, double, double, double, double, double, bool, bool, int64_t,
+                          const OptionalTensorList&, const OptionalTensorList&, double, double, double, double,
+                          double, bool, bool, int64_t,
                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t) {
   return amax_like(params);
 }
@@ -230,9 +235,9 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
       "Tensor(d!)?[] param_scales, Tensor(e!)?[] param_scale_invs, Tensor?[] grad_scale_invs, "
       "Tensor(f!)?[] exp_avg_scales, Tensor(g!)?[] exp_avg_scale_invs, Tensor(h!)?[] exp_avg_sq_scales, "
       "Tensor(i!)?[] exp_avg_sq_scale_invs, Tensor(j!)?[] weights_fp8, Tensor(k!)?[] weight_scales, "
-      "Tensor(l!)?[] weight_scale_invs, *, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool adamw, bool maximize, int step=0, Tensor(m!)? step_tensor=None, Tensor(n!)? found_inf=None, "
-      "int margin=0) -> Tensor");
+      "Tensor(l!)?[] weight_scale_invs, Tensor(m!)?[] step_counts, *, float lr, float beta1, float beta2, "
+      "float eps, float weight_decay, bool adamw, bool maximize, int step=0, Tensor(n!)? step_tensor=None, "
+      "Tensor(o!)? found_inf=None, int margin=0) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
@@ -242,7 +247,7 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
-                       fp8amp::torch_binding::OptionalTensorList>())
+                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList>())
       .def("step", &fp8amp::torch_binding::TorchAdamPlan::step);
 }
 

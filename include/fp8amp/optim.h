@@ -65,7 +65,7 @@
 //      scales from amax[i] and the old scales, recomputes the same values and stores m, v, p
 //      and the FP8 weight copy;
 //   4. commit, one thread per tensor: if found_inf == 0, write the new scale/scale_inv pairs (pass
-//      2 still needed the old ones) and increment step_tensor.
+//      2 still needed the old ones) and increment the tensor's step_count and step_tensor.
 // A pass launch takes tensors of one dtype combination (a call may mix them), up to 128 (the
 // kernel parameters, up to 32,764 bytes, hold their pointers); an empty tensor takes no block.
 // Launches per call: 1 memset + 2 x sum over combinations of ceil(tensors / 128) + ceil(n / 128)
@@ -83,7 +83,8 @@
 //     (an inf/NaN grad, a g² that overflows float32, ...): found_inf is set to 1 and the call is a
 //     no-op. So one bad tensor skips the whole param group, as GradScaler skips the whole step.
 //     eps = 0 makes an element with m' = v' = 0 a 0/0: torch writes NaN there, this op skips.
-// "No-op" means every param, state, scale, weight copy and step_tensor is left bit-identical.
+// "No-op" means every param, state, scale, weight copy, step count and step_tensor is left
+// bit-identical.
 // Calls are independent: a param group stepped by an earlier call is not undone when a later
 // call (another group) finds a bad value; pass one found_inf to all calls of a step so the rest
 // skip. (Making a whole multi-group step atomic needs the groups in one call: a later extension.)
@@ -112,7 +113,11 @@ namespace fp8amp {
 //   exp_avg_sq:  float32, or float16 with exp_avg_sq_scale + exp_avg_sq_scale_inv
 //   weight_fp8:  optional float8_e4m3fn output, the copy of the new master for the forward GEMMs,
 //                with weight_scale + weight_scale_inv (all three or none)
-// param, exp_avg, exp_avg_sq, weight_fp8 and every scale but grad_scale_inv are updated in place.
+//   step_count:  optional float32 [1], the param's count of steps taken (torch keeps one a param,
+//                state["step"]), incremented by a step that is not skipped, as step_tensor is: a
+//                caller with many counts advances them in this call instead of one op of its own
+// param, exp_avg, exp_avg_sq, weight_fp8, step_count and every scale but grad_scale_inv are updated
+// in place.
 struct AdamTensors {
   TensorView param;
   TensorView grad;
@@ -123,6 +128,7 @@ struct AdamTensors {
   std::optional<TensorView> exp_avg_scale, exp_avg_scale_inv;
   std::optional<TensorView> exp_avg_sq_scale, exp_avg_sq_scale_inv;
   std::optional<TensorView> weight_fp8, weight_scale, weight_scale_inv;
+  std::optional<TensorView> step_count;
 };
 
 // Hyperparameters of one param group, as torch.optim.Adam / AdamW take them (host numbers).

@@ -201,8 +201,9 @@ class Adam(torch.optim.Optimizer):
         """The cohort of a param whose state was set from outside (unpickling, assignment,
         ``load_state_dict``): its step count, read from the device once, kept in ``_cohorts``.
 
-        Params with the same cohort key have the same step count. The op takes one step tensor per
-        call while torch keeps one per param (a param without a grad does not step), so a group's
+        Params with the same cohort key have the same step count. The op takes the step number t
+        from one count per call (and advances each param's count) while torch keeps one per param
+        (a param without a grad does not step), so a group's
         params are stepped in one call per cohort: params stepped by exactly the same calls since
         their counts were last known. Usually all params of a group form one cohort."""
         key = self._cohorts[id(p)] = ("step", float(self.state[p]["step"]))
@@ -389,8 +390,6 @@ class Adam(torch.optim.Optimizer):
         torch.autograd.graph.increment_version(sharded)
         if lists.sharded_positions:
             torch.autograd.graph.increment_version([lists.params[i] for i in lists.sharded_positions])
-        if lists.other_steps:  # the cohort's counts were equal: they stay equal
-            torch._foreach_copy_(lists.other_steps, lists.first_steps)
 
 
 def _fused_form(grad: torch.Tensor) -> torch.Tensor:

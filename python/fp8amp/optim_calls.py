@@ -94,13 +94,14 @@ class CallLists:
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
+        # t comes from the first param's count (the cohort's counts are equal); the op increments
+        # that one as step_tensor and the others as step_counts
         self.step_tensor = steps[0].view(1)
-        # the cohort's counts were equal: after the call they are copied from the first
-        self.other_steps, self.first_steps = steps[1:], [steps[0]] * (len(steps) - 1)
+        self.step_counts = or_empty([None, *steps[1:]])
         self._plan = None
         self._plannable = all(type(t) in _PLAIN for t in itertools.chain(
             self.data, self.exp_avgs, self.exp_avg_sqs, self.param_scale_invs, *self.scale_lists,
-            *self.copy_lists) if t is not None)
+            *self.copy_lists, self.step_counts) if t is not None)
 
     def _inner_ids(self) -> tuple:
         inner = []
@@ -130,7 +131,7 @@ class CallLists:
                 or not all(type(g) in _PLAIN for g in grads) or _get_current_dispatch_mode()):
             lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
             fast.adam_step(data, grads, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs, grad_scale_invs,
-                           *self.scale_lists, *self.copy_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           *self.scale_lists, *self.copy_lists, self.step_counts, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, adamw=adamw, maximize=maximize, step_tensor=self.step_tensor,
                            found_inf=found_inf)
             for p, wide in widened:
@@ -139,7 +140,7 @@ class CallLists:
         args = (grads, grad_scale_invs, *hyper, 0, self.step_tensor, found_inf, 0)
         if self._plan is None or self._plan.step(*args) is None:
             self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
-                                       *self.scale_lists, *self.copy_lists)
+                                       *self.scale_lists, *self.copy_lists, self.step_counts)
             self._plan.step(*args)
 
     def _step_data(self) -> tuple[list, list]:

@@ -146,6 +146,10 @@ AdamTensorPtrs buffer_ptrs(const AdamTensors& t, const TensorView& first, size_t
   r.exp_avg_sq_scale_inv = scale_ptr<float*>(t.exp_avg_sq_scale_inv, fp16_v, p, "exp_avg_sq_scale_invs", i, v_why);
   r.weight_scale = scale_ptr<float*>(t.weight_scale, weight, p, "weight_scales", i, w_why, ScaleArg::kScale);
   r.weight_scale_inv = scale_ptr<float*>(t.weight_scale_inv, weight, p, "weight_scale_invs", i, w_why);
+  if (t.step_count) {
+    check_scalar(*t.step_count, p, ListItem("step_counts", i).c_str(), "its param");
+    r.step_count = t.step_count->ptr<float>();
+  }
   *formats = AdamFormats{p.dtype, DType::kFloat32, t.exp_avg.dtype, t.exp_avg_sq.dtype, false};
   return r;
 }
@@ -194,6 +198,7 @@ check::WrittenViews written_buffers(const std::vector<AdamTensors>& tensors) {
     add_optional(t.weight_fp8, "weights_fp8");
     add_optional(t.weight_scale, "weight_scales");
     add_optional(t.weight_scale_inv, "weight_scale_invs");
+    add_optional(t.step_count, "step_counts");
   }
   return check::WrittenViews(std::move(written), kOp, [written_at = std::move(written_at)](size_t k) {
     return std::string(ListItem(written_at[k].first, written_at[k].second).c_str());

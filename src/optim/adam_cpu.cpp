@@ -110,9 +110,7 @@ void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<Ada
   }
 
   // Commit.
-  for (size_t i = 0; i < n; ++i) {
-    store_scales(tensors[i], adam_new_scales(tensors[i], args.amax + i * kAdamAmaxColumns, args.hyper.margin));
-  }
+  for (size_t i = 0; i < n; ++i) commit_tensor(tensors[i], args.amax + i * kAdamAmaxColumns, args.hyper.margin);
   if (args.step_tensor != nullptr) *args.step_tensor = rn::add(*args.step_tensor, 1.0f);
 }
 

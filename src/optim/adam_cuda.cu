@@ -394,15 +394,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
-// The commit: thread t writes tensor t's new scale pairs (recomputed as pass 2 did), and the
-// thread of tensor 0 advances the step counter.
+// The commit: thread t writes tensor t's new scale pairs (recomputed as pass 2 did) and advances
+// its step count; the thread of tensor 0 also advances the call's step counter.
 __global__ void __launch_bounds__(kMaxTensors)
     commit_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
   const int t = static_cast<int>(threadIdx.x);
   if (t >= batch.count || *args.found_inf != 0.0f) return;
   const AdamTensorPtrs& tp = batch.tensors[t];
   const int64_t index = batch.index[t];
-  store_scales(tp, adam_new_scales(tp, args.amax + index * kAdamAmaxColumns, args.hyper.margin));
+  commit_tensor(tp, args.amax + index * kAdamAmaxColumns, args.hyper.margin);
   if (index == 0 && args.step_tensor != nullptr) *args.step_tensor = rn::add(*args.step_tensor, 1.0f);
 }
 

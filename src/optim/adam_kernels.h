@@ -144,6 +144,7 @@ struct AdamTensorPtrs {
   float* exp_avg_sq_scale_inv;
   float* weight_scale;
   float* weight_scale_inv;
+  float* step_count;  // this param's count of steps taken, or nullptr
   int64_t numel;
   uint32_t grad_blocks_per_row;  // 0: one grad scale_inv
 };
@@ -244,6 +245,12 @@ FP8AMP_HD void store_scales(const AdamTensorPtrs& t, const AdamScales& s) {
   store_scale(t.exp_avg_scale, t.exp_avg_scale_inv, s.exp_avg);
   store_scale(t.exp_avg_sq_scale, t.exp_avg_sq_scale_inv, s.exp_avg_sq);
   store_scale(t.weight_scale, t.weight_scale_inv, s.weight);
+}
+
+// Tensor `t`'s commit of a step that is not skipped: its new scale pairs, its step count + 1.
+FP8AMP_HD void commit_tensor(const AdamTensorPtrs& t, const float* amax_row, int margin) {
+  store_scales(t, adam_new_scales(t, amax_row, margin));
+  if (t.step_count != nullptr) *t.step_count = rn::add(*t.step_count, 1.0f);
 }
 
 // A non-finite amax key (inf or NaN) in any column.

@@ -96,6 +96,7 @@ struct Param {
   bool weight = false;
   int64_t n = 0;
   bool scales_given = true;  // false: only the scale_invs (the op derives the old scales)
+  std::vector<float> count;  // the param's step count (AdamTensors::step_count); empty: none
 
   Param(int64_t numel, DType pd, DType gd, DType md, DType vd, bool with_weight)
       : p(pd, numel), g(gd, numel), m(md, numel), v(vd, numel), w(DType::kFloat8E4M3, numel), weight(with_weight),
@@ -118,6 +119,7 @@ struct Param {
       t.weight_scale_inv = scalar_view(w.scale_inv);
     }
     if (!scales_given) t.param_scale = t.exp_avg_scale = t.exp_avg_sq_scale = t.weight_scale = std::nullopt;
+    if (!count.empty()) t.step_count = scalar_view(count);
     return t;
   }
 
@@ -130,6 +132,8 @@ struct Param {
         all.insert(all.end(), raw, raw + sizeof(float));
       }
     }
+    const auto* raw = reinterpret_cast<const uint8_t*>(count.data());
+    all.insert(all.end(), raw, raw + count.size() * sizeof(float));
     return all;
   }
 };

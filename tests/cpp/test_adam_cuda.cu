@@ -1,8 +1,8 @@
 // The CUDA Adam step against the CPU reference, bit for bit: one call over many tensors of odd
 // sizes in every format combination (misaligned starts included, so both the vector and the
 // element-wise paths run, and more tensors than one launch takes), several steps, on both devices
-// from the same bytes; every buffer, scale, amax, the step counter and found_inf must end up
-// byte-identical, guard bytes around each buffer untouched. Skips cleanly without a GPU.
+// from the same bytes; every buffer, scale, amax, the step counter and counts and found_inf must end
+// up byte-identical, guard bytes around each buffer untouched. Skips cleanly without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -40,8 +40,9 @@ struct Param {
   int64_t n;
   Formats f;
   bool scales_given = true;  // false: only the scale_invs (the op derives the old scales)
+  bool counted = true;       // its step count given (AdamTensors::step_count)
   std::unique_ptr<MirroredTensor> p, g, m, v, w;
-  std::unique_ptr<MirroredTensor> p_s, p_si, g_si, m_s, m_si, v_s, v_si, w_s, w_si;
+  std::unique_ptr<MirroredTensor> p_s, p_si, g_si, m_s, m_si, v_s, v_si, w_s, w_si, count;
 
   Param(int64_t numel, Formats formats, int64_t offset, std::mt19937& rng) : n(numel), f(formats) {
     p = std::make_unique<MirroredTensor>(f.p, Shape{n}, offset);
@@ -49,7 +50,7 @@ struct Param {
     m = std::make_unique<MirroredTensor>(f.m, Shape{n}, offset);
     v = std::make_unique<MirroredTensor>(f.v, Shape{n}, offset);
     w = std::make_unique<MirroredTensor>(DType::kFloat8E4M3, Shape{n}, offset);
-    for (auto* s : {&p_s, &p_si, &g_si, &m_s, &m_si, &v_s, &v_si, &w_s, &w_si}) {
+    for (auto* s : {&p_s, &p_si, &g_si, &m_s, &m_si, &v_s, &v_si, &w_s, &w_si, &count}) {
       *s = std::make_unique<MirroredTensor>(DType::kFloat32, Shape{1});
       (*s)->set_float(0, 1.0f);
     }
@@ -92,7 +93,7 @@ struct Param {
             {p_si.get(), "param_scale_invs" + k}, {g_si.get(), "grad_scale_invs" + k},
             {m_s.get(), "exp_avg_scales" + k}, {m_si.get(), "exp_avg_scale_invs" + k},
             {v_s.get(), "exp_avg_sq_scales" + k}, {v_si.get(), "exp_avg_sq_scale_invs" + k},
-            {w_s.get(), "weight_scales" + k}, {w_si.get(), "weight_scale_invs" + k}};
+            {w_s.get(), "weight_scales" + k}, {w_si.get(), "weight_scale_invs" + k}, {count.get(), "step_counts" + k}};
   }
 
   AdamTensors tensors(Device d) const {
@@ -109,6 +110,7 @@ struct Param {
     if (f.v == DType::kFloat16) t.exp_avg_sq_scale = scalar(v_s), t.exp_avg_sq_scale_inv = scalar(v_si);
     if (f.weight) t.weight_fp8 = w->view(d, shape), t.weight_scale = scalar(w_s), t.weight_scale_inv = scalar(w_si);
     if (!scales_given) t.param_scale = t.exp_avg_scale = t.exp_avg_sq_scale = t.weight_scale = std::nullopt;
+    if (counted) t.step_count = scalar(count);
     return t;
   }
 };
@@ -176,6 +178,7 @@ TEST(AdamCuda, EveryFormatCombinationManySizesBitExact) {
     const int64_t n = sizes[i % (sizeof(sizes) / sizeof(sizes[0]))];
     call.params.push_back(std::make_unique<Param>(n, formats[i % formats.size()], i % 5 == 4 ? 1 : 0, rng));
     call.params.back()->scales_given = i % 4 != 3;
+    call.params.back()->counted = i % 3 != 2;
   }
   for (const bool adamw : {true, false}) {
     call.hyper.adamw = adamw;

@@ -184,6 +184,7 @@ TEST(AdamNonFinite, FoundInfOnEntryIsANoOp) {
     x.p.set_real(j, 1.0f + j);
     x.g.set_real(j, 0.5f);
   }
+  x.count = {4.0f};
   const std::vector<uint8_t> before = x.snapshot();
   Step s;
   s.counter = {4.0f};
@@ -204,6 +205,7 @@ TEST(AdamNonFinite, AnyNonFiniteValueSkipsTheWholeCall) {
     SCOPED_TRACE(bad.what);
     Param ok = fp32_param({1.0f, 2.0f}, {0.5f, 0.5f}, {0.1f, 0.1f}, {0.2f, 0.2f});
     Param x = fp32_param({1.0f, 2.0f, 3.0f}, {0.5f, bad.grad, 0.5f}, {0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f});
+    ok.count = {0.0f};
     const std::vector<uint8_t> ok_before = ok.snapshot(), x_before = x.snapshot();
     Step s;
     s.counter = {0.0f};
@@ -240,6 +242,30 @@ TEST(AdamStepCounter, MatchesHostStepAndIncrements) {
   hs.run({&host});
   ds.run({&device});
   EXPECT_EQ(host.snapshot(), device.snapshot());
+}
+
+TEST(AdamStepCounter, EachParamsCountAdvancesWithTheCounter) {
+  // Each given count is incremented from its own value (as torch's per-param state["step"]); t
+  // comes from the call's counter alone; a param without a count has none written.
+  Param a = fp32_param({1.0f}, {0.3f}, {0.0f}, {0.0f}), b = fp32_param({2.0f}, {0.7f}, {0.0f}, {0.0f});
+  Param c = fp32_param({3.0f}, {0.1f}, {0.0f}, {0.0f});
+  Param a_alone = fp32_param({1.0f}, {0.3f}, {0.0f}, {0.0f});
+  a.count = {2.0f};
+  b.count = {5.0f};
+  Step s, alone;
+  s.counter = alone.counter = {2.0f};
+  s.run({&a, &b, &c});
+  alone.run({&a_alone});
+  EXPECT_EQ(s.counter[0], 3.0f);
+  EXPECT_EQ(a.count[0], 3.0f);
+  EXPECT_EQ(b.count[0], 6.0f);
+  EXPECT_EQ(a.p.bytes, a_alone.p.bytes);  // the count changes nothing else
+  // With the host step number, too.
+  Step host;
+  host.t = 4;
+  host.run({&a, &b});
+  EXPECT_EQ(a.count[0], 4.0f);
+  EXPECT_EQ(b.count[0], 7.0f);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -287,6 +313,13 @@ TEST(AdamErrors, NameTheArgument) {
                      "exp_avgs[1] and its param must be on the same device");
   expect_value_error(run_with([](auto& ts, auto&, auto&) { ts[1].param_scale->shape = {2}; }),
                      "param_scales[1] must have 1 element(s)");
+  expect_value_error(run_with([](auto& ts, auto&, auto&) {
+                       ts[1].step_count = ts[1].param_scale;
+                       ts[1].step_count->shape = {2};
+                     }),
+                     "step_counts[1] must have 1 element(s)");
+  expect_value_error(run_with([](auto& ts, auto&, auto&) { ts[0].step_count = ts[1].exp_avg; }),
+                     "step_counts[0] must be float32");
   expect_value_error(run_with([](auto& ts, auto&, auto&) { ts.clear(); }), "params must hold at least one tensor");
   expect_value_error(run_with([](auto&, auto& h, auto&) { h.lr = -1.0; }), "lr must be finite and >= 0");
   expect_value_error(run_with([](auto&, auto& h, auto&) { h.beta1 = 1.0; }), "beta1 must be in [0, 1)");

@@ -17,12 +17,15 @@ namespace fp8amp {
 namespace {
 
 // The mixed formats of one call: an O2 tensor (FP16 master and its E4M3 copy, E4M3 grad and m,
-// FP16 v), a float32 one and an O1 one with a bfloat16 grad, of odd sizes.
+// FP16 v), a float32 one and an O1 one with a bfloat16 grad, of odd sizes; the last two keep a step
+// count each.
 std::vector<Param> mixed_params(uint32_t seed) {
   std::vector<Param> ps;
   ps.emplace_back(37, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat16, true);
   ps.emplace_back(5, DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat32, false);
   ps.emplace_back(130, DType::kFloat16, DType::kBFloat16, DType::kFloat32, DType::kFloat32, false);
+  ps[1].count = {0.0f};
+  ps[2].count = {0.0f};
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (Param& p : ps) {
@@ -72,6 +75,7 @@ TEST(AdamPlan, StepsEqualAdamStepBitForBit) {
     for (size_t i = 0; i < planned.size(); ++i) {
       EXPECT_EQ(planned[i].snapshot(), direct[i].snapshot()) << "tensor " << i << ", step " << t;
     }
+    EXPECT_EQ(planned[2].count[0], static_cast<float>(t));
   }
 }
 
@@ -112,6 +116,10 @@ TEST(AdamPlan, EachStepChecksWhatItBrings) {
   expect_value_error([&] { plan.step(grads, scale_invs, AdamHyper{}, 1, nullptr, *tensors[2].param_scale,
                                      amax_view, nullptr); },
                      "found_inf and param_scales[2] must not share memory");
+  const TensorView count = *tensors[1].step_count;  // the plan's: it writes it
+  expect_value_error([&] { plan.step(grads, scale_invs, AdamHyper{}, 0, &count, scalar_view(found), amax_view,
+                                     nullptr); },
+                     "step_tensor and step_counts[1] must not share memory");
   expect_value_error([&] { plan.step({grads[0], grads[1], scalar_view(found)}, scale_invs, AdamHyper{}, 1, nullptr,
                                      scalar_view(found), amax_view, nullptr); },
                      "grads[2] and its param must have the same shape");

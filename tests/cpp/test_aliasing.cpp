@@ -159,6 +159,14 @@ TEST(Aliasing, AdamRefusesSharedStateAndGradsInsideWrittenBuffers) {
                      "adam_step: params[0] and exp_avg_sqs[1] must not share memory");
   expect_value_error([&] { adam_step({{p, g, m1, v}}, AdamHyper{}, 1, nullptr, m.at(30, {1}), amax_out, nullptr); },
                      "adam_step: found_inf and exp_avg_sqs[0] must not share memory");
+  // A param's step count is written too: not inside another buffer, nor the call's step_tensor.
+  AdamTensors counted{p, g, m1, v};
+  counted.step_count = m.at(17, {1});
+  expect_value_error([&] { step(counted); }, "adam_step: exp_avgs[0] and step_counts[0] must not share memory");
+  counted.step_count = m.at(80, {1});
+  const TensorView counter = m.at(80, {1});
+  expect_value_error([&] { adam_step({counted}, AdamHyper{}, 0, &counter, found_inf, amax_out, nullptr); },
+                     "step_counts[0] must not share memory");
   for (float x : m.buf) ASSERT_EQ(x, 1.0f);  // nothing written
   // Grads may share memory with each other: they are only read.
   adam_step({{p, g, m1, v}, {m.at(40, {8}), g, m.at(56, {8}), m.at(64, {8})}}, AdamHyper{}, 1, nullptr, found_inf,

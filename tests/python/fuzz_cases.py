@@ -327,6 +327,13 @@ def accumulate_adam_cases():
         yield f"adam_step {arg} {tuple(bad.shape)} {bad.dtype}", wrong, None, (arg,)
     yield "adam_step lr nan", lambda: ops.adam_step([p], [p], [p.clone()], [p.clone()], lr=math.nan, step=1), None, ("lr",)
     yield "adam_step empty", lambda: ops.adam_step([], [], [], [], lr=0.1, step=1), None, ("params",)
+    for bad in (torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.int64)):
+        yield (f"adam_step step_counts {tuple(bad.shape)} {bad.dtype}",
+               lambda bad=bad: ops.adam_step([p.clone()], [p], [torch.zeros(4)], [torch.zeros(4)], lr=0.1, step=1,
+                                             step_counts=[bad]), None, ("step_counts",))
+    yield ("adam_step step_counts length", lambda: ops.adam_step([p.clone()], [p], [torch.zeros(4)], [torch.zeros(4)],
+                                                                 lr=0.1, step=1, step_counts=[None, None]),
+           None, ("step_counts",))
 
 
 def meta_and_alias_cases():

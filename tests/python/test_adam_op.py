@@ -33,17 +33,18 @@ E4M3, FP16 = torch.float8_e4m3fn, torch.float16
 FMAX = {E4M3: 448.0, torch.float8_e5m2: 57344.0, FP16: 65504.0}
 MAN_BITS = {E4M3: 3, FP16: 10}
 MIN_EXP = {E4M3: -6, FP16: -14}
-SCALE_LISTS = (
+OPTIONAL_LISTS = (  # the op's per-param optional lists, in its order
     "param_scales", "param_scale_invs", "grad_scale_invs", "exp_avg_scales", "exp_avg_scale_invs",
     "exp_avg_sq_scales", "exp_avg_sq_scale_invs", "weights_fp8", "weight_scales", "weight_scale_invs",
+    "step_counts",
 )
 
 
 def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
               weight_decay=0.0, adamw=True, maximize=False, step=0, step_tensor=None, found_inf=None,
-              margin=0, **scale_lists):
-    lists = [scale_lists.pop(name, []) for name in SCALE_LISTS]
-    assert not scale_lists, f"unknown lists {list(scale_lists)}"
+              margin=0, **optional_lists):
+    lists = [optional_lists.pop(name, []) for name in OPTIONAL_LISTS]
+    assert not optional_lists, f"unknown lists {list(optional_lists)}"
     return ops.adam_step(params, grads, exp_avgs, exp_avg_sqs, *lists, lr=lr, beta1=betas[0], beta2=betas[1],
                          eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize, step=step,
                          step_tensor=step_tensor, found_inf=found_inf, margin=margin)
@@ -152,7 +153,8 @@ def half_ulp(x: torch.Tensor, scale: float, dtype) -> torch.Tensor:
 
 
 class LowPrecisionParam:
-    """An O2 parameter: FP16 master + scale, FP8 grad + scale_inv, E4M3 m, FP16 v, FP8 weight copy."""
+    """An O2 parameter: FP16 master + scale, FP8 grad + scale_inv, E4M3 m, FP16 v, FP8 weight copy,
+    its step count."""
 
     def __init__(self, n, gen, grad_dtype=E4M3, device="cpu"):
         one = lambda v=1.0: torch.tensor([v], dtype=torch.float32, device=device)  # noqa: E731
@@ -168,6 +170,7 @@ class LowPrecisionParam:
         self.v_scale, self.v_scale_inv = one(), one()
         self.w = torch.zeros(n, dtype=E4M3, device=device)
         self.w_scale, self.w_scale_inv = one(), one()
+        self.count = one(0.0)
 
     def set_grad(self, g):
         self.g = quantize(g, 1 / self.g_scale_inv, self.grad_dtype)
@@ -184,7 +187,7 @@ class LowPrecisionParam:
             exp_avg_scales=[x.m_scale for x in params], exp_avg_scale_invs=[x.m_scale_inv for x in params],
             exp_avg_sq_scales=[x.v_scale for x in params], exp_avg_sq_scale_invs=[x.v_scale_inv for x in params],
             weights_fp8=[x.w for x in params], weight_scales=[x.w_scale for x in params],
-            weight_scale_invs=[x.w_scale_inv for x in params],
+            weight_scale_invs=[x.w_scale_inv for x in params], step_counts=[x.count for x in params],
         )
 
     @staticmethod
@@ -194,7 +197,7 @@ class LowPrecisionParam:
 
     def tensors(self):
         return [self.p, self.g, self.m, self.v, self.w, self.p_scale, self.p_scale_inv, self.m_scale,
-                self.m_scale_inv, self.v_scale, self.v_scale_inv, self.w_scale, self.w_scale_inv]
+                self.m_scale_inv, self.v_scale, self.v_scale_inv, self.w_scale, self.w_scale_inv, self.count]
 
 
 def float64_adam(x, t, lr, b1, b2, eps, wd, adamw):
@@ -301,7 +304,7 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
     planned, direct = twin_params((5, 300, 2049), gen, device)
     lists = LowPrecisionParam.lists(planned)
     plan = fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
-                         *(lists[name] for name in SCALE_LISTS if name != "grad_scale_invs"))
+                         *(lists[name] for name in OPTIONAL_LISTS if name != "grad_scale_invs"))
 
     def plan_step(t, lr, grads=None):
         grads = [x.g for x in planned] if grads is None else grads
@@ -317,6 +320,7 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
         assert torch.equal(plan_step(t, 1e-3 * t), amax)
     for x, y in zip(planned, direct):
         assert all(bytes_equal(a, b) for a, b in zip(x.tensors(), y.tensors()))
+        assert x.count.item() == 3  # each param's count advanced by the plan's steps
 
     with pytest.raises(ValueError, match=r"grads\[1\] and its param must have the same shape"):
         plan_step(4, 1e-3, [planned[0].g, planned[0].g, planned[2].g])
@@ -328,17 +332,17 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
     planned[2].w.resize_(100)
     assert plan_step(4, 1e-3) is None
     after = [t for x in planned for t in x.tensors()]
-    assert all(bytes_equal(a, b) for a, b in zip(before[:26], after[:26]))  # the first two params' untouched
+    assert all(bytes_equal(a, b) for a, b in zip(before[:28], after[:28]))  # the first two params' untouched
     with pytest.raises(ValueError, match=r"weights_fp8\[2\] and its param must have the same shape"):
         fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
-                      *(lists[name] for name in SCALE_LISTS if name != "grad_scale_invs"))
+                      *(lists[name] for name in OPTIONAL_LISTS if name != "grad_scale_invs"))
     # a wrapper subclass, which no dispatch unwraps on the way to the plan, is refused, not read
     from fp8amp.fsdp import Fp8AllGatherWeight
 
     wrapped = Fp8AllGatherWeight(torch.zeros(8, device=device))
     with pytest.raises(ValueError, match=r"params\[0\] has no data of its own"):
         fast.AdamPlan([wrapped], [torch.zeros(8, device=device)], [torch.zeros(8, device=device)],
-                      *([] for _ in range(9)))
+                      *([] for _ in range(10)))
 
 
 def test_found_inf_and_nonfinite_grads_leave_everything_bit_identical():
@@ -375,12 +379,15 @@ def test_step_tensor_counts_like_torch_state_step():
     a, b = p.clone(), p.clone()
     ma, va, mb, vb = (torch.zeros(64) for _ in range(4))
     step = torch.tensor([0.0])
+    counts = [torch.tensor(0.0), torch.tensor([7.0])]  # torch's state["step"] form, and any count
+    c, mc, vc = p.clone(), torch.zeros(64), torch.zeros(64)
     for t in range(1, 6):
         g = random_like(64, gen)
         adam_step([a], [g], [ma], [va], step=t, weight_decay=0.1)
-        adam_step([b], [g], [mb], [vb], step_tensor=step, weight_decay=0.1)
+        adam_step([b, c], [g, g], [mb, mc], [vb, vc], step_tensor=step, weight_decay=0.1, step_counts=counts)
         assert step.item() == t
-    assert torch.equal(a, b) and torch.equal(ma, mb) and torch.equal(va, vb)
+        assert counts[0].item() == t and counts[1].item() == 7 + t  # each from its own value
+    assert torch.equal(a, b) and torch.equal(ma, mb) and torch.equal(va, vb) and torch.equal(b, c)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,7 +463,7 @@ def test_cuda_matches_cpu_bit_for_bit(adamw):
         m = torch.zeros(n, dtype=E4M3 if i % 2 else torch.float32)
         v = torch.zeros(n, dtype=FP16 if i % 3 == 0 else torch.float32)
         hi.append(dict(p=random_like(n, gen, -3, 3), m=m, v=v, gd=grad_dtypes[i % 3], m_s=torch.ones(1),
-                       m_si=torch.ones(1), v_s=torch.ones(1), v_si=torch.ones(1)))
+                       m_si=torch.ones(1), v_s=torch.ones(1), v_si=torch.ones(1), count=torch.tensor(float(i))))
 
     def to_cuda(x):
         y = LowPrecisionParam.__new__(LowPrecisionParam)
@@ -495,6 +502,7 @@ def test_cuda_matches_cpu_bit_for_bit(adamw):
                 "weights_fp8": lists["weights_fp8"] + none,
                 "weight_scales": lists["weight_scales"] + none,
                 "weight_scale_invs": lists["weight_scale_invs"] + none,
+                "step_counts": lists["step_counts"] + [h["count"] for h in his],
             }
             amaxes[side] = adam_step(
                 [x.p for x in lps] + [h["p"] for h in his],
@@ -507,7 +515,7 @@ def test_cuda_matches_cpu_bit_for_bit(adamw):
             for j, (a, b) in enumerate(zip(x.tensors(), y.tensors())):
                 assert bytes_equal(a, b), f"low-precision tensor {i}, buffer {j}, step {t}"
         for i, (x, y) in enumerate(zip(hc, hg)):
-            for k in ("p", "m", "v", "m_s", "m_si", "v_s", "v_si"):
+            for k in ("p", "m", "v", "m_s", "m_si", "v_s", "v_si", "count"):
                 assert bytes_equal(x[k], y[k]), f"fp32-master tensor {i}, {k}, step {t}"
     assert step_tensors["cpu"].item() == 3 and step_tensors["cuda"].item() == 3
 

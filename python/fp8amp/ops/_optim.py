@@ -12,8 +12,10 @@ from ._args import _bool, _float, _int, _optional_tensors, _tensor, _tensors
 
 __all__ = ["adam_step"]
 
-_SCALE_LISTS = ("param_scales", "param_scale_invs", "grad_scale_invs", "exp_avg_scales", "exp_avg_scale_invs",
-                "exp_avg_sq_scales", "exp_avg_sq_scale_invs", "weights_fp8", "weight_scales", "weight_scale_invs")
+#: the per-param optional lists, in the op's order
+_OPTIONAL_LISTS = ("param_scales", "param_scale_invs", "grad_scale_invs", "exp_avg_scales", "exp_avg_scale_invs",
+                   "exp_avg_sq_scales", "exp_avg_sq_scale_invs", "weights_fp8", "weight_scales", "weight_scale_invs",
+                   "step_counts")
 
 
 def adam_step(
@@ -33,7 +35,7 @@ def adam_step(
     step_tensor: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     margin: int = 0,
-    **scale_lists: Sequence[torch.Tensor | None],
+    **optional_lists: Sequence[torch.Tensor | None],
 ) -> torch.Tensor:
     """One Adam (``adamw=False``) or AdamW step over the tensors of one param group, in place.
 
@@ -46,16 +48,18 @@ def adam_step(
     may be empty or None where the buffer is scaled: the step then takes the old scale as
     ``1 / scale_inv`` (exact for power-of-two scales) and writes only the scale_inv. The step
     number is ``step`` (a host count >= 1) or, with ``step=0``, ``step_tensor`` (float32 [1],
-    incremented on the device).
+    incremented on the device). ``step_counts`` (empty, or a float32 [1] tensor or None per tensor):
+    the tensors' own step counts, as torch keeps one per param, incremented with ``step_tensor``
+    (so a caller with many counts needs no op of its own to advance them).
     ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
     the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
     ``[n, 4]`` (grad, exp_avg, exp_avg_sq, param).
     """
     op = "adam_step"
-    unknown = sorted(set(scale_lists) - set(_SCALE_LISTS))
+    unknown = sorted(set(optional_lists) - set(_OPTIONAL_LISTS))
     if unknown:
-        raise TypeError(f"fp8amp.ops.{op}: unknown keyword argument(s) {unknown}; accepted: {list(_SCALE_LISTS)}")
-    lists = [_optional_tensors(scale_lists.get(name, ()), name, op) for name in _SCALE_LISTS]
+        raise TypeError(f"fp8amp.ops.{op}: unknown keyword argument(s) {unknown}; accepted: {list(_OPTIONAL_LISTS)}")
+    lists = [_optional_tensors(optional_lists.get(name, ()), name, op) for name in _OPTIONAL_LISTS]
     if isinstance(params, (list, tuple)) and not params:
         raise ValueError(f"fp8amp.ops.{op}: params must hold at least one tensor (a step over nothing has no device)")
     return fast.adam_step(
