@@ -67,9 +67,8 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
-from .ops import multi_amax
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
-from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, or_empty as _or_empty
+from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, nonfinite_flag, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 from .scaled_tensor import ScaledTensor
@@ -345,24 +344,14 @@ class Adam(torch.optim.Optimizer):
             if len(lists) == 1:
                 found[device] = None
                 continue
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+            grads, scale_invs = [], []
             for p in itertools.chain.from_iterable(lists):
                 g = _local(p.grad)
-                if isinstance(g, (ScaledTensor, BlockScaledTensor)):
-                    # fp8amp's FP8 gradients carry a non-finite scale_inv when any element is
-                    # non-finite (ScaledTensor.from_tensor(nan_if_nonfinite=True), the block casts,
-                    # scaled_accumulate, an unscale by inf): checking it costs no pass over the codes.
-                    # (NaN codes under a finite scale, from elsewhere, still skip the op call that
-                    # meets them.)
-                    by_dtype[torch.float32].append(g.scale_inv)
-                else:
-                    by_dtype[g.dtype].append(g)
-            amaxes = []
-            for grads in by_dtype.values():
-                amax = torch.zeros(len(grads), dtype=torch.float32, device=device)
-                multi_amax(grads, amax)
-                amaxes.append(amax)
-            found[device] = torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
+                scaled = isinstance(g, (ScaledTensor, BlockScaledTensor))
+                grads.append(g)
+                scale_invs.append(g.scale_inv if scaled else None)
+            # (NaN codes under a finite scale, from elsewhere, still skip the op call that meets them.)
+            found[device] = nonfinite_flag(grads, scale_invs, device)
         return found
 
     def _call(self, group: dict, sharded: list[torch.Tensor], lists: CallLists, found_inf: torch.Tensor | None) -> None:

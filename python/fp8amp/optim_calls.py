@@ -37,7 +37,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
 from .master_weight import MasterWeight
-from .ops import fast
+from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
@@ -61,6 +61,25 @@ def local(t):
 def or_empty(entries: list) -> list:
     """The op's per-param optional lists: empty when no param of the call has the entry."""
     return [] if all(e is None for e in entries) else entries
+
+
+def nonfinite_flag(grads: list[torch.Tensor], grad_scale_invs: list, device: torch.device) -> torch.Tensor:
+    """float32 [1] on ``device``: 1 where some grad is non-finite, else 0, with no host sync; one
+    amax pass per grad dtype. An FP8 grad (one with an entry in ``grad_scale_invs``: empty, or one
+    tensor or None per grad) is judged by its scale_inv: fp8amp's FP8 gradients carry a non-finite
+    scale_inv when any element is non-finite (``ScaledTensor.from_tensor(nan_if_nonfinite=True)``,
+    the block casts, ``scaled_accumulate``, an unscale by inf), so checking it costs no pass over
+    the codes."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g, scale_inv in zip(grads, grad_scale_invs or itertools.repeat(None)):
+        t = g if scale_inv is None else scale_inv
+        by_dtype.setdefault(t.dtype, []).append(t)
+    amaxes = []
+    for ts in by_dtype.values():
+        amax = torch.zeros(len(ts), dtype=torch.float32, device=device)
+        multi_amax(ts, amax)
+        amaxes.append(amax)
+    return torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
 
 
 def _state_ids(states: list[dict]) -> tuple:
@@ -93,7 +112,7 @@ class CallLists:
         self.inner_ids = self._inner_ids()
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
-        steps = [s["step"] for s in states]
+        self.steps = steps = [s["step"] for s in states]
         # t comes from the first param's count (the cohort's counts are equal); the op increments
         # that one as step_tensor and the others as step_counts
         self.step_tensor = steps[0].view(1)
@@ -127,16 +146,50 @@ class CallLists:
         (empty, or one tensor or None per param), ``hyper``: ``(lr, beta1, beta2, eps,
         weight_decay, adamw, maximize)``, and the skip flag ``found_inf`` (None: the op's own)."""
         data, widened = self._step_data()
-        if (torch.compiler.is_compiling() or widened or not self._plannable
-                or not all(type(g) in _PLAIN for g in grads) or _get_current_dispatch_mode()):
-            lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
-            fast.adam_step(data, grads, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs, grad_scale_invs,
-                           *self.scale_lists, *self.copy_lists, self.step_counts, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, adamw=adamw, maximize=maximize, step_tensor=self.step_tensor,
-                           found_inf=found_inf)
-            for p, wide in widened:
-                p.copy_(wide)
-            return
+        if torch.compiler.is_compiling():
+            self._traced_step(data, grads, grad_scale_invs, hyper, found_inf)
+        elif (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
+              or _get_current_dispatch_mode()):
+            self._op_step(range(len(data)), data, grads, grad_scale_invs, hyper, self.step_tensor,
+                          self.step_counts, found_inf)
+        else:
+            self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
+        for p, wide in widened:
+            p.copy_(wide)
+
+    def _op_step(self, positions, data, grads, grad_scale_invs, hyper, step_tensor, step_counts, found_inf) -> None:
+        """The op over the params at ``positions`` (``step_counts``: theirs)."""
+        def pick(entries: list) -> list:
+            return or_empty([entries[i] for i in positions]) if entries else []
+
+        lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
+        fast.adam_step(pick(data), pick(grads), pick(self.exp_avgs), pick(self.exp_avg_sqs), [],
+                       pick(self.param_scale_invs), pick(grad_scale_invs), *map(pick, self.scale_lists),
+                       *map(pick, self.copy_lists), step_counts, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, adamw=adamw, maximize=maximize, step_tensor=step_tensor,
+                       found_inf=found_inf)
+
+    def _traced_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> None:
+        """The step as Dynamo traces it: op calls whose written lists hold no None (torch's
+        functionalization of a mutable list with a None entry fails under Inductor, torch 2.11 to
+        2.15 at least), one per pattern of the params' optional buffers (masters and plain params
+        apart). Each call takes t from its own copy of the first count and advances its params'
+        counts; with several calls, a skip flag set first from every grad skips them together."""
+        patterns: dict[tuple, list[int]] = {}
+        for i in range(len(data)):
+            key = tuple(bool(entries) and entries[i] is not None
+                        for entries in (self.param_scale_invs, *self.scale_lists, *self.copy_lists))
+            patterns.setdefault(key, []).append(i)
+        if len(patterns) > 1 and found_inf is None:
+            found_inf = nonfinite_flag(grads, grad_scale_invs, data[0].device)
+        # each call's copy of the count made before any call advances it (a copy of the count
+        # itself: its view step_tensor would be a second, aliased input, which torch refuses)
+        firsts = [self.steps[0].clone().reshape(1) for _ in patterns]
+        for positions, first in zip(patterns.values(), firsts):
+            self._op_step(positions, data, grads, grad_scale_invs, hyper, first, [self.steps[i] for i in positions],
+                          found_inf)
+
+    def _plan_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> None:
         args = (grads, grad_scale_invs, *hyper, 0, self.step_tensor, found_inf, 0)
         if self._plan is None or self._plan.step(*args) is None:
             self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
