@@ -54,6 +54,10 @@ def adam_step(
     ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
     the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
     ``[n, 4]`` (grad, exp_avg, exp_avg_sq, param).
+
+    Under ``torch.compile`` through Inductor, a written list holding None (a scale list of mixed
+    formats, ``step_counts`` with gaps) fails in torch's functionalization: trace one call per
+    set of like tensors instead, as :class:`fp8amp.optim.Adam` does (docs/compile.md).
     """
     op = "adam_step"
     unknown = sorted(set(optional_lists) - set(_OPTIONAL_LISTS))
