@@ -150,17 +150,18 @@ class CallLists:
             self._traced_step(data, grads, grad_scale_invs, hyper, found_inf)
         elif (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
               or _get_current_dispatch_mode()):
-            self._op_step(range(len(data)), data, grads, grad_scale_invs, hyper, self.step_tensor,
-                          self.step_counts, found_inf)
+            self._op_step(None, data, grads, grad_scale_invs, hyper, self.step_tensor, self.step_counts, found_inf)
         else:
             self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
         for p, wide in widened:
             p.copy_(wide)
 
     def _op_step(self, positions, data, grads, grad_scale_invs, hyper, step_tensor, step_counts, found_inf) -> None:
-        """The op over the params at ``positions`` (``step_counts``: theirs)."""
+        """The op over the params at ``positions`` (None: all; ``step_counts``: theirs)."""
         def pick(entries: list) -> list:
-            return or_empty([entries[i] for i in positions]) if entries else []
+            if positions is None or not entries:
+                return entries
+            return or_empty([entries[i] for i in positions])
 
         lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
         fast.adam_step(pick(data), pick(grads), pick(self.exp_avgs), pick(self.exp_avg_sqs), [],
