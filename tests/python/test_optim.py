@@ -516,17 +516,21 @@ def test_a_compiled_step_equals_the_eager_one():
         assert same(all_bits(*twins[0]), all_bits(*twins[1])), f"step {n}"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("converted", [False, True], ids=["plain", "initialized-O2"])
-def test_an_inductor_compiled_step_equals_the_eager_one(converted):
+def test_an_inductor_compiled_step_equals_the_eager_one(converted, device):
     """``torch.compile(optimizer.step)`` through Inductor, whose functionalization of the op's
     written lists fails on a None entry (a master beside a plain param, the params' step counts):
     the traced step splits its call so that no written list holds None. The same bits as eager
     over three steps, with a param without a grad at one of them (its count lags), every param's
     step count that of torch's optimizers, and a step with a NaN grad skipped whole."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     twins = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 16))
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                    torch.nn.Linear(32, 16)).to(device)
         optimizer = fp8amp.optim.AdamW(model.parameters(), lr=1e-2, state_dtypes="O2")
         if converted:
             model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2",
@@ -541,7 +545,7 @@ def test_an_inductor_compiled_step_equals_the_eager_one(converted):
         if n == 2:  # a NaN in one plain param's grad skips every param, masters too (one call
             # in eager, split calls sharing a skip flag when traced)
             before = all_bits(*twins[1])
-            compiled_model(torch.randn(8, 16)).float().pow(2).mean().backward()
+            compiled_model(torch.randn(16, 16, device=device)).float().pow(2).mean().backward()
             compiled_model[1].weight.grad[3] = float("nan")
             compiled_step()
             compiled_model.zero_grad(set_to_none=True)
@@ -549,7 +553,7 @@ def test_an_inductor_compiled_step_equals_the_eager_one(converted):
             continue
         for model, step in ((eager_model, eager.step), (compiled_model, compiled_step)):
             torch.manual_seed(n)
-            model(torch.randn(8, 16)).float().pow(2).mean().backward()
+            model(torch.randn(16, 16, device=device)).float().pow(2).mean().backward()
             if n == 3:
                 model[1].bias.grad = None
             step()
