@@ -17,6 +17,10 @@ list passed and checked again (what each step cost before the plans), and those 
 device, where only torch's dispatch of the argument lists and the Meta kernel run, the column
 "of those torch's dispatch"; the rest is fp8amp's binding, checks and launches.
 
+The last row makes and times the first one's model and optimizer again, after the others in the
+same process: an A/A row, whose difference from the first is the run's own drift (the allocator's
+and the GPU's state after the other modes), in every column.
+
 ``--profile STEPS`` adds, for each optimizer, where ``step()``'s host time goes: its host-side
 events under torch.profiler over STEPS steps (each after a synchronize), the largest by self
 time, with their calls a step: Python ops, fp8amp's fused op, the CUDA runtime's launches.
@@ -40,7 +44,8 @@ from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
 from _common import markdown_table, report
 from bench_train import PRESETS
 
-MODES = ("torch AdamW(fused)", "O2, Linears kept in BF16 compute", "O2, every Linear in FP8")
+MODES = ("torch AdamW(fused)", "O2, Linears kept in BF16 compute", "O2, every Linear in FP8",
+         "torch AdamW(fused), again")
 
 
 def make(mode: str, cfg: GPTConfig, device: torch.device):
