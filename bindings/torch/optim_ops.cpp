@@ -108,8 +108,9 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
                      const OptionalTensorList& exp_avg_scale_invs, const OptionalTensorList& exp_avg_sq_scales,
                      const OptionalTensorList& exp_avg_sq_scale_invs, const OptionalTensorList& weights_fp8,
                      const OptionalTensorList& weight_scales, const OptionalTensorList& weight_scale_invs,
-                     const OptionalTensorList& step_counts, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                     bool maximize, int64_t step, const std::optional<at::Tensor>& step_tensor,
+                     const OptionalTensorList& step_counts, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool adamw, bool maximize, int64_t step,
+                     const std::optional<at::Tensor>& step_tensor,
                      const std::optional<at::Tensor>& found_inf, int64_t margin) {
   const size_t n = params.size();
   at::Tensor amax = amax_like(params);
