@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fp8amp
-from fp8amp.fsdp import enable_fp8_reduce_scatter, fp8_reduce_scatter
+from fp8amp.fsdp import Fp8ReduceScatter, enable_fp8_reduce_scatter, fp8_reduce_scatter
 from ranks import free_port, run_on_ranks
 from test_fsdp import batch, loss_of, make_model, shard
 
@@ -175,6 +175,42 @@ def test_enable_fp8_reduce_scatter_errors():
 
 
 GPUS = torch.cuda.device_count()
+
+
+def one_cuda_rank(rank: int) -> dict:
+    """fp8_reduce_scatter with CUDA tensors on this process's one-rank NCCL group, and with the same
+    inputs on the CPU over a one-rank gloo group of the same process; FSDP2's comm object too."""
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for divisor in (1.0, 3.0):
+            x = inputs(rank, 1, dtype)
+            on_gpu = torch.empty(SHARD, dtype=dtype, device="cuda")
+            fp8_reduce_scatter(on_gpu, x.cuda(), divisor=divisor)
+            on_cpu = torch.empty(SHARD, dtype=dtype)
+            fp8_reduce_scatter(on_cpu, x, gloo, divisor=divisor)
+            out[dtype, divisor] = (x, on_gpu.cpu(), on_cpu)
+    x = inputs(rank, 1, torch.float32)
+    x[7] = float("inf")
+    on_gpu = torch.empty(SHARD, device="cuda")
+    Fp8ReduceScatter()(on_gpu, x.cuda(), dist.group.WORLD, dist.ReduceOp.AVG)
+    out["inf"] = on_gpu.cpu()
+    return out
+
+
+@pytest.mark.gpu
+def test_fp8_reduce_scatter_on_one_gpu_equals_the_cpu_bit_for_bit():
+    """The collective's CUDA path (the comm kernels, NCCL's all-to-all of the codes; with one rank
+    FSDP2 itself makes no reduce-scatter call) against its CPU path over gloo: the same bits, FP8
+    rounding in both."""
+    (res,) = run_on_ranks(one_cuda_rank, 1, backend="nccl")
+    for (dtype, divisor), (x, on_gpu, on_cpu) in ((k, v) for k, v in res.items() if k != "inf"):
+        assert torch.equal(on_gpu.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           on_cpu.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (dtype, divisor)
+        exact = x.double() / divisor
+        assert not torch.equal(on_cpu.double(), exact)  # rounded to FP8 on the way
+        assert ((on_cpu.double() - exact).abs() <= U * exact.abs().max() + 2.0 ** -8 * exact.abs()).all()
+    assert res["inf"].isnan().all()
 
 
 def nccl_rank(rank: int, port: int, results) -> None:
