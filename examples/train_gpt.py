@@ -17,6 +17,8 @@ Many processes (one a GPU, or CPU processes with gloo), launched by torchrun:
     torchrun --nproc-per-node=8 examples/train_gpt.py --precision O2 --fp8-allreduce  # FP8 on the wire
     torchrun --nproc-per-node=8 examples/train_gpt.py --precision O2 --parallel fsdp
                         # FSDP2: masters and states sharded, weights all-gathered in E4M3
+    torchrun --nproc-per-node=1 examples/train_gpt.py --precision bf16,O2 --parallel fsdp
+                        # FSDP2 on one GPU (one rank): its per-GPU memory, BF16 against O2
 
 On a GPU the default preset (medium) is a ~0.3B-parameter GPT of width 2048 (seq 1024), big enough
 for FP8 to pay; --preset 1b is the 1B GPT of benchmarks/bench_train.py. On a CPU-only machine the
@@ -141,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer step) inside fp8amp.numerics_report: saturation, underflow and SQNR of every "
                         "FP8 cast, printed (default: off)")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
-                   help="under torchrun: DDP or FSDP2's fully_shard (O1/O2: FP16 masters and optimizer states "
-                        "sharded; every FP8 precision: weights all-gathered in E4M3) (default: ddp)")
+                   help="under torchrun: DDP (with more than one process) or FSDP2's fully_shard (with any "
+                        "number, one included; O1/O2: FP16 masters and optimizer states sharded; every FP8 "
+                        "precision: weights all-gathered in E4M3) (default: ddp)")
     p.add_argument("--fp8-allreduce", action="store_true",
                    help="DDP: fp8amp.distributed.fp8_allreduce_hook (FP8 gradients on the wire) (default: off)")
     p.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false",
@@ -197,6 +200,9 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     preset; every failure is one parser.error line naming the argument."""
     if args.fp8_allreduce and (int(os.environ.get("WORLD_SIZE", "1")) == 1 or args.parallel == "fsdp"):
         parser.error("argument --fp8-allreduce: it is for DDP: launch with torchrun --nproc-per-node=N (N > 1)")
+    if args.parallel == "fsdp" and "WORLD_SIZE" not in os.environ:
+        parser.error("argument --parallel: fsdp runs under torchrun: launch with torchrun --nproc-per-node=N "
+                     "(N = 1 on one GPU)")
     if args.recipe != ["tensorwise"] and args.precision == ["bf16"]:
         parser.error("argument --recipe: it applies to the FP8 precisions (fp8, O1, O2), and --precision names "
                      "only bf16")
@@ -232,11 +238,12 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
                  train=data[:-held_out], val=data[-held_out:], out=out)
 
 
-def join_processes(device: torch.device) -> tuple[int, int, torch.device]:
-    """Under torchrun (WORLD_SIZE > 1), joins the process group: NCCL with one GPU a process,
-    gloo on CPUs. Returns (rank, world size, this process's device)."""
+def join_processes(device: torch.device, parallel: str) -> tuple[int, int, torch.device]:
+    """Under torchrun with more than one process, or with ``parallel`` "fsdp" (one process
+    included), joins the process group: NCCL with one GPU a process, gloo on CPUs. Returns (rank,
+    world size, this process's device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and parallel != "fsdp":
         return 0, 1, device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -262,7 +269,7 @@ def label_of(precision: str, recipe: str | None, device: torch.device) -> str:
 def build(precision: str, recipe: str | None, args, setup: Setup, init_state: dict, world: int,
           device: torch.device):
     """The model (from init_state), its optimizer and schedule for one precision and recipe."""
-    fsdp = world > 1 and args.parallel == "fsdp"
+    fsdp = args.parallel == "fsdp"  # (under torchrun: resolve checks it)
     model = GPT(setup.cfg)
     model.load_state_dict(init_state)
     model.to(device)
@@ -338,8 +345,9 @@ def train_one(precision: str, recipe: str | None, args, setup: Setup, init_state
     core, model, optimizer, schedule = build(precision, recipe, args, setup, init_state, world, device)
     step_model = torch.compile(model) if args.compile else model
     converted = sum(isinstance(m, fp8amp.Fp8Linear) for m in core.modules())
-    fsdp = world > 1 and args.parallel == "fsdp"
-    parallel = f", {world} processes ({'FSDP2' if fsdp else 'DDP'})" if world > 1 else ""
+    fsdp = args.parallel == "fsdp"
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    parallel = f", {processes} ({'FSDP2' if fsdp else 'DDP'})" if world > 1 or fsdp else ""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         "CPU, float32" if label == "fp32" else "CPU emulation")
     requested = " (bf16 requested: autocast to bf16 runs on CUDA only)" if label == "fp32" else ""
@@ -407,7 +415,7 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     setup = resolve(parser, args)
-    rank, world, device = join_processes(setup.device)
+    rank, world, device = join_processes(setup.device, args.parallel)
     log = print if rank == 0 else (lambda *a, **k: None)
     fp8amp.ops.set_gemm_autotune(args.gemm_autotune)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and for every precision
@@ -425,7 +433,7 @@ def main() -> None:
                     fp8_activations=args.fp8_activations)
         paths = write_outputs(setup.out, rows, summarize(rows), meta)
         log("wrote " + ", ".join(str(p) for p in paths))
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

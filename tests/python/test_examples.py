@@ -1,7 +1,8 @@
 """examples/train_gpt.py runs as the README says: one process, and under torchrun with DDP (O2, FP8
-gradient all-reduce) and FSDP2 (FP8 compute with the E4M3 all-gather; O2 with sharded masters),
-here on CPU processes (gloo, FP8 emulation) for a few steps each; a comparison of precisions leaves
-its CSV, picture and summary; --compile trains; every bad argument is one line and exit code 2."""
+gradient all-reduce) and FSDP2 (FP8 compute with the E4M3 all-gather; O2 with sharded masters, on
+two processes and on one), here on CPU processes (gloo, FP8 emulation) for a few steps each; a
+comparison of precisions leaves its CSV, picture and summary; --compile trains; every bad argument
+is one line and exit code 2."""
 
 import csv
 import importlib.util
@@ -18,9 +19,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def run(*args: str, processes: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+def run(*args: str, processes: int = 1, torchrun: bool | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The example in one process, or under torchrun (default: with more than one process)."""
     launch = [sys.executable]
-    if processes > 1:
+    if processes > 1 if torchrun is None else torchrun:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     # One thread a process: CI's two cores are shared, and torch's threads would only contend.
     return subprocess.run(launch + [str(EXAMPLE), *args], capture_output=True, text=True, timeout=timeout,
@@ -38,10 +40,11 @@ def final_losses(out: str, label: str) -> tuple[float, float]:
     (("--precision", "O2", "--fp8-allreduce"), 2, "O2 on cpu (CPU emulation, 2 processes (DDP)): "),
     (("--parallel", "fsdp", "--precision", "fp8"), 2, "fp8 on cpu (CPU emulation, 2 processes (FSDP2)): "),
     (("--parallel", "fsdp", "--precision", "O2"), 2, "O2 on cpu (CPU emulation, 2 processes (FSDP2)): "),
+    (("--parallel", "fsdp", "--precision", "O2"), 1, "O2 on cpu (CPU emulation, 1 process (FSDP2)): "),
 ])
 def test_train_gpt_runs(args, processes, banner, tmp_path):
     result = run("--device", "cpu", "--steps", "3", "--log-every", "1", "--out", str(tmp_path), *args,
-                 processes=processes)
+                 processes=processes, torchrun=processes > 1 or "fsdp" in args)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert banner in out, out
@@ -150,6 +153,7 @@ def bad_argument_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--precision", "bf16", "--recipe", "blockwise", *out],
          "argument --recipe: it applies to the FP8 precisions (fp8, O1, O2), and --precision names only bf16"),
         (["--fp8-allreduce", *out], "argument --fp8-allreduce: it is for DDP: launch with torchrun"),
+        (["--parallel", "fsdp", *out], "argument --parallel: fsdp runs under torchrun: launch with torchrun"),
         (["--data", str(tmp_path / "missing.txt"), *out], "argument --data: no such file or directory"),
         (["--data", str(short), *out], f"argument --data: '{short}' holds 132 bytes of text, fewer than the 260 "
                                        "that the tiny preset (seq_len 128) needs"),
