@@ -1,6 +1,7 @@
 """FP8 reduce-scatter (fp8amp.fsdp.fp8_reduce_scatter, enable_fp8_reduce_scatter;
-docs/distributed.md#fp8-reduce-scatter-under-fsdp2): gloo processes on CPU, and 2 GPUs with NCCL
-(marked gpu, skipped with fewer than 2 GPUs).
+docs/distributed.md#fp8-reduce-scatter-under-fsdp2): gloo processes on CPU; marked gpu, one GPU
+with a one-rank NCCL group (the collective's CUDA path against its CPU path) and 2 GPUs with NCCL
+(skipped with fewer).
 
 The collective alone: every rank's shard within the derived bound of the exact (float64) sum, SUM
 and AVG, float32 and bfloat16, 2 and 3 ranks, zeros, and a NaN or inf on one rank making every
