@@ -19,10 +19,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def run(*args: str, processes: int = 1, torchrun: bool | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """The example in one process, or under torchrun (default: with more than one process)."""
+def run(*args: str, processes: int = 1, torchrun: bool = False, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The example in one process, or under torchrun (always with more than one process)."""
     launch = [sys.executable]
-    if processes > 1 if torchrun is None else torchrun:
+    if processes > 1 or torchrun:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     # One thread a process: CI's two cores are shared, and torch's threads would only contend.
     return subprocess.run(launch + [str(EXAMPLE), *args], capture_output=True, text=True, timeout=timeout,
@@ -44,7 +44,7 @@ def final_losses(out: str, label: str) -> tuple[float, float]:
 ])
 def test_train_gpt_runs(args, processes, banner, tmp_path):
     result = run("--device", "cpu", "--steps", "3", "--log-every", "1", "--out", str(tmp_path), *args,
-                 processes=processes, torchrun=processes > 1 or "fsdp" in args)
+                 processes=processes, torchrun="fsdp" in args)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert banner in out, out
