@@ -320,7 +320,9 @@ class Adam(torch.optim.Optimizer):
             calls += [(group, *part) for part in parts.values()]
 
         found_infs = self._found_infs(calls)
-        kept, self._call_lists = self._call_lists, {}
+        # (emptied in place: torch 2.11's Dynamo cannot trace setting an attribute of an optimizer)
+        kept = dict(self._call_lists)
+        self._call_lists.clear()
         for group, params, states in calls:
             key = tuple(map(id, params))
             lists = kept.get(key)
