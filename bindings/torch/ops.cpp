@@ -123,6 +123,14 @@ void amax(const at::Tensor& x, const at::Tensor& amax_out, const std::optional<a
   });
 }
 
+// amax's value as a new tensor: a compiled graph reads it as an op output, where torch 2.11's
+// Inductor let a fused kernel read a buffer before the op that mutates it had run.
+at::Tensor amax_of(const at::Tensor& x) {
+  at::Tensor out = at::zeros({1}, x.options().dtype(at::kFloat));
+  amax(x, out, std::nullopt, 0);
+  return out;
+}
+
 // Multi-tensor ops need at least one tensor to know their device; the core names the error.
 const at::Tensor& first_or(at::TensorList xs, const at::Tensor& fallback) { return xs.empty() ? fallback : xs[0]; }
 
@@ -207,6 +215,7 @@ constexpr char kCastTransposeDbias[] = "cast_transpose_dbias";
 constexpr char kCastTransposeRescaled[] = "cast_transpose_rescaled";
 constexpr char kDequantize[] = "dequantize";
 constexpr char kAmax[] = "amax";
+constexpr char kAmaxOf[] = "amax_of";
 constexpr char kMultiAmax[] = "multi_amax";
 constexpr char kMultiQuantize[] = "multi_quantize";
 constexpr char kMultiDequantize[] = "multi_dequantize";
@@ -248,6 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias_
 at::Tensor dequantize_meta(const at::Tensor& x, const at::Tensor&, at::ScalarType dtype) { return empty_as(x, dtype); }
 
 void amax_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {}
+at::Tensor amax_of_meta(const at::Tensor& x) { return at::empty({1}, x.options().dtype(at::kFloat)); }
 void multi_amax_meta(at::TensorList, const at::Tensor&) {}
 
 at::Tensor multi_quantize_meta(at::TensorList, at::TensorList, const at::Tensor& scale, const at::Tensor&,
@@ -285,6 +295,7 @@ TORCH_LIBRARY(fp8amp, m) {
   // them whether x is read in place (row runs) or copied.
   m.def("amax(Tensor x, Tensor(a!) amax, Tensor? warmup_counter=None, int warmup_steps=0) -> ()",
         {at::Tag::needs_exact_strides});
+  m.def("amax_of(Tensor x) -> Tensor", {at::Tag::needs_exact_strides});
   m.def("multi_amax(Tensor[] xs, Tensor(a!) amax) -> ()");
   m.def("multi_quantize(Tensor[] xs, Tensor(b!)[] outs, Tensor scale, Tensor(a!) amax, " FP8AMP_SCALING_ARGS
         ") -> Tensor");
@@ -308,6 +319,7 @@ TORCH_LIBRARY(fp8amp, m) {
   m.impl("cast_transpose_rescaled", fp8amp::torch_binding::cast_transpose_rescaled##suffix); \
   m.impl("dequantize", fp8amp::torch_binding::dequantize##suffix);         \
   m.impl("amax", fp8amp::torch_binding::amax##suffix);                     \
+  m.impl("amax_of", fp8amp::torch_binding::amax_of##suffix);               \
   m.impl("multi_amax", fp8amp::torch_binding::multi_amax##suffix);         \
   m.impl("multi_quantize", fp8amp::torch_binding::multi_quantize##suffix); \
   m.impl("multi_dequantize", fp8amp::torch_binding::multi_dequantize##suffix); \
@@ -326,6 +338,7 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("cast_transpose_rescaled", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCastTransposeRescaled, fp8amp::torch_binding::cast_transpose_rescaled_meta>::run);
   m.impl("dequantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kDequantize, fp8amp::torch_binding::dequantize_meta>::run);
   m.impl("amax", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kAmax, fp8amp::torch_binding::amax_meta>::run);
+  m.impl("amax_of", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kAmaxOf, fp8amp::torch_binding::amax_of_meta>::run);
   m.impl("multi_amax", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiAmax, fp8amp::torch_binding::multi_amax_meta>::run);
   m.impl("multi_quantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiQuantize, fp8amp::torch_binding::multi_quantize_meta>::run);
   m.impl("multi_dequantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiDequantize, fp8amp::torch_binding::multi_dequantize_meta>::run);

@@ -221,9 +221,7 @@ def _amax_in_graph(x: torch.Tensor) -> torch.Tensor:
     contiguous x, a permutation of one (SDPA's output) or rows at one stride (q, k, v, views of one
     GEMM output). Other layouts keep Inductor's reduction (the kernel would read a copy)."""
     if has_row_runs(x):
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        ops.amax(x, amax)
-        return amax
+        return ops.amax_of(x)
     return x.to(torch.float32).abs().amax().reshape(1)
 
 

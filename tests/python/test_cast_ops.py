@@ -379,6 +379,19 @@ def test_multi_amax_equals_single(in_dtype):
     assert_same_float(flat, torch.cat([torch_amax(x) for x in xs]))
 
 
+@pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
+def test_amax_of_returns_what_amax_accumulates_into_a_zero(in_dtype):
+    """The functional amax (the one compiled graphs call): a new float32 [1], NaN propagated, 0 for
+    an empty x, strided views (q of a qkv output, a transpose) as their values."""
+    qkv = (torch.randn(2, 8, 3, 4, 16, generator=torch.Generator().manual_seed(3)) * 100).to(in_dtype)
+    for x in (*multi_inputs(in_dtype), qkv[:, :, 0].transpose(1, 2), qkv.flatten(0, 1)[:, 0, 0].t()):
+        got = fp8amp.ops.amax_of(x)
+        assert got.shape == (1,) and got.dtype == torch.float32
+        assert_same_float(got, torch_amax(x))
+    with pytest.raises(TypeError, match="x"):
+        fp8amp.ops.amax_of([1.0])
+
+
 @pytest.mark.parametrize("dtype", [fp8amp.E4M3, fp8amp.E5M2, fp8amp.FP16])
 @pytest.mark.parametrize("special", ["none", "zeros", "inf", "nan", "empty"])
 @pytest.mark.parametrize("margin", [0, 2])

@@ -32,6 +32,7 @@ def opcheck_cases():
                                     (x.half(), torch.full((1,), 0.25), torch.full((1,), 8.0), fp8amp.FP16), {}),
         "dequantize": (ops.dequantize.default, (x.half(), torch.ones(1), torch.bfloat16), {}),
         "amax": (ops.amax.default, (x, torch.zeros(1, 4)), dict(warmup_counter=counter, warmup_steps=4)),
+        "amax_of": (ops.amax_of.default, (x,), {}),
         "multi_amax": (ops.multi_amax.default, ([x, x[:3]], torch.zeros(2, 3)), {}),
         "multi_quantize": (ops.multi_quantize.default,
                            ([x, x[:3]], [torch.empty_like(x, dtype=fp8amp.FP16), torch.empty_like(x[:3], dtype=fp8amp.FP16)],

@@ -287,6 +287,8 @@ def test_amax_of_row_runs(in_dtype):
         fp8amp.ops.amax(view(odd.to(CUDA)), cuda)
         assert_bits_equal(cuda.cpu(), cpu)
         assert cpu.isfinite().item()
+    for x in (qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2), odd[3:, :999]):  # the functional one
+        assert_bits_equal(fp8amp.ops.amax_of(x.to(CUDA)).cpu(), fp8amp.ops.amax_of(x))
 
 
 @pytest.mark.parametrize("in_dtype", HIGH_PRECISION)

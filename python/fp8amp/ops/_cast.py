@@ -216,6 +216,13 @@ def amax(
     )
 
 
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a new float32 ``[1]`` (NaN if x holds one; 0 for an empty x): :func:`amax`
+    into a fresh zero, as one functional op, which a compiled graph orders before its readers."""
+    op = "amax_of"
+    return fast.amax_of(_reduction_input(x, "x", op))
+
+
 def multi_amax(xs: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     """:func:`amax` of many tensors of one dtype in one launch: ``xs[i]`` folds into ``amax[i, 0]``
     (``amax`` float32 ``[n]`` or ``[n, H]``)."""

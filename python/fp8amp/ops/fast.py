@@ -17,6 +17,7 @@ cast_transpose_dbias = lib.cast_transpose_dbias.default
 cast_transpose_rescaled = lib.cast_transpose_rescaled.default
 dequantize = lib.dequantize.default
 amax = lib.amax.default
+amax_of = lib.amax_of.default
 multi_amax = lib.multi_amax.default
 multi_quantize = lib.multi_quantize.default
 multi_dequantize = lib.multi_dequantize.default
