@@ -158,7 +158,7 @@ def test_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(run):
         for kind in ("params", "optimizer"):
             for key, value in before[kind].items():
                 assert torch.equal(skipped[kind][key], value), (kind, key)
-                assert torch.isfinite(next_step[kind][key]).all(), (kind, key)
+                assert torch.isfinite(next_step[kind][key].float()).all(), (kind, key)  # (torch 2.11: no FP8 isfinite)
         assert any(not torch.equal(next_step["params"][k], v) for k, v in before["params"].items())  # it trains again
         for name, value in skipped["buffers"].items():
             assert torch.isfinite(value).all(), name
