@@ -13,8 +13,8 @@ tiles (and mx: MXFP8's block casts and GEMM), comm.
 from . import fast
 from ._accumulate import scaled_accumulate
 from ._comm import comm_quantize, comm_sum_shards
-from ._cast import (amax, amax_of, cast_transpose, cast_transpose_dbias, cast_transpose_rescaled, dequantize, multi_amax,
-                    multi_dequantize, multi_quantize, quantize, quantize_current)
+from ._cast import (amax, amax_of, cast_transpose, cast_transpose_dbias, cast_transpose_rescaled, dequantize,
+                    multi_amax, multi_dequantize, multi_quantize, quantize, quantize_current)
 from ._gemm import bias_dtype, gemm, gemm_accumulate, gemm_autotune_enabled, gemm_autotune_stats, set_gemm_autotune
 from ._gemm_tiles import gemm_tiles
 from ._mx import cast_transpose_mx, dequantize_mx, e8m0_to_float, gemm_mx, quantize_mx
