@@ -4,8 +4,9 @@
 # Dynamo and Inductor differ from it (docs/compile.md#three-more-torch-211-faults-worked-around).
 # Installs that torch and the test tools, builds fp8amp without CUDA in build/oldest-torch, runs
 # pytest on two workers; transformers, accelerate, lightning and timm are left out (beside torch
-# 2.11, pip's resolver backtracked over their versions for many minutes), so their tests skip. Usage: scripts/test_oldest_torch.sh [pytest args]
-# (e.g. -k compile). FP8AMP_VENV: the venv (default .venv-oldest-torch).
+# 2.11, pip's resolver backtracked over their versions for many minutes), so their tests skip.
+# Usage: scripts/test_oldest_torch.sh [pytest args] (e.g. -k compile).
+# FP8AMP_VENV: the venv (default .venv-oldest-torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FP8AMP_VENV:-.venv-oldest-torch}
