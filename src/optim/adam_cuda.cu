@@ -30,7 +30,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kElementsPerThread = 32;  // per block: a chunk of kThreads * 32 elements of one tensor
+constexpr int kElementsPerThread = 64;  // per block: a chunk of kThreads * 64 elements of one tensor
 constexpr int64_t kChunk = int64_t{kThreads} * kElementsPerThread;
 
 // Tensors per launch: the batch travels in the kernel parameters, which may take 32,764 bytes
@@ -154,13 +154,21 @@ struct Chunk {
     float g_si;  // with kBlocks: the block's grad scale_inv, signed
   };
 
-  // The pack at element i of the chunk.
+  // The pack at element i of the chunk: its arrays, then with kBlocks its block scale, which needs
+  // make_blocks' divisor. The passes fetch their first pack's arrays before the first barrier, so
+  // that thread 0's per-step constants (float64 arithmetic, a load of the amax row) overlap them.
   __device__ void fetch(int i, Pack& w) const {
+    fetch_arrays(i, w);
+    fetch_block_scale(i, w);
+  }
+  __device__ void fetch_block_scale(int i, Pack& w) const {
+    if constexpr (kBlocks) w.g_si = w.valid > 0 ? block_grad_scale_inv(i) : 0.0f;
+  }
+  __device__ void fetch_arrays(int i, Pack& w) const {
     // Negative past the chunk's end, which every use treats as 0. Not clamped: with max(0, .) here
     // nvcc 13.0 emitted a VIMNMX.RELU whose predicate feeds the whole-pack branch, and the H200
     // failed the bit-exact AdamCuda tests (found by bisection; the unclamped form passes).
     w.valid = min(N, length - i);
-    if constexpr (kBlocks) w.g_si = w.valid > 0 ? block_grad_scale_inv(i) : 0.0f;
     if (vector_ok && w.valid == N) {  // one branch for the usual whole pack, not one per array
       load_words(grad(i), w.g);
       load_words(param(i), w.p);
@@ -241,6 +249,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ int32_t shared_known;
 
   const C chunk(batch, args, owning_tensor(batch));
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  constexpr int kPacks = kElementsPerThread / N;
+  typename C::Pack pack{}, next{};
+  const int warp_first = (static_cast<int>(threadIdx.x) - lane) * N;  // the warp's first element
+  const bool has_first = warp_first < chunk.length;
+  if (has_first) chunk.fetch_arrays(warp_first + lane * N, pack);
   if (threadIdx.x == 0) {
     chunk.make_blocks();
     shared_constants = adam_constants(args.hyper, call_step(args));
@@ -253,14 +267,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const AdamConstants c = without_maximize(shared_constants);
   const AdamBoundConstants bound = shared_bound;
   const int32_t known = shared_known;
+  if (has_first) chunk.fetch_block_scale(warp_first + lane * N, pack);
 
-  const int lane = static_cast<int>(threadIdx.x) % 32;
   float amax[kAdamAmaxColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'|
   float lower = 0.0f;                 // the largest lower bound of |p'| this lane has seen
-  constexpr int kPacks = kElementsPerThread / N;
-  typename C::Pack pack{}, next{};
-  const int warp_first = (static_cast<int>(threadIdx.x) - lane) * N;  // the warp's first element
-  if (warp_first < chunk.length) chunk.fetch(warp_first + lane * N, pack);
   for (int u = 0; u < kPacks; ++u, pack = next) {
     // The warp goes through its packs together: the warp-wide votes below need every lane.
     const int warp_i = u * kThreads * N + warp_first;
@@ -336,6 +346,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ bool shared_skip;
 
   const C chunk(batch, args, owning_tensor(batch));
+  constexpr int kPacks = kElementsPerThread / N;
+  typename C::Pack pack{}, next{};
+  const int first = static_cast<int>(threadIdx.x) * N;
+  if (first < chunk.length) chunk.fetch_arrays(first, pack);
   if (threadIdx.x == 0) {
     chunk.make_blocks();
     shared_constants = adam_constants(args.hyper, call_step(args));
@@ -346,10 +360,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if (shared_skip) return;  // the same answer for the whole block
   const AdamConstants c = without_maximize(shared_constants);
   const AdamScales& s = shared_scales;
+  if (first < chunk.length) chunk.fetch_block_scale(first, pack);
 
-  constexpr int kPacks = kElementsPerThread / N;
-  typename C::Pack pack{}, next{};
-  if (static_cast<int>(threadIdx.x) * N < chunk.length) chunk.fetch(static_cast<int>(threadIdx.x) * N, pack);
   for (int u = 0; u < kPacks; ++u, pack = next) {
     const int i = (u * kThreads + static_cast<int>(threadIdx.x)) * N;
     if (i >= chunk.length) break;
