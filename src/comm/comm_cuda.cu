@@ -97,19 +97,27 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const __grid_constan
   const bool vector_ok = is_aligned(in, 16) && is_aligned(out, N * sizeof(Out));
   const int64_t begin = (static_cast<int64_t>(blockIdx.x) - batch.block_begin[t]) * kChunk;
   const int64_t end = min(batch.numel[t], begin + kChunk);
+  // Every pack's load before the first store (which the compiler may not move a load above, the
+  // buffers possibly aliasing): kPacksPerThread round trips in flight, not one.
+  uint32_t w[kPacksPerThread][kWords<In, N>];
+  int valid[kPacksPerThread];
+#pragma unroll
   for (int u = 0; u < kPacksPerThread; ++u) {
     const int64_t j = begin + (int64_t{u} * kThreads + threadIdx.x) * N;
-    if (j >= end) break;
-    const int valid = valid_count<N>(j, end);
-    uint32_t w[kWords<In, N>];
-    load_pack<N, Access::kStreaming>(in + j, valid, vector_ok, w);
+    valid[u] = valid_count<N>(j, end);
+    if (valid[u] > 0) load_pack<N, Access::kStreaming>(in + j, valid[u], vector_ok, w[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kPacksPerThread; ++u) {
+    if (valid[u] == 0) break;
+    const int64_t j = begin + (int64_t{u} * kThreads + threadIdx.x) * N;
     float v[N];
-    decode_pack<In>(w, v);
+    decode_pack<In>(w[u], v);
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = rn::mul(v[k], scale);
     uint32_t codes[kWords<Out, N>];
     encode_pack<Out>(v, codes);
-    store_pack<N>(out + j, codes, valid, vector_ok);
+    store_pack<N>(out + j, codes, valid[u], vector_ok);
   }
 }
 
@@ -137,41 +145,61 @@ __global__ void __launch_bounds__(kThreads) sum_kernel(const __grid_constant__ B
   const int64_t piece_begin = batch.begin[t];
   const int64_t begin = piece_begin + block_in_piece * kSumChunk;
   const int64_t end = min(piece_begin + batch.numel[t], begin + kSumChunk);
-  uint32_t key = 0;
+  // Row by row, every pack of the thread at once, the next row's codes loaded before this row's are
+  // added: 2 * kPacksPerThread loads in flight. The sum of each column stays in rank order.
+  int64_t column[kPacksPerThread];
+  int valid[kPacksPerThread];
+  bool codes_ok[kPacksPerThread];
+  uint32_t w[kPacksPerThread][kWords<Code, kPack>] = {}, next[kPacksPerThread][kWords<Code, kPack>] = {};
+  float v[kPacksPerThread][kPack] = {};
+#pragma unroll
   for (int u = 0; u < kPacksPerThread; ++u) {
-    const int64_t c = begin + (int64_t{u} * kThreads + threadIdx.x) * kPack;
-    if (c >= end) break;
-    const int valid = valid_count<kPack>(c, end);
-    const bool codes_ok = rows_aligned && is_aligned(codes + c, kPack);
-    float v[kPack] = {};
-    for (int64_t j = 0; j < p.rows; ++j) {
-      uint32_t w[kWords<Code, kPack>];
-      load_pack<kPack>(codes + j * p.cols + c, valid, codes_ok, w);
-      float x[kPack];
-      decode_pack<Code>(w, x);
-      const float s = p.scale_inv[j * p.scale_inv_row_stride + piece];
+    column[u] = begin + (int64_t{u} * kThreads + threadIdx.x) * kPack;
+    valid[u] = valid_count<kPack>(column[u], end);
+    codes_ok[u] = rows_aligned && is_aligned(codes + column[u], kPack);
+    if (valid[u] > 0) load_pack<kPack>(codes + column[u], valid[u], codes_ok[u], w[u]);
+  }
+  for (int64_t j = 0; j < p.rows; ++j) {
+    if (j + 1 < p.rows) {
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) v[k] = comm::add_copy(v[k], x[k], s, j == 0);
+      for (int u = 0; u < kPacksPerThread; ++u) {
+        if (valid[u] > 0) load_pack<kPack>(codes + (j + 1) * p.cols + column[u], valid[u], codes_ok[u], next[u]);
+      }
     }
+    const float s = p.scale_inv[j * p.scale_inv_row_stride + piece];
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) v[k] = comm::mean_of_sum(v[k], p.divisor);
+    for (int u = 0; u < kPacksPerThread; ++u) {
+      float x[kPack];
+      decode_pack<Code>(w[u], x);
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) v[u][k] = comm::add_copy(v[u][k], x[k], s, j == 0);
+#pragma unroll
+      for (int i = 0; i < kWords<Code, kPack>; ++i) w[u][i] = next[u][i];
+    }
+  }
+  uint32_t key = 0;
+#pragma unroll
+  for (int u = 0; u < kPacksPerThread; ++u) {
+    if (valid[u] == 0) break;
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) v[u][k] = comm::mean_of_sum(v[u][k], p.divisor);
     if constexpr (kRequantize && kPass == Pass::kAmax) {
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        if (k < valid) key = max(key, numerics::amax_key(v[k]));
+        if (k < valid[u]) key = max(key, numerics::amax_key(v[u][k]));
       }
     } else {
-      Out* dst = out + (c - first_column);
+      Out* dst = out + (column[u] - first_column);
       const bool out_ok = is_aligned(dst, kPack * sizeof(Out));
-      uint32_t w[kWords<Out, kPack>];
+      uint32_t o[kWords<Out, kPack>];
       if constexpr (kRequantize) {
 #pragma unroll
-        for (int k = 0; k < kPack; ++k) v[k] = rn::mul(v[k], scale);
-        encode_pack<Out>(v, w);
+        for (int k = 0; k < kPack; ++k) v[u][k] = rn::mul(v[u][k], scale);
+        encode_pack<Out>(v[u], o);
       } else {
-        round_pack<Out>(v, w);
+        round_pack<Out>(v[u], o);
       }
-      store_pack<kPack>(dst, w, valid, out_ok);
+      store_pack<kPack>(dst, o, valid[u], out_ok);
     }
   }
   if constexpr (kRequantize && kPass == Pass::kAmax) {

@@ -73,11 +73,15 @@ TEST(CommCuda, SumShardsMatchesCpu) {
   for (DType fmt : kFp8) {
     for (DType out_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3,
                             DType::kFloat8E5M2}) {
-      for (int64_t rows : {1, 2, 3}) {
+      for (int64_t rows : {1, 2, 3, 5}) {
         for (bool per_row : {false, true}) {
           const int64_t cols = rows == 2 ? (int64_t{1} << 18) : 100003;
+          // Narrow pieces (up to 1,500 columns), or wide ones that span several blocks of the kernel.
+          const int64_t widest = rows == 5 ? 40000 : 1500;
           std::vector<int64_t> bounds{1};
-          while (bounds.back() < cols - 5000) bounds.push_back(bounds.back() + static_cast<int64_t>(rng() % 1500));
+          while (bounds.back() < cols - widest - 5000) {
+            bounds.push_back(bounds.back() + static_cast<int64_t>(rng() % widest));
+          }
           bounds.push_back(cols - 2);
           const int64_t pieces = static_cast<int64_t>(bounds.size()) - 1;
           MirroredTensor codes(fmt, {rows, cols});
