@@ -13,7 +13,8 @@
 #               it begins (--only='cuda*': test_cuda.py, test_cuda_graph.py, ...; CTest: cuda)
 #   --shard=K/N run the K-th of N parts of the pytest files (every N-th file from the K-th, in name
 #               order) and CTest with K=1 only: the whole GPU suite takes longer than a 600 s run on
-#               the GPU machine, e.g. --gpu-only --no-bench --shard=1/2, then --shard=2/2 while warm
+#               the GPU machine, e.g. --gpu-only --no-bench --shard=1/3, then 2/3 and 3/3 while warm
+#               (on 2026-12-06 --shard=1/2 ran past 600 s on an H100: build 65 s, CTest 70 s, pytest)
 #   --ncu-optim also profile the O2 Adam passes with Nsight Compute (speed of light, occupancy,
 #               warp stalls, memory) into $OUT/ncu_adam.txt (about a minute)
 # A GPU machine without a GoogleTest package builds the C++ tests from sources in .deps/googletest
