@@ -51,7 +51,7 @@ __all__ = ["TiledLinearFunction"]
 def _tile(recipe: Recipe, role: str, cols: int) -> tuple[int, int]:
     """The tile of an operand of ``cols`` columns (its GEMM's contraction) in ``role``."""
     if recipe.kind == "rowwise":
-        return 1, cols
+        return 1, max(cols, 1)  # an empty batch: one (empty) tile a row, not tiles of no columns
     if recipe.kind == "mxfp8":  # mxfp8
         return 1, MX_BLOCK
     return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
