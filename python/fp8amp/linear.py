@@ -323,8 +323,9 @@ class Fp8Linear(nn.Linear):
             raise RuntimeError(
                 f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
                 f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "
-                "load_state_dict(..., assign=True)). The optimizer that initialize returned would update the old "
-                "master and this layer would not train; load without assign=True")
+                "load_state_dict(..., assign=True), or module.to_empty() of a model initialized on the meta device). "
+                "The optimizer that initialize returned would update the old master and this layer would not train; "
+                "load without assign=True, and call fp8amp.initialize after the model's weights are materialized")
         if not isinstance(weight, MasterWeight) and master.optimizer_built:  # gathered by FSDP2
             raise RuntimeError(
                 "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "

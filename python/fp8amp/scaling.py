@@ -215,6 +215,11 @@ class ScalingState(torch.nn.Module):
             self.reset()
             return
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        buffers = self._buffers
+        if buffers["_always_current"].is_meta and not buffers["scale"].is_meta:
+            # load_state_dict(..., assign=True) into a state made on the meta device: the checkpoint
+            # brought the persistent buffers; the non-persistent constant is made where they are.
+            buffers["_always_current"] = torch.zeros(1, dtype=torch.int32, device=buffers["scale"].device)
 
     def _apply(self, fn, recurse=True):
         # module.half(), .bfloat16(), .to(dtype) must not cast the state (the ops take float32
@@ -223,7 +228,14 @@ class ScalingState(torch.nn.Module):
             moved = fn(t)
             return moved if moved.dtype == t.dtype else t.to(moved.device)
 
-        return super()._apply(move_only, recurse)
+        from_meta = self._buffers["scale"].is_meta
+        out = super()._apply(move_only, recurse)
+        if from_meta and not self._buffers["scale"].is_meta:
+            # module.to_empty(): buffers made from the meta device hold uninitialized memory (a
+            # model's reset_parameters() or init_weights() rarely knows of them); a state made on
+            # meta had no values to keep, so it starts from the initial state, as a new one does.
+            self.reset()
+        return out
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -138,3 +138,37 @@ def test_an_infinite_input_gives_a_nonfinite_output_row_under_delayed_scaling(le
     y = model(x)
     assert not y[1].isfinite().any()
     assert y[[0, 2, 3]].isfinite().all()
+
+
+def _fresh_scaling_buffers(model):
+    return {n: b for n, b in model.named_buffers() if "scaling" in n}
+
+
+def test_a_model_converted_on_the_meta_device_starts_its_scaling_fresh_after_to_empty():
+    """The meta-device recipe (big models, FSDP2): convert on meta, to_empty(), then the model's
+    own weight init, which knows nothing of the scaling buffers. to_empty() leaves uninitialized
+    memory in every buffer; the states must read as new ones do, and the forward must equal a
+    model converted from the same weights."""
+    with torch.device("meta"):
+        meta = fp8amp.convert(_model(), policy="all")
+    meta.to_empty(device="cpu")
+    reference = fp8amp.convert(_model(1), policy="all")
+    with torch.no_grad():
+        for p, q in zip(meta.parameters(), reference.parameters()):
+            p.copy_(q)  # the model's own init: parameters only
+    for (name, b), r in zip(_fresh_scaling_buffers(meta).items(), _fresh_scaling_buffers(reference).values()):
+        assert torch.equal(b, r), name
+    x = torch.randn(4, 16)
+    assert torch.equal(meta(x), reference(x))
+
+
+def test_load_state_dict_with_assign_into_a_model_converted_on_meta_runs_where_the_weights_are():
+    """load_state_dict(..., assign=True) brings the persistent buffers; the scaling states' own
+    constant (not in a checkpoint) follows them off the meta device."""
+    with torch.device("meta"):
+        meta = fp8amp.convert(_model(), policy="all")
+    reference = fp8amp.convert(_model(1), policy="all")
+    meta.load_state_dict(reference.state_dict(), assign=True)
+    assert not any(b.is_meta for b in meta.buffers())
+    x = torch.randn(4, 16)
+    assert torch.equal(meta(x), reference(x))
