@@ -86,7 +86,9 @@ def main() -> None:
 
     if args.save:
         accelerator.wait_for_everyone()
-        model = fp8amp.unconvert(accelerator.unwrap_model(model))  # plain nn.Linear, real-valued weights
+        # plain nn.Linear, real-valued weights; the optimizer given too (Accelerate's wraps fp8amp's),
+        # as it holds the replaced masters: it comes back a plain torch.optim.AdamW
+        model, optimizer = fp8amp.unconvert(accelerator.unwrap_model(model), optimizer.optimizer)
         if accelerator.is_main_process:
             model.save_pretrained(args.save)
             accelerator.print(f"saved to {args.save} (loads with LlamaForCausalLM.from_pretrained)")

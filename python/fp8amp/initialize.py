@@ -113,7 +113,8 @@ def initialize(
     if optimizer is None:
         return model, None
     new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level)
-    _retire(optimizer)
+    retire(optimizer, "initialize", "fp8amp optimizer",
+           "model, optimizer = fp8amp.initialize(model, optimizer, ...)")
     return model, new_optimizer
 
 
@@ -190,21 +191,20 @@ def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> N
                       UserWarning, stacklevel=3)
 
 
-def _retire(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer passed in does not hold the masters: stepping it would leave the Linear weights
-    unchanged, zeroing its grads would let theirs accumulate. Both now raise with the fix. An lr
-    scheduler built on it (torch marks the optimizer's step and sets each group's initial_lr)
-    would change nothing: warned once, here."""
+def retire(optimizer: torch.optim.Optimizer, caller: str, returned: str, usage: str) -> None:
+    """Makes the optimizer that ``caller`` (initialize, unconvert) replaced by the ``returned`` one
+    unusable: it does not hold the model's new weights, so stepping it would leave them unchanged,
+    and zeroing its grads would let theirs accumulate. Both now raise with the fix (``usage``, the
+    call to write). An lr scheduler built on it (torch marks the optimizer's step and sets each
+    group's initial_lr) would change nothing: warned once, here."""
     if hasattr(optimizer.step, "_wrapped_by_lr_sched") or any("initial_lr" in g for g in optimizer.param_groups):
-        warnings.warn("initialize: an lr scheduler was built on the optimizer passed in; it will not change the "
-                      "learning rate of the optimizer initialize returns: build the scheduler after initialize, "
+        warnings.warn(f"{caller}: an lr scheduler was built on the optimizer passed in; it will not change the "
+                      f"learning rate of the optimizer {caller} returns: build the scheduler after {caller}, "
                       "on the returned optimizer", UserWarning, stacklevel=3)
 
     def replaced(*args, **kwargs):
-        raise RuntimeError(
-            "fp8amp.initialize replaced this optimizer by the fp8amp optimizer it returned, which holds the "
-            "new O1/O2 master weights: step and zero_grad that one (model, optimizer = fp8amp.initialize(model, "
-            "optimizer, ...)) and build lr schedulers on it")
+        raise RuntimeError(f"fp8amp.{caller} replaced this optimizer by the {returned} it returned, which holds the "
+                           f"model's new weights: step and zero_grad that one ({usage}) and build lr schedulers on it")
 
     optimizer.step = optimizer.zero_grad = replaced
 

@@ -10,7 +10,9 @@ through ``save_pretrained`` / ``from_pretrained``.
 
 With the optimizer too, the fp8amp optimizer that :func:`~fp8amp.initialize` built becomes a
 plain ``torch.optim.Adam`` / ``AdamW`` over the new parameters, with the same param groups and
-hyperparameters and its moments as real values (O2's E4M3 m and FP16 v dequantized).
+hyperparameters and its moments as real values (O2's E4M3 m and FP16 v dequantized); the fp8amp
+one is retired (its ``step`` and ``zero_grad`` raise: it holds the old masters). Without it, a
+model whose masters were replaced warns that such an optimizer would not train them.
 
 What is lost: the delayed-scaling histories and scales of every layer, and the scales of the
 moments. To resume FP8 training bit for bit, keep the converted model's and optimizer's own
@@ -19,12 +21,14 @@ state dicts; ``unconvert`` is for export, inference, and going back to plain tor
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from . import optim as fp8_optim
+from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
 
@@ -69,9 +73,17 @@ def unconvert(
     model = _unconvert_modules(model, replaced)
     model.__dict__.pop("_fp8amp_conversion_report", None)
     if optimizer is None:
+        if replaced:
+            warnings.warn(
+                f"unconvert: {len(replaced)} O1/O2 master weight(s) became plain parameters; an fp8amp optimizer "
+                "built on the model (the one fp8amp.initialize returned) still holds the old masters and would "
+                "train only the other parameters: pass it, model, optimizer = fp8amp.unconvert(model, optimizer), "
+                "or build a new optimizer over model.parameters()", UserWarning, stacklevel=2)
         return model
     if isinstance(optimizer, fp8_optim.Adam):
-        optimizer = _plain_optimizer(optimizer, replaced)
+        plain = _plain_optimizer(optimizer, replaced)
+        retire(optimizer, "unconvert", "torch.optim optimizer", "model, optimizer = fp8amp.unconvert(model, optimizer)")
+        optimizer = plain
     return model, optimizer
 
 

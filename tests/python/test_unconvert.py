@@ -2,6 +2,7 @@
 read by a plain torch optimizer (real values, not the codes)."""
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -59,7 +60,13 @@ def test_state_dict_loads_strictly_into_a_fresh_model_with_the_trained_values(le
     expected = {k: (v.dequantize() if isinstance(v, fp8amp.ScaledTensor) else v).clone()
                 for k, v in model.state_dict().items() if "scaling" not in k}
 
-    assert fp8amp.unconvert(model) is model
+    if level == "fp8":  # the optimizer holds the model's own parameters: nothing to warn about
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert fp8amp.unconvert(model) is model
+    else:  # opt holds the old masters: it would train the biases and norms only
+        with pytest.warns(UserWarning, match="still holds the old masters.*fp8amp.unconvert.model, optimizer"):
+            assert fp8amp.unconvert(model) is model
     assert not any(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())
     assert fp8amp.conversion_report(model) is None
     state = model.state_dict()
@@ -78,7 +85,8 @@ def test_a_layer_reached_under_two_names_becomes_one_linear():
     shared = nn.Linear(32, 32)
     model = nn.Sequential(shared, nn.ReLU(), shared)
     model, _ = fp8amp.initialize(model, None, "O2", policy="all")
-    fp8amp.unconvert(model)
+    with pytest.warns(UserWarning, match="1 O1/O2 master weight"):
+        fp8amp.unconvert(model)
     assert type(model[0]) is nn.Linear and model[0] is model[2]
 
 
@@ -106,6 +114,10 @@ def test_optimizer_becomes_plain_torch_with_real_moments(level, cls, plain_cls):
         assert m.abs().max() > 0
     _train(model, plain, steps=1)  # plain torch steps on
     assert float(plain.state[new_params[0]]["step"]) == 4.0
+    # the fp8amp optimizer holds the old masters: stepping it would leave the model's weights alone
+    for call in (opt.step, opt.zero_grad):
+        with pytest.raises(RuntimeError, match="unconvert replaced this optimizer.*unconvert.model, optimizer"):
+            call()
 
 
 def test_plain_adamw_loading_fp8amp_o2_state_reads_real_values():
