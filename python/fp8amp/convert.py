@@ -112,7 +112,8 @@ class ConversionReport:
 
 def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     """The :class:`ConversionReport` of the last :func:`convert` that returned ``model``
-    (``None`` if it never went through ``convert``)."""
+    (``None`` if it never went through ``convert``). Layers an earlier ``convert`` made
+    Fp8Linear are counted in its notes, not judged again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"conversion_report: model must be an nn.Module, got {type(model).__name__}")
     return model.__dict__.get("_fp8amp_conversion_report")
@@ -204,6 +205,10 @@ def convert(
         recipe.check_device(device, "fp8amp.convert")
     report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind,
                               compiled=compiled)
+    earlier = sum(1 for m in model.modules() if isinstance(m, Fp8Linear))
+    if earlier:  # this report judges the remaining Linears only
+        report.notes.append(f"{earlier} layer(s) already Fp8Linear before this call (an earlier convert), "
+                            "not counted below")
     model_in = model
 
     # Which Linears, and where a timing is needed.

@@ -144,6 +144,15 @@ def test_filter_is_applied_before_timing():
     assert "module_filter_fn" in {d.name: d for d in conversion_report(m).decisions}["3.0"].reason
 
 
+def test_a_second_convert_reports_the_layers_an_earlier_one_converted():
+    first = fp8amp.convert(model(), policy="all", module_filter_fn=lambda mod, fqn: fqn.startswith("3"))
+    assert conversion_report(first).notes == []
+    earlier = sum(isinstance(m, fp8amp.Fp8Linear) for m in first.modules())
+    report = conversion_report(fp8amp.convert(first, policy="all"))
+    assert earlier == 2 and "2 layer(s) already Fp8Linear" in str(report)
+    assert len(report.decisions) == len(kinds(model())) - earlier  # this call's Linears only
+
+
 def test_bare_linear_and_shared_linear():
     slow = fp8amp.convert(nn.Linear(256, 64), policy="layers", timer=FakeTimer(TABLE))
     assert type(slow) is nn.Linear and not conversion_report(slow).converted
