@@ -120,21 +120,23 @@ def test_forward_and_grads_against_fp32(recipe, grad_format, bias, lead_shape):
         torch.testing.assert_close(fp8.bias.grad, reference.bias.grad)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("recipe", ["tensorwise", *TILED])
 @pytest.mark.parametrize("lead_shape", [(0,), (2, 0)])
-def test_an_empty_batch_gives_empty_outputs_and_zero_weight_grads(recipe, lead_shape):
+def test_an_empty_batch_gives_empty_outputs_and_zero_weight_grads(recipe, lead_shape, device):
     """No tokens (a rank's empty micro-batch, a filtered batch): an empty output and input grad,
     zero weight and bias grads, as nn.Linear gives, whatever the recipe (rowwise's tiles run along
     the token dimension in the weight-grad GEMM, where there are none)."""
-    fp8 = Fp8Linear(256, 128, recipe=recipe)
-    x = torch.randn(*lead_shape, 256, requires_grad=True)
+    fp8 = Fp8Linear(256, 128, recipe=recipe, device=device)
+    x = torch.randn(*lead_shape, 256, device=device, requires_grad=True)
     y = fp8(x)
     assert y.shape == (*lead_shape, 128)
     y.sum().backward()
     assert x.grad.shape == x.shape
-    assert torch.equal(fp8.weight.grad, torch.zeros(128, 256)) and torch.equal(fp8.bias.grad, torch.zeros(128))
+    assert torch.equal(fp8.weight.grad, torch.zeros(128, 256, device=device))
+    assert torch.equal(fp8.bias.grad, torch.zeros(128, device=device))
     with torch.no_grad():
-        assert fp8(torch.randn(*lead_shape, 256)).shape == (*lead_shape, 128)
+        assert fp8(torch.randn(*lead_shape, 256, device=device)).shape == (*lead_shape, 128)
 
 
 def test_shapes_a_recipe_cannot_take_stay_high_precision():
