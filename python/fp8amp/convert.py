@@ -293,7 +293,8 @@ _STATES_UPDATED_BY_HOOKS: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
 def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step
-    (:func:`fp8amp.amax_sync.start_amax_reduction`). Registering a model again on the same
+    (:func:`fp8amp.amax_sync.start_amax_reduction`), unless the step is given a closure, whose
+    forward and backward record amaxes inside the step: then the reduction follows it. Registering a model again on the same
     optimizer (or a module inside one registered) changes nothing: each scaling state is updated
     once a step, since a second update would roll its amax history twice."""
     if not isinstance(model, nn.Module):
@@ -318,9 +319,13 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
             return delayed_states(models[0])
         return list({id(s): s for m in models for s in delayed_states(m)}.values())
 
-    def start(*_) -> None:  # a pre-hook returns None (or new arguments for step)
+    def start(_, args, kwargs) -> None:  # a pre-hook returns None (or new arguments for step)
         found["states"] = states_of_models()
-        _start_amax_reduction(found["states"], step_bound=True)
+        # A closure (Lightning's every step) runs a forward and backward inside step(), after this
+        # hook: a reduction issued now would copy back maxima taken before them, overwriting their
+        # amaxes. Then the post-hook reduces, after the closure, without the overlap.
+        if (args[1] if len(args) > 1 else kwargs.get("closure")) is None:  # args: (optimizer, closure?)
+            _start_amax_reduction(found["states"], step_bound=True)
 
     def finish(*_) -> None:  # not run when the step raises: its reduction is then discarded
         states = found.pop("states", None)

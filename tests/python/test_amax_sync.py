@@ -4,7 +4,8 @@
 The ranks get batches whose amaxes differ by 10^2 per rank (inputs and output gradients). After
 every step each rank snapshots every scaling buffer of the model (amax histories, scales,
 scale_inv, counters); the tests require the snapshots to be bit-identical on all ranks, under DDP
-(O2, and FP8 compute with the FP8 gradient hook), FSDP2 (O2, and with more ranks than a weight has
+(O2, O2 stepped with a closure as Lightning steps, and FP8 compute with the FP8 gradient hook),
+FSDP2 (O2, and with more ranks than a weight has
 rows: an empty shard), ``all_reduce_grads`` in a plain loop and a plain loop whose model and
 update_scaling are compiled, and the recorded amax to be the largest rank's. With the reduction
 turned off the ranks' scales part (so the check can fail). Also what the reduction adds to a step
@@ -45,7 +46,7 @@ def shard(model: nn.Module) -> None:
 def build(scenario: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, bool]:
     """(the model the step runs, the one holding the scaling states, its optimizer, whether the
     loop calls update_scaling and all_reduce_grads itself)."""
-    if scenario in ("ddp_o2", "ddp_o2_off"):
+    if scenario in ("ddp_o2", "ddp_o2_off", "ddp_o2_closure"):
         model = make_model()
         model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2", policy="all")
         if scenario == "ddp_o2_off":
@@ -76,6 +77,16 @@ def train(rank: int, scenario: str) -> dict:
     update_scaling = torch.compile(fp8amp.update_scaling) if scenario == "plain_compiled" else fp8amp.update_scaling
     snapshots = []
     for step in range(STEPS):
+        if scenario == "ddp_o2_closure":  # Lightning's way: the forward and backward inside step()
+            def closure(step=step):
+                loss = loss_of(stepped, *batch(step, rank))
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+            optimizer.zero_grad()
+            snapshots.append(scaling_buffers(model))
+            continue
         loss_of(stepped, *batch(step, rank)).backward()
         if manual and not isinstance(stepped, nn.parallel.DistributedDataParallel):
             fd.all_reduce_grads(model)
@@ -92,7 +103,7 @@ def train(rank: int, scenario: str) -> dict:
     return dict(snapshots=snapshots, params={name: real(p) for name, p in model.named_parameters()})
 
 
-SCENARIOS = ("ddp_o2", "ddp_o2_off", "ddp_fp8_hook", "fsdp_o2", "plain", "plain_compiled")
+SCENARIOS = ("ddp_o2", "ddp_o2_off", "ddp_o2_closure", "ddp_fp8_hook", "fsdp_o2", "plain", "plain_compiled")
 
 
 class OpCounter(TorchDispatchMode):
@@ -172,7 +183,8 @@ def run(request):
     return spawn(worker, request.param)
 
 
-@pytest.mark.parametrize("scenario", ["ddp_o2", "ddp_fp8_hook", "fsdp_o2", "plain", "plain_compiled"])
+@pytest.mark.parametrize("scenario", [
+    "ddp_o2", "ddp_o2_closure", "ddp_fp8_hook", "fsdp_o2", "plain", "plain_compiled"])
 def test_scaling_buffers_bit_identical_on_every_rank_after_every_step(run, scenario):
     world, res = run
     for step in range(STEPS):
@@ -186,7 +198,8 @@ def test_scaling_buffers_bit_identical_on_every_rank_after_every_step(run, scena
             assert torch.equal(r[scenario]["params"][name], value), (scenario, name)
 
 
-@pytest.mark.parametrize("scenario", ["ddp_o2", "ddp_fp8_hook", "fsdp_o2", "plain", "plain_compiled"])
+@pytest.mark.parametrize("scenario", [
+    "ddp_o2", "ddp_o2_closure", "ddp_fp8_hook", "fsdp_o2", "plain", "plain_compiled"])
 def test_recorded_input_amax_is_the_largest_ranks(run, scenario):
     """After step s the history's column 1 holds step s's amax: for the first layer's input, the
     max over the ranks' batches (the last rank's, 100^r times the others'), not rank 0's."""
