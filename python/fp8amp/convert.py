@@ -37,6 +37,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
+
 from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
@@ -117,6 +122,12 @@ def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"conversion_report: model must be an nn.Module, got {type(model).__name__}")
     return model.__dict__.get("_fp8amp_conversion_report")
+
+
+def _is_sharded(linear: nn.Module) -> bool:
+    """A Linear whose weight a distributed wrapper replaced by a DTensor (FSDP2's fully_shard makes
+    the layer an instance of a subclass, which convert would skip without a word)."""
+    return DTensor is not None and isinstance(getattr(linear, "weight", None), DTensor)
 
 
 def check_options(*, module_filter_fn: Optional[ModuleFilter] = None, recipe: RecipeArg = None, policy: str = "auto",
@@ -224,6 +235,12 @@ def convert(
                 fqn = f"{name}.{child_name}" if name else child_name
                 if type(child) is nn.Linear:
                     candidates.append((module, child_name, fqn, child))
+                elif isinstance(child, nn.Linear) and not isinstance(child, Fp8Linear) and _is_sharded(child):
+                    raise ValueError(
+                        f"fp8amp.convert: {fqn} is already sharded (its weight is a DTensor: fully_shard / FSDP2 "
+                        "or tensor parallelism ran first), and convert takes plain nn.Linear layers only, so it "
+                        "would convert nothing; call fp8amp.convert / fp8amp.initialize before fully_shard "
+                        "(docs/distributed.md)")
                 elif is_hf_conv1d(child):
                     if id(child) not in conv1d_shapes:
                         conv1d_shapes[id(child)] = _Conv1DShape(child)

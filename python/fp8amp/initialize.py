@@ -156,7 +156,20 @@ def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
         raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; got {opt_level!r}")
     _check_optimizer(optimizer, caller)
+    _check_params_are_the_models(model, optimizer, caller)
     return _optimizer_at_level(model, optimizer, {}, opt_level)
+
+
+def _check_params_are_the_models(model: nn.Module, optimizer: torch.optim.Optimizer, caller: str) -> None:
+    """An optimizer built before ``initialize(model, None, ...)`` holds the Linear weights that the
+    masters replaced: it would step those, and the model's Linear weights would not train."""
+    own = {id(p) for p in model.parameters()}
+    stale = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+    if stale:
+        warnings.warn(f"{caller}: {stale} of the optimizer's parameters are not the model's (e.g. Linear weights "
+                      "that fp8amp.initialize replaced by FP16 masters, when the optimizer was built before it, or "
+                      "before fully_shard): they would be stepped and the model's would not; build the optimizer "
+                      "after initialize (and fully_shard), over model.parameters()", UserWarning, stacklevel=3)
 
 
 def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,

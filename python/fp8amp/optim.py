@@ -58,6 +58,7 @@ step is always one fused multi-tensor op call per param group.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import defaultdict
 
 import torch
@@ -318,6 +319,8 @@ class Adam(torch.optim.Optimizer):
                 part[0].append(p)
                 part[1].append(state)
             calls += [(group, *part) for part in parts.values()]
+        if not calls and not torch.compiler.is_compiling():
+            self._warn_no_grads()
 
         found_infs = self._found_infs(calls)
         # (emptied in place: torch 2.11's Dynamo cannot trace setting an attribute of an optimizer)
@@ -332,6 +335,17 @@ class Adam(torch.optim.Optimizer):
             self._call(group, params, lists, found_infs[params[0].device])
             self._cohorts.update(dict.fromkeys(key, next(self._cohort_ids)))
         return loss
+
+    def _warn_no_grads(self) -> None:
+        """A step where no param has a grad steps nothing: legitimate before any backward, but also
+        what an optimizer built before fully_shard (or a load with assign=True) replaced the model's
+        parameters does at every step, silently. Python's filter shows it once."""
+        n = sum(len(group["params"]) for group in self.param_groups)
+        if n:
+            warnings.warn(f"{self._name}.step: none of its {n} parameter(s) has a gradient, so nothing was stepped. "
+                          "If fully_shard (FSDP2) or load_state_dict(..., assign=True) replaced the model's "
+                          "parameters after this optimizer was built, it holds tensors the model no longer uses: "
+                          "build it after them (docs/distributed.md)", UserWarning, stacklevel=5)
 
     def _found_infs(self, calls) -> dict[torch.device, torch.Tensor | None]:
         """One float32 [1] skip flag per device, shared by that device's calls. With more than one

@@ -7,10 +7,12 @@ uneven shards of a 16-row weight, padded). O1/O2 (``initialize`` without an opti
 ``fully_shard``, then fp8amp's AdamW) shard the FP16 masters and the optimizer states and train as
 one process does, up to the shards' own master scales. An optimizer that ``initialize`` built
 before ``fully_shard`` (it holds the replaced masters) is refused by name at the first forward, as
-is a master replaced by ``load_state_dict(assign=True)``, in one process.
+is a master replaced by ``load_state_dict(assign=True)``, in one process; ``fully_shard`` before
+``initialize`` is refused, and fp8amp's optimizer built by hand before ``fully_shard`` warns.
 """
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -407,6 +409,37 @@ def test_o2_sharded_after_its_optimizer_was_built_is_refused_by_name():
     for message in run_on_ranks(stale_optimizer_rank, WORLD_SIZE):
         assert "fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the" in message
         assert "fp8amp.initialize(model, opt_level=...) without an optimizer" in message, message
+
+
+def wrong_order_rank(rank: int) -> dict:
+    """The two other wrong orders: fully_shard before initialize (convert would find no plain
+    nn.Linear: FSDP2 made each an FSDPLinear), and fp8amp's optimizer built by hand before
+    fully_shard (it holds the unsharded masters, which get no gradient)."""
+    out = {}
+    model = make_model()
+    shard(model)
+    try:
+        fp8amp.initialize(model, None, "O2", policy="all")
+        out["shard_first"] = "no error"
+    except ValueError as e:
+        out["shard_first"] = str(e)
+    model, _ = fp8amp.initialize(make_model(), None, "O2", policy="all")
+    optimizer = fp8amp.optim.AdamW(model.parameters(), lr=LR, state_dtypes="O2")
+    shard(model)
+    loss_of(model, *batch(0, rank)).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    out["optimizer_first"] = [str(w.message) for w in caught]
+    return out
+
+
+def test_the_other_wrong_orders_with_fully_shard_are_said():
+    """Both trained nothing without a word before 2026-12-06."""
+    for r in run_on_ranks(wrong_order_rank, WORLD_SIZE):
+        assert "fp8amp.convert: 0 is already sharded" in r["shard_first"], r
+        assert "before fully_shard" in r["shard_first"]
+        assert any("none of its 4 parameter(s) has a gradient" in m for m in r["optimizer_first"]), r
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import warnings
 
 import pytest
 import torch
@@ -75,6 +76,19 @@ def test_without_optimizer():
     later = AdamW(model.parameters(), state_dtypes="O2")
     loss_of(model, 0).backward()
     later.step()
+
+
+def test_initialize_optimizer_warns_of_an_optimizer_built_before_the_masters():
+    """Built before initialize(model, None): it holds the float32 Linear weights the masters
+    replaced, so it would train the biases and norms only (it did, silently, before 2026-12-06)."""
+    model = net()
+    early = torch.optim.AdamW(model.parameters())
+    model, _ = fp8amp.initialize(model, None, "O2", policy="all")
+    with pytest.warns(UserWarning, match=r"initialize_optimizer: \d+ of the optimizer's parameters are not the model's"):
+        fp8amp.initialize_optimizer(model, early, "O2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8amp.initialize_optimizer(model, torch.optim.AdamW(model.parameters()), "O2")
 
 
 def test_errors_name_the_argument():

@@ -103,6 +103,24 @@ def test_an_fp8amp_optimizer_from_configure_optimizers_updates_the_scaling(tmp_p
     assert int(module.net[0].input_scaling.amax_history[0].count_nonzero()) == 4, module.net[0].input_scaling
 
 
+class Evaluated(Regression):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x).float(), y))
+
+
+def test_test_after_fit_on_the_same_trainer(tmp_path):
+    """trainer.fit(m) then trainer.test(m): Lightning connects the plugin again with the fp8amp
+    optimizer it made, which has stepped; it is kept (it was refused as a stepped optimizer)."""
+    module = Evaluated()
+    t = trainer(tmp_path, epochs=1)
+    t.fit(module, loader())
+    optimizer = t.optimizers[0]
+    (result,) = t.test(module, loader(), verbose=False)
+    assert result["test_loss"] > 0
+    assert t.optimizers[0] is optimizer
+
+
 def test_unsupported_optimizer_is_refused_naming_the_accepted(tmp_path):
     with pytest.raises(ValueError, match=r"Fp8ampPrecision: optimizer must be one of torch.optim.Adam, "
                                          r"torch.optim.AdamW.*got torch.optim.sgd.SGD"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -360,3 +361,16 @@ def test_cuda_matches_cpu_bit_for_bit(level):
     opt_f.load_state_dict(opt_c.state_dict())
     assert all(v.device.type == "cuda" for p in fresh.parameters() for v in opt_f.state[p].values())
     assert same(snapshot(cpu, opt_c), snapshot(fresh, opt_f))
+
+
+def test_a_step_where_no_param_has_a_gradient_warns():
+    """What an optimizer over parameters the model no longer uses does every step (built before
+    fully_shard or a load with assign=True replaced them): nothing, now said."""
+    layer = torch.nn.Linear(4, 4)
+    optimizer = fp8amp.optim.AdamW(layer.parameters())
+    with pytest.warns(UserWarning, match="none of its 2 parameter.s. has a gradient"):
+        optimizer.step()
+    layer(torch.randn(2, 4)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()

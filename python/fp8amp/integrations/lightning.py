@@ -148,6 +148,9 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
                                "module first (Lightning's strategies do)")
         converted = []
         for optimizer in optimizers:
+            if _updates_scaling_of(optimizer, self._module):  # made here (validate/test after fit connect again)
+                converted.append(optimizer)
+                continue
             new = self._fp8amp_optimizer(optimizer)
             for config in lr_schedulers:
                 if config.scheduler.optimizer is optimizer:
@@ -217,6 +220,13 @@ class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
                 "not fp8amp's: Fabric does not hand optimizers to precision plugins, so pass it through "
                 "precision.convert_optimizer(optimizer) before fabric.setup_optimizers (after fabric.setup_module)")
         return optimizer.step(**kwargs)
+
+
+def _updates_scaling_of(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+    """Whether ``optimizer`` is an fp8amp one whose step hooks already update ``module``'s scaling
+    (what :func:`fp8amp.initialize_optimizer` returned for it)."""
+    return isinstance(optimizer, fp8_optim.Adam) and any(
+        m is module for m in optimizer.__dict__.get("_fp8amp_scaled_models", ()))
 
 
 def _scaling_keys(module: nn.Module) -> list[str]:
