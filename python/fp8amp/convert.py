@@ -311,9 +311,10 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step
     (:func:`fp8amp.amax_sync.start_amax_reduction`), unless the step is given a closure, whose
-    forward and backward record amaxes inside the step: then the reduction follows it. Registering a model again on the same
-    optimizer (or a module inside one registered) changes nothing: each scaling state is updated
-    once a step, since a second update would roll its amax history twice."""
+    forward and backward record amaxes inside the step: then the reduction follows it.
+    Registering a model again on the same optimizer (or a module inside one registered) changes
+    nothing: each scaling state is updated once a step, since a second update would roll its amax
+    history twice."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
