@@ -88,6 +88,7 @@ def trainer_run(mode: str) -> dict:
     if mode == "ddp":
         out["comm_hook"] = module.comm_hook
         out["ranks_agree"] = ranks_agree(module)
+        out["input_amaxes"] = int(module.net[0].input_scaling.amax_history[0].count_nonzero())
     else:
         out["weight"] = type(weight).__name__
         out["local"] = type(weight.to_local()).__name__

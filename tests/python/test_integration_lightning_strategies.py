@@ -34,6 +34,9 @@ def test_ddp_strategy_with_the_fp8_allreduce_comm_hook(results):
     assert out["world"] == 2 and out["comm_hook"] == "fp8_allreduce_hook", out
     assert out["optimizer"] == "AdamW" and out["state_dtypes"] == "O2" and out["fp8_layer"], out
     assert out["ranks_agree"], out  # every rank stepped with the same averaged FP8 gradients
+    # Lightning steps with a closure: each of the 8 steps' amaxes is in the history (all were 0
+    # before the scaling hooks reduced after the closure)
+    assert out["input_amaxes"] == 8, out
     losses = out["losses"]
     assert len(losses) == 8 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
