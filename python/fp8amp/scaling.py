@@ -25,7 +25,7 @@ from .formats import E4M3, SCALED_FORMATS, check_dtype
 from .ops import fast
 from .ops._args import _input
 
-__all__ = ["ScalingRecipe", "ScalingState", "fresh_scaling_if_missing", "update_states"]
+__all__ = ["ScalingRecipe", "ScalingState", "carry_in_metadata", "fresh_scaling_if_missing", "update_states"]
 
 # Scale exponents live in [-126, 126]; a larger margin changes nothing.
 _MAX_MARGIN = 126
@@ -206,15 +206,22 @@ class ScalingState(torch.nn.Module):
             self.counter.zero_()
             self._always_current.zero_()  # constant; zeroed again for buffers made by to_empty()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
         # A checkpoint with no scaling state at all (taken before the model was converted to FP8)
         # reports the buffers as missing, as torch does, unless the load runs under
-        # fresh_scaling_if_missing(): then this state restarts its warm-up.
-        if _fresh_if_missing.get() and not any(
-                prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
-            self.reset()
-            return
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # fresh_scaling_if_missing(): then this state restarts its warm-up. A state dict that
+        # carries them in its metadata instead (carry_in_metadata) gives them from there.
+        if not any(prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
+            carried = local_metadata.get(METADATA_KEY)
+            if carried is not None:
+                with torch.no_grad():
+                    for name, value in carried.items():
+                        self._buffers[name].copy_(value)
+                return
+            if _fresh_if_missing.get():
+                self.reset()
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
         buffers = self._buffers
         if buffers["_always_current"].is_meta and not buffers["scale"].is_meta:
             # load_state_dict(..., assign=True) into a state made on the meta device: the checkpoint
@@ -243,6 +250,25 @@ class ScalingState(torch.nn.Module):
             f"num_tensors={self.num_tensors}, dtype={self.dtype}, history_len={r.history_len}, "
             f"margin={r.margin}, pow2_scale={r.pow2_scale}"
         )
+
+
+#: The key of a module's metadata in a state dict under which :func:`carry_in_metadata` puts a
+#: ScalingState's buffers.
+METADATA_KEY = "fp8amp_scaling"
+
+
+def carry_in_metadata(state_dict: dict, scaling: dict[str, torch.Tensor]) -> None:
+    """Puts ``scaling`` (ScalingState buffers by state-dict key, taken out of ``state_dict``'s keys)
+    into ``state_dict``'s per-module metadata (``state_dict._metadata``, which ``torch.save`` keeps):
+    a model without those ScalingStates (unconverted) loads the state dict strictly and ignores
+    them, and a converted one's states load them from there. A plain dict has no metadata: nothing
+    is carried."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is None:
+        return
+    for key, value in scaling.items():
+        module, _, buffer = key.rpartition(".")
+        metadata.setdefault(module, {}).setdefault(METADATA_KEY, {})[buffer] = value
 
 
 _fresh_if_missing: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8amp_fresh_scaling", default=False)

@@ -121,6 +121,37 @@ def test_test_after_fit_on_the_same_trainer(tmp_path):
     assert t.optimizers[0] is optimizer
 
 
+def test_a_checkpoint_loads_into_a_module_converted_already(tmp_path):
+    """The module just trained (converted by the plugin) and one converted in its __init__ load the
+    plugin's checkpoints too: the scaling buffers, out of the state dict's keys, travel in its
+    metadata (a missing-keys error before)."""
+    module = Evaluated()
+    t = trainer(tmp_path, epochs=1)
+    t.fit(module, loader())
+    t.save_checkpoint(tmp_path / "trained.ckpt")
+    saved = {k: v.clone() for k, v in module.state_dict().items() if "scaling" in k}
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if "scaling" in name:
+                buffer.zero_()  # so that the values must come from the checkpoint
+    trainer(tmp_path, epochs=1).test(module, loader(), ckpt_path=tmp_path / "trained.ckpt", verbose=False)
+    state = module.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items()) and saved
+
+    class ConvertedInInit(Regression):
+        def __init__(self):
+            super().__init__()
+            fp8amp.convert(self.net, policy="all")
+
+    first = ConvertedInInit()
+    t = trainer(tmp_path, epochs=1)
+    t.fit(first, loader())
+    t.save_checkpoint(tmp_path / "own.ckpt")
+    resumed = ConvertedInInit()
+    trainer(tmp_path, epochs=2).fit(resumed, loader(), ckpt_path=tmp_path / "own.ckpt")
+    assert len(resumed.losses) == 4  # the second epoch's steps only
+
+
 def test_unsupported_optimizer_is_refused_naming_the_accepted(tmp_path):
     with pytest.raises(ValueError, match=r"Fp8ampPrecision: optimizer must be one of torch.optim.Adam, "
                                          r"torch.optim.AdamW.*got torch.optim.sgd.SGD"):

@@ -3,6 +3,7 @@ fp8amp's optimizer, a model state dict without scaling buffers, non-finite value
 into ScaledTensor.from_tensor."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -172,3 +173,27 @@ def test_load_state_dict_with_assign_into_a_model_converted_on_meta_runs_where_t
     assert not any(b.is_meta for b in meta.buffers())
     x = torch.randn(4, 16)
     assert torch.equal(meta(x), reference(x))
+
+
+def test_scaling_buffers_carried_in_the_metadata_load_into_converted_and_plain_models():
+    """carry_in_metadata (the Lightning plugin's checkpoints): the scaling buffers out of the keys,
+    in the state dict's per-module metadata; it survives torch.save, loads strictly into the
+    plain model (which ignores it) and into a converted one (whose states take their values)."""
+    trained = fp8amp.convert(_model(), policy="all")
+    trained(torch.randn(4, 16)).sum().backward()
+    fp8amp.update_scaling(trained)
+    state = trained.state_dict()
+    scaling = {key: state.pop(key) for key in list(state) if "scaling" in key}
+    fp8amp.scaling.carry_in_metadata(state, scaling)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    _model().load_state_dict(state, strict=True)
+    converted = fp8amp.convert(_model(1), policy="all")
+    converted.load_state_dict(state, strict=True)
+    loaded = converted.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in scaling.items())
+    assert any(v.count_nonzero() for k, v in scaling.items() if k.endswith("amax_history"))
+    with pytest.raises(RuntimeError, match="Missing key"):  # without the metadata: reported, as before
+        fp8amp.convert(_model(1), policy="all").load_state_dict(dict(state), strict=True)

@@ -48,7 +48,7 @@ from ..convert import check_options
 from ..initialize import check_level, initialize, initialize_optimizer
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor
-from ..scaling import ScalingState
+from ..scaling import ScalingState, carry_in_metadata
 
 __all__ = ["Fp8ampPrecision", "Fp8ampFabricPrecision"]
 
@@ -162,14 +162,19 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Makes the checkpoint's ``state_dict`` that of the unconverted model (Fp8Linear already
-        saves an O1/O2 master as its real values; the scaling buffers move out): Lightning loads it
-        into the module before this plugin converts the module. The scaling state goes under
-        ``checkpoint["fp8amp"]``, which :meth:`on_load_checkpoint` restores once it has."""
+        saves an O1/O2 master as its real values; the scaling buffers move out of its keys):
+        Lightning loads it into the module before this plugin converts the module. The scaling
+        state goes under ``checkpoint["fp8amp"]``, which :meth:`on_load_checkpoint` restores once
+        it has, and into the state dict's metadata, from which a module that is converted already
+        when Lightning loads takes it."""
         if self._module is None:
             return
         state = checkpoint["state_dict"]
         scaling = {key: state.pop(key) for key in _scaling_keys(self._module) if key in state}
         checkpoint[_CHECKPOINT_KEY] = {"opt_level": self.opt_level, "scaling": scaling}
+        # ... and in the state dict's metadata, for a module that is converted when Lightning loads
+        # (trained already, or converted in its __init__): its states take them from there.
+        carry_in_metadata(state, scaling)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get(_CHECKPOINT_KEY)
