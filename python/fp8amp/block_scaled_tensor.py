@@ -5,10 +5,11 @@ blocks (:mod:`fp8amp.tiled_all_gather`), and the O1/O2 weight gradient, accumula
 by :func:`fp8amp.ops.scaled_accumulate_tiles` (one fused dequantize-add-requantize, fresh block
 scales, no float32 copy). To torch it is a tensor of its logical dtype: it keeps its type through
 what FSDP2 and autograd's gradient accumulation do to it (``detach``, ``alias``, ``clone``, FSDP2's
-``as_strided`` to the weight's rows, ``add`` / ``add_``); its norms (``linalg.vector_norm`` over all
+``as_strided`` to the weight's rows, ``add_``); its norms (``linalg.vector_norm`` over all
 elements, ``_foreach_norm``: what ``clip_grad_norm_`` calls) come from the codes and the block
 scales, with no dequantized copy; every other op reads its real values
-(:meth:`dequantize`) and returns plain tensors, and an op that writes into it (``mul_`` of
+(:meth:`dequantize`) and returns plain tensors (an out-of-place ``add`` too: the exact sum, with
+torch's type promotion), and an op that writes into it (``mul_`` of
 ``clip_grad_norm_``, GradScaler's unscale, ``copy_``, ``zero_``) writes its result back, quantized
 with fresh block scales.
 """
@@ -27,6 +28,8 @@ from .wrapper_ops import is_view_op, run_on_values, written_instances
 __all__ = ["BlockScaledTensor"]
 
 _aten = torch.ops.aten
+#: The update dtypes the fused accumulation takes (others go through the real values).
+_ACCUMULATED_DTYPES = HIGH_PRECISION_DTYPES
 BLOCK_TILE = (BLOCK, BLOCK)
 
 
@@ -129,12 +132,13 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
             if func in _MULS_IN_PLACE and not kwargs and _scalar_factor(args[1]):
                 self._scale_inv.mul_(args[1])
                 return self
-            # Gradient accumulation (autograd's AccumulateGrad): the fused dequantize-add-requantize.
-            if func in (_aten.add.Tensor, _aten.add_.Tensor) and kwargs.get("alpha", 1) == 1 and len(args) == 2 \
-                    and isinstance(args[1], torch.Tensor) and args[1].shape == self.shape:
+            # Gradient accumulation (autograd's AccumulateGrad, grad += new): the fused
+            # dequantize-add-requantize. In place only: an out-of-place sum is the real values'
+            # (exact, with torch's type promotion), as ScaledTensor's is.
+            if func is _aten.add_.Tensor and kwargs.get("alpha", 1) == 1 and len(args) == 2 \
+                    and isinstance(args[1], torch.Tensor) and args[1].shape == self.shape \
+                    and args[1].dtype in _ACCUMULATED_DTYPES:
                 codes, scale_inv = self._accumulate(args[1])
-                if func is _aten.add.Tensor:
-                    return BlockScaledTensor(codes, scale_inv, self.dtype)
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
                 return self

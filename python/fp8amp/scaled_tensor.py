@@ -104,6 +104,11 @@ class WrapperTensorMixin:
         state = dict(state)
         for k, dtype in state.pop("_fp8_dtypes", {}).items():
             state[k] = state[k].view(dtype)
+        base = state.get("_base_rows")
+        if base is not None and base._data.untyped_storage().data_ptr() != state["_data"].untyped_storage().data_ptr():
+            # A row view unpickled apart from its base's codes (pickle copies each storage; torch.save
+            # keeps them shared): no longer a view, so a write must not look for its rows there.
+            state["_base_rows"] = None
         self.__dict__.update(state)
 
     @property

@@ -3,6 +3,7 @@ through row views and other views (DequantizedView), ``.data =`` and item assign
 (docs/hardening.md#the-rules-by-kind-of-input)."""
 
 import copy
+import io
 import pickle
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import fp8amp
 from cast_reference import assert_bits_equal, scaled_example as make
+from fp8amp.block_scaled_tensor import BlockScaledTensor
 from fp8amp.dequantized_view import DequantizedView
 from fp8amp.master_weight import MasterWeight
 from fp8amp.scaled_tensor import ScaledTensor
@@ -312,3 +314,37 @@ def test_dequantized_views_made_in_eager_code_work_in_compiled_functions():
     with torch.no_grad():
         double(view)
     assert torch.equal(s.dequantize(torch.float32), torch.ones(16, 32))
+
+
+def test_a_row_view_unpickled_apart_from_its_base_is_a_tensor_of_its_own():
+    """pickle copies the view's and the base's codes apart (torch.save keeps them shared): a write
+    into the unpickled view looked for its rows in the base copy by the pointers' difference and
+    raised or wrote elsewhere; now it is a standalone tensor, and torch.save still keeps the view."""
+    x = fp8amp.ScaledTensor.from_tensor(torch.randn(6, 5), fp8amp.E4M3)
+    view = x[2:4]
+    expected = view.dequantize() * 2
+    z = pickle.loads(pickle.dumps(view))
+    z.mul_(2.0)
+    assert torch.equal(z.dequantize(), expected)
+    buffer = io.BytesIO()
+    torch.save({"x": x, "view": x[2:4]}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded["view"].mul_(2.0)  # still a view: the write reaches the loaded base
+    assert torch.equal(loaded["x"].dequantize()[2:4], loaded["view"].dequantize())
+
+
+def test_an_out_of_place_sum_with_a_block_scaled_tensor_is_exact_and_promotes():
+    """x + y was stored back in FP8 (the accumulation path; y + x was exact) and kept x's dtype;
+    now both orders give the exact plain sum with torch's promotion. add_ still accumulates in FP8."""
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    x = BlockScaledTensor.from_tensor(a)
+    real, other = x.dequantize(), BlockScaledTensor.from_tensor(b).dequantize()
+    for total in (x + other, other + x):
+        assert type(total) is torch.Tensor and torch.equal(total, real + other)
+    assert torch.equal(x + real.double(), real.double() * 2)
+    assert (BlockScaledTensor.from_tensor(a.bfloat16()) + b).dtype == torch.float32
+    x.add_(other)
+    assert type(x) is BlockScaledTensor and not torch.equal(x.dequantize(), real + other)  # requantized
+    torch.testing.assert_close(x.dequantize(), real + other, atol=0.5, rtol=2 ** -3)
