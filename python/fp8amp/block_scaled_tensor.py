@@ -28,8 +28,6 @@ from .wrapper_ops import is_view_op, run_on_values, written_instances
 __all__ = ["BlockScaledTensor"]
 
 _aten = torch.ops.aten
-#: The update dtypes the fused accumulation takes (others go through the real values).
-_ACCUMULATED_DTYPES = HIGH_PRECISION_DTYPES
 BLOCK_TILE = (BLOCK, BLOCK)
 
 
@@ -137,7 +135,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
             # (exact, with torch's type promotion), as ScaledTensor's is.
             if func is _aten.add_.Tensor and kwargs.get("alpha", 1) == 1 and len(args) == 2 \
                     and isinstance(args[1], torch.Tensor) and args[1].shape == self.shape \
-                    and args[1].dtype in _ACCUMULATED_DTYPES:
+                    and args[1].dtype in HIGH_PRECISION_DTYPES:  # what the fused op takes (float64 does not)
                 codes, scale_inv = self._accumulate(args[1])
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)

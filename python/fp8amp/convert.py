@@ -307,6 +307,11 @@ def _recipe_note(recipe) -> str:
 _STATES_UPDATED_BY_HOOKS: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
 
 
+def scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Whether :func:`register_scaling_hooks` registered ``model`` on ``optimizer``."""
+    return any(m is model for m in optimizer.__dict__.get("_fp8amp_scaled_models", ()))
+
+
 def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
     the amax reduction across ranks, so that the collective overlaps the step

@@ -160,11 +160,17 @@ def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     return _optimizer_at_level(model, optimizer, {}, opt_level)
 
 
+def _foreign_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(how many of the optimizer's parameters are not ``model``'s, how many it holds)."""
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return sum(id(p) not in own for p in params), len(params)
+
+
 def _check_params_are_the_models(model: nn.Module, optimizer: torch.optim.Optimizer, caller: str) -> None:
     """An optimizer built before ``initialize(model, None, ...)`` holds the Linear weights that the
     masters replaced: it would step those, and the model's Linear weights would not train."""
-    own = {id(p) for p in model.parameters()}
-    stale = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+    stale, _ = _foreign_params(model, optimizer)
     if stale:
         warnings.warn(f"{caller}: {stale} of the optimizer's parameters are not the model's (e.g. Linear weights "
                       "that fp8amp.initialize replaced by FP16 masters, when the optimizer was built before it, or "
@@ -196,10 +202,9 @@ def _check_optimizer(optimizer: object, caller: str = "initialize") -> None:
 def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """An optimizer over none of the model's parameters (built on another model) would leave the
     model untrained without a word."""
-    own = {id(p) for p in model.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if params and not any(id(p) in own for p in params):
-        warnings.warn(f"initialize: the optimizer holds {len(params)} parameter(s), none of them the model's, so "
+    foreign, held = _foreign_params(model, optimizer)
+    if held and foreign == held:
+        warnings.warn(f"initialize: the optimizer holds {held} parameter(s), none of them the model's, so "
                       "the model will not train: build it on model.parameters() of the model you pass",
                       UserWarning, stacklevel=3)
 

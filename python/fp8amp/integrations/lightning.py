@@ -44,7 +44,7 @@ from torch import nn
 
 from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
-from ..convert import check_options
+from ..convert import check_options, scales_after_step
 from ..initialize import check_level, initialize, initialize_optimizer
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor
@@ -230,8 +230,7 @@ class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
 def _updates_scaling_of(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
     """Whether ``optimizer`` is an fp8amp one whose step hooks already update ``module``'s scaling
     (what :func:`fp8amp.initialize_optimizer` returned for it)."""
-    return isinstance(optimizer, fp8_optim.Adam) and any(
-        m is module for m in optimizer.__dict__.get("_fp8amp_scaled_models", ()))
+    return isinstance(optimizer, fp8_optim.Adam) and scales_after_step(optimizer, module)
 
 
 def _scaling_keys(module: nn.Module) -> list[str]:
