@@ -63,6 +63,8 @@ void amax(const TensorView& x, const TensorView& amax, const TensorView* warmup_
 // The multi-tensor versions: tensor i uses row i of the scaling tensors. One launch (or a few,
 // for very many tensors) covers them all. outs[i] (the caller's, one dtype, contiguous, xs[i]'s
 // shape and device) may be a view into a larger buffer; errors name the tensor by its index.
+// multi_amax also reads FP8 codes (float8_e4m3fn, float8_e5m2): the amax of the codes' own values,
+// NaN for a NaN code, which times a power-of-two scale_inv is the amax of the dequantized tensor.
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax, Stream stream);
 void multi_quantize(const std::vector<TensorView>& xs, const std::vector<TensorView>& outs,
                     const Scaling& scaling, Stream stream);

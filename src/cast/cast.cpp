@@ -254,7 +254,8 @@ void amax(const TensorView& x, const TensorView& amax_out, const TensorView* war
 void multi_amax(const std::vector<TensorView>& xs, const TensorView& amax_out, Stream stream) {
   const char* op = "multi_amax";
   const std::vector<TensorSlice> t = slices(xs, {}, Arity::kMulti, op);
-  check::high_precision(xs[0], op, "xs");
+  FP8AMP_CHECK_VALUE(is_high_precision(xs[0].dtype) || is_fp8(xs[0].dtype), op,
+                     "xs must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got ", xs[0].describe());
   check_float32(amax_out, xs[0], op, "amax");
   const int64_t stride = amax_stride(amax_out, static_cast<int64_t>(xs.size()), op);
   check_disjoint(xs, {}, {{&amax_out, "amax"}}, {}, Arity::kMulti, op);

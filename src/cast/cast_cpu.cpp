@@ -87,7 +87,7 @@ void amax(DType dtype, const void* x, const RowRuns& runs, float* amax, const in
 }
 
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride) {
-  visit(HighPrecisionTypes{}, dtype, [&](auto in) {
+  visit(AmaxTypes{}, dtype, [&](auto in) {
     using In = decltype(in);
     for (size_t i = 0; i < tensors.size(); ++i) {
       fold_amax(amax + i * amax_stride, amax_key_of(static_cast<const In*>(tensors[i].in), tensors[i].numel));

@@ -319,7 +319,7 @@ void dequantize(DType in_dtype, DType out_dtype, const std::vector<TensorSlice>&
 
 void multi_amax(DType dtype, const std::vector<TensorSlice>& tensors, float* amax, int64_t amax_stride,
                 Stream stream) {
-  visit(HighPrecisionTypes{}, dtype, [&](auto in) {
+  visit(AmaxTypes{}, dtype, [&](auto in) {
     using In = decltype(in);
     launch_multi_tensor(tensors, AmaxOp<In>{amax, amax_stride, nullptr, 0}, cuda_stream(stream));
   });

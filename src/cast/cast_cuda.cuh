@@ -19,6 +19,7 @@ inline constexpr int kThreads = 256;  // the block size of the cast kernels
 
 template <class T>
 __device__ uint32_t amax_key_from(uint32_t acc) {
+  if constexpr (sizeof(T) == 1) acc = max(max(acc & 0xFFu, (acc >> 8) & 0xFFu), max((acc >> 16) & 0xFFu, acc >> 24));
   if constexpr (sizeof(T) == 2) acc = max(acc & 0xFFFFu, acc >> 16);
   return numerics::amax_key(numerics::to_float(from_bits<T>(acc)));
 }

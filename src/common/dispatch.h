@@ -13,6 +13,8 @@ struct TypeSet {};
 using HighPrecisionTypes = TypeSet<float, numerics::bf16, numerics::fp16>;
 using ScaledFormatTypes = TypeSet<numerics::fp8_e4m3, numerics::fp8_e5m2, numerics::fp16>;
 using Fp8Types = TypeSet<numerics::fp8_e4m3, numerics::fp8_e5m2>;
+// multi_amax reads these: the high-precision types and FP8 codes (the amax of the codes' values).
+using AmaxTypes = TypeSet<float, numerics::bf16, numerics::fp16, numerics::fp8_e4m3, numerics::fp8_e5m2>;
 using BiasTypes = TypeSet<numerics::bf16, numerics::fp16>;  // the bias types of cuBLASLt's FP8 GEMMs
 
 template <class T> constexpr DType dtype_of();

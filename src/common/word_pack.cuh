@@ -227,14 +227,18 @@ __device__ void round_pack(const float (&x)[N], uint32_t (&w)[kWords<T, N>]) {
 // Amax without converting: |x| as the bits of x's own type (sign cleared) orders like |x|, with
 // every NaN above infinity, so a running unsigned max of those bits finds the largest element
 // (amax_key of its value is taken once, at the end). 16-bit types go two at a time through the
-// packed max, a word's halves at once.
+// packed max, a word's halves at once, FP8 codes four at a time (E4M3's NaN, 0x7F, and E5M2's
+// infinities and NaNs also sit above every finite magnitude).
 template <class T, int N>
 __device__ __forceinline__ uint32_t abs_max_pack(const uint32_t (&w)[kWords<T, N>], uint32_t acc) {
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 1) {
+#pragma unroll
+    for (int i = 0; i < kWords<T, N>; ++i) acc = __vmaxu4(acc, w[i] & 0x7F7F7F7Fu);
+  } else if constexpr (sizeof(T) == 2) {
 #pragma unroll
     for (int i = 0; i < kWords<T, N>; ++i) acc = __vmaxu2(acc, w[i] & 0x7FFF7FFFu);
   } else {
-    static_assert(sizeof(T) == 4, "amax reads fp32, bf16 or fp16");
+    static_assert(sizeof(T) == 4, "amax reads fp32, bf16, fp16 or FP8 codes");
 #pragma unroll
     for (int i = 0; i < kWords<T, N>; ++i) acc = max(acc, w[i] & 0x7FFFFFFFu);
   }

@@ -208,6 +208,22 @@ TEST(MultiTensor, EachTensorUsesItsRow) {
   EXPECT_EQ(y2[0], 0xFE);  // -480 saturates to -448
 }
 
+// multi_amax of FP8 codes: the largest magnitude of the codes' values (the sign ignored), NaN for
+// a NaN code (E4M3's 0x7F / 0xFF; E5M2's infinities count as infinite), folded into the rows.
+TEST(MultiTensor, AmaxOfCodes) {
+  std::vector<uint8_t> e4m3_0{0x38, 0xC0, 0x01}, e4m3_1{}, e4m3_2{0xFE, 0x7F}, e5m2{0x3C, 0xFC};
+  std::vector<float> amax{0.5f, 7.0f, 0.0f};  // folds: max(row, amax of the codes)
+  multi_amax({view(e4m3_0, DType::kFloat8E4M3, {3}), view(e4m3_1, DType::kFloat8E4M3, {0}),
+              view(e4m3_2, DType::kFloat8E4M3, {2})},
+             view(amax, DType::kFloat32, {3}), nullptr);
+  EXPECT_EQ(amax[0], 2.0f);  // E4M3: 1, -2, 2^-9
+  EXPECT_EQ(amax[1], 7.0f);  // empty: the row as it was
+  EXPECT_TRUE(std::isnan(amax[2]));  // -448 and NaN
+  std::vector<float> one{0.0f};
+  multi_amax({view(e5m2, DType::kFloat8E5M2, {2})}, view(one, DType::kFloat32, {1}), nullptr);
+  EXPECT_TRUE(std::isinf(one[0]));  // E5M2: 1 and -inf
+}
+
 // outs[i] may be views into one buffer (fp8amp.distributed dequantizes a shard's pieces into the
 // rows of one matrix): each is written exactly where it lies, nothing around it.
 TEST(MultiTensor, DequantizeIntoViewsOfOneBuffer) {

@@ -1,4 +1,4 @@
-// The CUDA multi-tensor cast ops (multi_quantize, multi_amax, multi_dequantize) against the CPU
+// The CUDA multi-tensor cast ops (multi_quantize, multi_amax, also of FP8 codes, multi_dequantize) against the CPU
 // reference, bit for bit, through the public API (cast.h): 300 tensors of varied sizes, each with
 // its own row of the scaling buffers; every tensor, guard elements included, must end up
 // byte-identical. Skips cleanly on a machine without a GPU.
@@ -90,6 +90,18 @@ TEST(CastCuda, MultiTensorOps) {
     });
     MirroredTensor si(DType::kFloat32, {n});
     for (int64_t i = 0; i < n; ++i) si.set_float(i, std::ldexp(1.3f, static_cast<int>(i % 13) - 6));
+    // The amax of codes: random bits hold NaN codes (and E5M2 infinities) in most tensors, so every
+    // other tensor keeps only codes whose bit 6 is clear (finite in both formats).
+    auto finite_or_not = make_tensors(sizes, [&](size_t i, int64_t size) {
+      auto t = std::make_unique<MirroredTensor>(in, std::vector<int64_t>{size}, static_cast<int64_t>(i % 2));
+      for (int64_t j = 0; j < size; ++j) t->set_bits(j, static_cast<uint32_t>(rng()) & (i % 2 == 0 ? 0xBFu : 0xFFu));
+      return t;
+    });
+    MirroredTensor a(DType::kFloat32, {n});
+    for (int64_t i = 0; i < n; ++i) a.set_float(i, i % 7 == 0 ? 3.0f : 0.0f);
+    expect_cuda_matches_cpu(pointers(finite_or_not) + std::vector<MirroredTensor*>{&a},
+                            [&](Device d) { multi_amax(views(finite_or_not, d), a.view(d), nullptr); },
+                            std::string(dtype_name(in)) + " multi_amax of codes");
     for (DType out : kHighPrecision) {
       auto ys = make_tensors(sizes, [&](size_t i, int64_t size) {
         return std::make_unique<MirroredTensor>(out, std::vector<int64_t>{size}, static_cast<int64_t>(i % 3));

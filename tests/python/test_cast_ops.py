@@ -379,6 +379,21 @@ def test_multi_amax_equals_single(in_dtype):
     assert_same_float(flat, torch.cat([torch_amax(x) for x in xs]))
 
 
+@pytest.mark.parametrize("dtype", [fp8amp.E4M3, fp8amp.E5M2])
+def test_multi_amax_of_codes_is_the_amax_of_their_values(dtype):
+    """FP8 codes: every bit pattern (NaN codes and E5M2's infinities in one tensor, finite ones in
+    another, an empty one), the amax of the codes' values; times a power-of-two scale_inv that is
+    the amax of the dequantized tensor, as the FP8 all-reduce uses it."""
+    every = all_bit_patterns(dtype)
+    finite = every.view(torch.uint8)[every.float().isfinite()].view(dtype)
+    xs = [every, finite, finite[:0], finite.view(torch.uint8).flip(0)[100:137].view(dtype)]
+    amax = torch.zeros(len(xs))
+    fp8amp.ops.multi_amax(xs, amax)
+    assert_same_float(amax, torch.cat([torch_amax(x) for x in xs]))
+    scale_inv = torch.tensor([2.0**-11])
+    assert_same_float(amax[1:2] * scale_inv, torch_amax(fp8amp.ops.dequantize(finite, scale_inv, torch.float32)))
+
+
 @pytest.mark.parametrize("in_dtype", HIGH_PRECISION)
 def test_amax_of_returns_what_amax_accumulates_into_a_zero(in_dtype):
     """The functional amax (the one compiled graphs call): a new float32 [1], NaN propagated, 0 for

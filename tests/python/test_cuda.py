@@ -347,6 +347,8 @@ def test_multi_tensor_ops(n, in_dtype):
             check_cuda_equals_cpu(dequantize_into_one_buffer, codes, scale, buf)
     check_cuda_equals_cpu(fp8amp.ops.multi_amax, xs, torch.rand(n, 2, generator=g))
     check_cuda_equals_cpu(fp8amp.ops.multi_amax, xs, torch.zeros(n))
+    for dtype in (fp8amp.E4M3, fp8amp.E5M2):
+        check_cuda_equals_cpu(fp8amp.ops.multi_amax, [x.float().to(dtype) for x in xs], torch.zeros(n))
 
 
 def random_histories(n, h, seed):

@@ -225,7 +225,9 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
 
 def multi_amax(xs: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     """:func:`amax` of many tensors of one dtype in one launch: ``xs[i]`` folds into ``amax[i, 0]``
-    (``amax`` float32 ``[n]`` or ``[n, H]``)."""
+    (``amax`` float32 ``[n]`` or ``[n, H]``). ``xs`` may also be FP8 codes (E4M3, E5M2): the amax of
+    the codes' own values, NaN for a NaN code; times a power-of-two ``scale_inv`` it is the amax of
+    the dequantized tensor, read at one byte an element."""
     op = "multi_amax"
     fast.multi_amax(_inputs(xs, "xs", op), _tensor(amax, "amax", op))
 
