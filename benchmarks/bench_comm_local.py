@@ -18,8 +18,16 @@ depend on the values). For each bucket it prints
                     BF16 all_reduce of the same run: the issue's target is <= 0.75x at 2^27-2^29.
                     Only where that run measured the size (2^20, 2^24, 2^27, 2^29) and N = 2. The
                     MAX all-reduce of the amaxes (a few bytes: latency only) is in neither part.
+    amax ms         the amax pass alone (comm_amax: the part of the local work that no chunk's
+                    collective can overlap)
+    pipelined       native only: the amax pass + one chunk's share of the rest of the local work
+                    (the first chunk's quantize and the last one's decode) + the collective, against
+                    the BF16 all_reduce (docs/distributed.md#pipelined-chunks)
 
-Usage: python3 benchmarks/bench_comm_local.py [--sizes 2^24,2^27,2^29] [--dtypes float32,bfloat16]
+Buckets: float32 and bfloat16 hold plain gradients; "o2" is the float32 bucket of an O1/O2 model
+under DDP, holding an E4M3 gradient's dequantized values, whose amax is read from its codes.
+
+Usage: python3 benchmarks/bench_comm_local.py [--sizes 2^24,2^27,2^29] [--dtypes float32,bfloat16,o2]
        [--world 2] [--samples 15]
 Prints a markdown table; with $OUT set, also writes it to $OUT/bench_comm_local.md.
 """
@@ -34,11 +42,16 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+import fp8amp
+from fp8amp import comm_amax
 from fp8amp import distributed as fd
 from fp8amp.comm_layout import chunk_bounds
 from fp8amp.fsdp import fp8_reduce_scatter
 from _common import copy_bandwidth, markdown_table, median_seconds, parse_subset, report, require_gpu, warm_up_gpu
 from bench_comm import DTYPES, bucket_data, parse_sizes
+
+#: The buckets measured: bench_comm's dtypes, and "o2" (float32 holding an E4M3 gradient's values).
+BUCKETS = {**DTYPES, "o2": torch.float32}
 
 #: Milliseconds on 2 x H200 (NVLink, NCCL 2.28.9, torch 2.11.0+cu130, 2026-11-30; docs/benchmarks.md
 #: "FP8 gradient all-reduce"): the BF16 all_reduce, the float8 all_reduce alone ("native"'s
@@ -51,14 +64,16 @@ COLLECTIVES_2XH200 = {
 }
 
 
-def local_bytes(method: str, b: int, world: int) -> float:
+def local_bytes(method: str, b: int, world: int, coded: bool = False) -> float:
     """Bytes the local kernels read + write per element of the bucket (docs/distributed.md,
-    "FP8 communication kernels"; the reduce-scatter per element of its input)."""
-    if method == "native":  # amax b; quantize b + 1; sum of the summed codes into the bucket 1 + b
-        return 3 * b + 2
+    "FP8 communication kernels"; the reduce-scatter per element of its input). ``coded``: the amax
+    pass reads FP8 codes (1 byte an element) instead of the bucket (b)."""
+    amax = 1 if coded else b
+    if method == "native":  # amax; quantize b + 1; sum of the summed codes into the bucket 1 + b
+        return amax + 2 * b + 2
     if method == "all_to_all":
-        # amax b; quantize b + 1; sum + requantize: amax pass 1, store pass 1 + 1/N; dequantize 1 + b
-        return 3 * b + 4 + 1 / world
+        # amax; quantize b + 1; sum + requantize: amax pass 1, store pass 1 + 1/N; dequantize 1 + b
+        return amax + 2 * b + 4 + 1 / world
     return 2 * b + 2 + b / world  # reduce-scatter: amax b; quantize b + 1; N codes read (1), b/N written
 
 
@@ -78,8 +93,8 @@ def one_process_as(world: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=parse_sizes, default=[2**20, 2**24, 2**27, 2**29])
-    p.add_argument("--dtypes", default=list(DTYPES), type=lambda t: parse_subset(t, list(DTYPES)),
-                   help=f"the buckets' dtypes, of {', '.join(DTYPES)} (default: all)")
+    p.add_argument("--dtypes", default=list(BUCKETS), type=lambda t: parse_subset(t, list(BUCKETS)),
+                   help=f"the buckets, of {', '.join(BUCKETS)} (default: all)")
     p.add_argument("--world", type=int, default=2, help="the ranks one process stands for (N)")
     p.add_argument("--samples", type=int, default=15)
     args = p.parse_args()
@@ -90,39 +105,49 @@ def main() -> None:
     copy = copy_bandwidth()
     rows = []
     for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
+        dtype = BUCKETS[dtype_name]
         b = torch.empty((), dtype=dtype).element_size()
         for n in args.sizes:
             x = bucket_data(n, 0, dtype, torch.device("cuda"))
+            grads = None
+            if dtype_name == "o2":
+                grads = [fp8amp.ScaledTensor.from_tensor(x, fp8amp.E4M3)]
+                x = grads[0].dequantize()
             L = -(-n // args.world)
             rs_in = torch.zeros(args.world * L, dtype=dtype, device="cuda")
             rs_in[:n] = x
             rs_out = torch.empty(L, dtype=dtype, device="cuda")
             states = {m: fd.FP8CommState(method=m) for m in fd.METHODS}
             states["native"]._backend_checked = True  # no backend to ask: the collective is a no-op
-            calls = {m: (lambda i, state=state: fd._reduce_flat(x, (n,), state)) for m, state in states.items()}
+            calls = {m: (lambda i, state=state: fd._reduce_flat(x, (n,), state, grads)) for m, state in states.items()}
             calls["reduce-scatter"] = lambda i: fp8_reduce_scatter(rs_out, rs_in, divisor=float(args.world))
+            orders: dict = {}
+            amax_ms = median_seconds(lambda i: comm_amax._local_amax([x], grads, orders), args.samples) * 1e3
             with one_process_as(args.world):
                 for method, fn in calls.items():
                     seconds = median_seconds(fn, args.samples)
                     elements = rs_in.numel() if method == "reduce-scatter" else n
-                    per_element = local_bytes(method, b, args.world)
+                    per_element = local_bytes(method, b, args.world, coded=grads is not None)
                     recorded = COLLECTIVES_2XH200.get(n) if args.world == 2 else None
+                    predicted = pipelined = "–"
+                    chunks = len(chunk_bounds(n, None, method)) - 1 if method != "reduce-scatter" else 1
                     if recorded is not None and method in recorded:
                         total = seconds * 1e3 + recorded[method]
                         predicted = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x bf16 ({recorded['bf16']:.3f})"
-                    else:
-                        predicted = "–"
-                    chunks = "" if method == "reduce-scatter" else f" ({len(chunk_bounds(n, None, method)) - 1} chunks)"
-                    rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}", method + chunks,
+                        if method == "native":
+                            total = amax_ms + (seconds * 1e3 - amax_ms) / chunks + recorded[method]
+                            pipelined = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x"
+                    rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}",
+                                 method + ("" if method == "reduce-scatter" else f" ({chunks} chunks)"),
                                  f"{seconds * 1e3:.3f}", f"{per_element:.4g}",
-                                 f"{per_element * elements / seconds / copy:.0%}", predicted])
-            x = rs_in = rs_out = calls = None  # this size's buffers, before the next size's
+                                 f"{per_element * elements / seconds / copy:.0%}",
+                                 "–" if method == "reduce-scatter" else f"{amax_ms:.3f}", predicted, pipelined])
+            x = grads = rs_in = rs_out = calls = None  # this size's buffers, before the next size's
             torch.cuda.empty_cache()
     text = (f"## Local work of the FP8 all-reduce / reduce-scatter, one {torch.cuda.get_device_name()} standing for "
             f"rank 0 of {args.world}, torch {torch.__version__}; copy {copy / 1e12:.2f} TB/s\n\n"
-            + markdown_table(["bucket", "elements", "method", "local ms", "bytes/element", "of copy",
-                              "predicted 2-GPU (local + collectives of 2026-11-30)"], rows) + "\n")
+            + markdown_table(["bucket", "elements", "method", "local ms", "bytes/element", "of copy", "amax ms",
+                              "predicted 2-GPU (local + collectives of 2026-11-30)", "pipelined"], rows) + "\n")
     report("comm_local", text)
 
 

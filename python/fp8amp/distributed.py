@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from .comm_amax import shared_amax
 from .comm_layout import Chunk, Layout, make_chunks, make_layout
 from .amax_sync import ranks_agree
 from .ops import fast
@@ -111,6 +112,7 @@ class FP8CommState:
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
     _agreed_layouts: set = field(default_factory=set, init=False, repr=False, compare=False)
     _auto_methods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _amax_orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = "fp8amp.distributed.FP8CommState"
@@ -216,20 +218,11 @@ def _side_stream(state: FP8CommState, device: torch.device):
     return torch.cuda.stream(stream)
 
 
-def _shared_amax(segs, group) -> torch.Tensor:
-    """Steps 1-2: the per-gradient amax, MAX all-reduced (NaN sent as inf: a MAX need not propagate
-    NaN, gloo's does not)."""
-    amax = torch.zeros(len(segs), dtype=torch.float32, device=segs[0].device)
-    ops.multi_amax(segs, amax)
-    amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return amax
-
-
-def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch.Tensor:
+def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState, grads: Optional[list] = None) -> torch.Tensor:
     """The mean over the group of the flat gradients ``buf`` (segments of ``numels``), FP8 on the
     wire; returns a new flat tensor of ``buf``'s dtype and shape. Every rank must call it with the
-    same ``numels``."""
+    same ``numels``. ``grads`` (optional, one per entry of ``numels``): the gradients whose values
+    the segments hold, whose FP8 codes the amax pass reads instead (comm_amax.py)."""
     where = "fp8amp.distributed"
     if buf.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"{where}: gradient buckets must be one of "
@@ -237,13 +230,15 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState) -> torch
     group = state.process_group
     world = dist.get_world_size(group)
     method = _method(state, group, buf.device, world)
+    if grads is not None:
+        grads = [g for g, c in zip(grads, numels) if c > 0] if len(grads) == len(numels) else None
     numels = tuple(c for c in numels if c > 0)
     if buf.numel() == 0 or not numels:
         return buf.clone()
     if sum(numels) != buf.numel():
-        numels = (buf.numel(),)  # an unexpected bucket layout: one scale for the whole bucket
+        numels, grads = (buf.numel(),), None  # an unexpected bucket layout: one scale for the whole bucket
     layout = _layout(state, numels, world)
-    amax = _shared_amax([buf[o:o + c] for o, c in layout.segments], group)
+    amax = shared_amax([buf[o:o + c] for o, c in layout.segments], group, grads, state._amax_orders)
     chunks = _chunks(state, layout, method)
     if len(chunks) > 1:
         # Each chunk's comm_quantize sees its gradients' amaxes only: a non-finite one anywhere
@@ -359,13 +354,16 @@ def fp8_allreduce_hook(state: Optional[FP8CommState], bucket: dist.GradBucket) -
                         f"got {type(state).__name__}")
     buf = bucket.buffer()
     numels = tuple(g.numel() for g in bucket.gradients())
+    # DDP has copied each parameter's gradient into the bucket: an FP8 one (O1/O2) as its
+    # dequantized values, so its amax can be read from its codes.
+    grads = [p.grad for p in bucket.parameters()]
     if buf.device.type == "cuda":
         fut = torch.futures.Future(devices=[buf.device])
         with _side_stream(state, buf.device):
-            fut.set_result(_reduce_flat(buf, numels, state))  # records the side stream's event
+            fut.set_result(_reduce_flat(buf, numels, state, grads))  # records the side stream's event
         return fut
     fut = torch.futures.Future()
-    fut.set_result(_reduce_flat(buf, numels, state))
+    fut.set_result(_reduce_flat(buf, numels, state, grads))
     return fut
 
 
@@ -416,7 +414,7 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
         for grads in lists:
             flat = torch.cat([(g.dequantize() if isinstance(g, ScaledTensor) else g).reshape(-1) for g in grads])
             with _side_stream(state, device):
-                mean = _reduce_flat(flat, tuple(g.numel() for g in grads), state)
+                mean = _reduce_flat(flat, tuple(g.numel() for g in grads), state, grads)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).wait_stream(state._streams[device])
                 mean.record_stream(torch.cuda.current_stream(device))

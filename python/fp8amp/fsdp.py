@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed import fsdp as torch_fsdp
 from torch.utils._pytree import tree_map_only
 
-from .distributed import FORMATS, _shared_amax
+from .comm_amax import shared_amax
+from .distributed import FORMATS
 from .formats import E4M3, HIGH_PRECISION_DTYPES, format_max
 from .linear import Fp8Linear
 from .master_weight import post_all_gather, pre_all_gather
@@ -197,7 +198,7 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optiona
     if n == 0:
         return
     chunks = list(input.view(world, n).unbind(0))
-    amax = _shared_amax(chunks, group)
+    amax = shared_amax(chunks, group)
     send = torch.empty(world * n, dtype=torch.uint8, device=input.device)
     scale_inv = fast.comm_quantize(chunks, amax, format_max(fmt), send.view(fmt))
     recv = torch.empty_like(send)

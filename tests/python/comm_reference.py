@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from types import SimpleNamespace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 import fp8amp
-from fp8amp import comm_layout
+from fp8amp import comm_amax, comm_layout
 from fp8amp import distributed as fd
 
 E4M3, E5M2 = fp8amp.E4M3, fp8amp.E5M2
@@ -49,17 +51,36 @@ def synth(rank: int, sizes, dtype, seed: int = 0) -> torch.Tensor:
 
 
 class FakeBucket:
-    """What fp8_allreduce_hook reads of a dist.GradBucket."""
+    """What fp8_allreduce_hook reads of a dist.GradBucket. ``param_grads``: what each parameter's
+    ``.grad`` holds (DDP copied its values into the bucket); None for every one by default."""
 
-    def __init__(self, flat: torch.Tensor, sizes) -> None:
+    def __init__(self, flat: torch.Tensor, sizes, param_grads=None) -> None:
         self._flat = flat
         self._grads = list(torch.split(flat, list(sizes)))
+        grads = [None] * len(self._grads) if param_grads is None else list(param_grads)
+        self._params = [SimpleNamespace(grad=g) for g in grads]
 
     def buffer(self) -> torch.Tensor:
         return self._flat
 
     def gradients(self) -> list:
         return self._grads
+
+    def parameters(self) -> list:
+        return self._params
+
+
+@contextlib.contextmanager
+def amax_input_dtypes(seen: set):
+    """Records the dtype of every multi_amax input of the FP8 all-reduce."""
+    real = comm_amax.ops.multi_amax
+
+    def spy(xs, amax):
+        seen.update(str(x.dtype) for x in xs)
+        return real(xs, amax)
+
+    with mock.patch.object(comm_amax.ops, "multi_amax", spy):
+        yield
 
 
 def pow2_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:

@@ -18,16 +18,19 @@ are in test_distributed_models.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import fp8amp
+
 from cast_reference import assert_bits_equal
 from comm_ranks import SETUPS, mlp, run_hook, spawn
 from comm_reference import (E4M3, E5M2, U, ETA, U32, synth, FakeBucket, pow2_scale, bound_all_to_all, native_fmax,
-                            headroom_worst, shard_pieces, emulated_native, reference_mean)
+                            headroom_worst, shard_pieces, emulated_native, reference_mean, amax_input_dtypes)
 from fp8amp import comm_layout
 from fp8amp import distributed as fd
 
@@ -110,9 +113,47 @@ def stream_order_run(rank, device) -> dict:
     return out
 
 
+def fp8_grads(rank, device, nan_code=False) -> list:
+    """The gradients of an O1/O2 bucket for SIZES: FP8 ScaledTensors (E4M3 and one E5M2, current
+    scaling, as the weight gradients) and float32 ones (a bias); ``nan_code``: one NaN code."""
+    xs = synth(rank, SIZES, torch.float32, seed=4).to(device).split(SIZES)
+    fmts = (E4M3, None, E4M3, E5M2, E4M3)
+    grads = [x.clone() if f is None else fp8amp.ScaledTensor.from_tensor(x, f) for x, f in zip(xs, fmts)]
+    if nan_code:
+        grads[2].codes.view(torch.uint8)[7] = 0x7F
+    return grads
+
+
+def bucket_of(grads) -> torch.Tensor:
+    """What DDP copies into a float32 bucket: each gradient's values."""
+    return torch.cat([g.dequantize() if isinstance(g, fp8amp.ScaledTensor) else g for g in grads])
+
+
+def fp8_grad_runs(rank, world, backend, device) -> dict:
+    """O1/O2 buckets: the hook given the parameters' FP8 gradients reads their amaxes from the codes;
+    the same bucket without them reads the bucket; all_to_all, native (emulated on gloo), chunked."""
+    out = {}
+    grads = fp8_grads(rank, device)
+    native = contextlib.nullcontext() if backend == "nccl" else emulated_native(backend)
+    for name, kwargs in (("all_to_all", dict(method="all_to_all")), ("native", dict(method="native")),
+                         ("chunked", dict(method="all_to_all", pipeline_chunks=CHUNKS))):
+        with native if name == "native" else contextlib.nullcontext():
+            seen = set()
+            with amax_input_dtypes(seen):
+                out["codes", name] = fd.fp8_allreduce_hook(
+                    fd.FP8CommState(**kwargs), FakeBucket(bucket_of(grads), SIZES, grads)).wait()
+            out["codes_read", name] = sorted(seen)
+            out["bucket", name] = fd.fp8_allreduce_hook(fd.FP8CommState(**kwargs),
+                                                        FakeBucket(bucket_of(grads), SIZES)).wait()
+    bad = fp8_grads(rank, device, nan_code=rank == world - 1)
+    out["codes_nan"] = fd.fp8_allreduce_hook(fd.FP8CommState(method="all_to_all"),
+                                             FakeBucket(bucket_of(bad), SIZES, bad)).wait()
+    return out
+
+
 def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
     """Every scenario of the hook on one rank (comm_ranks.spawn runs it in each process)."""
-    res = {}
+    res = {"fp8_grads": fp8_grad_runs(rank, world, backend, device)}
     for fmt in (E4M3, E5M2):
         for dtype in (torch.float32, torch.bfloat16):
             state = fd.FP8CommState(fmt=fmt, method="all_to_all")
@@ -236,6 +277,27 @@ def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype):
         assert_bits_equal(r["chunked", fmt, dtype], expected)
         assert ((r["chunked", fmt, dtype].double() - m).abs() <= bound).all()
         assert_bits_equal(r["native_emulated_chunked", fmt, dtype], reference_mean(xs, SIZES, fmt, "native"))
+
+
+@pytest.mark.parametrize("method", ["all_to_all", "native", "chunked"])
+def test_fp8_gradients_amaxes_read_from_codes_give_the_same_bits(run, method):
+    """A float32 bucket of an O1/O2 model holds its FP8 gradients' dequantized values: the hook reads
+    their amaxes from the codes (one byte an element), and the result is the very bits of the
+    reduction that reads the bucket (amax(codes) * scale_inv rounds as amax(codes * scale_inv))."""
+    _, _, res = run
+    for r in res:
+        out = r["fp8_grads"]
+        assert out["codes_read", method] == ["torch.float32", "torch.float8_e4m3fn", "torch.float8_e5m2"]
+        assert_bits_equal(out["codes", method], out["bucket", method])
+    for r in res[1:]:
+        assert_bits_equal(r["fp8_grads"]["codes", method], res[0]["fp8_grads"]["codes", method])
+
+
+def test_fp8_gradient_with_a_nan_code_makes_every_rank_nan(run):
+    """A NaN code in one rank's FP8 gradient, found through the codes, still reaches every rank."""
+    _, _, res = run
+    for r in res:
+        assert r["fp8_grads"]["codes_nan"].isnan().all()
 
 
 @pytest.mark.parametrize("key", ["chunked_inf", "chunked_nan"])

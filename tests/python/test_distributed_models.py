@@ -19,7 +19,7 @@ from torch import nn
 
 import fp8amp
 from comm_ranks import SETUPS, mlp, run_hook, spawn
-from comm_reference import E4M3, FMAX, U, ETA, pow2_scale, bound_all_to_all
+from comm_reference import E4M3, FMAX, U, ETA, pow2_scale, bound_all_to_all, amax_input_dtypes
 from fp8amp import distributed as fd
 
 DDP_STEPS = 3
@@ -52,9 +52,12 @@ def ddp_run(rank, device, state, dtype=torch.float32, bucket_cap_mb=25.0, inf_ra
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     ddp.register_comm_hook(state, fd.fp8_allreduce_hook)
     out = {"local": local_grads, "grads": [], "types": []}
+    seen = set()
     for step in range(DDP_STEPS):
         x = x0 if step == 0 else batch(step, rank, dtype, o2).to(device)
-        ddp(x).float().pow(2).mean().backward()
+        with amax_input_dtypes(seen):
+            ddp(x).float().pow(2).mean().backward()
+        out["amax_inputs"] = sorted(seen)
         if step == 0:
             for p in model.parameters():
                 out["types"].append(type(p.grad).__name__)
@@ -87,8 +90,11 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
         model(batch(0, rank, o2=o2).to(device)).pow(2).mean().backward()
         local = [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
                  for p in model.parameters()]
-        fd.all_reduce_grads(model, fd.FP8CommState(method="all_to_all"), bucket_cap_mb=25.0 if not o2 else 1e-4)
+        seen = set()
+        with amax_input_dtypes(seen):
+            fd.all_reduce_grads(model, fd.FP8CommState(method="all_to_all"), bucket_cap_mb=25.0 if not o2 else 1e-4)
         res[name] = {"local": local, "types": [type(p.grad).__name__ for p in model.parameters()],
+                     "amax_inputs": sorted(seen),
                      "grads": [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
                                for p in model.parameters()]}
     errors = {}
@@ -144,6 +150,18 @@ def test_gradients_are_the_mean_within_bound(run, key):
             assert ((g - m).abs() <= bound).all(), (key, i, ((g - m).abs() - bound).max())
         for r in res[1:]:
             assert torch.equal(r[key]["grads"][i], res[0][key]["grads"][i]), (key, i)
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("ddp", ["torch.float32"]), ("ddp_bf16", ["torch.bfloat16"]), ("manual", ["torch.float32"]),
+    ("ddp_o2", ["torch.float32", "torch.float8_e4m3fn"]), ("manual_o2", ["torch.float32", "torch.float8_e4m3fn"])])
+def test_o2_gradients_amaxes_are_read_from_their_codes(run, key, expected):
+    """Under DDP (the hook finds each parameter's FP8 gradient) and all_reduce_grads, the amax pass
+    reads an O2 weight gradient's E4M3 codes, the float32 ones (biases, the unconverted Linear) from
+    the bucket; a plain model's from the bucket only."""
+    _, _, res = run
+    for r in res:
+        assert r[key]["amax_inputs"] == expected
 
 
 @pytest.mark.parametrize("key", ["ddp", "ddp_buckets", "ddp_bf16", "ddp_o2"])
