@@ -210,16 +210,24 @@ def convert(
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"convert: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    recipe_given = recipe is not None
     recipe = check_options(module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
                            compiled=compiled, min_speedup=min_speedup, timer=timer)
     for device in {p.device for p in model.parameters()}:  # before any layer changes (mxfp8 below Blackwell)
         recipe.check_device(device, "fp8amp.convert")
     report = ConversionReport(policy=policy, tokens=tokens, min_speedup=float(min_speedup), recipe=recipe.kind,
                               compiled=compiled)
-    earlier = sum(1 for m in model.modules() if isinstance(m, Fp8Linear))
+    earlier = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     if earlier:  # this report judges the remaining Linears only
-        report.notes.append(f"{earlier} layer(s) already Fp8Linear before this call (an earlier convert), "
+        report.notes.append(f"{len(earlier)} layer(s) already Fp8Linear before this call (an earlier convert), "
                             "not counted below")
+        other = sorted({str(m.recipe) for m in earlier if m.recipe != recipe})
+        if recipe_given and other:
+            note = (f"{sum(m.recipe != recipe for m in earlier)} layer(s) already Fp8Linear with recipe "
+                    f"{', '.join(other)} keep it: recipe {recipe} applies only to the Linears this call converts "
+                    "(fp8amp.unconvert(model) first to convert them again with another recipe)")
+            report.notes.append(note)
+            warnings.warn(f"convert: {note}", stacklevel=2)
     model_in = model
 
     # Which Linears, and where a timing is needed.

@@ -37,6 +37,7 @@ from .convert_policy import DEFAULT_TOKENS
 from .formats import HIGH_PRECISION_DTYPES
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
+from .recipes import resolve_recipe
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
@@ -102,6 +103,8 @@ def initialize(
         _check_optimizer(optimizer)
         _check_optimizer_of(model, optimizer)
 
+    if recipe is not None:  # its errors name initialize; convert takes the Recipe as it is
+        recipe = resolve_recipe(recipe, "initialize")
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
                     compiled=compiled)
     _note_level_below_crossover(model, opt_level)

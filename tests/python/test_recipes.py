@@ -7,6 +7,8 @@ test_initialize.py (test_small_gpt_loss_matches_bf16, "O2-blockwise")."""
 import copy
 import math
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -56,13 +58,28 @@ def test_names_and_objects_resolve():
     assert "recipe=rowwise (e4m3/e5m2)" in repr(Fp8Linear(64, 32, recipe=Recipe("rowwise", grad_format=E5M2)))
 
 
+def test_a_second_convert_with_another_recipe_says_the_converted_layers_keep_theirs():
+    """The layers an earlier convert made Fp8Linear keep their recipe (a second convert converts
+    only the Linears left): asked for another one, convert warns and says so in the report."""
+    model = nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 256))
+    fp8amp.convert(model, recipe="tensorwise", policy="all")
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) already Fp8Linear with recipe tensorwise .*keep it.*unconvert"):
+        fp8amp.convert(model, recipe="blockwise", policy="all")
+    assert [m.recipe.kind for m in model if isinstance(m, Fp8Linear)] == ["tensorwise", "tensorwise"]
+    assert "keep it" in str(fp8amp.conversion_report(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8amp.convert(model, recipe="tensorwise", policy="all")  # the same recipe: nothing to say
+        fp8amp.convert(model, policy="all")  # none asked for
+
+
 def test_unknown_names_and_bad_values_are_refused():
     accepted = "'tensorwise', 'rowwise', 'blockwise', 'mxfp8'"
     with pytest.raises(ValueError, match=f"Fp8Linear: recipe must be one of {accepted}"):
         Fp8Linear(256, 128, recipe="deepseek")
     with pytest.raises(ValueError, match=f"convert: recipe must be one of {accepted}"):
         fp8amp.convert(nn.Sequential(nn.Linear(256, 128)), recipe="block", policy="all")
-    with pytest.raises(ValueError, match=f"convert: recipe must be one of {accepted}"):
+    with pytest.raises(ValueError, match=f"initialize: recipe must be one of {accepted}"):
         fp8amp.initialize(nn.Sequential(nn.Linear(256, 128)), None, "O2", recipe="row", policy="all")
     with pytest.raises(TypeError, match="Fp8Linear.from_linear: recipe must be one of"):
         Fp8Linear.from_linear(nn.Linear(256, 128), recipe=128)
