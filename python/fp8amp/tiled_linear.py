@@ -48,10 +48,16 @@ from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 __all__ = ["TiledLinearFunction"]
 
 
+#: The rowwise recipe's tile length: longer than any row, so that one tile (one scale) covers a
+#: whole row. A constant, not the row's length: that is a symbolic size under torch.compile's
+#: dynamic shapes, which the ops' int tile arguments would fix (a recompile per token count).
+WHOLE_ROW = 1 << 62
+
+
 def _tile(recipe: Recipe, role: str, cols: int) -> tuple[int, int]:
     """The tile of an operand of ``cols`` columns (its GEMM's contraction) in ``role``."""
     if recipe.kind == "rowwise":
-        return 1, max(cols, 1)  # an empty batch: one (empty) tile a row, not tiles of no columns
+        return 1, WHOLE_ROW
     if recipe.kind == "mxfp8":  # mxfp8
         return 1, MX_BLOCK
     return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
@@ -97,7 +103,8 @@ def _weight_operands(weight: torch.Tensor, recipe: Recipe):
 
 def _per_element(scale_inv: torch.Tensor, tile: tuple[int, int], shape: torch.Size) -> torch.Tensor:
     """scale_inv [tiles] spread over the elements (for the numerics report only)."""
-    return scale_inv.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[: shape[0], : shape[1]]
+    rows, cols = min(tile[0], shape[0]), min(tile[1], shape[1])
+    return scale_inv.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: shape[0], : shape[1]]
 
 
 def _record(state, role: str, real: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor,

@@ -227,6 +227,28 @@ def test_compiles_fullgraph_with_eager_results(recipe):
     assert torch.equal(eager.weight.grad, twin.weight.grad) and torch.equal(eager.bias.grad, twin.bias.grad)
 
 
+def test_rowwise_compiles_once_for_every_token_count_and_exports_with_a_dynamic_batch():
+    """Rowwise tiles are whole rows, named by a constant tile length, not by the row's symbolic
+    length: one graph serves every batch under dynamic shapes (it was one per padded token count,
+    up to Dynamo's recompile limit), and torch.export takes a dynamic batch dimension."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 128, recipe="rowwise")
+    counters.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(layer), backend="aot_eager", dynamic=True)
+    for batch in (37, 5, 200, 19):
+        x, grad_out = torch.randn(batch, 256), torch.randn(batch, 128)
+        y_c, dx_c = run(compiled, x, grad_out)
+        y, dx = run(layer, x, grad_out)
+        assert torch.equal(y, y_c) and torch.equal(dx, dx_c)
+    assert counters["stats"]["unique_graphs"] == 1
+    batch = torch.export.Dim("batch", min=1, max=64)
+    exported = torch.export.export(layer.eval(), (torch.randn(32, 256),), dynamic_shapes=({0: 16 * batch},))
+    x = torch.randn(48, 256)
+    assert torch.equal(exported.module()(x), layer(x))
+
+
 @pytest.mark.parametrize("recipe", TILED)
 def test_activation_checkpointing_gives_the_same_gradients(recipe):
     torch.manual_seed(0)
