@@ -55,10 +55,18 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
     @classmethod
     def from_tensor(cls, x: torch.Tensor, fmt: torch.dtype = E4M3, dtype: torch.dtype | None = None):
         """``x`` [rows, cols] quantized with one current power-of-two scale per 128 x 128 block (a
-        block holding an inf or NaN reads NaN); logical dtype ``dtype`` (default ``x.dtype``)."""
+        block holding an inf or NaN reads NaN); logical dtype ``dtype`` (default ``x.dtype``, or
+        float32 for another real dtype, whose values are rounded to float32 first, as
+        :meth:`ScaledTensor.from_tensor` does)."""
         where = "fp8amp.BlockScaledTensor.from_tensor"
-        if isinstance(x, torch.Tensor) and x.dim() != 2:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
             raise ValueError(f"{where}: x must be 2-D [rows, cols], got shape {list(x.shape)}")
+        if x.dtype not in HIGH_PRECISION_DTYPES:
+            if not x.dtype.is_floating_point:
+                raise ValueError(f"{where}: x must be a real floating-point tensor, got {x.dtype}")
+            x = x.to(torch.float32)
         if fmt not in (E4M3, E5M2):
             raise ValueError(f"{where}: fmt must be torch.float8_e4m3fn or torch.float8_e5m2; got {fmt!r}")
         if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
@@ -82,7 +90,10 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
         return self._scale_inv
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The real values, a plain tensor of ``dtype`` (default: the logical dtype)."""
+        """The real values, a plain tensor of ``dtype`` (default: the logical dtype; float64 holds
+        the float32 values exactly)."""
+        if dtype == torch.float64:
+            return self.dequantize(torch.float32).to(torch.float64)
         return ops.dequantize_tiles(self._codes, self._scale_inv, BLOCK_TILE, dtype or self.dtype)
 
     def block_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

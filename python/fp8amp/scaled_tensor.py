@@ -221,9 +221,9 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
         by autograd. Non-finite values (docs/numerics.md#non-finite-values): if ``x`` holds an inf
         or NaN, ``scale_inv`` becomes NaN, so every real value reads NaN (E4M3 has no inf, and
         saturated codes would hide the overflow from GradScaler, the optimizer and the loss).
-        ``nan_if_nonfinite=False`` keeps the scale of the finite values instead: only the
-        non-finite elements read NaN (``[1, inf]`` reads ``[1, NaN]``); finite values beyond the
-        format's max would saturate.
+        ``nan_if_nonfinite=False`` instead takes scale 1 for such an ``x`` (the scale rule's choice
+        for a non-finite amax): only the non-finite elements read NaN (``[1, inf]`` reads
+        ``[1, NaN]``); finite values beyond the format's max saturate.
         """
         where = "fp8amp.ScaledTensor.from_tensor"
         if not isinstance(x, torch.Tensor):
@@ -240,7 +240,9 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The real values ``_data * _scale_inv`` as a plain tensor of ``dtype`` (default: the logical
-        dtype), via :func:`fp8amp.ops.dequantize`."""
+        dtype; float64 holds the float32 values exactly), via :func:`fp8amp.ops.dequantize`."""
+        if dtype == torch.float64:
+            return self.dequantize(torch.float32).to(torch.float64)
         return ops.dequantize(self._data, self._scale_inv, self.dtype if dtype is None else dtype)
 
     to_tensor = dequantize

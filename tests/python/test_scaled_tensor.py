@@ -42,6 +42,22 @@ def test_round_trip_matches_cast_ops(fmt, margin):
     assert_bits_equal(s.to_tensor(), s.dequantize())
 
 
+def test_float64_in_and_out():
+    """A float64 source is rounded to float32 first (logical dtype float32) and dequantize(float64)
+    gives the float32 values exactly, for per-tensor and block-scaled tensors alike; an integer
+    source is refused by name."""
+    from fp8amp.block_scaled_tensor import BlockScaledTensor
+    x = torch.randn(256, 128, dtype=torch.float64)
+    for make_one in (lambda t: ScaledTensor.from_tensor(t, fp8amp.E4M3), BlockScaledTensor.from_tensor):
+        t, ref = make_one(x), make_one(x.float())
+        assert t.dtype == torch.float32
+        assert_bits_equal(t.dequantize(), ref.dequantize())
+        out = t.dequantize(torch.float64)
+        assert out.dtype == torch.float64 and torch.equal(out, t.dequantize(torch.float32).double())
+    with pytest.raises(ValueError, match="BlockScaledTensor.from_tensor: x must be a real floating-point"):
+        BlockScaledTensor.from_tensor(torch.ones(128, 128, dtype=torch.int32))
+
+
 def test_pow2_scale_and_metadata():
     x = torch.full((4, 8), 10.0)
     s = ScaledTensor.from_tensor(x, fp8amp.E4M3)  # amax 10, fmax 448 -> scale 32 (docs/numerics.md#numerics)
