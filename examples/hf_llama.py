@@ -7,7 +7,8 @@ under Accelerate, on the built-in data (the Python standard library's sources, a
     torchrun --nproc-per-node=8 examples/hf_llama.py     # DDP through Accelerate
 
 The fp8amp part is one line, before ``accelerator.prepare`` (where MS-AMP users had
-``Accelerator(fp8_backend="msamp")`` or ``msamp.initialize``):
+``Accelerator(mixed_precision="fp8", kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")])`` or
+``msamp.initialize``):
 
     model, optimizer = fp8amp.initialize(model, optimizer, "O2")
 

@@ -3,7 +3,7 @@
 download).
 
     python examples/timm_vit.py                           # tiny ViT, FP8 emulation on CPU
-    python examples/timm_vit.py --preset 1b --steps 50    # a ~1.1B ViT on one GPU
+    python examples/timm_vit.py --preset 1b --steps 50    # a ~0.9B ViT on one GPU
     python examples/timm_vit.py --opt-level none          # the FP16 AMP baseline
 
 The fp8amp part is ``fp8amp.initialize(model, optimizer, "O2")``; FP16 autocast and

@@ -132,16 +132,18 @@ def _is_sharded(linear: nn.Module) -> bool:
 
 def check_options(*, module_filter_fn: Optional[ModuleFilter] = None, recipe: RecipeArg = None, policy: str = "auto",
                   tokens: int = DEFAULT_TOKENS, compiled: Optional[bool] = None,
-                  min_speedup: float = DEFAULT_MIN_SPEEDUP, timer: Optional[Timer] = None) -> Recipe:
+                  min_speedup: float = DEFAULT_MIN_SPEEDUP, timer: Optional[Timer] = None,
+                  caller: str = "convert") -> Recipe:
     """:func:`convert`'s checks of its options, without a model (for what takes the options before
-    the model, as the Lightning plugins do); returns the recipe resolved."""
+    the model, as the Lightning plugins do, naming themselves as ``caller``); returns the recipe
+    resolved."""
     if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError("convert: module_filter_fn must be a callable (module, name) -> bool")
+        raise TypeError(f"{caller}: module_filter_fn must be a callable (module, name) -> bool")
     if not isinstance(policy, str) or policy not in POLICIES:
-        raise ValueError(f"convert: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r}")
-    _check_policy_args(tokens, min_speedup, timer)
-    check_compiled(compiled, "convert")
-    return resolve_recipe(recipe, "convert")
+        raise ValueError(f"{caller}: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r}")
+    _check_policy_args(tokens, min_speedup, timer, caller)
+    check_compiled(compiled, caller)
+    return resolve_recipe(recipe, caller)
 
 
 def convert(

@@ -133,19 +133,19 @@ def clear_timing_cache() -> None:
     _TIMINGS.clear()
 
 
-def _check_policy_args(tokens, min_speedup, timer) -> None:
-    """The arguments of the timing, for convert and decide alike (named after convert, whose
-    arguments they are; the recipe is resolved by each)."""
+def _check_policy_args(tokens, min_speedup, timer, caller: str = "convert") -> None:
+    """The arguments of the timing, for convert and decide alike (named after ``caller``, convert
+    by default, whose arguments they are; the recipe is resolved by each)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int):
-        raise TypeError(f"convert: tokens must be an int, got {type(tokens).__name__}")
+        raise TypeError(f"{caller}: tokens must be an int, got {type(tokens).__name__}")
     if tokens < 1:
-        raise ValueError(f"convert: tokens must be >= 1, got {tokens}")
+        raise ValueError(f"{caller}: tokens must be >= 1, got {tokens}")
     if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)):
-        raise TypeError(f"convert: min_speedup must be a float, got {type(min_speedup).__name__}")
+        raise TypeError(f"{caller}: min_speedup must be a float, got {type(min_speedup).__name__}")
     if not min_speedup > 0 or min_speedup == float("inf"):
-        raise ValueError(f"convert: min_speedup must be a positive finite number, got {min_speedup}")
+        raise ValueError(f"{caller}: min_speedup must be a positive finite number, got {min_speedup}")
     if timer is not None and not callable(timer):
-        raise TypeError("convert: timer must be a callable (module, tokens) -> seconds")
+        raise TypeError(f"{caller}: timer must be a callable (module, tokens) -> seconds")
 
 
 def _timing_key(linear: nn.Linear, tokens: int, timer: Optional[Timer], recipe: Recipe) -> tuple:

@@ -178,7 +178,7 @@ def test_bad_plugin_arguments():
 def test_bad_initialize_options_are_refused_when_the_plugin_is_made(plugin, options, error, message):
     """The options for fp8amp.initialize are checked by the plugin's constructor, not first when
     the Trainer or Fabric converts the module (after its own set-up)."""
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=f"{plugin.__name__}: .*{message}"):
         plugin(**options)
 
 

@@ -75,7 +75,7 @@ class _Fp8ampConversion:
                             + (", fp8_allreduce" if isinstance(self, Precision) else ""))
         # The options' values are checked now, as initialize checks them, not when the Trainer
         # first converts the module.
-        check_options(**{k: v for k, v in options.items() if k != "weight_grad"})
+        check_options(**{k: v for k, v in options.items() if k != "weight_grad"}, caller=where)
         self.opt_level = opt_level
         self.autocast_dtype = autocast_dtype
         self.precision = _PRECISION_NAMES[autocast_dtype]
