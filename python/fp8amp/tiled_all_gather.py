@@ -72,7 +72,9 @@ def tiled_pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, modu
         dist.all_reduce(scale_inv, op=dist.ReduceOp.MAX, group=mesh.get_group())
         ratio = shard.scale_inv / scale_inv  # a power of two, <= 1
         codes = (shard.codes.to(torch.float32) * ratio).to(FP16)
-        return (_pad_rows(codes.view(torch.uint8), shard_rows),), ("fp16", scale_inv)
+        # In FP16, not viewed as bytes: FSDP2 wants an unevenly sharded weight's inputs in its
+        # padded shard's shape (it moves inputs of mixed dtypes as bytes itself).
+        return (_pad_rows(codes, shard_rows),), ("fp16", scale_inv)
     return (_pad_rows(shard.to(param_dtype), shard_rows),), ("plain",)
 
 
