@@ -110,7 +110,7 @@ class FP8CommState:
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
-    _agreed_layouts: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _host_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False, compare=False)
     _auto_methods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _amax_orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -409,7 +409,7 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
         if lists[-1] and sum(x.numel() for x in lists[-1]) * g.element_size() + g.numel() * g.element_size() > cap:
             lists.append([])
         lists[-1].append(g)
-    _check_same_gradients(model, buckets, state)
+    _check_same_gradients(buckets, state)
     for (device, _), lists in buckets.items():
         for grads in lists:
             flat = torch.cat([(g.dequantize() if isinstance(g, ScaledTensor) else g).reshape(-1) for g in grads])
@@ -425,22 +425,32 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
                     offset += g.numel()
 
 
-def _check_same_gradients(model: nn.Module, buckets: dict, state: FP8CommState) -> None:
+def _host_group(state: FP8CommState):
+    """The group over which the ranks compare their layouts on the host: the state's own where it
+    runs CPU tensors (gloo), else a gloo group of the same ranks made once (collectively, by the
+    first call, which every rank makes): a host-to-host all-reduce, which waits for no GPU work."""
+    group = state.process_group
+    if _device_backend(group, torch.device("cpu")) == "gloo":
+        return group
+    if state._host_group is None:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        state._host_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return state._host_group
+
+
+def _check_same_gradients(buckets: dict, state: FP8CommState) -> None:
     """Every rank must reduce gradients of the same dtypes and shapes in the same buckets, or the
     collectives would not line up (a hang, or codes of one gradient summed into another's).
-    Checked with one small all-reduce the first time a layout is seen (state's cache)."""
+    Checked at every call, as a rank's layout may change on its own (a parameter unused on one
+    rank in one step): one all-reduce of 4 int64 on the host (_host_group)."""
     layout = tuple((HIGH_PRECISION_DTYPES.index(dtype), len(lists), *(tuple(g.shape) for grads in lists for g in grads))
                    for (_, dtype), lists in buckets.items())
-    if layout in state._agreed_layouts:
-        return
-    devices = [device for device, _ in buckets] or [p.device for p in model.parameters()] or [torch.device("cpu")]
-    disagreement = ranks_agree(layout, state.process_group, devices[0])
+    disagreement = ranks_agree(layout, _host_group(state), torch.device("cpu"))
     if disagreement is not None:
         raise ValueError("fp8amp.distributed.all_reduce_grads: the ranks hold gradients of different shapes, dtypes "
                          "or parameters (a parameter with a gradient on one rank and none on another, or a model "
                          "built differently): every rank must have gradients for the same parameters, of the same "
                          "shapes and dtypes")
-    state._agreed_layouts.add(layout)
 
 
 def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float32) -> int:

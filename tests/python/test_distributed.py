@@ -99,8 +99,9 @@ def stream_order_run(rank, device) -> dict:
         fd.all_reduce_grads(model, state)
         return [p.grad.clone() for p in params]
 
-    # The first all_reduce_grads of a layout checks once, with a host read, that every rank holds
-    # the same gradients: done here, on zeros, so that the busy calls show the steady state.
+    # The first all_reduce_grads makes the gloo group its layout check runs over (a collective of
+    # every rank): done here, on zeros, so that the busy calls show the steady state, whose check
+    # goes host to host and waits for no GPU work.
     fd.all_reduce_grads(model, state)
     out = {}
     for name, call in (("hook", hook), ("grads", all_reduce_grads)):

@@ -97,6 +97,18 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
                      "amax_inputs": sorted(seen),
                      "grads": [p.grad.dequantize() if isinstance(p.grad, fp8amp.ScaledTensor) else p.grad.clone()
                                for p in model.parameters()]}
+    # A layout that changes on one rank only, after a call every rank agreed on (a parameter
+    # unused on the last rank in the second step): a ValueError on every rank, not a hang.
+    model, state = mlp().to(device), fd.FP8CommState(method="all_to_all")
+    for step in range(2):
+        model.zero_grad()
+        model(batch(step, rank).to(device)).pow(2).mean().backward()
+        if step == 1 and rank == world - 1 and world > 1:
+            model[2].bias.grad = None
+        try:
+            fd.all_reduce_grads(model, state)
+        except ValueError as e:
+            res["layout_changed"] = (step, str(e))
     errors = {}
     for name, call in {
         "ddp_model": lambda: fd.all_reduce_grads(nn.parallel.DistributedDataParallel(mlp().to(device))),
@@ -190,6 +202,20 @@ def test_errors_in_workers(run):
     assert errors["cap"][0] == "ValueError" and "bucket_cap_mb" in errors["cap"][1]
     assert errors["state"][0] == "TypeError" and "FP8CommState" in errors["state"][1]
     assert errors["hook_state"][0] == "TypeError" and "FP8CommState" in errors["hook_state"][1]
+
+
+def test_a_layout_that_changes_on_one_rank_is_a_value_error_on_every_rank(run):
+    """all_reduce_grads compares the ranks' layouts at every call: a gradient missing on one rank
+    in the second step, after a first step every rank agreed on, raises on every rank (it used to
+    be checked once per layout, each rank deciding alone: the ranks' collectives no longer lined
+    up, an abort on gloo, a hang or mixed data on NCCL)."""
+    world, _, res = run
+    for r in res:
+        if world == 1:
+            assert "layout_changed" not in r
+        else:
+            step, message = r["layout_changed"]
+            assert step == 1 and "every rank must have gradients for the same parameters" in message
 
 
 def test_state_argument_errors():
