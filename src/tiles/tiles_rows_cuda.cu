@@ -2,10 +2,11 @@
 // the transpose's (1, L) tiles, which are segments of x's columns (rowwise: one scale a column).
 // All read x with 16-byte loads along its rows and convert whole packs (word_pack.cuh: the
 // hardware conversions on sm_89+). x's own tiles alone take one block per tile, which holds the
-// tile in registers; the transpose's take two passes over 128 x 64 regions of x, one for the amax
-// keys, one for the codes, staged in shared memory so that its rows, too, are stored 16 bytes at
-// a time; where x's tiles are whole regions wide, the same two passes also find their keys and
-// store their codes (two reads of x for both copies). Bit for bit tiles_cpu.cpp, as the region
+// tile in registers; the transpose's take two passes, one for the amax keys (over 128-row strips
+// of 32 packs of columns, or over the codes pass's regions where x's row tiles split a strip), one
+// for the codes over 128 x 64 regions of x, staged in shared memory so that its rows, too, are
+// stored 16 bytes at a time; where x's tiles are whole regions wide, the same two passes also find
+// their keys and store their codes (two reads of x for both copies). Bit for bit tiles_cpu.cpp, as the region
 // kernel: the same amax keys, scale rule and element codec.
 #include <cuda_runtime.h>
 
@@ -202,6 +203,104 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// The same keys from strips of kRegionRows rows x 32 packs of columns, one block a strip: a warp
+// reads whole 32-pack pieces of its rows (512 coalesced bytes), takes a row's key with a warp
+// reduction (one atomicMax a row a strip: a quarter of region_amax_kernel's for bf16) and keeps
+// its lane's column maxima in registers over all its rows, then the warps' column keys meet in
+// shared memory (one atomicMax a column). It maxes raw bits, two 16-bit values a packed max, and
+// decodes only the maxima (the region kernel decodes every element: the pass was bound by issuing
+// instructions). Needs x's row tiles, if any, to hold whole strips (strips_fit); otherwise
+// region_amax_kernel.
+constexpr int kStripBatch = 4;  // rows a warp loads before it folds any
+
+template <class In>
+constexpr int64_t kStripCols = 32 * kVec<In>;
+
+bool strips_fit(DType in_dtype, const TileShape& t, bool row_keys) {
+  bool fit = false;
+  visit(HighPrecisionTypes{}, in_dtype, [&](auto in) {
+    fit = !row_keys || t.tile_cols % kStripCols<decltype(in)> == 0 || t.tile_cols >= t.cols;
+  });
+  return fit;
+}
+
+// The key (the region kernels': a decoded value's bits, sign cleared) from raw magnitude bits: decoding is
+// monotonic in them, so the largest raw bits give the largest key.
+template <class In>
+__device__ __forceinline__ uint32_t key_of_raw(uint32_t raw) {
+  if constexpr (sizeof(In) == 4) return raw;
+  return numerics::float_bits(numerics::to_float(from_bits<In>(raw))) & 0x7FFFFFFFu;
+}
+
+template <class In>
+__global__ void __launch_bounds__(kRowThreads, 4)  // 4 blocks an SM: at most 64 registers a thread
+    strip_amax_kernel(const In* __restrict__ x, uint32_t* __restrict__ col_keys, uint32_t* __restrict__ row_keys,
+                      RegionTiles t) {
+  constexpr int V = kVec<In>;
+  constexpr int W = kWords<In, V>;  // 4 words: 8 16-bit values two to a word, or 4 float32
+  constexpr int kWarps = kRowThreads / 32;
+  constexpr int kRowsPerWarp = kRegionRows / kWarps;
+  static_assert(kRowsPerWarp % kStripBatch == 0, "a warp's rows come in whole batches");
+  __shared__ uint32_t warp_cols[kWarps][kStripCols<In>];
+  const int64_t strips = ceil_div(t.cols, kStripCols<In>);
+  const int64_t r0 = blockIdx.x / strips * kRegionRows, c0 = blockIdx.x % strips * kStripCols<In>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t col = c0 + lane * V;
+  // The raw magnitude bits, maxed without decoding (abs_max_pack's order): 16-bit ones two to a
+  // word through the packed max, each column in its own half.
+  uint32_t cmax[W] = {};
+  for (int b = 0; b < kRowsPerWarp; b += kStripBatch) {
+    Words<In> w[kStripBatch];  // loaded together; zeros outside x change no amax
+#pragma unroll
+    for (int k = 0; k < kStripBatch; ++k) {
+      const int64_t r = r0 + (b + k) * kWarps + warp;
+      if (r < t.rows && col < t.cols) {
+        load_words(x + r * t.cols + col, w[k]);
+      } else {
+#pragma unroll
+        for (auto& word : w[k]) word = 0;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kStripBatch; ++k) {
+      uint32_t rmax = 0;
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        if constexpr (sizeof(In) == 2) {
+          const uint32_t m = w[k][i] & 0x7FFF7FFFu;
+          cmax[i] = __vmaxu2(cmax[i], m);
+          rmax = __vmaxu2(rmax, m);
+        } else {
+          const uint32_t m = w[k][i] & 0x7FFFFFFFu;
+          cmax[i] = max(cmax[i], m);
+          rmax = max(rmax, m);
+        }
+      }
+      if (row_keys != nullptr) {
+        if constexpr (sizeof(In) == 2) rmax = max(rmax & 0xFFFFu, rmax >> 16);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) rmax = max(rmax, __shfl_xor_sync(0xFFFFFFFFu, rmax, o));
+        const int64_t r = r0 + (b + k) * kWarps + warp;
+        if (lane == 0 && r < t.rows && rmax != 0) {
+          atomicMax(&row_keys[r * t.tiles_per_row + c0 / t.tile_cols], key_of_raw<In>(rmax));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const uint32_t raw = sizeof(In) == 2 ? (cmax[e / 2] >> (16 * (e % 2))) & 0xFFFFu : cmax[e];
+    warp_cols[warp][lane * V + e] = key_of_raw<In>(raw);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < kStripCols<In>; c += kRowThreads) {
+    uint32_t key = 0;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) key = max(key, warp_cols[k][c]);
+    if (c0 + c < t.cols && key != 0) atomicMax(&col_keys[(c0 + c) * t.segments + r0 / t.len], key);
+  }
+}
+
 // One block per region of x: its codes by the segments' scales (from col_keys), stored
 // transposed, and, unless out is null, by the row tiles' scales (from row_keys), stored in place.
 template <class In, class Out>
@@ -345,7 +444,13 @@ void quantize_column_tiles(DType in_dtype, DType out_dtype, const void* x, void*
       const auto* xs = static_cast<const In*>(x);
       const unsigned regions =
           grid_size(ceil_div(rows, kRegionRows) * ceil_div(cols, kRegionCols), "cast_transpose_tiles");
-      region_amax_kernel<In><<<regions, kRowThreads, 0, stream>>>(xs, col_keys, row_keys, tiles);
+      if (strips_fit(in_dtype, t, row_keys != nullptr)) {
+        const unsigned strips =
+            grid_size(ceil_div(rows, kRegionRows) * ceil_div(cols, kStripCols<In>), "cast_transpose_tiles");
+        strip_amax_kernel<In><<<strips, kRowThreads, 0, stream>>>(xs, col_keys, row_keys, tiles);
+      } else {
+        region_amax_kernel<In><<<regions, kRowThreads, 0, stream>>>(xs, col_keys, row_keys, tiles);
+      }
       FP8AMP_CUDA_CHECK_LAUNCH();
       const bool out_t_whole = rows % kChunk == 0 && is_aligned(out_t, 16);
       transpose_cast_kernel<In, Out><<<regions, kRowThreads, 0, stream>>>(

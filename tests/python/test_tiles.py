@@ -287,13 +287,17 @@ GPU_SHAPES = [(16384, 4096), (257, 4096), (300, 260), (1, 5), (129, 1000), (4096
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("tile, tile_t", [((1, 128), None), ((128, 128), None), ("rowwise", None), ((1, 64), (1, 256)),
-                                          ((1, 128), (1, 128 * 3)), ((3, 64), (32, 5))])
+                                          ((1, 128), (1, 128 * 3)), ((1, 1 << 62), (1, 1 << 62)), ((1, 256), (1, 256)),
+                                          ((3, 64), (32, 5))])
 @pytest.mark.parametrize("fmt, dtype", [(E4M3, torch.bfloat16), (E5M2, torch.float32), (E4M3, torch.float16)])
 def test_cast_transpose_tiles_cuda_equals_cpu(shape, tile, tile_t, fmt, dtype):
     """Every CUDA path against the reference: the one-pass kernel ((1, 128), (128, 128)), the
-    two-pass region kernels of one-row tiles (rowwise; (1, 64) tiles with transposed tiles over 256
-    rows, several segments of a column; (1, 128) tiles, two regions wide, with transposed ones over
-    384 rows), and tile_kernel ((3, 64) tiles; also where rows of x do not take 16-byte loads)."""
+    two-pass kernels of one-row tiles, whose amax pass takes strips of 32 packs of columns where
+    x's row tiles hold whole strips (rowwise, as its columns' length or the recipe's 1 << 62;
+    (1, 256) tiles; (1, 128) tiles of float32) and regions otherwise ((1, 64) tiles with
+    transposed tiles over 256 rows, several segments of a column; (1, 128) tiles of 16-bit types,
+    with transposed ones over 384 rows), and tile_kernel ((3, 64) tiles; also where rows of x do
+    not take 16-byte loads)."""
     if shape == (16384, 4096) and tile == (3, 64):
         pytest.skip("the big shape is for the fast kernels")
     x = wide_values(shape, dtype, seed=shape[0])
