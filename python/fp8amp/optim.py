@@ -424,7 +424,13 @@ class ScaledMoment(ScaledTensor):
             moment = args[0]
             return ScaledMoment(moment.codes.clone(), moment.scale_inv.clone(), moment.dtype)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        # A clone or a detach comes back a ScaledTensor: made a moment again, so that a state dict
+        # copied tensor by tensor (as checkpoint tools do) still loads as real values. (Not views:
+        # a row view keeps its link to the moment it writes through.)
+        if func in _MOMENT_COPIES and type(out) is ScaledTensor:
+            return ScaledMoment(out.codes, out.scale_inv, out.dtype)
+        return out
 
     def __reduce_ex__(self, protocol):
         # Pickled as its two plain tensors: loads under any map_location (torch refuses a callable
@@ -433,6 +439,7 @@ class ScaledMoment(ScaledTensor):
 
 
 torch.serialization.add_safe_globals([ScaledMoment])
+_MOMENT_COPIES = (torch.Tensor.clone, torch.clone, torch.Tensor.detach, torch.detach)
 
 def _moments_with_scales(state: dict) -> dict:
     """A param's saved state: each scaled moment and its scale as one ScaledMoment (a new dict:

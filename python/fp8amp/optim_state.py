@@ -43,15 +43,18 @@ MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
 
 def complete_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
     """Copies of ``saved_groups``, each completed by the keys of the optimizer's group of the same
-    index that it lacks (torch's own ``load_state_dict`` reports a different number of groups)."""
-    return [{**{k: v for k, v in group.items() if k != "params"}, **saved}
+    index that it lacks, and with that group's ``state_dtypes``: the level stays the optimizer's,
+    whatever level saved the state (torch's own ``load_state_dict`` reports a different number of
+    groups)."""
+    return [{**{k: v for k, v in group.items() if k != "params"}, **saved, "state_dtypes": group["state_dtypes"]}
             for saved, group in zip(saved_groups, groups)] + list(saved_groups[len(groups):])
 
 
 def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: str) -> None:
-    """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype) where
-    they are float32 and the formats are scaled, in place; refuses non-finite moments. ``where``
-    names the param in messages."""
+    """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype), in
+    place: float32 ones into scaled formats (quantized with current scaling), scaled ones into
+    float32 (their real values, exactly); refuses non-finite moments and a negative exp_avg_sq.
+    ``where`` names the param in messages."""
     for (key, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, formats):
         value = state.get(key)
         if value is None:
@@ -61,11 +64,18 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
             _convert_sharded(state, (key, scale_key, scale_inv_key), dtype, where)
             continue
         _check_finite(value, scale_inv, key, where)
+        if key == "exp_avg_sq" and bool((value < 0).any()):  # one host read per state, at load time only
+            raise ValueError(f"{where}: state 'exp_avg_sq' holds a negative value; the checkpoint is corrupt (a "
+                             "second moment is a mean of squares: its square root would make every step skipped)")
         if value.dtype == torch.float32 and dtype != torch.float32:
             codes, scale_inv, _ = quantize_current(value, dtype)
             state[key] = codes
             state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
             state[scale_inv_key] = scale_inv
+        elif value.dtype != torch.float32 and dtype == torch.float32:  # an O2 moment into O1
+            state[key] = value.float() * scale_inv if scale_inv is not None else value.float()
+            state.pop(scale_key, None)
+            state.pop(scale_inv_key, None)
 
 
 def _check_finite(value: torch.Tensor, scale_inv: torch.Tensor | None, key: str, where: str) -> None:

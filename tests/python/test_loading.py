@@ -87,6 +87,48 @@ def test_nonfinite_moment_in_a_state_dict_is_refused():
         opt.load_state_dict(saved)
 
 
+def test_negative_second_moment_in_a_state_dict_is_refused():
+    """A negative exp_avg_sq (a corrupt checkpoint) made every later step skipped (its square root
+    is NaN), silently."""
+    model = _model()
+    saved = _plain_adamw_state(model)
+    saved["state"][1]["exp_avg_sq"][2] = -1e-6
+    for level in ("O1", "O2"):
+        opt = fp8amp.optim.AdamW(model.parameters(), state_dtypes=level)
+        with pytest.raises(ValueError, match=r"param 1 of group 0: state 'exp_avg_sq' holds a negative value"):
+            opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("saved_level, level", [("O1", "O2"), ("O2", "O1")])
+def test_a_state_dict_of_the_other_level_loads_into_this_level(saved_level, level):
+    """The optimizer keeps its level: an O1 state dict into an O2 optimizer is quantized (it used to
+    turn the optimizer O1: float32 moments, 8 bytes a param more), an O2 one into O1 is made real
+    values, exactly; the saved values within the formats' rounding, and the next step runs."""
+    model = _model()
+    fp8_model, source = _initialize(model, saved_level)
+    for t in range(2):
+        source.zero_grad()
+        fp8_model(torch.randn(8, 16, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+        source.step()
+    target = fp8amp.optim.AdamW([p for g in source.param_groups for p in g["params"]], state_dtypes=level)
+    target.load_state_dict(source.state_dict())
+    m_dtype, v_dtype = fp8amp.optim.STATE_DTYPES[level]
+    assert all(g["state_dtypes"] == level for g in target.param_groups)
+    for p in (p for g in source.param_groups for p in g["params"]):
+        a, b = source.state[p], target.state[p]
+        assert b["exp_avg"].dtype == m_dtype and b["exp_avg_sq"].dtype == v_dtype
+        for key, scale_key in (("exp_avg", "exp_avg_scale_inv"), ("exp_avg_sq", "exp_avg_sq_scale_inv")):
+            real_a = a[key].float() * a[scale_key] if scale_key in a else a[key]
+            real_b = b[key].float() * b[scale_key] if scale_key in b else b[key]
+            if level == "O1":  # real values: exactly the saved ones
+                assert scale_key not in b and torch.equal(real_b, real_a), key
+            else:  # quantized: within E4M3's / FP16's half ulp, or half its smallest subnormal
+                rtol, eta = (2 ** -4, 2 ** -10) if key == "exp_avg" else (2 ** -11, 2 ** -25)
+                torch.testing.assert_close(real_b, real_a, rtol=rtol, atol=eta * b[scale_key].item())
+    fp8_model(torch.randn(8, 16)).square().mean().backward()
+    target.step()
+
+
 # ------------------------------------------------------------------------------------------ non-finite
 
 

@@ -133,12 +133,18 @@ def test_plain_adamw_loading_fp8amp_o2_state_reads_real_values():
     saved = torch.load(buf, weights_only=True)
     assert isinstance(saved["state"][0]["exp_avg"], ScaledMoment)
 
-    plain_model = _model()
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    plain.load_state_dict(saved)
-    for p, (m, v) in zip(plain_model.parameters(), moments):
-        assert type(plain.state[p]["exp_avg"]) is torch.Tensor
-        assert torch.equal(plain.state[p]["exp_avg"], m) and torch.equal(plain.state[p]["exp_avg_sq"], v)
+    # As saved, and copied tensor by tensor (clone, detach, cpu: what checkpoint tools do; a copy
+    # used to be a ScaledTensor, which torch's cast left as it was: FP8 moments in a plain AdamW).
+    copied = {"param_groups": saved["param_groups"],
+              "state": {i: {k: (v.clone().detach().cpu() if k != "step" else v) for k, v in st.items()}
+                        for i, st in saved["state"].items()}}
+    for state_dict in (saved, copied):
+        plain_model = _model()
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+        plain.load_state_dict(state_dict)
+        for p, (m, v) in zip(plain_model.parameters(), moments):
+            assert type(plain.state[p]["exp_avg"]) is torch.Tensor
+            assert torch.equal(plain.state[p]["exp_avg"], m) and torch.equal(plain.state[p]["exp_avg_sq"], v)
 
 
 def test_fp8amp_reloads_its_own_o2_state_bit_for_bit():
