@@ -26,7 +26,9 @@ same pass, so the forward does not re-cast the weight. Grads may be plain
 (float32/bfloat16/float16) or E4M3/E5M2 ScaledTensors (the FP8 weight gradients of Fp8Linear at
 O1/O2). A bfloat16/float16 param (a model loaded in bf16) steps in float32: a float32 copy
 goes through the op and is rounded back into the param once (the op keeps low-precision params
-only as FP16 codes with a scale); its m and v follow ``state_dtypes`` as any param's.
+only as FP16 codes with a scale); its m and v follow ``state_dtypes`` as any param's. The
+skip rule below judges the float32 values: a finite new value beyond the param's own range (a
+float16 param past 65504) rounds back to inf, as torch's own step on that param would make it.
 
 ``step()`` never syncs with the host. A step whose grads (or new m, v, params) hold an inf/NaN
 is skipped on the device: params, states, scales and ``step`` stay bit-identical. When a step
