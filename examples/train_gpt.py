@@ -33,6 +33,7 @@ import contextlib
 import gc
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt_outputs import RunRow, summarize, write_outputs  # noqa: E402
+from train_gpt_outputs import FINAL_LOSS_STEPS, RunRow, summarize, write_outputs  # noqa: E402
 
 PRESETS = {
     "tiny": dict(model=GPTConfig(seq_len=128, n_layer=2, n_head=4, d_model=128), batch=8, steps=60, lr=2e-3),
@@ -402,8 +403,10 @@ def train_one(precision: str, recipe: str | None, args, setup: Setup, init_state
         log(f"numerics report, {label} (one more batch, eager, no optimizer step{', rank 0' if world > 1 else ''}):"
             f"\n{report}")
     peak = rows[-1].peak_memory_gib
-    log(f"final {label}: train loss {rows[-1].loss:.4f}, val loss {rows[-1].val_loss:.4f}, peak memory "
-        f"{'n/a (CPU)' if peak is None else f'{peak:.2f} GiB'}")
+    final = statistics.fmean(r.loss for r in rows[-FINAL_LOSS_STEPS:])  # as summary.md reports it
+    log(f"final {label}: train loss {final:.4f}, val loss {rows[-1].val_loss:.4f}, peak memory "
+        f"{'n/a (CPU)' if peak is None else f'{peak:.2f} GiB'} (train loss: the mean of the last "
+        f"{min(FINAL_LOSS_STEPS, len(rows))} steps, as summary.md)")
     del core, model, optimizer, schedule, step_model
     gc.collect()
     if device.type == "cuda":
