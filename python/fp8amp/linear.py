@@ -348,10 +348,12 @@ class Fp8Linear(nn.Linear):
         return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """The real values of a ScaledTensor weight (O1/O2), loadable into an ``nn.Linear``."""
+        """The real values of a ScaledTensor weight (O1/O2), loadable into an ``nn.Linear``: in
+        float32, which holds them exactly (a bfloat16 or float16 model's logical dtype would round
+        the FP16 master's scaled values, and a resume would not be bit for bit)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if isinstance(self.weight, ScaledTensor) and not keep_vars:
-            destination[prefix + "weight"] = self.weight.dequantize()
+            destination[prefix + "weight"] = self.weight.dequantize(torch.float32)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # An inf or NaN loaded into an O1/O2 master would make the whole master read NaN (a

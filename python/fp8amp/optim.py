@@ -230,9 +230,9 @@ class Adam(torch.optim.Optimizer):
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's ``load_state_dict``, keeping the state dtypes: torch casts every floating-point
-        state tensor to its param's dtype (float32), which holds FP8/FP16 values exactly, so they
-        are cast back bit for bit; ``step`` and the scales go to the param's device. Takes what
+        """torch's ``load_state_dict``, keeping the state dtypes and values: each saved state tensor
+        is taken as saved (torch casts every floating-point state to its param's dtype, which
+        rounds for a bfloat16 or float16 param), onto its param's device, ``step`` as float32. Takes what
         :meth:`state_dict` saves (O2 moments as :class:`ScaledMoment`), the older form (codes and
         scale entries), and a plain ``torch.optim`` state dict, converted to this optimizer's
         levels (fp8amp.optim_state). A state dict without ``state`` and ``param_groups``, or with a
@@ -270,9 +270,14 @@ class Adam(torch.optim.Optimizer):
             if "step" in state and not isinstance(state["step"], torch.Tensor):  # a Python number
                 state["step"] = torch.tensor(float(state["step"]))
             for key, value in saved[pid].items():
-                if isinstance(value, torch.Tensor) or key == "step":
-                    dtype = torch.float32 if key == "step" else value.dtype  # a step: any dtype
-                    state[key] = state[key].to(dtype=dtype, device=p.device)
+                if key == "step":  # a step: any dtype
+                    state[key] = state[key].to(dtype=torch.float32, device=p.device)
+                elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    # The saved tensor itself: torch cast it to its param's dtype, which for a
+                    # bfloat16 or float16 param rounds float32 moments and FP16 codes.
+                    state[key] = value.to(device=p.device, copy=True)
+                elif isinstance(value, torch.Tensor):
+                    state[key] = state[key].to(dtype=value.dtype, device=p.device)
             convert_state(state, STATE_DTYPES[group["state_dtypes"]], f"{self._name}.load_state_dict: {which}")
             if "step" in state:
                 state["step"] = state["step"].reshape(())

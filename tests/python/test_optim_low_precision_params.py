@@ -85,6 +85,47 @@ def test_bf16_model_trains_at_every_level(level):
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_16_bit_model_resumes_from_its_state_dicts_bit_for_bit(level, dtype):
+    """Saved and loaded through torch.save, a bf16/fp16 model's masters (float32 in the state dict:
+    the FP16 master's scaled values do not all fit its logical dtype) and its optimizer's moments
+    (torch's load casts states to a 16-bit param's dtype; fp8amp takes them as saved) resume bit
+    for bit: both used to round, and the resumed run drifted."""
+    import io
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 32)).to(dtype)
+        return fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, policy="all")
+
+    def train(model, opt, steps):
+        for t in steps:
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(t)).to(dtype)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(3))
+    assert model.state_dict()["0.weight"].dtype == torch.float32
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train(model, opt, range(3, 6))
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    train(resumed, resumed_opt, range(3, 6))
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        for key, value in opt.state[p].items():
+            other = resumed_opt.state[q][key]
+            assert value.dtype == other.dtype and torch.equal(value.float(), other.float()), key
+
+
 def test_other_param_dtypes_are_refused_naming_the_accepted():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         fp8amp.optim.AdamW([nn.Parameter(torch.zeros(4, dtype=torch.float64))])
