@@ -107,9 +107,10 @@ class NumericsReport:
         cast_recorder.start(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         cast_recorder.stop()
-        self._finish()
+        if exc_type is None:  # an error inside the block propagates as it is, no report
+            self._finish()
 
     def record(self, state: nn.Module, role: str, x: torch.Tensor, codes: torch.Tensor,
                 scale_inv: torch.Tensor) -> None:
@@ -126,8 +127,11 @@ class NumericsReport:
                 total[:_AMAX] += stats[:_AMAX]
                 total[_AMAX] = torch.maximum(total[_AMAX], stats[_AMAX])
             calls = self._last[key][2] + 1 if key in self._last else 1
-            # One scale, or (tile scales spread over the elements) the smallest of them.
-            self._last[key] = (codes.dtype, scale_inv.detach().amax(), calls)
+            # One scale, or (tile scales spread over the elements) the smallest of them; none (NaN)
+            # for an empty tensor's.
+            largest_scale_inv = (scale_inv.detach().amax() if scale_inv.numel() else
+                                 torch.full((), math.nan, device=scale_inv.device))
+            self._last[key] = (codes.dtype, largest_scale_inv, calls)
 
     def _finish(self) -> None:
         if not self._sums:

@@ -156,6 +156,31 @@ def test_compiled_code_records_nothing_and_says_so():
     torch.testing.assert_close(y, eager)
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+def test_an_empty_batch_under_the_tiled_recipes_is_reported(recipe):
+    """An empty batch's casts have no tile scales: rows of numel 0 and no scale (it raised inside
+    the report, and the exit's own KeyError hid that error)."""
+    model = fp8amp.convert(nn.Sequential(nn.Linear(256, 256)), recipe=recipe, policy="all")
+    x = torch.zeros(0, 256, requires_grad=True)
+    with fp8amp.numerics_report(model) as report:
+        model(x).sum().backward()
+    rows = {row.role: row for row in report.rows}
+    assert rows["input"].numel == 0 and math.isnan(rows["input"].scale) and rows["grad_output"].numel == 0
+    assert rows["weight"].numel == 256 * 256
+    assert "input" in str(report)
+
+
+def test_an_error_inside_the_block_propagates_as_it_is_and_makes_no_report():
+    """The exit does not build a report from a block that failed midway (its partial records could
+    raise an error of their own over the block's)."""
+    model = fp8amp.convert(nn.Sequential(nn.Linear(32, 32)), policy="all")
+    with pytest.raises(ZeroDivisionError):
+        with fp8amp.numerics_report(model) as report:
+            model(torch.randn(4, 32))
+            1 / 0
+    assert report.rows == []
+
+
 def test_errors_and_models_without_fp8():
     with pytest.raises(TypeError, match="model must be an nn.Module, got int"):
         fp8amp.numerics_report(42)
