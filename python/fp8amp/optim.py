@@ -272,12 +272,10 @@ class Adam(torch.optim.Optimizer):
             for key, value in saved[pid].items():
                 if key == "step":  # a step: any dtype
                     state[key] = state[key].to(dtype=torch.float32, device=p.device)
-                elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    # The saved tensor itself: torch cast it to its param's dtype, which for a
-                    # bfloat16 or float16 param rounds float32 moments and FP16 codes.
-                    state[key] = value.to(device=p.device, copy=True)
-                elif isinstance(value, torch.Tensor):
+                elif isinstance(value, DTensor):
                     state[key] = state[key].to(dtype=value.dtype, device=p.device)
+                elif isinstance(value, torch.Tensor):  # as saved: torch cast it to a 16-bit param's dtype, rounding
+                    state[key] = value.to(device=p.device, copy=True)
             convert_state(state, STATE_DTYPES[group["state_dtypes"]], f"{self._name}.load_state_dict: {which}")
             if "step" in state:
                 state["step"] = state["step"].reshape(())
