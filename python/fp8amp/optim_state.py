@@ -73,7 +73,7 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
             state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
             state[scale_inv_key] = scale_inv
         elif value.dtype != torch.float32 and dtype == torch.float32:  # an O2 moment into O1
-            state[key] = value.float() * scale_inv if scale_inv is not None else value.float()
+            state[key] = dequantize(value, scale_inv, torch.float32) if scale_inv is not None else value.float()
             state.pop(scale_key, None)
             state.pop(scale_inv_key, None)
 
