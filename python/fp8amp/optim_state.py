@@ -52,8 +52,9 @@ def complete_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
 
 def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: str) -> None:
     """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype), in
-    place: float32 ones into scaled formats (quantized with current scaling), scaled ones into
-    float32 (their real values, exactly); refuses non-finite moments and a negative exp_avg_sq.
+    place: real ones (float32, or a 16-bit param's dtype as torch keeps them) into scaled formats
+    (quantized with current scaling) or float32, scaled ones into float32 (their real values,
+    exactly); refuses non-finite moments and a negative exp_avg_sq.
     ``where`` names the param in messages."""
     for (key, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, formats):
         value = state.get(key)
@@ -67,13 +68,16 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
         if key == "exp_avg_sq" and bool((value < 0).any()):  # one host read per state, at load time only
             raise ValueError(f"{where}: state 'exp_avg_sq' holds a negative value; the checkpoint is corrupt (a "
                              "second moment is a mean of squares: its square root would make every step skipped)")
-        if value.dtype == torch.float32 and dtype != torch.float32:
-            codes, scale_inv, _ = quantize_current(value, dtype)
-            state[key] = codes
-            state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
-            state[scale_inv_key] = scale_inv
-        elif value.dtype != torch.float32 and dtype == torch.float32:  # an O2 moment into O1
-            state[key] = dequantize(value, scale_inv, torch.float32) if scale_inv is not None else value.float()
+        if scale_inv is None:  # real values: torch's moments, float32 or a 16-bit param's dtype
+            if dtype == torch.float32:
+                state[key] = value.float()
+            else:
+                codes, scale_inv, _ = quantize_current(value, dtype)
+                state[key] = codes
+                state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
+                state[scale_inv_key] = scale_inv
+        elif dtype == torch.float32:  # an O2 moment into O1: its real values, exactly
+            state[key] = dequantize(value, scale_inv, torch.float32)
             state.pop(scale_key, None)
             state.pop(scale_inv_key, None)
 

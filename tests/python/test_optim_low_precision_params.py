@@ -126,6 +126,33 @@ def test_a_16_bit_model_resumes_from_its_state_dicts_bit_for_bit(level, dtype):
             assert value.dtype == other.dtype and torch.equal(value.float(), other.float()), key
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_torch_adamw_state_of_a_bf16_model_loads_at_every_level(level):
+    """torch's AdamW keeps a bf16 param's moments in bf16: loaded, they become the level's formats
+    (O2's scaled ones too: they stayed bf16, and the first step raised)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)).to(torch.bfloat16)
+
+    plain = model()
+    opt = torch.optim.AdamW(plain.parameters())
+    plain(torch.randn(4, 32).bfloat16()).float().square().mean().backward()
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+    converted = model()
+    converted, fp8_opt = fp8amp.initialize(converted, torch.optim.AdamW(converted.parameters()), level, policy="all")
+    fp8_opt.load_state_dict(saved)
+    m_dtype, v_dtype = fp8amp.optim.STATE_DTYPES[level]
+    for i, p in enumerate(converted.parameters()):
+        state = fp8_opt.state[p]
+        assert state["exp_avg"].dtype == m_dtype and state["exp_avg_sq"].dtype == v_dtype
+        real = state["exp_avg_sq"].float() * state.get("exp_avg_sq_scale_inv", 1.0)
+        torch.testing.assert_close(real, saved["state"][i]["exp_avg_sq"].float(), rtol=2 ** -8, atol=0)
+    converted(torch.randn(4, 32).bfloat16()).float().square().mean().backward()
+    fp8_opt.step()
+
+
 def test_other_param_dtypes_are_refused_naming_the_accepted():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         fp8amp.optim.AdamW([nn.Parameter(torch.zeros(4, dtype=torch.float64))])
