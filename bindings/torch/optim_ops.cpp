@@ -1,22 +1,24 @@
 // torch.library registration of the fused Adam/AdamW step (fp8amp/optim.h): argument plumbing only.
 //
-//   adam_step(params!, grads, exp_avgs!, exp_avg_sqs!, <scale lists>, step_counts!, *, lr, beta1,
-//             beta2, eps, weight_decay, adamw, maximize, step=0, step_tensor!=None, found_inf!=None,
-//             margin=0) -> amax [n, 4]
+//   adam_step(params!, grads, exp_avgs!, exp_avg_sqs!, <scale lists>, step_counts!, param_amaxes!, *,
+//             lr, beta1, beta2, eps, weight_decay, adamw, maximize, step=0, step_tensor!=None,
+//             found_inf!=None, margin=0) -> amax [n, 5]
 //
 // Updates every listed tensor in place on its device with no host sync. Each scale list is either
 // empty (no tensor of the call has that scale) or holds one entry per param: a float32 [1] tensor
 // where the tensor's format is scaled, None where it is not (optim.h says which formats are); a
 // scale list (not a scale_inv one) may also be None, or empty, where the format is scaled: the op
 // then derives the old scale from the scale_inv. step_counts, empty or one entry per param (a
-// float32 [1] count, or None), are incremented with step_tensor.
+// float32 [1] count, or None), are incremented with step_tensor. param_amaxes, empty or one entry
+// per param (float32 [1] or None): the kept master amaxes (optim.h, "Kept master amax").
 // found_inf (float32 [1]): skip flag, in/out; None gives the op a zeroed one of its own.
-// Returns the amax of the new values, float32 [n, 4]: |grad|, |exp_avg'|, exp_avg_sq', |param'|.
+// Returns the amax of the new values, float32 [n, 5]: |grad|, |exp_avg'|, exp_avg_sq', |param'| (or
+// its bound), |param'| (optim.h's columns).
 //
 //   torch.classes.fp8amp.AdamPlan(params, exp_avgs, exp_avg_sqs, <the scale lists but grad_scale_invs>,
-//                                 step_counts)
+//                                 step_counts, param_amaxes)
 //   plan.step(grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay, adamw, maximize, step,
-//             step_tensor, found_inf, margin) -> amax [n, 4], or None
+//             step_tensor, found_inf, margin) -> amax [n, 5], or None
 //
 // The same step over buffers checked once (fp8amp/optim.h's AdamPlan), for a caller that repeats
 // it: each step passes only its grads and numbers. The plan holds its tensors (they live as long
@@ -64,7 +66,8 @@ at::Tensor amax_like(at::TensorList params) {
 // The per-param optional lists of the schema but grad_scale_invs, in its order.
 struct OptionalLists {
   const OptionalTensorList &param_scales, &param_scale_invs, &exp_avg_scales, &exp_avg_scale_invs,
-      &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales, &weight_scale_invs, &step_counts;
+      &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales, &weight_scale_invs, &step_counts,
+      &param_amaxes;
 };
 
 // The views of tensor i's buffers but its grad.
@@ -85,6 +88,7 @@ AdamTensors buffers(at::TensorList params, at::TensorList exp_avgs, at::TensorLi
   t.weight_scale = entry(s.weight_scales, i, n, "weight_scales");
   t.weight_scale_inv = entry(s.weight_scale_invs, i, n, "weight_scale_invs");
   t.step_count = entry(s.step_counts, i, n, "step_counts");
+  t.param_amax = entry(s.param_amaxes, i, n, "param_amaxes");
   return t;
 }
 
@@ -108,7 +112,8 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
                      const OptionalTensorList& exp_avg_scale_invs, const OptionalTensorList& exp_avg_sq_scales,
                      const OptionalTensorList& exp_avg_sq_scale_invs, const OptionalTensorList& weights_fp8,
                      const OptionalTensorList& weight_scales, const OptionalTensorList& weight_scale_invs,
-                     const OptionalTensorList& step_counts, double lr, double beta1, double beta2, double eps,
+                     const OptionalTensorList& step_counts, const OptionalTensorList& param_amaxes, double lr,
+                     double beta1, double beta2, double eps,
                      double weight_decay, bool adamw, bool maximize, int64_t step,
                      const std::optional<at::Tensor>& step_tensor,
                      const std::optional<at::Tensor>& found_inf, int64_t margin) {
@@ -117,7 +122,7 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
   const at::Tensor found = found_inf ? *found_inf : at::zeros({1}, amax.options());
   const OptionalLists lists{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
                             exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
-                            weight_scale_invs, step_counts};
+                            weight_scale_invs, step_counts,       param_amaxes};
   call(amax, [&](Stream stream) {
     check_length(grads.size(), n, "grads");
     check_length(exp_avgs.size(), n, "exp_avgs");
@@ -144,14 +149,14 @@ class TorchAdamPlan : public torch::CustomClassHolder {
                 OptionalTensorList exp_avg_scales, OptionalTensorList exp_avg_scale_invs,
                 OptionalTensorList exp_avg_sq_scales, OptionalTensorList exp_avg_sq_scale_invs,
                 OptionalTensorList weights_fp8, OptionalTensorList weight_scales, OptionalTensorList weight_scale_invs,
-                OptionalTensorList step_counts)
+                OptionalTensorList step_counts, OptionalTensorList param_amaxes)
       : plan_(translating_errors([&] {
           const size_t n = params.size();
           check_length(exp_avgs.size(), n, "exp_avgs");
           check_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
           const OptionalLists lists{param_scales,      param_scale_invs,      exp_avg_scales, exp_avg_scale_invs,
                                     exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8,    weight_scales,
-                                    weight_scale_invs, step_counts};
+                                    weight_scale_invs, step_counts,       param_amaxes};
           std::vector<AdamTensors> tensors(n);
           for (size_t i = 0; i < n; ++i) tensors[i] = buffers(params, exp_avgs, exp_avg_sqs, lists, i);
           return AdamPlan(tensors);
@@ -161,7 +166,7 @@ class TorchAdamPlan : public torch::CustomClassHolder {
     }
     for (const OptionalTensorList* list : {&param_scales, &param_scale_invs, &exp_avg_scales, &exp_avg_scale_invs,
                                            &exp_avg_sq_scales, &exp_avg_sq_scale_invs, &weights_fp8, &weight_scales,
-                                           &weight_scale_invs, &step_counts}) {
+                                           &weight_scale_invs, &step_counts, &param_amaxes}) {
       for (const std::optional<at::Tensor>& t : *list) {
         if (t) hold(*t);
       }
@@ -219,8 +224,8 @@ at::Tensor adam_step_meta(at::TensorList params, at::TensorList, at::TensorList,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
-                          const OptionalTensorList&, const OptionalTensorList&, double, double, double, double,
-                          double, bool, bool, int64_t,
+                          const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&, double,
+                          double, double, double, double, bool, bool, int64_t,
                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t) {
   return amax_like(params);
 }
@@ -236,7 +241,8 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
       "Tensor(d!)?[] param_scales, Tensor(e!)?[] param_scale_invs, Tensor?[] grad_scale_invs, "
       "Tensor(f!)?[] exp_avg_scales, Tensor(g!)?[] exp_avg_scale_invs, Tensor(h!)?[] exp_avg_sq_scales, "
       "Tensor(i!)?[] exp_avg_sq_scale_invs, Tensor(j!)?[] weights_fp8, Tensor(k!)?[] weight_scales, "
-      "Tensor(l!)?[] weight_scale_invs, Tensor(m!)?[] step_counts, *, float lr, float beta1, float beta2, "
+      "Tensor(l!)?[] weight_scale_invs, Tensor(m!)?[] step_counts, Tensor(p!)?[] param_amaxes, *, float lr, "
+      "float beta1, float beta2, "
       "float eps, float weight_decay, bool adamw, bool maximize, int step=0, Tensor(n!)? step_tensor=None, "
       "Tensor(o!)? found_inf=None, int margin=0) -> Tensor");
 }
@@ -248,7 +254,8 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
-                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList>())
+                       fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
+                       fp8amp::torch_binding::OptionalTensorList>())
       .def("step", &fp8amp::torch_binding::TorchAdamPlan::step);
 }
 

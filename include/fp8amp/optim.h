@@ -62,16 +62,35 @@
 //      |p'| into amax[i, 0..3]; nothing is stored. A block that meets a non-finite value sets
 //      found_inf = 1;
 //   3. pass 2 (same batching): if found_inf != 0 nothing happens; else each block derives the new
-//      scales from amax[i] and the old scales, recomputes the same values and stores m, v, p
-//      and the FP8 weight copy;
+//      scales from amax[i] and the old scales, recomputes the same values, stores m, v, p and
+//      the FP8 weight copy, and folds |p'| into amax[i, new_param];
 //   4. commit, one thread per tensor: if found_inf == 0, write the new scale/scale_inv pairs (pass
-//      2 still needed the old ones) and increment the tensor's step_count and step_tensor.
+//      2 still needed the old ones) and param_amax, and increment the tensor's step_count and
+//      step_tensor.
 // A pass launch takes tensors of one dtype combination (a call may mix them), up to 128 (the
 // kernel parameters, up to 32,764 bytes, hold their pointers); an empty tensor takes no block.
 // Launches per call: 1 memset + 2 x sum over combinations of ceil(tensors / 128) + ceil(n / 128)
-// commits. Pass 1 reads p, g, m, v; pass 2 reads them again and writes p, m, v and the weight
-// copy: at O2 (FP16 master, FP8 grad and m, FP16 v, FP8 copy) 6 + 6 + 6 = 18 bytes per element,
-// against 28 for a fused FP32 AdamW (read 16, write 12).
+// commits. Pass 1 reads p, g, m, v (g, m, v only with a kept master amax, below); pass 2 reads
+// them again and writes p, m, v and the weight copy: at O2 (FP16 master, FP8 grad and m, FP16 v,
+// FP8 copy) 4 + 6 + 6 = 16 bytes per element with a kept amax (18 without), against 28 for a
+// fused FP32 AdamW (read 16, write 12).
+//
+// ------------------------------------------------------------------------------------------------
+// Kept master amax (param_amax, optional per tensor). The master's scale needs amax(p') before
+// pass 2 stores p', and reading the master in pass 1 for it is a third of pass 1's bytes at O2.
+// With A = the largest magnitude of the master's real values as stored (kept from the last step),
+// pass 1 instead bounds it without reading the master, exactly as the reference evaluates it:
+//   A_d = rn(A * |decay|) (AdamW with weight decay; A otherwise) >= every |p_d| (rounding is monotonic),
+//   q   = (neg_step * m') / den, rounded as in p' above,
+//   amax[i, param] = max over elements of rn(A_d + |q|)  >=  max |rn(p_d + q)| = amax(p').
+// The new scale comes from that bound, never below amax(p') (so nothing saturates), and at most
+// one power of two smaller than the exact one (when a power of two lies between them; the update
+// is small next to the weights). Pass 2 folds the exact |p'| into amax[i, new_param]; the commit
+// writes its stored form to param_amax for the next step. The bound is used when param_amax holds
+// a finite value >= 0 on entry and the element math does not read p before den (AdamW, or Adam
+// without weight decay); otherwise (NaN: unknown, e.g. after the master was written by anything
+// but this op) pass 1 reads the master and the scale is exact, as without param_amax. The caller
+// must set param_amax to NaN whenever it writes the master: a stale, smaller A would saturate it.
 // No two written tensors or scales of a call may share memory, nor a grad with a written one (each
 // tensor's scales are its own; grads may share memory with each other): a ValueError names both.
 //
@@ -116,8 +135,10 @@ namespace fp8amp {
 //   step_count:  optional float32 [1], the param's count of steps taken (torch keeps one a param,
 //                state["step"]), incremented by a step that is not skipped, as step_tensor is: a
 //                caller with many counts advances them in this call instead of one op of its own
-// param, exp_avg, exp_avg_sq, weight_fp8, step_count and every scale but grad_scale_inv are updated
-// in place.
+//   param_amax:  optional float32 [1], in/out: the kept master amax ("Kept master amax" above),
+//                written by a step that is not skipped
+// param, exp_avg, exp_avg_sq, weight_fp8, step_count, param_amax and every scale but
+// grad_scale_inv are updated in place.
 struct AdamTensors {
   TensorView param;
   TensorView grad;
@@ -129,6 +150,7 @@ struct AdamTensors {
   std::optional<TensorView> exp_avg_sq_scale, exp_avg_sq_scale_inv;
   std::optional<TensorView> weight_fp8, weight_scale, weight_scale_inv;
   std::optional<TensorView> step_count;
+  std::optional<TensorView> param_amax;
 };
 
 // Hyperparameters of one param group, as torch.optim.Adam / AdamW take them (host numbers).
@@ -149,8 +171,10 @@ enum AdamAmaxColumn : int {
   kAdamAmaxGrad = 0,       // |dequantized grad| (before maximize and weight decay)
   kAdamAmaxExpAvg = 1,     // |m'|
   kAdamAmaxExpAvgSq = 2,   // v'
-  kAdamAmaxParam = 3,      // |p'|, the new master in float32 before it is stored
-  kAdamAmaxColumns = 4,
+  kAdamAmaxParam = 3,      // |p'|, the new master in float32 before it is stored; with a kept master
+                           // amax, the upper bound of it that the new scale comes from
+  kAdamAmaxNewParam = 4,   // |p'| exactly, folded by pass 2 (0 on a skipped step)
+  kAdamAmaxColumns = 5,
 };
 
 // One Adam/AdamW step over tensors[0..n) (n >= 1), in the element math above.

@@ -6,6 +6,10 @@ FSDP2 all-gathers it in E4M3. :func:`fp8amp.initialize` makes one of each Fp8Lin
 fp8amp optimizer rewrites codes, scale and copy in its fused step, and every other write (the
 in-place ops of the op table) re-casts the copy. Views, detach, clone and device moves keep the
 type and map the copy with the codes.
+
+It also carries the optimizer's kept amax (the largest magnitude of its real values, which spares
+the fused step a read of the master: docs/o1_o2.md#optimizer), shared with its aliases and
+forgotten (NaN) at every write but the optimizer's own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,27 @@ from .scaling import ScalingState
 from .tiled_all_gather import tiled_post_all_gather, tiled_pre_all_gather
 
 __all__ = ["MasterWeight", "pre_all_gather", "post_all_gather"]
+
+
+class _KeptAmax:
+    """The kept amax of a master and of its aliases (detach, views share one; a clone or a device
+    move gets its own): a float32 ``[1]`` the fp8amp optimizer makes at its first step and its
+    fused step writes, NaN (unknown) after any other write, which makes the next step read the
+    master (include/fp8amp/optim.h, "Kept master amax")."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.full((1,), float("nan"), dtype=torch.float32, device=device)
+        return self.tensor
+
+    def forget(self) -> None:
+        if self.tensor is not None:
+            self.tensor.fill_(float("nan"))
 
 
 class MasterWeight(ScaledTensor):
@@ -36,6 +61,7 @@ class MasterWeight(ScaledTensor):
     _fp8: torch.Tensor | None
     _fp8_scale: torch.Tensor | None
     _fp8_scale_inv: torch.Tensor | None
+    _kept: _KeptAmax
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -47,6 +73,13 @@ class MasterWeight(ScaledTensor):
         if self._fp8 is not None and (self._fp8.dtype != E4M3 or self._fp8.shape != data.shape
                                       or self._fp8.device != data.device):
             raise ValueError("fp8amp.MasterWeight: fp8_copy codes must be float8_e4m3fn of data's shape and device")
+        return self
+
+    @classmethod
+    def _wrap(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+              requires_grad: bool = False) -> "MasterWeight":
+        self = super()._wrap(data, scale_inv, dtype, requires_grad)
+        self._kept = _KeptAmax()
         return self
 
     @classmethod
@@ -96,8 +129,17 @@ class MasterWeight(ScaledTensor):
             return None
         return self._fp8, None, self._fp8_scale_inv, (self._data, self._scale_inv, self._fp8_scale)
 
+    def kept_amax(self) -> torch.Tensor:
+        """float32 ``[1]`` on the master's device: the largest magnitude of its real values as the
+        fp8amp optimizer's last step stored them, or NaN (unknown: before that step, and after any
+        other write). The optimizer's fused step reads and writes it (include/fp8amp/optim.h,
+        "Kept master amax"); made at the first call."""
+        return self._kept.get(self._data.device)
+
     def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
         out = MasterWeight._wrap(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
+        if torch._C._is_alias_of(out._data, self._data):  # detach, views: a write through it writes this
+            out._kept = self._kept
         if self._fp8 is None:
             out._fp8 = out._fp8_scale = out._fp8_scale_inv = None
         else:
@@ -106,6 +148,7 @@ class MasterWeight(ScaledTensor):
         return out
 
     def _after_write(self, source: ScaledTensor | None = None) -> None:
+        self._kept.forget()
         if self._fp8 is None:
             return
         if isinstance(source, MasterWeight) and source._fp8 is not None:

@@ -82,6 +82,14 @@ def nonfinite_flag(grads: list[torch.Tensor], grad_scale_invs: list, device: tor
     return torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
 
 
+def _kept_amax(p: torch.Tensor) -> torch.Tensor | None:
+    """A master's kept amax for the op (MasterWeight.kept_amax), None for other params. While
+    Dynamo traces, only one an eager step made: one made there would be a fake tensor."""
+    if not isinstance(p, MasterWeight):
+        return None
+    return p._kept.tensor if torch.compiler.is_compiling() else p.kept_amax()
+
+
 def _state_ids(states: list[dict]) -> tuple:
     return tuple(map(id, itertools.chain.from_iterable(map(dict.values, states))))
 
@@ -109,6 +117,8 @@ class CallLists:
         self.param_scale_invs = or_empty([p.scale_inv if isinstance(p, ScaledTensor) else None for p in params])
         copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
         self.copy_lists = [or_empty([c and c[i] for c in copies]) for i in range(3)]  # codes, scale, scale_inv
+        # the masters' kept amaxes; one Dynamo traces is not made (it would be a fake tensor)
+        self.kept_amaxes = or_empty([_kept_amax(p) for p in params])
         self.inner_ids = self._inner_ids()
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
@@ -120,7 +130,7 @@ class CallLists:
         self._plan = None
         self._plannable = all(type(t) in _PLAIN for t in itertools.chain(
             self.data, self.exp_avgs, self.exp_avg_sqs, self.param_scale_invs, *self.scale_lists,
-            *self.copy_lists, self.step_counts) if t is not None)
+            *self.copy_lists, self.step_counts, self.kept_amaxes) if t is not None)
 
     def _inner_ids(self) -> tuple:
         inner = []
@@ -128,6 +138,7 @@ class CallLists:
             inner.extend(_INNER(p))
             if isinstance(p, MasterWeight):
                 inner.extend(_COPY(p))
+                inner.append(p._kept.tensor)
         return tuple(map(id, inner))
 
     def still_for(self, sharded: list[torch.Tensor], states: list[dict]) -> bool:
@@ -166,7 +177,7 @@ class CallLists:
         lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
         fast.adam_step(pick(data), pick(grads), pick(self.exp_avgs), pick(self.exp_avg_sqs), [],
                        pick(self.param_scale_invs), pick(grad_scale_invs), *map(pick, self.scale_lists),
-                       *map(pick, self.copy_lists), step_counts, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       *map(pick, self.copy_lists), step_counts, pick(self.kept_amaxes), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, adamw=adamw, maximize=maximize, step_tensor=step_tensor,
                        found_inf=found_inf)
 
@@ -179,7 +190,7 @@ class CallLists:
         patterns: dict[tuple, list[int]] = {}
         for i in range(len(data)):
             key = tuple(bool(entries) and entries[i] is not None
-                        for entries in (self.param_scale_invs, *self.scale_lists, *self.copy_lists))
+                        for entries in (self.param_scale_invs, *self.scale_lists, *self.copy_lists, self.kept_amaxes))
             patterns.setdefault(key, []).append(i)
         if len(patterns) > 1 and found_inf is None:
             found_inf = nonfinite_flag(grads, grad_scale_invs, data[0].device)
@@ -194,7 +205,7 @@ class CallLists:
         args = (grads, grad_scale_invs, *hyper, 0, self.step_tensor, found_inf, 0)
         if self._plan is None or self._plan.step(*args) is None:
             self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
-                                       *self.scale_lists, *self.copy_lists, self.step_counts)
+                                       *self.scale_lists, *self.copy_lists, self.step_counts, self.kept_amaxes)
             self._plan.step(*args)
 
     def _step_data(self) -> tuple[list, list]:

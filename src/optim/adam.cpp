@@ -150,6 +150,10 @@ AdamTensorPtrs buffer_ptrs(const AdamTensors& t, const TensorView& first, size_t
     check_scalar(*t.step_count, p, ListItem("step_counts", i).c_str(), "its param");
     r.step_count = t.step_count->ptr<float>();
   }
+  if (t.param_amax) {
+    check_scalar(*t.param_amax, p, ListItem("param_amaxes", i).c_str(), "its param");
+    r.param_amax = t.param_amax->ptr<float>();
+  }
   *formats = AdamFormats{p.dtype, DType::kFloat32, t.exp_avg.dtype, t.exp_avg_sq.dtype, false};
   return r;
 }
@@ -199,6 +203,7 @@ check::WrittenViews written_buffers(const std::vector<AdamTensors>& tensors) {
     add_optional(t.weight_scale, "weight_scales");
     add_optional(t.weight_scale_inv, "weight_scale_invs");
     add_optional(t.step_count, "step_counts");
+    add_optional(t.param_amax, "param_amaxes");
   }
   return check::WrittenViews(std::move(written), kOp, [written_at = std::move(written_at)](size_t k) {
     return std::string(ListItem(written_at[k].first, written_at[k].second).c_str());

@@ -1,5 +1,7 @@
 // CPU reference of the Adam step: the readable definition of correct for adam_cuda.cu. It runs
-// the same steps as the CUDA path (optim.h): amax pass, skip decision, store pass, commit.
+// the same steps as the CUDA path (optim.h): amax pass, skip decision, store pass, commit. Every
+// write of a pass goes to the tensors of that pass alone, and the commit comes last, so the order
+// of the tensors does not matter (param_amax, read by pass 1, is written by the commit).
 
 #include <algorithm>
 #include <type_traits>
@@ -49,27 +51,34 @@ AdamUpdate element(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c, f
                      dequantize(static_cast<const V*>(t.exp_avg_sq)[j], t.exp_avg_sq_scale_inv), c);
 }
 
-// Pass 1: the amaxes of tensor t's new values, into its row.
+// Pass 1: the amaxes of tensor t's new values, into its row; with a kept master amax
+// (kept_param_bound), the bound on |p'| for the param column, the master left unread.
 template <class G, class P, class M, class V>
 void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
+  const float a_d = kept_param_bound(t, c);
   uint32_t keys[kAdamAmaxColumns] = {};
   for (int64_t j = 0; j < t.numel; ++j) {
-    float g;
-    const AdamUpdate u = element<G, P, M, V>(t, j, c, &g);
+    const float g = dequantize(static_cast<const G*>(t.grad)[j], grad_scale_inv(t, j));
+    const float p = a_d >= 0.0f ? 0.0f : dequantize(static_cast<const P*>(t.param)[j], t.param_scale_inv);
+    AdamMoments mo = adam_moments(p, g, dequantize(static_cast<const M*>(t.exp_avg)[j], t.exp_avg_scale_inv),
+                                  dequantize(static_cast<const V*>(t.exp_avg_sq)[j], t.exp_avg_sq_scale_inv), c);
+    if (a_d >= 0.0f) mo = bound_moments(mo, a_d);
     keys[kAdamAmaxGrad] = std::max(keys[kAdamAmaxGrad], amax_key(g));
-    keys[kAdamAmaxExpAvg] = std::max(keys[kAdamAmaxExpAvg], amax_key(u.exp_avg));
-    keys[kAdamAmaxExpAvgSq] = std::max(keys[kAdamAmaxExpAvgSq], amax_key(u.exp_avg_sq));
-    keys[kAdamAmaxParam] = std::max(keys[kAdamAmaxParam], amax_key(u.param));
+    keys[kAdamAmaxExpAvg] = std::max(keys[kAdamAmaxExpAvg], amax_key(mo.exp_avg));
+    keys[kAdamAmaxExpAvgSq] = std::max(keys[kAdamAmaxExpAvgSq], amax_key(mo.exp_avg_sq));
+    keys[kAdamAmaxParam] = std::max(keys[kAdamAmaxParam], amax_key(adam_param(mo, c)));
   }
   for (int col = 0; col < kAdamAmaxColumns; ++col) row[col] = amax_from_key(keys[col]);
 }
 
-// Pass 2: recompute and store tensor t with its new scales.
+// Pass 2: recompute and store tensor t with its new scales; the exact |p'| into row's new_param.
 template <class G, class P, class M, class V>
-void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScales& s) {
+void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScales& s, float* row) {
+  uint32_t new_param_key = 0;
   for (int64_t j = 0; j < t.numel; ++j) {
     float g;
     const AdamUpdate u = element<G, P, M, V>(t, j, c, &g);
+    new_param_key = std::max(new_param_key, amax_key(u.param));
     static_cast<M*>(t.exp_avg)[j] = store<M>(u.exp_avg, s.exp_avg.scale);
     static_cast<V*>(t.exp_avg_sq)[j] = store<V>(u.exp_avg_sq, s.exp_avg_sq.scale);
     const P p = store<P>(u.param, s.param.scale);
@@ -79,6 +88,7 @@ void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScale
       static_cast<numerics::fp8_e4m3*>(t.weight_fp8)[j] = store<numerics::fp8_e4m3>(stored, s.weight.scale);
     }
   }
+  row[kAdamAmaxNewParam] = amax_from_key(new_param_key);
 }
 
 }  // namespace
@@ -103,9 +113,10 @@ void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<Ada
 
   // Pass 2, with the old scales still in place.
   for (size_t i = 0; i < n; ++i) {
-    const AdamScales s = adam_new_scales(tensors[i], args.amax + i * kAdamAmaxColumns, args.hyper.margin);
+    float* row = args.amax + i * kAdamAmaxColumns;
+    const AdamScales s = adam_new_scales(tensors[i], row, args.hyper.margin);
     visit_formats(formats[i], [&](auto g, auto p, auto m, auto v) {
-      store_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors[i], c, s);
+      store_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors[i], c, s, row);
     });
   }
 

@@ -106,8 +106,10 @@ struct Chunk {
   int length;     // its elements: kChunk, fewer in the tensor's last chunk
   float g_si, p_si, m_si, v_si;  // g_si negative for maximize: decode returns -g (exactly); +-1 with kBlocks
   bool vector_ok;  // every array aligned for one access per pack
+  bool read_param;  // false: the param is not loaded (its words stay 0)
 
-  __device__ Chunk(const AdamBatch& batch, const AdamArgs& args, int t)
+  // read_param: whether the pass reads the param (pass 1 does not with a kept master amax).
+  __device__ Chunk(const AdamBatch& batch, const AdamArgs& args, int t, bool read_param)
       : tp(batch.tensors[t]),
         amax_row(args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns),
         begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk),
@@ -119,7 +121,8 @@ struct Chunk {
         // kChunk is a multiple of N: the chunk's packs are aligned iff the tensor's start is.
         vector_ok(is_aligned(tp.grad, N * sizeof(G)) && is_aligned(tp.param, N * sizeof(P)) &&
                   is_aligned(tp.exp_avg, N * sizeof(M)) && is_aligned(tp.exp_avg_sq, N * sizeof(V)) &&
-                  is_aligned(tp.weight_fp8, N)) {}
+                  is_aligned(tp.weight_fp8, N)),
+        read_param(read_param) {}
 
   // Element i of the chunk in each array, from the kernel parameters at each use: five 64-bit
   // pointers held in registers would cost the passes registers, which limit their occupancy.
@@ -171,15 +174,15 @@ struct Chunk {
     w.valid = min(N, length - i);
     if (vector_ok && w.valid == N) {  // one branch for the usual whole pack, not one per array
       load_words(grad(i), w.g);
-      load_words(param(i), w.p);
       load_words(exp_avg(i), w.m);
       load_words(exp_avg_sq(i), w.v);
+      if (read_param) load_words(param(i), w.p);
       return;
     }
     load_pack<N>(grad(i), w.valid, vector_ok, w.g);
-    load_pack<N>(param(i), w.valid, vector_ok, w.p);
     load_pack<N>(exp_avg(i), w.valid, vector_ok, w.m);
     load_pack<N>(exp_avg_sq(i), w.valid, vector_ok, w.v);
+    if (read_param) load_pack<N>(param(i), w.valid, vector_ok, w.p);
   }
 
   // The dequantized inputs of the pack's valid elements (g negated for maximize), and 0.0f after
@@ -247,8 +250,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ AdamConstants shared_constants;
   __shared__ AdamBoundConstants shared_bound;
   __shared__ int32_t shared_known;
+  __shared__ float shared_kept;
 
-  const C chunk(batch, args, owning_tensor(batch));
+  const int t = owning_tensor(batch);
+  const C chunk(batch, args, t, !uses_kept_amax(batch.tensors[t], args.hyper.adamw, args.hyper.weight_decay != 0.0));
   const int lane = static_cast<int>(threadIdx.x) % 32;
   constexpr int kPacks = kElementsPerThread / N;
   typename C::Pack pack{}, next{};
@@ -259,6 +264,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     chunk.make_blocks();
     shared_constants = adam_constants(args.hyper, call_step(args));
     shared_bound = adam_bound_constants(shared_constants);
+    shared_kept = kept_param_bound(chunk.tp, shared_constants);
     // Any value the row held during this call will do; other blocks raise it concurrently.
     const uint32_t row = *reinterpret_cast<volatile const uint32_t*>(chunk.amax_row + kAdamAmaxParam);
     shared_known = static_cast<int32_t>(row + 1u);  // INT_MIN for the NaN key: no information
@@ -267,9 +273,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const AdamConstants c = without_maximize(shared_constants);
   const AdamBoundConstants bound = shared_bound;
   const int32_t known = shared_known;
+  const float kept = shared_kept;  // A_d (adam_kernels.h), or negative: the master is read
   if (has_first) chunk.fetch_block_scale(warp_first + lane * N, pack);
 
-  float amax[kAdamAmaxColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'|
+  constexpr int kColumns = kAdamAmaxNewParam;  // the columns pass 1 folds (pass 2 the last one)
+  float amax[kColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'| (or its bound)
   float lower = 0.0f;                 // the largest lower bound of |p'| this lane has seen
   for (int u = 0; u < kPacks; ++u, pack = next) {
     // The warp goes through its packs together: the warp-wide votes below need every lane.
@@ -286,6 +294,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         mo[k] = adam_moments(p[k], g[k], m[k], v[k], ck);
+        if (kept >= 0.0f) mo[k] = bound_moments(mo[k], kept);
         // Elements past the end (zeros) add 0 to these four and a w of 2^-149, or NaN when eps is
         // 0 (0/0), which sends the pack to the exact path below; they are never evaluated there.
         amax[kAdamAmaxGrad] = fold_magnitude(amax[kAdamAmaxGrad], g[k]);
@@ -315,14 +324,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
   // Block max of the four keys, then one atomic max per column (the row was zeroed by this call
   // and holds only keys, which order like their values).
-  __shared__ uint32_t warp_keys[kAdamAmaxColumns][kWarps];
+  __shared__ uint32_t warp_keys[kColumns][kWarps];
 #pragma unroll
-  for (int col = 0; col < kAdamAmaxColumns; ++col) {
+  for (int col = 0; col < kColumns; ++col) {
     const uint32_t key = __reduce_max_sync(0xFFFFFFFFu, canonical_key(amax[col]));
     if (lane == 0) warp_keys[col][threadIdx.x / 32] = key;
   }
   __syncthreads();
-  if (threadIdx.x < kAdamAmaxColumns) {
+  if (threadIdx.x < kColumns) {
     const int col = static_cast<int>(threadIdx.x);
     uint32_t key = 0;
     for (int w = 0; w < kWarps; ++w) key = max(key, warp_keys[col][w]);
@@ -344,8 +353,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ AdamConstants shared_constants;
   __shared__ AdamScales shared_scales;
   __shared__ bool shared_skip;
+  __shared__ uint32_t warp_keys[kWarps];
 
-  const C chunk(batch, args, owning_tensor(batch));
+  const C chunk(batch, args, owning_tensor(batch), true);
   constexpr int kPacks = kElementsPerThread / N;
   typename C::Pack pack{}, next{};
   const int first = static_cast<int>(threadIdx.x) * N;
@@ -362,6 +372,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const AdamScales& s = shared_scales;
   if (first < chunk.length) chunk.fetch_block_scale(first, pack);
 
+  float new_param = 0.0f;  // this thread's largest exact |p'|
   for (int u = 0; u < kPacks; ++u, pack = next) {
     const int i = (u * kThreads + static_cast<int>(threadIdx.x)) * N;
     if (i >= chunk.length) break;
@@ -371,7 +382,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     chunk.decode(pack, g, p, m, v);
     AdamUpdate r[N];
 #pragma unroll
-    for (int k = 0; k < N; ++k) r[k] = adam_update(p[k], g[k], m[k], v[k], c);
+    for (int k = 0; k < N; ++k) {
+      r[k] = adam_update(p[k], g[k], m[k], v[k], c);
+      if (k < valid) new_param = fold_magnitude(new_param, r[k].param);
+    }
 
     float x[N];
 #pragma unroll
@@ -403,6 +417,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       encode_pack<numerics::fp8_e4m3>(x, ww);
       store_pack<N>(chunk.weight(i), ww, valid, chunk.vector_ok);
     }
+  }
+
+  // The block's largest |p'|, one atomic max into new_param (pass 1 found every p' finite).
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const uint32_t key = __reduce_max_sync(0xFFFFFFFFu, canonical_key(new_param));
+  if (lane == 0) warp_keys[threadIdx.x / 32] = key;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t block_key = 0;
+    for (int w = 0; w < kWarps; ++w) block_key = max(block_key, warp_keys[w]);
+    if (block_key != 0) atomicMax(reinterpret_cast<unsigned int*>(chunk.amax_row + kAdamAmaxNewParam), block_key);
   }
 }
 

@@ -145,9 +145,36 @@ struct AdamTensorPtrs {
   float* weight_scale;
   float* weight_scale_inv;
   float* step_count;  // this param's count of steps taken, or nullptr
+  float* param_amax;  // the kept master amax (optim.h), or nullptr
   int64_t numel;
   uint32_t grad_blocks_per_row;  // 0: one grad scale_inv
 };
+
+// ------------------------------------------------------------------------------------------------
+// Kept master amax (optim.h): pass 1 bounds |p'| without reading p.
+
+// A_d, the bound on every |p_d| of tensor t from its kept amax; negative where pass 1 reads the
+// master instead: no param_amax, one that is NaN, inf or negative, or Adam's weight decay (which
+// adds p to g, so m' and v' need it).
+FP8AMP_HD bool uses_kept_amax(const AdamTensorPtrs& t, bool adamw, bool decays) {
+  if (t.param_amax == nullptr || (decays && !adamw)) return false;
+  const float a = *t.param_amax;
+  return a >= 0.0f && a < numerics::bits_float(0x7F800000u);
+}
+FP8AMP_HD float kept_param_bound(const AdamTensorPtrs& t, const AdamConstants& c) {
+  if (!uses_kept_amax(t, c.adamw, c.decays)) return -1.0f;
+  const float a = *t.param_amax;
+  return c.decays ? rn::mul(a, c.decay < 0.0f ? -c.decay : c.decay) : a;
+}
+
+// The moments whose adam_param is rn(A_d + |q|) >= |p'| (q = step / den as adam_param rounds it:
+// den is >= 0 or NaN, so rn(|step| / den) = |q|), for pass 1 with a kept amax. m' and v' do not
+// depend on p there, so p_d may be anything (the passes give 0).
+FP8AMP_HD AdamMoments bound_moments(AdamMoments mo, float a_d) {
+  mo.param = a_d;
+  mo.step = mo.step < 0.0f ? -mo.step : mo.step;
+  return mo;
+}
 
 // Block scales of a grad: its elements in runs of 128 (numbered run = e / 128, row by row; a run
 // lies in one block), a row holding blocks_per_row runs. The block of `run`, which lies in `row`
@@ -214,6 +241,14 @@ FP8AMP_HD numerics::ScalePair new_scale(const float* scale, const float* scale_i
   return numerics::scale_from_amax(amax, fmax, margin, true, {old_scale, *scale_inv});
 }
 
+// The largest magnitude of tensor t's master stored with `param` from values whose largest
+// magnitude is `amax`: the stored form of `amax` (encode, decode and the power-of-two products are
+// all monotonic).
+FP8AMP_HD float stored_magnitude(const AdamTensorPtrs& t, float amax, numerics::ScalePair param) {
+  if (t.param_scale_inv == nullptr) return amax;
+  return rn::mul(numerics::to_float(numerics::quantize_to<numerics::fp16>(rn::mul(amax, param.scale))), param.scale_inv);
+}
+
 // amax_row: the tensor's kAdamAmaxColumns amaxes of this step.
 FP8AMP_HD AdamScales adam_new_scales(const AdamTensorPtrs& t, const float* amax_row, int margin) {
   AdamScales s;
@@ -222,14 +257,9 @@ FP8AMP_HD AdamScales adam_new_scales(const AdamTensorPtrs& t, const float* amax_
                         margin);
   s.exp_avg_sq = new_scale(t.exp_avg_sq_scale, t.exp_avg_sq_scale_inv, amax_row[kAdamAmaxExpAvgSq],
                            numerics::FP16::max, margin);
-  // The weight copy is quantized from the stored master; its largest magnitude is the stored form
-  // of the largest |p'| (encode, decode and the power-of-two products are all monotonic).
-  float weight_amax = amax_row[kAdamAmaxParam];
-  if (t.param_scale_inv != nullptr) {
-    weight_amax = rn::mul(numerics::to_float(numerics::quantize_to<numerics::fp16>(rn::mul(weight_amax, s.param.scale))),
-                          s.param.scale_inv);
-  }
-  s.weight = new_scale(t.weight_scale, t.weight_scale_inv, weight_amax, numerics::E4M3::max, margin);
+  // The weight copy is quantized from the stored master.
+  s.weight = new_scale(t.weight_scale, t.weight_scale_inv, stored_magnitude(t, amax_row[kAdamAmaxParam], s.param),
+                       numerics::E4M3::max, margin);
   return s;
 }
 
@@ -247,9 +277,12 @@ FP8AMP_HD void store_scales(const AdamTensorPtrs& t, const AdamScales& s) {
   store_scale(t.weight_scale, t.weight_scale_inv, s.weight);
 }
 
-// Tensor `t`'s commit of a step that is not skipped: its new scale pairs, its step count + 1.
+// Tensor `t`'s commit of a step that is not skipped: its new scale pairs, its kept master amax
+// (the stored form of pass 2's exact |p'|), its step count + 1.
 FP8AMP_HD void commit_tensor(const AdamTensorPtrs& t, const float* amax_row, int margin) {
-  store_scales(t, adam_new_scales(t, amax_row, margin));
+  const AdamScales s = adam_new_scales(t, amax_row, margin);
+  store_scales(t, s);
+  if (t.param_amax != nullptr) *t.param_amax = stored_magnitude(t, amax_row[kAdamAmaxNewParam], s.param);
   if (t.step_count != nullptr) *t.step_count = rn::add(*t.step_count, 1.0f);
 }
 

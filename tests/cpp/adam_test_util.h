@@ -97,6 +97,7 @@ struct Param {
   int64_t n = 0;
   bool scales_given = true;  // false: only the scale_invs (the op derives the old scales)
   std::vector<float> count;  // the param's step count (AdamTensors::step_count); empty: none
+  std::vector<float> kept;   // its kept master amax (AdamTensors::param_amax); empty: none
 
   Param(int64_t numel, DType pd, DType gd, DType md, DType vd, bool with_weight)
       : p(pd, numel), g(gd, numel), m(md, numel), v(vd, numel), w(DType::kFloat8E4M3, numel), weight(with_weight),
@@ -120,6 +121,7 @@ struct Param {
     }
     if (!scales_given) t.param_scale = t.exp_avg_scale = t.exp_avg_sq_scale = t.weight_scale = std::nullopt;
     if (!count.empty()) t.step_count = scalar_view(count);
+    if (!kept.empty()) t.param_amax = scalar_view(kept);
     return t;
   }
 
@@ -132,8 +134,10 @@ struct Param {
         all.insert(all.end(), raw, raw + sizeof(float));
       }
     }
-    const auto* raw = reinterpret_cast<const uint8_t*>(count.data());
-    all.insert(all.end(), raw, raw + count.size() * sizeof(float));
+    for (const std::vector<float>* s : {&count, &kept}) {
+      const auto* raw = reinterpret_cast<const uint8_t*>(s->data());
+      all.insert(all.end(), raw, raw + s->size() * sizeof(float));
+    }
     return all;
   }
 };

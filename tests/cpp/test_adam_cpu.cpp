@@ -32,7 +32,7 @@ TEST(AdamHand, AdamWFirstStep) {
   EXPECT_EQ(x.m.real(0), 1.0f);
   EXPECT_EQ(x.v.real(0), 1.0f);
   EXPECT_EQ(x.p.real(0), 0.625f);
-  EXPECT_EQ(s.amax, (std::vector<float>{2.0f, 1.0f, 1.0f, 0.625f}));
+  EXPECT_EQ(s.amax, (std::vector<float>{2.0f, 1.0f, 1.0f, 0.625f, 0.625f}));
   EXPECT_EQ(s.found_inf[0], 0.0f);
 }
 

@@ -41,8 +41,9 @@ struct Param {
   Formats f;
   bool scales_given = true;  // false: only the scale_invs (the op derives the old scales)
   bool counted = true;       // its step count given (AdamTensors::step_count)
+  bool kept = false;         // its kept master amax given (AdamTensors::param_amax), NaN at first
   std::unique_ptr<MirroredTensor> p, g, m, v, w;
-  std::unique_ptr<MirroredTensor> p_s, p_si, g_si, m_s, m_si, v_s, v_si, w_s, w_si, count;
+  std::unique_ptr<MirroredTensor> p_s, p_si, g_si, m_s, m_si, v_s, v_si, w_s, w_si, count, amax;
 
   Param(int64_t numel, Formats formats, int64_t offset, std::mt19937& rng) : n(numel), f(formats) {
     p = std::make_unique<MirroredTensor>(f.p, Shape{n}, offset);
@@ -50,10 +51,11 @@ struct Param {
     m = std::make_unique<MirroredTensor>(f.m, Shape{n}, offset);
     v = std::make_unique<MirroredTensor>(f.v, Shape{n}, offset);
     w = std::make_unique<MirroredTensor>(DType::kFloat8E4M3, Shape{n}, offset);
-    for (auto* s : {&p_s, &p_si, &g_si, &m_s, &m_si, &v_s, &v_si, &w_s, &w_si, &count}) {
+    for (auto* s : {&p_s, &p_si, &g_si, &m_s, &m_si, &v_s, &v_si, &w_s, &w_si, &count, &amax}) {
       *s = std::make_unique<MirroredTensor>(DType::kFloat32, Shape{1});
       (*s)->set_float(0, 1.0f);
     }
+    amax->set_float(0, std::nanf(""));
     p_s->set_float(0, 2048.0f);
     p_si->set_float(0, 1.0f / 2048.0f);
     g_si->set_float(0, 1.0f / 4096.0f);
@@ -93,7 +95,8 @@ struct Param {
             {p_si.get(), "param_scale_invs" + k}, {g_si.get(), "grad_scale_invs" + k},
             {m_s.get(), "exp_avg_scales" + k}, {m_si.get(), "exp_avg_scale_invs" + k},
             {v_s.get(), "exp_avg_sq_scales" + k}, {v_si.get(), "exp_avg_sq_scale_invs" + k},
-            {w_s.get(), "weight_scales" + k}, {w_si.get(), "weight_scale_invs" + k}, {count.get(), "step_counts" + k}};
+            {w_s.get(), "weight_scales" + k}, {w_si.get(), "weight_scale_invs" + k}, {count.get(), "step_counts" + k},
+            {amax.get(), "param_amaxes" + k}};
   }
 
   AdamTensors tensors(Device d) const {
@@ -111,6 +114,7 @@ struct Param {
     if (f.weight) t.weight_fp8 = w->view(d, shape), t.weight_scale = scalar(w_s), t.weight_scale_inv = scalar(w_si);
     if (!scales_given) t.param_scale = t.exp_avg_scale = t.exp_avg_sq_scale = t.weight_scale = std::nullopt;
     if (counted) t.step_count = scalar(count);
+    if (kept) t.param_amax = scalar(amax);
     return t;
   }
 };
@@ -179,6 +183,7 @@ TEST(AdamCuda, EveryFormatCombinationManySizesBitExact) {
     call.params.push_back(std::make_unique<Param>(n, formats[i % formats.size()], i % 5 == 4 ? 1 : 0, rng));
     call.params.back()->scales_given = i % 4 != 3;
     call.params.back()->counted = i % 3 != 2;
+    call.params.back()->kept = i % 2 == 0;  // from the second step on, pass 1 leaves the master unread
   }
   for (const bool adamw : {true, false}) {
     call.hyper.adamw = adamw;
@@ -202,6 +207,7 @@ TEST(AdamCuda, MoreTensorsThanALaunchHolds) {
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = i == 7 ? 0 : i == 150 ? 70001 : static_cast<int64_t>(1 + i % 37);
     call.params.push_back(std::make_unique<Param>(numel, o2, 0, rng));
+    call.params.back()->kept = i % 3 != 0;
   }
   for (int t = 0; t < 2; ++t) {
     for (auto& p : call.params) p->new_grad(rng);
@@ -217,6 +223,7 @@ TEST(AdamCuda, TypicalAndExtremeHyperparameters) {
   Call call(2);
   call.params.push_back(std::make_unique<Param>(40000, o2, 0, rng));
   call.params.push_back(std::make_unique<Param>(3333, o1, 0, rng));
+  call.params.front()->kept = true;
   struct H {
     double lr, beta1, beta2, eps, wd;
     int margin;

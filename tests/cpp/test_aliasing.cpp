@@ -144,8 +144,9 @@ TEST(Aliasing, GemmOutMustNotOverlapItsOperands) {
 
 TEST(Aliasing, AdamRefusesSharedStateAndGradsInsideWrittenBuffers) {
   Arena m;
-  std::vector<float> found{0.0f}, amax(4);
-  const TensorView found_inf = view(found, DType::kFloat32, {1}), amax_out = view(amax, DType::kFloat32, {1, 4});
+  std::vector<float> found{0.0f}, amax(kAdamAmaxColumns);
+  const TensorView found_inf = view(found, DType::kFloat32, {1}),
+                   amax_out = view(amax, DType::kFloat32, {1, kAdamAmaxColumns});
   const auto step = [&](AdamTensors t) { adam_step({t}, AdamHyper{}, 1, nullptr, found_inf, amax_out, nullptr); };
   const TensorView p = m.at(0, {8}), g = m.at(8, {8}), m1 = m.at(16, {8}), v = m.at(24, {8});
   expect_value_error([&] { step({p, g, m1, m1}); }, "adam_step: exp_avgs[0] and exp_avg_sqs[0] must not share memory");
@@ -153,9 +154,9 @@ TEST(Aliasing, AdamRefusesSharedStateAndGradsInsideWrittenBuffers) {
   expect_value_error([&] { step({p, g, m1, m.at(23, {8})}); },
                      "adam_step: exp_avgs[0] and exp_avg_sqs[0] must not share memory");
   // Across tensors of the call, and the call's own buffers.
-  std::vector<float> amax2(8);
+  std::vector<float> amax2(2 * kAdamAmaxColumns);
   expect_value_error([&] { adam_step({{p, g, m1, v}, {m.at(40, {8}), m.at(48, {8}), m.at(56, {8}), m.at(3, {8})}},
-                                     AdamHyper{}, 1, nullptr, found_inf, view(amax2, DType::kFloat32, {2, 4}), nullptr); },
+                                     AdamHyper{}, 1, nullptr, found_inf, view(amax2, DType::kFloat32, {2, kAdamAmaxColumns}), nullptr); },
                      "adam_step: params[0] and exp_avg_sqs[1] must not share memory");
   expect_value_error([&] { adam_step({{p, g, m1, v}}, AdamHyper{}, 1, nullptr, m.at(30, {1}), amax_out, nullptr); },
                      "adam_step: found_inf and exp_avg_sqs[0] must not share memory");
@@ -170,7 +171,7 @@ TEST(Aliasing, AdamRefusesSharedStateAndGradsInsideWrittenBuffers) {
   for (float x : m.buf) ASSERT_EQ(x, 1.0f);  // nothing written
   // Grads may share memory with each other: they are only read.
   adam_step({{p, g, m1, v}, {m.at(40, {8}), g, m.at(56, {8}), m.at(64, {8})}}, AdamHyper{}, 1, nullptr, found_inf,
-            view(amax2, DType::kFloat32, {2, 4}), nullptr);
+            view(amax2, DType::kFloat32, {2, kAdamAmaxColumns}), nullptr);
   EXPECT_NE(m.buf[0], 1.0f);
 }
 

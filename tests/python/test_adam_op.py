@@ -36,7 +36,7 @@ MIN_EXP = {E4M3: -6, FP16: -14}
 OPTIONAL_LISTS = (  # the op's per-param optional lists, in its order
     "param_scales", "param_scale_invs", "grad_scale_invs", "exp_avg_scales", "exp_avg_scale_invs",
     "exp_avg_sq_scales", "exp_avg_sq_scale_invs", "weights_fp8", "weight_scales", "weight_scale_invs",
-    "step_counts",
+    "step_counts", "param_amaxes",
 )
 
 
@@ -97,8 +97,9 @@ def test_fp32_against_torch_over_ten_steps(cls, maximize, weight_decay, betas):
             bound = 2.0**-20 * update.abs() + 2 * ulp(want)
             err = (p.double() - want.double()).abs()
             assert (err <= bound).all(), f"param {i} step {t}: worst excess {(err - bound).max().item()}"
-        assert amax.shape == (len(sizes), 4)
+        assert amax.shape == (len(sizes), 5)
         assert torch.equal(amax[:, 3], torch.stack([p.abs().max() for p in params]))
+        assert torch.equal(amax[:, 4], amax[:, 3])  # no kept amax: pass 1 read the params
         assert torch.equal(amax[:, 0], torch.stack([g.abs().max() for g in grads]))
 
 
@@ -304,7 +305,7 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
     planned, direct = twin_params((5, 300, 2049), gen, device)
     lists = LowPrecisionParam.lists(planned)
     plan = fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
-                         *(lists[name] for name in OPTIONAL_LISTS if name != "grad_scale_invs"))
+                         *(lists.get(name, []) for name in OPTIONAL_LISTS if name != "grad_scale_invs"))
 
     def plan_step(t, lr, grads=None):
         grads = [x.g for x in planned] if grads is None else grads
@@ -335,14 +336,14 @@ def test_a_plan_steps_as_the_op_until_one_of_its_tensors_changes(device):
     assert all(bytes_equal(a, b) for a, b in zip(before[:28], after[:28]))  # the first two params' untouched
     with pytest.raises(ValueError, match=r"weights_fp8\[2\] and its param must have the same shape"):
         fast.AdamPlan([x.p for x in planned], [x.m for x in planned], [x.v for x in planned],
-                      *(lists[name] for name in OPTIONAL_LISTS if name != "grad_scale_invs"))
+                      *(lists.get(name, []) for name in OPTIONAL_LISTS if name != "grad_scale_invs"))
     # a wrapper subclass, which no dispatch unwraps on the way to the plan, is refused, not read
     from fp8amp.fsdp import Fp8AllGatherWeight
 
     wrapped = Fp8AllGatherWeight(torch.zeros(8, device=device))
     with pytest.raises(ValueError, match=r"params\[0\] has no data of its own"):
         fast.AdamPlan([wrapped], [torch.zeros(8, device=device)], [torch.zeros(8, device=device)],
-                      *([] for _ in range(10)))
+                      *([] for _ in range(11)))
 
 
 def test_found_inf_and_nonfinite_grads_leave_everything_bit_identical():
@@ -366,7 +367,7 @@ def test_found_inf_and_nonfinite_grads_leave_everything_bit_identical():
     found = torch.zeros(1)
     amax = LowPrecisionParam.step(params, step_tensor=step, found_inf=found)
     assert unchanged() and step.item() == 1.0 and found.item() == 1.0
-    assert amax[1].isnan().all() and amax[0].isfinite().all()
+    assert amax[1, :4].isnan().all() and amax[1, 4] == 0 and amax[0].isfinite().all()  # no pass 2
 
     # Without a found_inf tensor the step is still skipped (and the amax output shows why).
     amax = LowPrecisionParam.step(params, step_tensor=step)
@@ -416,7 +417,7 @@ def test_meta_kernel_returns_the_amax_shape():
     meta = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
     params = [meta(3), meta(5, 2)]
     amax = adam_step(params, [meta(3), meta(5, 2)], [meta(3), meta(5, 2)], [meta(3), meta(5, 2)], step=1)
-    assert amax.device.type == "meta" and amax.shape == (2, 4) and amax.dtype == torch.float32
+    assert amax.device.type == "meta" and amax.shape == (2, 5) and amax.dtype == torch.float32
 
 
 def test_traces_under_torch_compile():

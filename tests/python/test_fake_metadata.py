@@ -127,7 +127,7 @@ def test_adam_step(shapes):
     params = [randn(s, seed=i) for i, s in enumerate(shapes)]
     grads = [randn(s, seed=10 + i) for i, s in enumerate(shapes)]
     states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
-    nones = [[None] * len(params) for _ in range(11)]  # the per-param optional lists
+    nones = [[None] * len(params) for _ in range(12)]  # the per-param optional lists
     assert_same_metadata(ops.adam_step.default, (params, grads, *states, *nones),
                          dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True,
                               maximize=False, step=1))

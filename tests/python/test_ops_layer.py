@@ -32,7 +32,7 @@ def test_adam_step_wrapper_matches_the_op():
         for s, d in zip(src, dst):
             d.copy_(s)
     ops.adam_step(*a, lr=1e-2, weight_decay=0.1, step=1)
-    torch.ops.fp8amp.adam_step(*b, *([[]] * 11), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+    torch.ops.fp8amp.adam_step(*b, *([[]] * 12), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                                adamw=True, maximize=False, step=1)
     for x, y in zip(a[0], b[0]):
         assert torch.equal(x, y)

@@ -15,7 +15,7 @@ __all__ = ["adam_step"]
 #: the per-param optional lists, in the op's order
 _OPTIONAL_LISTS = ("param_scales", "param_scale_invs", "grad_scale_invs", "exp_avg_scales", "exp_avg_scale_invs",
                    "exp_avg_sq_scales", "exp_avg_sq_scale_invs", "weights_fp8", "weight_scales", "weight_scale_invs",
-                   "step_counts")
+                   "step_counts", "param_amaxes")
 
 
 def adam_step(
@@ -50,10 +50,14 @@ def adam_step(
     number is ``step`` (a host count >= 1) or, with ``step=0``, ``step_tensor`` (float32 [1],
     incremented on the device). ``step_counts`` (empty, or a float32 [1] tensor or None per tensor):
     the tensors' own step counts, as torch keeps one per param, incremented with ``step_tensor``
-    (so a caller with many counts needs no op of its own to advance them).
+    (so a caller with many counts needs no op of its own to advance them). ``param_amaxes`` (empty,
+    or a float32 [1] tensor or None per tensor, in/out): each master's kept amax, the largest
+    magnitude of its real values as the last step stored them, or NaN when unknown; a finite one
+    spares the step a read of the master (``include/fp8amp/optim.h``, "Kept master amax"). A caller
+    that writes a master otherwise must set its kept amax to NaN.
     ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
     the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
-    ``[n, 4]`` (grad, exp_avg, exp_avg_sq, param).
+    ``[n, 5]`` (grad, exp_avg, exp_avg_sq, param or the bound its scale came from, param).
 
     Under ``torch.compile`` through Inductor, a written list holding None (a scale list of mixed
     formats, ``step_counts`` with gaps) fails in torch's functionalization: trace one call per

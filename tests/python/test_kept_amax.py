@@ -1,0 +1,117 @@
+"""The O1/O2 masters' kept amax (include/fp8amp/optim.h, "Kept master amax"): the fp8amp optimizer's
+fused step keeps each master's largest magnitude, so that its next step need not read the master;
+any other write of the master must make it unknown (NaN), or the next step would scale the master
+from a stale, too small bound and saturate it. Checked against twins whose kept amax is made
+unknown before every step (the step that reads the master: the reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp8amp
+from test_optim import batch, bits, groups
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def o2_model(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4)).to(device)
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(groups(model)), "O2", policy="all")
+    return model, opt
+
+
+def masters(model):
+    return [p for p in model.parameters() if isinstance(p, fp8amp.MasterWeight)]
+
+
+def step(model, opt, t, forget=False):
+    if forget:  # the reference: every master read by pass 1
+        for m in masters(model):
+            m.kept_amax().fill_(math.nan)
+    opt.zero_grad()
+    device = next(model.parameters()).device
+    x, y = batch(t)
+    torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+    opt.step()
+
+
+def real(m):
+    return m.dequantize(torch.float32)
+
+
+def check_scale_within_one_binade(ours, ref):
+    """Masters scaled from the bound: the same values as the reference's but for the power-of-two
+    scale, at most one binade smaller (more headroom), so equal within FP16's precision."""
+    for a, b in zip(masters(ours), masters(ref)):
+        ratio = (b.scale_inv / a.scale_inv).item()
+        assert ratio in (1.0, 2.0), ratio
+        torch.testing.assert_close(real(a), real(b), rtol=2.0 ** -10, atol=2.0 ** -24 * b.scale_inv.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_keep_the_exact_amax_and_bound_the_master_from_it(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    model, opt = o2_model(device)
+    ref, ref_opt = o2_model(device)
+    for m in masters(model):
+        assert m.kept_amax().isnan().all()  # nothing stepped yet
+    for t in range(6):
+        step(model, opt, t)
+        step(ref, ref_opt, t, forget=True)
+        for m in masters(model):
+            assert m.kept_amax().item() == real(m).abs().max().item()  # the stored values' amax, exactly
+        check_scale_within_one_binade(model, ref)
+
+
+@pytest.mark.parametrize("write", ["mul_", "copy_", "detached copy_", "row view copy_", "load_state_dict"])
+def test_every_other_write_forgets_the_kept_amax(write):
+    """A write that grows the master 1000-fold, then a step: the kept amax, stale, would bound the
+    new master 1000 times too low and saturate it; forgotten, the step reads the master and
+    equals the reference's bit for bit."""
+    model, opt = o2_model("cpu")
+    ref, ref_opt = o2_model("cpu")
+    for t in range(2):
+        step(model, opt, t)
+        step(ref, ref_opt, t, forget=True)
+    state = {k: v * 1000 if k.endswith("weight") else v for k, v in model.state_dict().items()}
+    for net in (model, ref):
+        m = net[2].weight
+        with torch.no_grad():
+            if write == "mul_":
+                m.mul_(1000.0)
+            elif write == "copy_":
+                m.copy_(real(m) * 1000)
+            elif write == "detached copy_":
+                m.detach().copy_(real(m) * 1000)
+            elif write == "row view copy_":
+                for rows in (m[:32], m[32:]):
+                    rows.copy_(real(rows) * 1000)
+            else:
+                net.load_state_dict(state)
+    assert masters(model)[0].kept_amax().isnan().all() or write == "load_state_dict"
+    step(model, opt, 2)
+    step(ref, ref_opt, 2, forget=True)
+    assert bits(model[2].weight.codes).equal(bits(ref[2].weight.codes))
+    assert model[2].weight.scale_inv.equal(ref[2].weight.scale_inv)
+    assert real(model[2].weight).abs().max() > 100  # grown, not saturated at the old scale's limit
+    check_scale_within_one_binade(model, ref)
+
+
+def test_aliases_share_it_and_copies_do_not():
+    model, opt = o2_model("cpu")
+    step(model, opt, 0)
+    m = model[2].weight
+    kept = m.kept_amax()
+    assert kept.isfinite().all()
+    assert m.detach().kept_amax() is kept and m[:8].kept_amax() is kept
+    clone = m.detach().clone()
+    assert clone.kept_amax() is not kept and clone.kept_amax().isnan().all()
+    with torch.no_grad():
+        clone.mul_(2.0)
+    assert kept.isfinite().all()  # a write of the copy leaves the master's
