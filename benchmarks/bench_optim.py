@@ -46,10 +46,11 @@ LABELS = {
     "o2-copy": "fp8amp O2 + weight copy",
 }
 # Bytes per parameter a step must move (read + write), per pass: torch's one pass; fp8amp's pass 1
-# (amax: reads p, g, m, v) and pass 2 (store: reads them again, writes p, m, v and the weight copy).
+# (amax: reads g, m, v, and p unless p is a master with a kept amax, as from the second step on
+# here: include/fp8amp/optim.h) and pass 2 (store: reads p, g, m, v, writes p, m, v and the weight copy).
 PASS_BYTES = {
-    "torch-fused": (28,), "torch-foreach": (28,), "fp8amp-fp32": (16, 28), "o1": (11, 21), "o2": (6, 11),
-    "o2-blocks": (6, 11), "o2-copy": (6, 12),
+    "torch-fused": (28,), "torch-foreach": (28,), "fp8amp-fp32": (16, 28), "o1": (9, 21), "o2": (4, 11),
+    "o2-blocks": (4, 11), "o2-copy": (4, 12),
 }
 # The kernels of fp8amp's passes (src/optim/adam_cuda.cu), as the profiler names them.
 PASS_KERNELS = ("adam_amax_kernel", "adam_store_kernel")
