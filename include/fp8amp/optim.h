@@ -83,9 +83,9 @@
 //   A_d = rn(A * |decay|) (AdamW with weight decay; A otherwise) >= every |p_d| (rounding is monotonic),
 //   q   = (neg_step * m') / den, rounded as in p' above,
 //   amax[i, param] = max over elements of rn(A_d + |q|)  >=  max |rn(p_d + q)| = amax(p').
-// The new scale comes from that bound, never below amax(p') (so nothing saturates), and at most
-// one power of two smaller than the exact one (when a power of two lies between them; the update
-// is small next to the weights). Pass 2 folds the exact |p'| into amax[i, new_param]; the commit
+// The new scale comes from that bound, never below amax(p') (so nothing saturates); as the largest
+// |p_d| moves by at most Q = max |q|, bound / amax(p') <= (A_d + Q) / (A_d - Q), under 2 while
+// Q < A_d / 3: the exact scale or one power of two below it. Pass 2 folds the exact |p'| into amax[i, new_param]; the commit
 // writes its stored form to param_amax for the next step. The bound is used when param_amax holds
 // a finite value >= 0 on entry and the element math does not read p before den (AdamW, or Adam
 // without weight decay); otherwise (NaN: unknown, e.g. after the master was written by anything

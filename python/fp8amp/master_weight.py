@@ -61,7 +61,7 @@ class MasterWeight(ScaledTensor):
     _fp8: torch.Tensor | None
     _fp8_scale: torch.Tensor | None
     _fp8_scale_inv: torch.Tensor | None
-    _kept: _KeptAmax
+    _kept: _KeptAmax | None = None  # None only on a master unpickled (see __getstate__) until first needed
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -134,12 +134,22 @@ class MasterWeight(ScaledTensor):
         fp8amp optimizer's last step stored them, or NaN (unknown: before that step, and after any
         other write). The optimizer's fused step reads and writes it (include/fp8amp/optim.h,
         "Kept master amax"); made at the first call."""
-        return self._kept.get(self._data.device)
+        return self._kept_holder().get(self._data.device)
+
+    def _kept_holder(self) -> _KeptAmax:
+        if self._kept is None:
+            self._kept = _KeptAmax()
+        return self._kept
+
+    def __getstate__(self) -> dict:
+        # pickled without the kept amax (a cache, and weights_only loads allow no other class):
+        # an unpickled master starts unknown
+        return {k: v for k, v in self.__dict__.items() if k != "_kept"}
 
     def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
         out = MasterWeight._wrap(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
         if torch._C._is_alias_of(out._data, self._data):  # detach, views: a write through it writes this
-            out._kept = self._kept
+            out._kept = self._kept_holder()
         if self._fp8 is None:
             out._fp8 = out._fp8_scale = out._fp8_scale_inv = None
         else:
@@ -148,7 +158,8 @@ class MasterWeight(ScaledTensor):
         return out
 
     def _after_write(self, source: ScaledTensor | None = None) -> None:
-        self._kept.forget()
+        if self._kept is not None:
+            self._kept.forget()
         if self._fp8 is None:
             return
         if isinstance(source, MasterWeight) and source._fp8 is not None:

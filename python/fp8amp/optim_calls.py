@@ -87,7 +87,7 @@ def _kept_amax(p: torch.Tensor) -> torch.Tensor | None:
     Dynamo traces, only one an eager step made: one made there would be a fake tensor."""
     if not isinstance(p, MasterWeight):
         return None
-    return p._kept.tensor if torch.compiler.is_compiling() else p.kept_amax()
+    return p._kept_holder().tensor if torch.compiler.is_compiling() else p.kept_amax()
 
 
 def _state_ids(states: list[dict]) -> tuple:
@@ -138,7 +138,7 @@ class CallLists:
             inner.extend(_INNER(p))
             if isinstance(p, MasterWeight):
                 inner.extend(_COPY(p))
-                inner.append(p._kept.tensor)
+                inner.append(p._kept_holder().tensor)
         return tuple(map(id, inner))
 
     def still_for(self, sharded: list[torch.Tensor], states: list[dict]) -> bool:

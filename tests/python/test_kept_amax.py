@@ -115,3 +115,22 @@ def test_aliases_share_it_and_copies_do_not():
     with torch.no_grad():
         clone.mul_(2.0)
     assert kept.isfinite().all()  # a write of the copy leaves the master's
+
+
+def test_pickled_and_deep_copied_masters():
+    """torch.save leaves the kept amax out (weights_only loads take the master; it starts unknown);
+    a deep copy keeps the value in its own tensor (the same real values)."""
+    import copy
+    import io
+
+    model, opt = o2_model("cpu")
+    step(model, opt, 0)
+    m = model[2].weight
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert isinstance(loaded, fp8amp.MasterWeight) and loaded.kept_amax().isnan().all()
+    assert bits(loaded.codes).equal(bits(m.codes))
+    twin = copy.deepcopy(m)
+    assert twin.kept_amax() is not m.kept_amax() and twin.kept_amax().equal(m.kept_amax())
