@@ -16,7 +16,7 @@ by AdamW (lr 1e-4, weight decay 0.1). Modes:
                         re-casting the weight)
     fp8amp O2, master read
                         O2 with each master's kept amax made unknown before every step (one
-                        foreach fill), so that pass 1 reads the master as a first step, or the
+                        foreach add of NaN), so that pass 1 reads the master as a first step, or the
                         step after any other write of it, does (include/fp8amp/optim.h)
 
 Step time: median over timed steps (CUDA events around each step(); the first steps, which create
@@ -91,7 +91,7 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
     if mode == "o2-read":
         kept = [p.kept_amax() for p in params]
         step = opt.step
-        opt.step = lambda: (torch._foreach_fill_(kept, float("nan")), step())
+        opt.step = lambda: (torch._foreach_add_(kept, float("nan")), step())  # x + NaN: one launch
     return params, opt
 
 
