@@ -136,7 +136,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       for (int k = 0; k < N; ++k) {
         const float w = update_bound(mo[k], c, bound, HardwareApprox{});
         if (k < valid && !(param_bounds(fabsf(mo[k].param), w).upper < threshold)) {
-          amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], adam_param(mo[k], c));
+          const float param = adam_param(mo[k], c);
+          amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], kept >= 0.0f ? fp16_binade_top(param) : param);
         }
       }
     }

@@ -167,6 +167,21 @@ FP8AMP_HD float kept_param_bound(const AdamTensorPtrs& t, const AdamConstants& c
   return c.decays ? rn::mul(a, c.decay < 0.0f ? -c.decay : c.decay) : a;
 }
 
+// The smallest 65504 * 2^k (FP16's largest value times a power of two, k an integer) >= x, which
+// gives the FP16 master the same power-of-two scale as x (numerics::scale_from_amax), for
+// 2^-100 <= x <= 65504 * 2^112; x itself below (0 included), +inf above, NaN for NaN. Pass 1 with a
+// kept amax folds this instead of the bound of each element: only an element whose bound could
+// reach past the largest such value so far needs its exact update, and Adam's updates, of nearly
+// equal size for many elements, tie often at the bound's precision but rarely straddle a binade.
+FP8AMP_HD float fp16_binade_top(float x) {
+  if (!(x >= 0x1p-100f)) return x;
+  constexpr uint32_t kMantissa = 0x007FE000u;  // 65504 = 1.9990234375 * 2^15
+  const uint32_t bits = numerics::float_bits(x);
+  if (bits > 0x7F000000u + kMantissa) return numerics::bits_float(0x7F800000u);  // above 65504 * 2^112, inf
+  const uint32_t top = (bits & 0x7F800000u) | kMantissa;
+  return numerics::bits_float((bits & 0x007FFFFFu) > kMantissa ? top + 0x00800000u : top);
+}
+
 // The moments whose adam_param is rn(A_d + |q|) >= |p'| (q = step / den as adam_param rounds it:
 // den is >= 0 or NaN, so rn(|step| / den) = |q|), for pass 1 with a kept amax. m' and v' do not
 // depend on p there, so p_d may be anything (the passes give 0).

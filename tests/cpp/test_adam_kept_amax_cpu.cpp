@@ -13,6 +13,7 @@
 
 #include "adam_test_util.h"
 #include "fp8amp/optim.h"
+#include "optim/adam_kernels.h"
 
 namespace fp8amp {
 namespace {
@@ -70,19 +71,45 @@ TEST(AdamKeptAmax, SecondStepBoundsTheMasterWithoutReadingIt) {
     bound = std::max(bound, a_d + std::fabs(q));
     exact = std::max(exact, std::fabs(documented_order(x.p.real(j), x.g.real(j), x.m.real(j), x.v.real(j), s.hyper, 2).p));
   }
+  float top = 65504.0f;  // the smallest 65504 * 2^k >= bound (powers of two scale it exactly)
+  while (top / 2.0f >= bound) top /= 2.0f;
+  while (top < bound) top *= 2.0f;
   s.run({&x});
   ASSERT_EQ(s.found_inf[0], 0.0f);
-  EXPECT_EQ(s.amax[kAdamAmaxParam], bound);
+  EXPECT_EQ(s.amax[kAdamAmaxParam], top);
   EXPECT_EQ(s.amax[kAdamAmaxNewParam], exact);
   EXPECT_GE(bound, exact);
   EXPECT_LE(bound, exact * 1.01f);  // the update is small next to the weights
   EXPECT_EQ(x.p.scale[0], pow2_scale(bound, 65504.0f));
+  EXPECT_EQ(x.p.scale[0], pow2_scale(top, 65504.0f));
   EXPECT_EQ(x.kept[0], stored_amax(x));
   for (int64_t j = 0; j < kN; ++j) ASSERT_NE(x.p.code(j) & 0x7FFFu, 0x7BFFu) << j;  // no code saturated at 65504
 }
 
 // The same call with no param_amax, with a NaN one, and (Adam with weight decay, which reads p
 // before den) with a finite one: the same bytes but the kept amax itself.
+TEST(AdamKeptAmax, Fp16BinadeTop) {
+  EXPECT_EQ(fp16_binade_top(65504.0f), 65504.0f);
+  EXPECT_EQ(fp16_binade_top(65505.0f), 131008.0f);
+  EXPECT_EQ(fp16_binade_top(32752.0f), 32752.0f);
+  EXPECT_EQ(fp16_binade_top(32752.5f), 65504.0f);
+  EXPECT_EQ(fp16_binade_top(0.1f), 65504.0f * 0x1p-19f);  // 0.12494...
+  EXPECT_EQ(fp16_binade_top(0x1.ffcp-101f), 0x1.ffcp-101f);  // below 2^-100: itself
+  EXPECT_EQ(fp16_binade_top(0.0f), 0.0f);
+  EXPECT_EQ(fp16_binade_top(65504.0f * 0x1p112f), 65504.0f * 0x1p112f);
+  EXPECT_TRUE(std::isinf(fp16_binade_top(std::nextafter(65504.0f * 0x1p112f, 1e39f))));
+  EXPECT_TRUE(std::isnan(fp16_binade_top(std::nanf(""))));
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-90.0f, 120.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const float x = std::exp2(u(rng));
+    const float top = fp16_binade_top(x);
+    ASSERT_GE(top, x);
+    ASSERT_LT(top / 2.0f, x);
+    ASSERT_EQ(pow2_scale(top, 65504.0f), pow2_scale(x, 65504.0f)) << x;  // the scale x gives
+  }
+}
+
 TEST(AdamKeptAmax, UnknownOrAdamL2ReadsTheMaster) {
   for (const bool adamw : {true, false}) {
     std::mt19937 rng(12);
