@@ -83,14 +83,15 @@
 //   A_d = rn(A * |decay|) (AdamW with weight decay; A otherwise) >= every |p_d| (rounding is monotonic),
 //   q   = (neg_step * m') / den, rounded as in p' above,
 //   B   = max over elements of rn(A_d + |q|)  >=  max |rn(p_d + q)| = amax(p'),
-//   amax[i, param] = the smallest 65504 * 2^k >= B (adam_kernels.h's fp16_binade_top),
-// which gives the master the scale B gives (a power of two from the binade B lies in), so that
-// only elements whose bound could pass that binade's top need their exact q (Adam's updates tie
-// at the bound's precision for many elements, but rarely straddle a binade). The scale is never
-// above the one amax(p') gives (so nothing saturates); as the largest |p_d| moves by at most
-// Q = max |q|, B / amax(p') <= (A_d + Q) / (A_d - Q), under 2 while Q < A_d / 3: the exact scale
-// or one power of two below it. The weight copy's scale comes from the binade top too: 2^(k' - 8)
-// for the master's scale 2^k', at most one power of two below what amax(p') would give. Pass 2 folds the exact |p'| into amax[i, new_param]; the commit
+//   amax[i, param] = the smallest 1.75 * 2^k or 65504 * 2^k >= B (adam_kernels.h's scale_grid_top),
+// which gives the master and its E4M3 copy the scales B gives (those change only at such values:
+// the E4M3 max 448 and the FP16 max 65504 times powers of two), so that only elements whose bound
+// could pass the top need their exact q (Adam's updates tie at the bound's precision for many
+// elements, but rarely straddle a top). The scales are never above those amax(p') gives (nothing
+// saturates), and differ from them only where a top lies between amax(p') and B: as the largest
+// |p_d| moves by at most Q = max |q|, B / amax(p') <= (A_d + Q) / (A_d - Q), under 2 while
+// Q < A_d / 3, so they are then one power of two below at most. Pass 2 folds the exact |p'| into
+// amax[i, new_param]; the commit
 // writes its stored form to param_amax for the next step. The bound is used when param_amax holds
 // a finite value >= 0 on entry and the element math does not read p before den (AdamW, or Adam
 // without weight decay); otherwise (NaN: unknown, e.g. after the master was written by anything
@@ -177,7 +178,7 @@ enum AdamAmaxColumn : int {
   kAdamAmaxExpAvg = 1,     // |m'|
   kAdamAmaxExpAvgSq = 2,   // v'
   kAdamAmaxParam = 3,      // |p'|, the new master in float32 before it is stored; with a kept master
-                           // amax, the FP16 binade top of a bound of it, which the new scale comes from
+                           // amax, the scale grid's top of a bound of it, which the new scales come from
   kAdamAmaxNewParam = 4,   // |p'| exactly, folded by pass 2 (0 on a skipped step)
   kAdamAmaxColumns = 5,
 };

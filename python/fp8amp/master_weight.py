@@ -7,9 +7,10 @@ fp8amp optimizer rewrites codes, scale and copy in its fused step, and every oth
 in-place ops of the op table) re-casts the copy. Views, detach, clone and device moves keep the
 type and map the copy with the codes.
 
-It also carries the optimizer's kept amax (the largest magnitude of its real values, which spares
-the fused step a read of the master: docs/o1_o2.md#optimizer), shared with its aliases and
-forgotten (NaN) at every write but the optimizer's own.
+It also carries its kept amax, the largest magnitude of its real values, which spares the fused
+optimizer step a read of the master (docs/o1_o2.md#optimizer): computed when first asked for,
+written by the optimizer's step and refreshed by every other write of the whole master; shared
+with its aliases.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import ops
 from .formats import E4M3, FP16
 from .scaled_tensor import ScaledTensor, _quantize_current
 from .scaling import ScalingState
@@ -27,23 +29,38 @@ __all__ = ["MasterWeight", "pre_all_gather", "post_all_gather"]
 
 class _KeptAmax:
     """The kept amax of a master and of its aliases (detach, views share one; a clone or a device
-    move gets its own): a float32 ``[1]`` the fp8amp optimizer makes at its first step and its
-    fused step writes, NaN (unknown) after any other write, which makes the next step read the
-    master (include/fp8amp/optim.h, "Kept master amax")."""
+    move gets its own): float32 ``[1]``, the largest magnitude of the master's real values, which
+    the fused optimizer step reads and writes (include/fp8amp/optim.h, "Kept master amax"); made
+    when first asked for. NaN (unknown: the next step reads the master) only after a write of part
+    of the master."""
 
     __slots__ = ("tensor",)
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
 
-    def get(self, device: torch.device) -> torch.Tensor:
+    def get(self, master: "MasterWeight") -> torch.Tensor:
         if self.tensor is None:
-            self.tensor = torch.full((1,), float("nan"), dtype=torch.float32, device=device)
+            self.tensor = _real_amax(master)
         return self.tensor
 
+    def refresh(self, master: "MasterWeight", amax: torch.Tensor | None = None) -> None:
+        """After a write of the whole master (``amax``: its real values' amax, if at hand)."""
+        if self.tensor is not None:
+            self.tensor.copy_(_real_amax(master) if amax is None else amax)
+
     def forget(self) -> None:
+        """After a write of part of it: unknown."""
         if self.tensor is not None:
             self.tensor.fill_(float("nan"))
+
+
+def _real_amax(master: ScaledTensor) -> torch.Tensor:
+    """float32 [1]: max |real value| (NaN if one is NaN; 0 for no element), as the optimizer's
+    commit computes it (the stored values' amax: the largest code times the power-of-two scale_inv)."""
+    amax = torch.zeros(1, dtype=torch.float32, device=master.codes.device)
+    ops.amax(master.dequantize(torch.float32), amax)
+    return amax
 
 
 class MasterWeight(ScaledTensor):
@@ -130,11 +147,10 @@ class MasterWeight(ScaledTensor):
         return self._fp8, None, self._fp8_scale_inv, (self._data, self._scale_inv, self._fp8_scale)
 
     def kept_amax(self) -> torch.Tensor:
-        """float32 ``[1]`` on the master's device: the largest magnitude of its real values as the
-        fp8amp optimizer's last step stored them, or NaN (unknown: before that step, and after any
-        other write). The optimizer's fused step reads and writes it (include/fp8amp/optim.h,
-        "Kept master amax"); made at the first call."""
-        return self._kept_holder().get(self._data.device)
+        """float32 ``[1]`` on the master's device: the largest magnitude of its real values (NaN:
+        unknown, after a write of part of the master). The optimizer's fused step reads and writes
+        it (include/fp8amp/optim.h, "Kept master amax"); computed at the first call."""
+        return self._kept_holder().get(self)
 
     def _kept_holder(self) -> _KeptAmax:
         if self._kept is None:
@@ -142,8 +158,8 @@ class MasterWeight(ScaledTensor):
         return self._kept
 
     def __getstate__(self) -> dict:
-        # pickled without the kept amax (a cache, and weights_only loads allow no other class):
-        # an unpickled master starts unknown
+        # pickled without the kept amax (derived, and weights_only loads allow no other class):
+        # an unpickled master computes it when first asked
         return {k: v for k, v in self.__dict__.items() if k != "_kept"}
 
     def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
@@ -158,18 +174,26 @@ class MasterWeight(ScaledTensor):
         return out
 
     def _after_write(self, source: ScaledTensor | None = None) -> None:
-        if self._kept is not None:
-            self._kept.forget()
+        kept = self._kept
+        if kept is not None and self._base_rows is not None:  # rows of a master: its amax is unknown
+            kept.forget()
+            kept = None
         if self._fp8 is None:
+            if kept is not None:
+                kept.refresh(self)
             return
         if isinstance(source, MasterWeight) and source._fp8 is not None:
             for mine, theirs in zip(self.fp8_copy, source.fp8_copy):
                 mine.copy_(theirs)
+            if kept is not None:
+                kept.refresh(self)
             return
-        codes, scale_inv, _ = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
+        codes, scale_inv, amax = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
         self._fp8.copy_(codes)
         self._fp8_scale_inv.copy_(scale_inv)
         torch.reciprocal(scale_inv, out=self._fp8_scale)
+        if kept is not None:
+            kept.refresh(self, amax)
 
     # ------------------------------------------------------------------ FSDP2 (fp8amp.fsdp)
 

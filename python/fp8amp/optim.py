@@ -41,11 +41,10 @@ it, not the ones before: optim.h's "calls are independent".)
 ``_step_supports_amp_scaling``): it unscales the grads, checks them, and calls ``step()`` only
 when they are finite (that check is GradScaler's own host sync).
 
-FSDP2: parameters and gradients that are DTensors (``fully_shard``) are stepped shard by shard:
-the op takes each rank's local shard (a float32 tensor, or a ScaledTensor shard of an O1/O2
-master with its own scale). ``exp_avg`` / ``exp_avg_sq`` are DTensors sharded as the param,
-and each shard's scales a DTensor of one value a shard, so distributed checkpoints (DCP) keep
-every rank's states (docs/distributed.md, "FSDP2").
+FSDP2: DTensor parameters and gradients (``fully_shard``) are stepped shard by shard: the op takes
+each rank's local shard (a float32 tensor, or a ScaledTensor shard of an O1/O2 master with its own
+scale). ``exp_avg`` / ``exp_avg_sq`` are DTensors sharded as the param, each shard's scales a
+DTensor of one value a shard: DCP keeps every rank's states (docs/distributed.md, "FSDP2").
 
 CUDA graphs: the step is always what torch calls ``capturable`` (step counts on the device, no
 host sync), so ``capturable=True`` is accepted and changes nothing, and the whole training step
@@ -53,8 +52,8 @@ can be captured with ``torch.cuda.graph`` (docs/o1_o2.md, "CUDA graphs"). ``lr``
 hyperparameters are Python numbers, so a captured step keeps the values it was captured with.
 
 Not supported (a ``ValueError`` names the argument): ``amsgrad=True``, ``differentiable=True``, a
-Tensor ``lr`` or ``betas``, sparse grads. ``foreach`` and ``fused`` are accepted and ignored: the
-step is always one fused multi-tensor op call per param group.
+Tensor ``lr`` or ``betas``, sparse grads. ``foreach`` and ``fused`` are accepted and ignored (one
+fused multi-tensor op call a param group).
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
+from .master_weight import MasterWeight
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, nonfinite_flag, or_empty as _or_empty
 from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
@@ -134,8 +134,7 @@ class Adam(torch.optim.Optimizer):
         return f"fp8amp.optim.{type(self).__name__}"
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, then the checks of this optimizer (every group, also
-        groups whose dicts came from a ``torch.optim`` optimizer)."""
+        """torch's ``add_param_group``, then this optimizer's checks (of every group, from a torch.optim too)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self._check_options(group)
@@ -145,6 +144,8 @@ class Adam(torch.optim.Optimizer):
                     raise ValueError(
                         f"{self._name}: a ScaledTensor param must hold float16 codes (the O1/O2 master); "
                         f"param {i} of group {len(self.param_groups) - 1} holds {p.storage_format}")
+                if isinstance(p, MasterWeight):
+                    p.kept_amax()  # made now: a step Dynamo traces can use but not make it
             elif p.dtype not in HIGH_PRECISION_DTYPES:  # (bfloat16/float16 ones step in float32)
                 raise ValueError(
                     f"{self._name}: params must be float32, bfloat16 or float16 tensors or FP16 ScaledTensors (the "

@@ -52,8 +52,8 @@ AdamUpdate element(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c, f
 }
 
 // Pass 1: the amaxes of tensor t's new values, into its row; with a kept master amax
-// (kept_param_bound), the master left unread and the param column the FP16 binade top of the
-// bound on |p'| (fp16_binade_top).
+// (kept_param_bound), the master left unread and the param column the scale grid's top of the
+// bound on |p'| (scale_grid_top).
 template <class G, class P, class M, class V>
 void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
   const float a_d = kept_param_bound(t, c);
@@ -68,7 +68,7 @@ void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
     keys[kAdamAmaxExpAvg] = std::max(keys[kAdamAmaxExpAvg], amax_key(mo.exp_avg));
     keys[kAdamAmaxExpAvgSq] = std::max(keys[kAdamAmaxExpAvgSq], amax_key(mo.exp_avg_sq));
     const float param = adam_param(mo, c);
-    keys[kAdamAmaxParam] = std::max(keys[kAdamAmaxParam], amax_key(a_d >= 0.0f ? fp16_binade_top(param) : param));
+    keys[kAdamAmaxParam] = std::max(keys[kAdamAmaxParam], amax_key(a_d >= 0.0f ? scale_grid_top(param) : param));
   }
   for (int col = 0; col < kAdamAmaxColumns; ++col) row[col] = amax_from_key(keys[col]);
 }

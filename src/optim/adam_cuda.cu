@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         const float w = update_bound(mo[k], c, bound, HardwareApprox{});
         if (k < valid && !(param_bounds(fabsf(mo[k].param), w).upper < threshold)) {
           const float param = adam_param(mo[k], c);
-          amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], kept >= 0.0f ? fp16_binade_top(param) : param);
+          amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], kept >= 0.0f ? scale_grid_top(param) : param);
         }
       }
     }

@@ -167,19 +167,23 @@ FP8AMP_HD float kept_param_bound(const AdamTensorPtrs& t, const AdamConstants& c
   return c.decays ? rn::mul(a, c.decay < 0.0f ? -c.decay : c.decay) : a;
 }
 
-// The smallest 65504 * 2^k (FP16's largest value times a power of two, k an integer) >= x, which
-// gives the FP16 master the same power-of-two scale as x (numerics::scale_from_amax), for
-// 2^-100 <= x <= 65504 * 2^112; x itself below (0 included), +inf above, NaN for NaN. Pass 1 with a
-// kept amax folds this instead of the bound of each element: only an element whose bound could
-// reach past the largest such value so far needs its exact update, and Adam's updates, of nearly
-// equal size for many elements, tie often at the bound's precision but rarely straddle a binade.
-FP8AMP_HD float fp16_binade_top(float x) {
+// The smallest m * 2^k >= x (k an integer) for the significand m of 448 (1.75) or of 65504
+// (1.9990234375), for 2^-100 <= x <= 65504 * 2^112; x itself below (0 included), +inf above, NaN
+// for NaN. Where x and its top lie in one interval between such values, the master's FP16 scale and
+// its E4M3 copy's scale (from the FP16 max 65504 and the E4M3 max 448) come out as x would give
+// them. Pass 1 with a kept amax folds this instead of each element's bound: only an element whose
+// bound could pass the largest top so far needs its exact update, and Adam's updates, nearly
+// equal for many elements, tie at the bound's precision but rarely straddle a top.
+FP8AMP_HD float scale_grid_top(float x) {
   if (!(x >= 0x1p-100f)) return x;
-  constexpr uint32_t kMantissa = 0x007FE000u;  // 65504 = 1.9990234375 * 2^15
   const uint32_t bits = numerics::float_bits(x);
-  if (bits > 0x7F000000u + kMantissa) return numerics::bits_float(0x7F800000u);  // above 65504 * 2^112, inf
-  const uint32_t top = (bits & 0x7F800000u) | kMantissa;
-  return numerics::bits_float((bits & 0x007FFFFFu) > kMantissa ? top + 0x00800000u : top);
+  if (bits > 0x7F7FE000u) return numerics::bits_float(0x7F800000u);  // above 65504 * 2^112, inf
+  const uint32_t exponent = bits & 0x7F800000u, mantissa = bits & 0x007FFFFFu;
+  // 448's significand 1.75 (0x600000) below 65504's (0x7FE000): the top is the first one of this
+  // binade at or above x, else 448's of the next binade.
+  if (mantissa <= 0x600000u) return numerics::bits_float(exponent | 0x600000u);
+  if (mantissa <= 0x7FE000u) return numerics::bits_float(exponent | 0x7FE000u);
+  return numerics::bits_float((exponent + 0x00800000u) | 0x600000u);
 }
 
 // The moments whose adam_param is rn(A_d + |q|) >= |p'| (q = step / den as adam_param rounds it:

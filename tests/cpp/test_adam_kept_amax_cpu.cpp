@@ -71,9 +71,13 @@ TEST(AdamKeptAmax, SecondStepBoundsTheMasterWithoutReadingIt) {
     bound = std::max(bound, a_d + std::fabs(q));
     exact = std::max(exact, std::fabs(documented_order(x.p.real(j), x.g.real(j), x.m.real(j), x.v.real(j), s.hyper, 2).p));
   }
-  float top = 65504.0f;  // the smallest 65504 * 2^k >= bound (powers of two scale it exactly)
-  while (top / 2.0f >= bound) top /= 2.0f;
-  while (top < bound) top *= 2.0f;
+  // The smallest 448 * 2^k or 65504 * 2^k >= bound (powers of two scale both exactly).
+  float top448 = 448.0f, top65504 = 65504.0f;
+  for (float* t : {&top448, &top65504}) {
+    while (*t / 2.0f >= bound) *t /= 2.0f;
+    while (*t < bound) *t *= 2.0f;
+  }
+  const float top = std::min(top448, top65504);
   s.run({&x});
   ASSERT_EQ(s.found_inf[0], 0.0f);
   EXPECT_EQ(s.amax[kAdamAmaxParam], top);
@@ -82,31 +86,35 @@ TEST(AdamKeptAmax, SecondStepBoundsTheMasterWithoutReadingIt) {
   EXPECT_LE(bound, exact * 1.01f);  // the update is small next to the weights
   EXPECT_EQ(x.p.scale[0], pow2_scale(bound, 65504.0f));
   EXPECT_EQ(x.p.scale[0], pow2_scale(top, 65504.0f));
+  EXPECT_EQ(x.w.scale[0], pow2_scale(top, 448.0f));  // the E4M3 copy's, from the stored top (exact in FP16)
+  EXPECT_EQ(x.w.scale[0], pow2_scale(bound, 448.0f));
   EXPECT_EQ(x.kept[0], stored_amax(x));
   for (int64_t j = 0; j < kN; ++j) ASSERT_NE(x.p.code(j) & 0x7FFFu, 0x7BFFu) << j;  // no code saturated at 65504
 }
 
 // The same call with no param_amax, with a NaN one, and (Adam with weight decay, which reads p
 // before den) with a finite one: the same bytes but the kept amax itself.
-TEST(AdamKeptAmax, Fp16BinadeTop) {
-  EXPECT_EQ(fp16_binade_top(65504.0f), 65504.0f);
-  EXPECT_EQ(fp16_binade_top(65505.0f), 131008.0f);
-  EXPECT_EQ(fp16_binade_top(32752.0f), 32752.0f);
-  EXPECT_EQ(fp16_binade_top(32752.5f), 65504.0f);
-  EXPECT_EQ(fp16_binade_top(0.1f), 65504.0f * 0x1p-19f);  // 0.12494...
-  EXPECT_EQ(fp16_binade_top(0x1.ffcp-101f), 0x1.ffcp-101f);  // below 2^-100: itself
-  EXPECT_EQ(fp16_binade_top(0.0f), 0.0f);
-  EXPECT_EQ(fp16_binade_top(65504.0f * 0x1p112f), 65504.0f * 0x1p112f);
-  EXPECT_TRUE(std::isinf(fp16_binade_top(std::nextafter(65504.0f * 0x1p112f, 1e39f))));
-  EXPECT_TRUE(std::isnan(fp16_binade_top(std::nanf(""))));
+TEST(AdamKeptAmax, ScaleGridTop) {
+  EXPECT_EQ(scale_grid_top(65504.0f), 65504.0f);
+  EXPECT_EQ(scale_grid_top(65505.0f), 114688.0f);  // 448 * 256
+  EXPECT_EQ(scale_grid_top(448.0f), 448.0f);
+  EXPECT_EQ(scale_grid_top(449.0f), 511.75f);  // 65504 / 128
+  EXPECT_EQ(scale_grid_top(0.1f), 0.109375f);  // 448 * 2^-12
+  EXPECT_EQ(scale_grid_top(0x1.ffcp-101f), 0x1.ffcp-101f);  // below 2^-100: itself
+  EXPECT_EQ(scale_grid_top(0.0f), 0.0f);
+  EXPECT_EQ(scale_grid_top(65504.0f * 0x1p112f), 65504.0f * 0x1p112f);
+  EXPECT_TRUE(std::isinf(scale_grid_top(std::nextafter(65504.0f * 0x1p112f, 1e39f))));
+  EXPECT_TRUE(std::isnan(scale_grid_top(std::nanf(""))));
+  // Both scales from the top are those from x.
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-90.0f, 120.0f);
   for (int i = 0; i < 100000; ++i) {
     const float x = std::exp2(u(rng));
-    const float top = fp16_binade_top(x);
+    const float top = scale_grid_top(x);
     ASSERT_GE(top, x);
-    ASSERT_LT(top / 2.0f, x);
-    ASSERT_EQ(pow2_scale(top, 65504.0f), pow2_scale(x, 65504.0f)) << x;  // the scale x gives
+    ASSERT_LT(top / 1.752f, x);  // within one step of the grid (tops 1.142 and 1.751 times apart)
+    ASSERT_EQ(pow2_scale(top, 65504.0f), pow2_scale(x, 65504.0f)) << x;
+    ASSERT_EQ(pow2_scale(top, 448.0f), pow2_scale(x, 448.0f)) << x;
   }
 }
 
