@@ -94,9 +94,9 @@
 // amax[i, new_param]; the commit
 // writes its stored form to param_amax for the next step. The bound is used when param_amax holds
 // a finite value >= 0 on entry and the element math does not read p before den (AdamW, or Adam
-// without weight decay); otherwise (NaN: unknown, e.g. after the master was written by anything
-// but this op) pass 1 reads the master and the scale is exact, as without param_amax. The caller
-// must set param_amax to NaN whenever it writes the master: a stale, smaller A would saturate it.
+// without weight decay); otherwise (NaN: unknown) pass 1 reads the master and the scales come from
+// amax(p'), as without param_amax. Whoever else writes the master must set param_amax to its new
+// amax, or to NaN: a stale, smaller A would saturate it (fp8amp.MasterWeight does: its kept amax).
 // No two written tensors or scales of a call may share memory, nor a grad with a written one (each
 // tensor's scales are its own; grads may share memory with each other): a ValueError names both.
 //

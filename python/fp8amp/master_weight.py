@@ -160,7 +160,9 @@ class MasterWeight(ScaledTensor):
     def __getstate__(self) -> dict:
         # pickled without the kept amax (derived, and weights_only loads allow no other class):
         # an unpickled master computes it when first asked
-        return {k: v for k, v in self.__dict__.items() if k != "_kept"}
+        state = super().__getstate__()
+        state.pop("_kept", None)
+        return state
 
     def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
         out = MasterWeight._wrap(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
