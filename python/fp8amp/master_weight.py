@@ -15,6 +15,8 @@ with its aliases.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -34,20 +36,36 @@ class _KeptAmax:
     when first asked for. NaN (unknown: the next step reads the master) only after a write of part
     of the master."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "version")
+
+    #: False once torch.compile traced a write of a master: that write reaches a master rebuilt from
+    #: the inner tensors, not the kept amax, and Inductor's leaves the codes' version as it was; the
+    #: optimizer then reads the masters in every step (fp8amp.optim_calls).
+    trusted = True
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
+        self.version: int | None = None  # of the master's codes when the value was last made
 
     def get(self, master: "MasterWeight") -> torch.Tensor:
+        """The tensor, made or made current first: a write that reached the codes past the op table
+        (one torch.compile traced, which writes the inner tensors back) shows in their version."""
         if self.tensor is None:
             self.tensor = _real_amax(master)
+            self.version = master.codes._version
+        elif self.version != master.codes._version and not torch.compiler.is_compiling():
+            self.refresh(master)
         return self.tensor
 
     def refresh(self, master: "MasterWeight", amax: torch.Tensor | None = None) -> None:
         """After a write of the whole master (``amax``: its real values' amax, if at hand)."""
         if self.tensor is not None:
             self.tensor.copy_(_real_amax(master) if amax is None else amax)
+            self.version = master.codes._version
+
+    def stepped(self, master: "MasterWeight") -> None:
+        """After the optimizer's fused step wrote the master and this value."""
+        self.version = master.codes._version
 
     def forget(self) -> None:
         """After a write of part of it: unknown."""
@@ -158,11 +176,18 @@ class MasterWeight(ScaledTensor):
         return self._kept
 
     def __getstate__(self) -> dict:
-        # pickled without the kept amax (derived, and weights_only loads allow no other class):
-        # an unpickled master computes it when first asked
+        # the kept amax travels as its tensor (weights_only loads allow no other class), which a
+        # torch.save keeps shared with the aliases saved beside the master, as the codes are
         state = super().__getstate__()
-        state.pop("_kept", None)
+        state["_kept"] = self.kept_amax()
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        kept = _KeptAmax()
+        kept.tensor = state.pop("_kept", None)  # None: pickled before the kept amax, computed when asked
+        super().__setstate__(state)
+        self._kept = kept
 
     def _rewrap(self, data_fn, scale_fn) -> "MasterWeight":
         out = MasterWeight._wrap(data_fn(self._data), scale_fn(self._scale_inv), self.dtype)
@@ -177,7 +202,13 @@ class MasterWeight(ScaledTensor):
 
     def _after_write(self, source: ScaledTensor | None = None) -> None:
         kept = self._kept
-        if kept is not None and self._base_rows is not None:  # rows of a master: its amax is unknown
+        if torch.compiler.is_compiling() and _KeptAmax.trusted:
+            _KeptAmax.trusted = False
+            warnings.warn("fp8amp: a MasterWeight is written in a function torch.compile traces; the kept amaxes "
+                          "cannot follow such writes, so the fp8amp optimizer now reads every master in its step "
+                          "(slower); write masters outside compiled code (docs/o1_o2.md#optimizer)", stacklevel=2)
+        # Unknown after a write of rows of a master.
+        if kept is not None and self._base_rows is not None:
             kept.forget()
             kept = None
         if self._fp8 is None:

@@ -36,7 +36,7 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
-from .master_weight import MasterWeight
+from .master_weight import MasterWeight, _KeptAmax
 from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
@@ -157,6 +157,11 @@ class CallLists:
         (empty, or one tensor or None per param), ``hyper``: ``(lr, beta1, beta2, eps,
         weight_decay, adamw, maximize)``, and the skip flag ``found_inf`` (None: the op's own)."""
         data, widened = self._step_data()
+        kept = [p for p in self.masters if isinstance(p, MasterWeight)] if self.kept_amaxes else []
+        for p in kept:
+            p.kept_amax()  # made current if the codes were written past the op table
+        if kept and not _KeptAmax.trusted:  # a master was written in compiled code: read them all
+            torch._foreach_add_([p._kept.tensor for p in kept], float("nan"))
         if torch.compiler.is_compiling():
             self._traced_step(data, grads, grad_scale_invs, hyper, found_inf)
         elif (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
@@ -166,6 +171,8 @@ class CallLists:
             self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
         for p, wide in widened:
             p.copy_(wide)
+        for p in kept:
+            p._kept.stepped(p)
 
     def _op_step(self, positions, data, grads, grad_scale_invs, hyper, step_tensor, step_counts, found_inf) -> None:
         """The op over the params at ``positions`` (None: all; ``step_counts``: theirs)."""

@@ -275,7 +275,8 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
 
     @property
     def scale_inv(self) -> torch.Tensor:
-        """float32 ``[1]``: what the codes multiply by to give the real values."""
+        """float32 ``[1]``: what the codes multiply by to give the real values (read it; write
+        through the tensor's own ops, which keep what is derived from it current)."""
         return self._scale_inv
 
     def fp8_operands(self) -> tuple | None:

@@ -135,3 +135,47 @@ def test_pickled_and_deep_copied_masters():
     assert bits(loaded.codes).equal(bits(m.codes))
     twin = copy.deepcopy(m)
     assert twin.kept_amax() is not m.kept_amax() and twin.kept_amax().equal(m.kept_amax())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_write_in_compiled_code_never_leaves_a_stale_kept_amax(backend, monkeypatch):
+    """A write torch.compile traces reaches a master rebuilt from its inner tensors, not its kept
+    amax: aot_eager's shows in the codes' version (the kept amax is made current), Inductor's does
+    not, so from the first traced write the optimizer reads every master (and warns)."""
+    from fp8amp.master_weight import _KeptAmax
+
+    monkeypatch.setattr(_KeptAmax, "trusted", True)  # restored after: the flag is process-wide
+    torch._dynamo.reset()
+    model, opt = o2_model("cpu")
+    ref, ref_opt = o2_model("cpu")
+    step(model, opt, 0)
+    step(ref, ref_opt, 0, forget=True)
+
+    @torch.compile(backend=backend)
+    def grow(w):
+        w.mul_(1000.0)
+
+    with torch.no_grad(), pytest.warns(UserWarning, match="written in a function torch.compile traces"):
+        grow(model[2].weight)
+    with torch.no_grad():
+        ref[2].weight.mul_(1000.0)
+    assert not _KeptAmax.trusted
+    step(model, opt, 1)
+    step(ref, ref_opt, 1, forget=True)
+    assert real(model[2].weight).abs().max() > 100  # not saturated at the stale bound's scale
+    check_scale_within_one_binade(model, ref)
+
+
+def test_torch_save_keeps_a_master_and_its_alias_on_one_kept_amax():
+    import io
+
+    model, opt = o2_model("cpu")
+    step(model, opt, 0)
+    buf = io.BytesIO()
+    torch.save({"model": model, "alias": model[2].weight.detach()}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    m, alias = loaded["model"][2].weight, loaded["alias"]
+    with torch.no_grad():
+        alias.mul_(1000.0)
+    assert m.kept_amax().item() == real(m).abs().max().item()
