@@ -15,8 +15,6 @@ with its aliases.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -38,22 +36,18 @@ class _KeptAmax:
 
     __slots__ = ("tensor", "version")
 
-    #: False once torch.compile traced a write of a master: that write reaches a master rebuilt from
-    #: the inner tensors, not the kept amax, and Inductor's leaves the codes' version as it was; the
-    #: optimizer then reads the masters in every step (fp8amp.optim_calls).
-    trusted = True
-
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
-        self.version: int | None = None  # of the master's codes when the value was last made
+        self.version: int | None = None  # the master's version counter when the value was last made
 
     def get(self, master: "MasterWeight") -> torch.Tensor:
-        """The tensor, made or made current first: a write that reached the codes past the op table
-        (one torch.compile traced, which writes the inner tensors back) shows in their version."""
+        """The tensor, made or made current first: a write the op table did not see (one that
+        torch.compile traced, which writes the inner tensors back and bumps the master's version
+        counter) shows in that counter."""
         if self.tensor is None:
             self.tensor = _real_amax(master)
-            self.version = master.codes._version
-        elif self.version != master.codes._version and not torch.compiler.is_compiling():
+            self.version = master._version
+        elif self.version != master._version and not torch.compiler.is_compiling():
             self.refresh(master)
         return self.tensor
 
@@ -61,11 +55,11 @@ class _KeptAmax:
         """After a write of the whole master (``amax``: its real values' amax, if at hand)."""
         if self.tensor is not None:
             self.tensor.copy_(_real_amax(master) if amax is None else amax)
-            self.version = master.codes._version
+            self.version = master._version  # (an op-table write bumps it after: one more refresh)
 
     def stepped(self, master: "MasterWeight") -> None:
-        """After the optimizer's fused step wrote the master and this value."""
-        self.version = master.codes._version
+        """After the optimizer's fused step wrote the master and this value (and bumped its counter)."""
+        self.version = master._version
 
     def forget(self) -> None:
         """After a write of part of it: unknown."""
@@ -202,12 +196,8 @@ class MasterWeight(ScaledTensor):
 
     def _after_write(self, source: ScaledTensor | None = None) -> None:
         kept = self._kept
-        if torch.compiler.is_compiling() and _KeptAmax.trusted:
-            _KeptAmax.trusted = False
-            warnings.warn("fp8amp: a MasterWeight is written in a function torch.compile traces; the kept amaxes "
-                          "cannot follow such writes, so the fp8amp optimizer now reads every master in its step "
-                          "(slower); write masters outside compiled code (docs/o1_o2.md#optimizer)", stacklevel=2)
-        # Unknown after a write of rows of a master.
+        # Unknown after a write of rows of a master. (A write torch.compile traces reaches a master
+        # rebuilt from the inner tensors, not this kept amax: the version counter tells, see get.)
         if kept is not None and self._base_rows is not None:
             kept.forget()
             kept = None

@@ -396,11 +396,6 @@ class Adam(torch.optim.Optimizer):
                    (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                     float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"])),
                    found_inf)
-        # changed in place under a custom op (a master: on its inner codes): say so, as torch's
-        # optimizers' in-place updates do; a DTensor's local shard has a counter of its own
-        torch.autograd.graph.increment_version(sharded)
-        if lists.sharded_positions:
-            torch.autograd.graph.increment_version([lists.params[i] for i in lists.sharded_positions])
 
 
 def _fused_form(grad: torch.Tensor) -> torch.Tensor:

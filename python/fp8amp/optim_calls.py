@@ -36,7 +36,7 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
-from .master_weight import MasterWeight, _KeptAmax
+from .master_weight import MasterWeight
 from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
@@ -99,6 +99,7 @@ class CallLists:
     docstring), built from the params ``sharded`` and their ``states``."""
 
     def __init__(self, sharded: list[torch.Tensor], states: list[dict], name: str) -> None:
+        self.sharded = sharded
         self.params = params = [local(p) for p in sharded]
         for p in params:
             if not p.is_contiguous():
@@ -160,8 +161,6 @@ class CallLists:
         kept = [p for p in self.masters if isinstance(p, MasterWeight)] if self.kept_amaxes else []
         for p in kept:
             p.kept_amax()  # made current if the codes were written past the op table
-        if kept and not _KeptAmax.trusted:  # a master was written in compiled code: read them all
-            torch._foreach_add_([p._kept.tensor for p in kept], float("nan"))
         if torch.compiler.is_compiling():
             self._traced_step(data, grads, grad_scale_invs, hyper, found_inf)
         elif (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
@@ -171,8 +170,14 @@ class CallLists:
             self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
         for p, wide in widened:
             p.copy_(wide)
-        for p in kept:
-            p._kept.stepped(p)
+        # changed in place under a custom op (a master: on its inner codes): say so, as torch's
+        # optimizers' in-place updates do; a DTensor's local shard has a counter of its own
+        torch.autograd.graph.increment_version(self.sharded)
+        if self.sharded_positions:
+            torch.autograd.graph.increment_version([self.params[i] for i in self.sharded_positions])
+        if not torch.compiler.is_compiling():
+            for p in kept:
+                p._kept.stepped(p)
 
     def _op_step(self, positions, data, grads, grad_scale_invs, hyper, step_tensor, step_counts, found_inf) -> None:
         """The op over the params at ``positions`` (None: all; ``step_counts``: theirs)."""
