@@ -70,9 +70,7 @@ class _KeptAmax:
 def _real_amax(master: ScaledTensor) -> torch.Tensor:
     """float32 [1]: max |real value| (NaN if one is NaN; 0 for no element), as the optimizer's
     commit computes it (the stored values' amax: the largest code times the power-of-two scale_inv)."""
-    amax = torch.zeros(1, dtype=torch.float32, device=master.codes.device)
-    ops.amax(master.dequantize(torch.float32), amax)
-    return amax
+    return ops.amax_of(master.dequantize(torch.float32))
 
 
 class MasterWeight(ScaledTensor):
@@ -201,20 +199,16 @@ class MasterWeight(ScaledTensor):
         if kept is not None and self._base_rows is not None:
             kept.forget()
             kept = None
-        if self._fp8 is None:
-            if kept is not None:
-                kept.refresh(self)
-            return
-        if isinstance(source, MasterWeight) and source._fp8 is not None:
-            for mine, theirs in zip(self.fp8_copy, source.fp8_copy):
-                mine.copy_(theirs)
-            if kept is not None:
-                kept.refresh(self)
-            return
-        codes, scale_inv, amax = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
-        self._fp8.copy_(codes)
-        self._fp8_scale_inv.copy_(scale_inv)
-        torch.reciprocal(scale_inv, out=self._fp8_scale)
+        amax = None  # the real values' amax, where re-casting the copy computes it
+        if self._fp8 is not None:
+            if isinstance(source, MasterWeight) and source._fp8 is not None:
+                for mine, theirs in zip(self.fp8_copy, source.fp8_copy):
+                    mine.copy_(theirs)
+            else:
+                codes, scale_inv, amax = _quantize_current(self.dequantize(torch.float32), E4M3, 0)
+                self._fp8.copy_(codes)
+                self._fp8_scale_inv.copy_(scale_inv)
+                torch.reciprocal(scale_inv, out=self._fp8_scale)
         if kept is not None:
             kept.refresh(self, amax)
 

@@ -120,6 +120,8 @@ class CallLists:
         self.copy_lists = [or_empty([c and c[i] for c in copies]) for i in range(3)]  # codes, scale, scale_inv
         # the masters' kept amaxes; one Dynamo traces is not made (it would be a fake tensor)
         self.kept_amaxes = or_empty([_kept_amax(p) for p in params])
+        #: the masters whose kept amax the op takes, made current before each step
+        self.kept_masters = [p for p, a in zip(params, self.kept_amaxes) if a is not None]
         self.inner_ids = self._inner_ids()
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
@@ -158,9 +160,8 @@ class CallLists:
         (empty, or one tensor or None per param), ``hyper``: ``(lr, beta1, beta2, eps,
         weight_decay, adamw, maximize)``, and the skip flag ``found_inf`` (None: the op's own)."""
         data, widened = self._step_data()
-        kept = [p for p in self.masters if isinstance(p, MasterWeight)] if self.kept_amaxes else []
-        for p in kept:
-            p.kept_amax()  # made current if the codes were written past the op table
+        for p in self.kept_masters:
+            p.kept_amax()  # made current if the master was written past the op table
         if torch.compiler.is_compiling():
             self._traced_step(data, grads, grad_scale_invs, hyper, found_inf)
         elif (widened or not self._plannable or not all(type(g) in _PLAIN for g in grads)
@@ -176,7 +177,7 @@ class CallLists:
         if self.sharded_positions:
             torch.autograd.graph.increment_version([self.params[i] for i in self.sharded_positions])
         if not torch.compiler.is_compiling():
-            for p in kept:
+            for p in self.kept_masters:
                 p._kept.stepped(p)
 
     def _op_step(self, positions, data, grads, grad_scale_invs, hyper, step_tensor, step_counts, found_inf) -> None:
@@ -189,9 +190,9 @@ class CallLists:
         lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
         fast.adam_step(pick(data), pick(grads), pick(self.exp_avgs), pick(self.exp_avg_sqs), [],
                        pick(self.param_scale_invs), pick(grad_scale_invs), *map(pick, self.scale_lists),
-                       *map(pick, self.copy_lists), step_counts, pick(self.kept_amaxes), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                       weight_decay=weight_decay, adamw=adamw, maximize=maximize, step_tensor=step_tensor,
-                       found_inf=found_inf)
+                       *map(pick, self.copy_lists), step_counts, pick(self.kept_amaxes), lr=lr, beta1=beta1,
+                       beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize,
+                       step_tensor=step_tensor, found_inf=found_inf)
 
     def _traced_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> None:
         """The step as Dynamo traces it: op calls whose written lists hold no None (torch's

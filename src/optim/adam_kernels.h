@@ -153,14 +153,15 @@ struct AdamTensorPtrs {
 // ------------------------------------------------------------------------------------------------
 // Kept master amax (optim.h): pass 1 bounds |p'| without reading p.
 
-// A_d, the bound on every |p_d| of tensor t from its kept amax; negative where pass 1 reads the
-// master instead: no param_amax, one that is NaN, inf or negative, or Adam's weight decay (which
-// adds p to g, so m' and v' need it).
+// Whether pass 1 takes tensor t's kept amax instead of reading the master: not without a
+// param_amax, nor for one that is NaN, inf or negative, nor with Adam's weight decay (which adds p
+// to g, so m' and v' need it).
 FP8AMP_HD bool uses_kept_amax(const AdamTensorPtrs& t, bool adamw, bool decays) {
   if (t.param_amax == nullptr || (decays && !adamw)) return false;
   const float a = *t.param_amax;
   return a >= 0.0f && a < numerics::bits_float(0x7F800000u);
 }
+// A_d, the bound on every |p_d| of tensor t from its kept amax; negative where pass 1 reads the master.
 FP8AMP_HD float kept_param_bound(const AdamTensorPtrs& t, const AdamConstants& c) {
   if (!uses_kept_amax(t, c.adamw, c.decays)) return -1.0f;
   const float a = *t.param_amax;

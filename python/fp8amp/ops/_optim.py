@@ -54,7 +54,7 @@ def adam_step(
     or a float32 [1] tensor or None per tensor, in/out): each master's kept amax, the largest
     magnitude of its real values as the last step stored them, or NaN when unknown; a finite one
     spares the step a read of the master (``include/fp8amp/optim.h``, "Kept master amax"). A caller
-    that writes a master otherwise must set its kept amax to NaN.
+    that writes a master otherwise must set its kept amax to the new amax, or to NaN.
     ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
     the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
     ``[n, 5]`` (grad, exp_avg, exp_avg_sq, param or the bound its scale came from, param).
