@@ -23,7 +23,7 @@ from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from .recipes import BLOCK
 from .dequantized_view import view_of
 from .scaled_tensor import WrapperTensorMixin, norms_from_codes
-from .wrapper_ops import is_view_op, run_on_values, written_instances
+from .wrapper_ops import is_view_op, make_wrapper, run_on_values, written_instances
 
 __all__ = ["BlockScaledTensor"]
 
@@ -48,7 +48,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
             raise ValueError(f"fp8amp.BlockScaledTensor: codes must be float8_e4m3fn or float8_e5m2 [rows, cols] and "
                              f"scale_inv float32 [ceil(rows / {BLOCK}), ceil(cols / {BLOCK})]; got {codes.dtype} "
                              f"{list(codes.shape)} and {scale_inv.dtype} {list(scale_inv.shape)}")
-        self = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
+        self = make_wrapper(cls, codes, dtype=dtype, device=codes.device)
         self._codes, self._scale_inv = codes, scale_inv
         return self
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .wrapper_ops import is_view_op, written_instances
+from .wrapper_ops import is_view_op, make_wrapper, written_instances
 
 __all__ = ["DequantizedView", "view_of"]
 
@@ -45,9 +45,8 @@ class DequantizedView(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, base: torch.Tensor, view_fn):
-        self = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(),
-                                                   storage_offset=like.storage_offset(), dtype=like.dtype,
-                                                   device=like.device)
+        self = make_wrapper(cls, like, base, strides=like.stride(), storage_offset=like.storage_offset(),
+                            dtype=like.dtype, device=like.device)
         self._viewed, self._view_fn = base, view_fn
         return self
 

@@ -44,6 +44,7 @@ from .linear import Fp8Linear
 from .master_weight import post_all_gather, pre_all_gather
 from .ops import fast
 from .scaled_tensor import ScaledTensor
+from .wrapper_ops import make_wrapper
 
 __all__ = ["Fp8AllGatherWeight", "enable_fp8_all_gather", "Fp8ReduceScatter", "enable_fp8_reduce_scatter",
            "fp8_reduce_scatter"]
@@ -86,9 +87,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         if tensor.dtype not in HIGH_PRECISION_DTYPES:
             raise ValueError(f"fp8amp.fsdp.Fp8AllGatherWeight: tensor must be a weight of one of "
                              f"{', '.join(map(str, HIGH_PRECISION_DTYPES))}; got {tensor.dtype}")
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, tensor.shape, strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-            device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad)
+        self = make_wrapper(cls, tensor, strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+                            dtype=tensor.dtype, device=tensor.device, layout=tensor.layout,
+                            requires_grad=tensor.requires_grad)
         self._tensor = tensor
         return self
 

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
 from .dequantized_view import view_of
-from .wrapper_ops import is_view_op, run_on_values, written_instances
+from .wrapper_ops import is_view_op, make_wrapper, run_on_values, written_instances
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
 __all__ = ["ScaledTensor", "OP_TABLE"]
@@ -197,9 +197,8 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
         own constructions, whose inner tensors are valid by how they were made (a detach, a view,
         a cast op's outputs). Autograd detaches every new gradient, so this runs for every FP8
         weight gradient of every step: host time in the hot loop."""
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), storage_offset=0, dtype=dtype, device=data.device,
-            layout=data.layout, requires_grad=requires_grad)
+        self = make_wrapper(cls, data, strides=data.stride(), storage_offset=0, dtype=dtype, device=data.device,
+                            layout=data.layout, requires_grad=requires_grad)
         self._data = data
         self._scale_inv = scale_inv
         self._base_rows = None  # the ScaledTensor this is a row view of part of (sharing its scale)

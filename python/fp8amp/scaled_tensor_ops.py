@@ -230,7 +230,7 @@ def _copy_(func, args, kwargs):
         # is larger (then they round at the coarser scale, as any per-tensor-scaled write does).
         src_real = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src
         real = base.dequantize(torch.float32)
-        offset = (dst._data.data_ptr() - base._data.data_ptr()) // dst._data.element_size()
+        offset = dst._data.storage_offset() - base._data.storage_offset()  # (row views share the storage)
         real.view(-1)[offset : offset + dst.numel()].copy_(
             src_real.to(device=dst.device, dtype=torch.float32).expand(dst.shape).reshape(-1))
         _copy_(func, (base, real), {})

@@ -10,8 +10,20 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place",
+__all__ = ["make_wrapper", "written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place",
            "run_on_values"]
+
+
+def make_wrapper(cls: type, like: torch.Tensor, base: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """``torch.Tensor._make_wrapper_subclass(cls, like.shape, **kwargs)``, an inference tensor only
+    when ``base`` (by default ``like``), what it wraps or views, is one: under
+    ``torch.inference_mode`` a view or detach of a normal tensor is a normal tensor, which torch
+    gives its base's version counter (an inference wrapper refuses it)."""
+    if (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+            and not (like if base is None else base).is_inference()):
+        with torch.inference_mode(False):
+            return torch.Tensor._make_wrapper_subclass(cls, like.shape, **kwargs)
+    return torch.Tensor._make_wrapper_subclass(cls, like.shape, **kwargs)
 
 
 def written_args(func, args, kwargs) -> list:
