@@ -28,13 +28,13 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
-from .linear_common import fp8_weight_grad, output_dtype, pad_rows, unpadded_output
+from .linear_common import (NO_FUNCTORCH, first_order_backward, fp8_weight_grad, functorch_active, output_dtype,
+                            pad_rows, unpadded_output)
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .recipes import Recipe, resolve_recipe
@@ -152,7 +152,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return unpadded_output(y, x)
 
     @staticmethod
-    @once_differentiable  # its GEMMs are not differentiable again: double backward raises, never returns 0
+    @first_order_backward
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
         if ctx.w_transpose_from is not None:
@@ -295,6 +295,8 @@ class Fp8Linear(nn.Linear):
         raise NotImplementedError(_NO_TORCHSCRIPT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if functorch_active():  # first: a transform's wrapped weight would fail the O1/O2 master check
+            raise NotImplementedError(NO_FUNCTORCH)
         weight = self.weight  # one lookup (nn.Module.__getattr__) a forward, not three
         _refuse_unsupported_input(x, weight)
         if x.shape[-1] != self.in_features:
@@ -323,9 +325,11 @@ class Fp8Linear(nn.Linear):
             raise RuntimeError(
                 f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
                 f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "
-                "load_state_dict(..., assign=True), or module.to_empty() of a model initialized on the meta device). "
-                "The optimizer that initialize returned would update the old master and this layer would not train; "
-                "load without assign=True, and call fp8amp.initialize after the model's weights are materialized")
+                "load_state_dict(..., assign=True), module.to_empty() of a model initialized on the meta device, or "
+                "torch.func.functional_call given a plain tensor for it). The optimizer that initialize returned "
+                "would update the old master and this layer would not train; load without assign=True, call "
+                "fp8amp.initialize after the model's weights are materialized, and give functional_call the "
+                "model's own parameters (named_parameters(): the masters) or call it on fp8amp.unconvert(model)")
         if not isinstance(weight, MasterWeight) and master.optimizer_built:  # gathered by FSDP2
             raise RuntimeError(
                 "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "
@@ -365,6 +369,14 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"Fp8Linear.load_state_dict: {prefix}weight holds inf or NaN; the checkpoint is "
                              "corrupt (an O1/O2 master stores finite values only)")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        weight = self.weight
+        if not weight.is_meta:
+            # A model built on meta, loaded with assign=True from a state dict without scaling
+            # buffers (fresh_scaling_if_missing(), strict=False): its states would stay on meta.
+            # Made where the weight is, from the initial state, before they load (they load next).
+            for state in (self.input_scaling, self.weight_scaling, self.grad_output_scaling):
+                if state.scale.is_meta:
+                    state.to_empty(device=weight.device)
 
     def update_scaling(self) -> None:
         """Delayed-scaling update of the input and output-gradient states (after a step)."""

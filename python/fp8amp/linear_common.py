@@ -1,9 +1,11 @@
 """What both of Fp8Linear's autograd Functions share (per-tensor scaling in linear.py, tile
 scaling in tiled_linear.py): the output dtype, the padding of the token rows and the output made
-from the GEMM's padded rows, and the E4M3 weight gradient of O1/O2."""
+from the GEMM's padded rows, the E4M3 weight gradient of O1/O2, and the refusals of double
+backward and of functorch's transforms."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -13,17 +15,60 @@ from .formats import E4M3
 from .ops import fast
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad"]
+__all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad", "first_order_backward",
+           "functorch_active", "NO_FUNCTORCH"]
 
 _unsafe_view = torch.ops.aten._unsafe_view.default  # the overload itself: no packet lookup a call
 
+# C functions bound once (no attribute lookups a call). The first is the forward's only check for a
+# torch.func transform (inside one, torch's own errors named autograd.Function internals, or the
+# O1/O2 master check fired on the transform's wrapped weight); Dynamo folds it to a constant.
+functorch_active = torch._C._are_functorch_transforms_active
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+_HIGH_PRECISION_INSTEAD = (
+    "keep the layers it goes through in high precision (fp8amp.convert / fp8amp.initialize with "
+    "module_filter_fn=lambda module, name: ... returning False for them), or run it on an unconverted copy, "
+    "fp8amp.unconvert(copy.deepcopy(model))")
+
+_NO_DOUBLE_BACKWARD = (
+    "Fp8Linear: double backward (a backward with create_graph=True: torch.autograd.functional.hessian, hvp, "
+    "vhp, jvp, jacobian(create_graph=True), gradient penalties) is not supported: the FP8 GEMMs of its "
+    "backward are not differentiable again. For such a computation, "
+    + _HIGH_PRECISION_INSTEAD)
+
+NO_FUNCTORCH = (
+    "Fp8Linear: torch.func transforms (vmap, grad, vjp, jvp, jacrev, jacfwd, hessian, functional_call inside one "
+    "of them) and torch.autograd.functional's vectorize=True are not supported: the layer's FP8 casts update its "
+    "scaling buffers in place inside a custom autograd Function, which functorch can neither batch nor "
+    "differentiate. Use torch.autograd.functional.jacobian / vjp with vectorize=False (the default), a loop "
+    "over samples, or " + _HIGH_PRECISION_INSTEAD)
+
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype where autocast is on, else ``x``'s dtype."""
+    """The autocast dtype where autocast is on, else ``x``'s dtype (on the meta device, which has
+    no autocast and whose query raises, ``x``'s dtype, as ``nn.Linear`` gives)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
+
+
+def first_order_backward(backward):
+    """``backward`` of an autograd Function whose GEMMs are not differentiable again, refusing to
+    run where autograd would differentiate it (grad mode on in a backward: create_graph=True) or
+    batch it (vmap over autograd.grad, jacobian's vectorize=True: a batched output gradient). In
+    place of ``once_differentiable``, which left the result unconnected where the output gradient
+    needs no grad (hessian, jvp, hvp: a second derivative of 0, silently)."""
+    @functools.wraps(backward)
+    def checked(ctx, grad_output: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise NotImplementedError(_NO_DOUBLE_BACKWARD)
+        # (Dynamo cannot trace the legacy check; a compiled backward gets no batched gradient.)
+        if functorch_active() or (not torch.compiler.is_compiling() and _is_legacy_batched(grad_output)):
+            raise NotImplementedError(NO_FUNCTORCH)
+        return backward(ctx, grad_output)
+    return checked
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:

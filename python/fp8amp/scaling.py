@@ -128,11 +128,25 @@ class ScalingState(torch.nn.Module):
         recipe and dtype were checked when the state was made, so the op is called unchecked.
         Without ``record`` the op folds x's amax into a scratch row, so the history is left alone
         (and a warm-up scale comes from x's amax alone)."""
-        scale, amax, counter = self._buffers_of(index)
+        scale, amax, counter = self._buffers_for(x, index)
         if not record:
             amax = torch.zeros_like(amax)
         r = self.recipe
         return op(_input(x, "x", name), scale, amax, self.dtype, counter, r.history_len, r.margin, r.pow2_scale)
+
+    def _buffers_for(self, x: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_buffers_of` for a cast of ``x``, refusing a state still on the meta device while
+        ``x`` is not (the op said only "got scale on meta and x on cpu")."""
+        buffers = self._buffers_of(index)
+        if buffers[0].is_meta and not x.is_meta:
+            raise RuntimeError(
+                f"ScalingState: this scaling state (an Fp8Linear's input_scaling, weight_scaling or "
+                f"grad_output_scaling) is on the meta device but x is on {x.device}: the model was built on meta and "
+                "its weights were materialized without it. Call .to_empty(device=...) on the state (or on the layer "
+                "before its weights are set: a state made from meta restarts its warm-up), or load its buffers "
+                "(load_state_dict of a checkpoint that holds them; load_state_dict(..., assign=True) of the layer's "
+                "weights makes missing ones where the weight is)")
+        return buffers
 
     def quantize(self, x: torch.Tensor, index: int = 0, *, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes ``x`` as tensor ``index`` of this state; records its amax (unless ``record`` is
@@ -164,7 +178,7 @@ class ScalingState(torch.nn.Module):
         """Like :meth:`cast_transpose`, with current scaling on every call: the scale comes from
         ``x``'s own amax (kept in column 0 of row ``index``'s history, which this resets first;
         the stored scale is the fallback for an all-zero or non-finite ``x``). For weights."""
-        scale, amax, _ = self._buffers_of(index)
+        scale, amax, _ = self._buffers_for(x, index)
         x = _input(x, "x", "cast_transpose")
         amax.select(1, 0).zero_()
         r = self.recipe

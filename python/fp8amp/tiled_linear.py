@@ -35,11 +35,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import cast_recorder, ops
 from .formats import E4M3, FP16
-from .linear_common import fp8_weight_grad, output_dtype, pad_rows, unpadded_output
+from .linear_common import first_order_backward, fp8_weight_grad, output_dtype, pad_rows, unpadded_output
 from .master_weight import MasterWeight
 from .recipes import BLOCK, MX_BLOCK, Recipe
 from .scaled_tensor import ScaledTensor
@@ -152,7 +151,7 @@ class TiledLinearFunction(torch.autograd.Function):
         return unpadded_output(y, x)
 
     @staticmethod
-    @once_differentiable  # its GEMMs are not differentiable again: double backward raises
+    @first_order_backward
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_si_t, w_fp8_t, w_si_t = ctx.saved_tensors
         recipe, rows = ctx.recipe, ctx.rows

@@ -154,6 +154,30 @@ def test_autocast_output_dtype(device):
     assert sqnr_db(y.float(), y_ref.float()) > FORWARD_SQNR_DB
 
 
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("how", ["to_meta", "device_context"])
+def test_a_model_on_the_meta_device_infers_shapes_as_nn_linear(level, recipe, how):
+    """Shape inference on meta (model sizes, FSDP2's meta init): autocast's query of the meta
+    device raised torch's "unknown device type for autocast"; the fp8amp ops have meta kernels."""
+    def build():
+        model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+        if level == "fp8":
+            return fp8amp.convert(model, policy="all", recipe=recipe)
+        return fp8amp.initialize(model, opt_level=level, policy="all", recipe=recipe)[0]
+    if how == "to_meta":
+        model, x = build().to("meta"), torch.randn(2, 8, 128, device="meta", requires_grad=True)
+    else:
+        with torch.device("meta"):
+            model, x = build(), torch.randn(2, 8, 128, requires_grad=True)
+    assert isinstance(model[0], fp8amp.Fp8Linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # no autocast on meta: nn.Linear keeps x's dtype
+        y = model(x)
+    assert y.is_meta and y.shape == (2, 8, 128) and y.dtype == torch.float32
+    y.sum().backward()
+    assert x.grad.is_meta and x.grad.shape == x.shape and model[0].weight.grad.shape == (256, 128)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 @pytest.mark.parametrize("lead_shape", [(16,), (7,), (2, 5), (3, 16)])
 def test_the_output_is_no_view(recipe, lead_shape):
@@ -243,15 +267,80 @@ def test_recording_outside_training_is_an_option():
     assert layer.input_scaling.amax_history[0, 0].item() == 3.0
 
 
-@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
-def test_double_backward_is_refused(level):
-    """A gradient penalty through an Fp8Linear used to give a weight gradient of 0 silently."""
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
-    if level == "fp8":
-        fp8amp.convert(model, policy="all")
-    else:
-        model, _ = fp8amp.initialize(model, opt_level=level, policy="all")
-    x = torch.randn(32, 16, requires_grad=True)
-    (grad_x,) = torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+def _second_order(model, x):
+    """Each way to differentiate through a layer twice, by name."""
+    f = lambda xi: model(xi).pow(2).sum()
+    v = torch.randn_like(x)
+
+    def input_grad_of_input_grad():
+        xi = x.clone().requires_grad_()
+        (grad_x,) = torch.autograd.grad(f(xi), xi, create_graph=True)
+        return torch.autograd.grad(grad_x.sum(), xi)
+
+    def gradient_penalty():
+        xi = x.clone().requires_grad_()
+        (grad_x,) = torch.autograd.grad(f(xi), xi, create_graph=True)
         grad_x.norm().backward()
+
+    return {"hessian": lambda: torch.autograd.functional.hessian(f, x[0]),
+            "hvp": lambda: torch.autograd.functional.hvp(f, x, v),
+            "jvp": lambda: torch.autograd.functional.jvp(model, x, v),
+            "create_graph": input_grad_of_input_grad, "gradient_penalty": gradient_penalty}
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("how", ["hessian", "hvp", "jvp", "create_graph", "gradient_penalty"])
+def test_double_backward_is_refused(level, recipe, how):
+    """Double backward raises, never returns 0: hessian, hvp and jvp (the double-backward trick)
+    gave exactly 0 through an Fp8Linear, and a gradient penalty a weight gradient of 0 (its
+    backward was once_differentiable, which detached the input gradient)."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128))
+    if level == "fp8":
+        fp8amp.convert(model, policy="all", recipe=recipe)
+    else:
+        model, _ = fp8amp.initialize(model, opt_level=level, policy="all", recipe=recipe)
+    assert isinstance(model[2], fp8amp.Fp8Linear)
+    with pytest.raises(NotImplementedError, match=r"Fp8Linear: double backward .*module_filter_fn.*unconvert"):
+        _second_order(model, torch.randn(4, 128))[how]()
+    model(torch.randn(4, 128)).sum().backward()  # first order still works after the refusal
+
+
+def _transforms(model, x):
+    """Each torch.func transform (and torch.autograd.functional's vectorize=True), by name."""
+    from torch.func import functional_call, grad, jacfwd, jacrev, vmap
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def vmap_over_autograd_grad():  # the forward outside the transform: its backward is batched
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        return vmap(lambda v: torch.autograd.grad(y, xi, v, retain_graph=True))(torch.randn(3, *y.shape))
+
+    return {"vmap": lambda: vmap(model)(x),
+            "grad": lambda: grad(lambda xi: model(xi).sum())(x),
+            "jacrev": lambda: jacrev(model)(x[0]),
+            "jacfwd": lambda: jacfwd(model)(x[0]),
+            "functional_call_in_grad": lambda: grad(lambda p: functional_call(model, p, (x,)).sum())(params),
+            "jacobian_vectorize": lambda: torch.autograd.functional.jacobian(model, x[0], vectorize=True),
+            "vmap_over_autograd_grad": vmap_over_autograd_grad}
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("how", ["vmap", "grad", "jacrev", "jacfwd", "functional_call_in_grad", "jacobian_vectorize",
+                                 "vmap_over_autograd_grad"])
+def test_torch_func_transforms_are_refused_clearly(level, recipe, how):
+    """torch's own errors named autograd.Function internals ("must override the setup_context
+    staticmethod", "Batching rule not implemented for fp8amp::..."), or at O1/O2 the master check
+    (the transform wraps the weight), which told to pass the model's own parameters."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128))
+    if level == "fp8":
+        fp8amp.convert(model, policy="all", recipe=recipe)
+    else:
+        model, _ = fp8amp.initialize(model, opt_level=level, policy="all", recipe=recipe)
+    with pytest.raises(NotImplementedError, match=r"Fp8Linear: torch.func transforms .*vectorize=False.*module_filter_fn"):
+        _transforms(model, torch.randn(4, 128))[how]()
+    x = torch.randn(4, 128)
+    assert torch.autograd.functional.jacobian(model, x[0]).shape == (128, 128)  # vectorize=False works
+    model(x).sum().backward()
+

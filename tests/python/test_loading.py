@@ -217,6 +217,43 @@ def test_load_state_dict_with_assign_into_a_model_converted_on_meta_runs_where_t
     assert torch.equal(meta(x), reference(x))
 
 
+@pytest.mark.parametrize("how", ["fresh_scaling_if_missing", "strict_false"])
+def test_assign_loading_a_plain_checkpoint_into_a_model_converted_on_meta_makes_its_scaling_states(how):
+    """A checkpoint without scaling buffers, loaded with assign=True: the states stayed on meta (the
+    fresh branch returns before any buffer moves), and the forward failed in the cast op with "got
+    scale on meta and x on cpu". They are made where the weights are, from the initial state."""
+    with torch.device("meta"):
+        meta = fp8amp.convert(_model(), policy="all")
+    plain = _model(1)
+    if how == "fresh_scaling_if_missing":
+        with fp8amp.fresh_scaling_if_missing():
+            meta.load_state_dict(plain.state_dict(), assign=True)
+    else:
+        missing = meta.load_state_dict(plain.state_dict(), strict=False, assign=True).missing_keys
+        assert missing and all("scaling" in key for key in missing)
+    reference = fp8amp.convert(copy.deepcopy(plain), policy="all")
+    for (name, b), r in zip(_fresh_scaling_buffers(meta).items(), _fresh_scaling_buffers(reference).values()):
+        assert b.device.type == "cpu" and torch.equal(b, r), name
+    x = torch.randn(4, 16)
+    assert torch.equal(meta(x), reference(x))
+
+
+def test_a_forward_whose_scaling_state_is_still_on_meta_says_how_to_make_it():
+    """Weights set by hand on a model converted on meta leave the scaling states there."""
+    with torch.device("meta"):
+        meta = fp8amp.convert(_model(), policy="all")
+    for layer in (meta[0], meta[2]):
+        layer.weight = nn.Parameter(torch.randn(layer.weight.shape))
+        layer.bias = nn.Parameter(torch.zeros(layer.bias.shape))
+    with pytest.raises(RuntimeError, match=r"ScalingState: .*input_scaling.* is on the meta device but x is on cpu"
+                                           r".*to_empty\(device=\.\.\.\)"):
+        meta(torch.randn(4, 16))
+    for layer in (meta[0], meta[2]):
+        for state in (layer.input_scaling, layer.weight_scaling, layer.grad_output_scaling):
+            state.to_empty(device="cpu")
+    meta(torch.randn(4, 16)).sum().backward()
+
+
 def test_scaling_buffers_carried_in_the_metadata_load_into_converted_and_plain_models():
     """carry_in_metadata (the Lightning plugin's checkpoints): the scaling buffers out of the keys,
     in the state dict's per-module metadata; it survives torch.save, loads strictly into the

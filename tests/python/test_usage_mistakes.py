@@ -231,3 +231,16 @@ def test_update_scaling_by_hand_of_a_hooked_model_is_warned():
         warnings.simplefilter("error")
         fp8amp.update_scaling(plain)
         fp8amp.update_scaling(copy.deepcopy(model))  # a copy has no hooks
+
+
+def test_functional_call_takes_the_masters_and_says_so_for_plain_weights():
+    from torch.func import functional_call
+
+    model = _model()
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    x = torch.randn(8, 16)
+    assert torch.equal(functional_call(model, dict(model.named_parameters()), (x,)), model(x))
+    plain = {name: p.detach().dequantize() if isinstance(p, fp8amp.ScaledTensor) else p.detach()
+             for name, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"functional_call given a plain tensor.*named_parameters\(\)"):
+        functional_call(model, plain, (x,))
