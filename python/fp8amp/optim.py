@@ -72,7 +72,9 @@ except ImportError:  # a torch built without distributed: no DTensor params
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
 from .master_weight import MasterWeight
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, nonfinite_flag, or_empty as _or_empty
-from .optim_state import MOMENT_KEYS, complete_groups, convert_state, one_per_shard, real_sharded_moments
+from .optim_state import (MOMENT_KEYS, ScaledMoment, complete_groups, convert_state, fp8_states_as_bytes,
+                          fp8_states_from_bytes, moments_as_codes, moments_with_scales, one_per_shard,
+                          real_sharded_moments)
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 from .scaled_tensor import ScaledTensor
 
@@ -165,6 +167,10 @@ class Adam(torch.optim.Optimizer):
             value = group[key]
             if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{self._name}: {key} must be a Python float, got {type(value).__name__}")
+            if key == "eps" and not value > 0.0:
+                raise ValueError(f"{self._name}: invalid eps: {value} (must be > 0: with eps = 0 an element whose "
+                                 "gradients were all 0, as FP8 gradients often are, divides 0 by 0 and every step "
+                                 "is skipped; torch makes such weights NaN)")
             if not value >= 0.0:
                 raise ValueError(f"{self._name}: invalid {key}: {value} (must be >= 0)")
         betas = group["betas"]
@@ -212,8 +218,13 @@ class Adam(torch.optim.Optimizer):
         key = self._cohorts[id(p)] = ("step", float(self.state[p]["step"]))
         return key
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # (O2's float8 codes as bytes: torch cannot pickle.loads them)
+        return {**state, "state": fp8_states_as_bytes(state["state"])}
+
     def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # (also load_state_dict's call, with no bytes to take back)
+        fp8_states_from_bytes(self.state)
         self._cohorts = {}
         self._cohort_ids = itertools.count(1)
         self._call_lists = {}
@@ -226,7 +237,7 @@ class Adam(torch.optim.Optimizer):
         DTensors of their real values, which a distributed checkpoint can reshard
         (:func:`fp8amp.optim_state.real_sharded_moments`)."""
         saved = super().state_dict()
-        saved["state"] = {pid: _moments_with_scales(real_sharded_moments(state))
+        saved["state"] = {pid: moments_with_scales(real_sharded_moments(state))
                           for pid, state in saved["state"].items()}
         return saved
 
@@ -242,7 +253,7 @@ class Adam(torch.optim.Optimizer):
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"{self._name}.load_state_dict: state_dict must be a dict with 'state' and "
                              f"'param_groups' (what state_dict() returns); got {got}")
-        state_dict = {**state_dict, "state": {pid: _moments_as_codes(state)
+        state_dict = {**state_dict, "state": {pid: moments_as_codes(state)
                                               for pid, state in state_dict["state"].items()}}
         saved = state_dict["state"]
         state_dict = {**state_dict, "param_groups": complete_groups(state_dict["param_groups"], self.param_groups)}
@@ -405,64 +416,6 @@ def _fused_form(grad: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, BlockScaledTensor) and grad.shape[1] % BLOCK_TILE[1]:
         return grad.dequantize(torch.float32)
     return grad
-
-
-class ScaledMoment(ScaledTensor):
-    """An O2 moment as :meth:`Adam.state_dict` saves it: the E4M3 or FP16 codes with their scale,
-    one tensor whose logical dtype is float32.
-
-    ``Tensor.to`` of it gives its real values as a plain tensor, always (also to its own dtype and
-    device, where torch would return the tensor itself): that is the cast ``torch.optim``'s
-    ``load_state_dict`` applies to every state, so a plain Adam/AdamW loading fp8amp's state dict
-    holds real moments. :meth:`Adam.load_state_dict` takes the codes and the scale back bit for bit."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.to:
-            return args[0].dequantize().to(*args[1:], **kwargs)
-        if func is torch.Tensor.__deepcopy__:  # keep the type (a ScaledTensor clone would not)
-            moment = args[0]
-            return ScaledMoment(moment.codes.clone(), moment.scale_inv.clone(), moment.dtype)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        # A clone or a detach comes back a ScaledTensor: made a moment again, so that a state dict
-        # copied tensor by tensor (as checkpoint tools do) still loads as real values. (Not views:
-        # a row view keeps its link to the moment it writes through.)
-        if func in _MOMENT_COPIES and type(out) is ScaledTensor:
-            return ScaledMoment(out.codes, out.scale_inv, out.dtype)
-        return out
-
-    def __reduce_ex__(self, protocol):
-        # Pickled as its two plain tensors: loads under any map_location (torch refuses a callable
-        # one, as Lightning passes, for tensor subclasses it rebuilds as wrappers).
-        return ScaledMoment, (self.codes, self.scale_inv, self.dtype)
-
-
-torch.serialization.add_safe_globals([ScaledMoment])
-_MOMENT_COPIES = (torch.Tensor.clone, torch.clone, torch.Tensor.detach, torch.detach)
-
-def _moments_with_scales(state: dict) -> dict:
-    """A param's saved state: each scaled moment and its scale as one ScaledMoment (a new dict:
-    torch's state_dict shares the live per-param dicts)."""
-    state = dict(state)
-    for key, scale_key, scale_inv_key in MOMENT_KEYS:
-        if scale_inv_key in state and not isinstance(state[key], DTensor):
-            state.pop(scale_key)
-            state[key] = ScaledMoment(state[key], state.pop(scale_inv_key))
-    return state
-
-
-def _moments_as_codes(state: dict) -> dict:
-    """The inverse of _moments_with_scales: codes, then the scale and scale_inv entries in the order
-    _init_state makes them (the scale is the exact reciprocal of a power of two)."""
-    moments = {key: state[key] for key, _, _ in MOMENT_KEYS if isinstance(state.get(key), ScaledTensor)}
-    state = {key: moments[key].codes if key in moments else value for key, value in state.items()}
-    for key, scale_key, scale_inv_key in MOMENT_KEYS:
-        if key in moments:
-            state[scale_key] = moments[key].scale_inv.reciprocal()
-            state[scale_inv_key] = moments[key].scale_inv
-    return state
 
 
 class AdamW(Adam):

@@ -18,12 +18,17 @@ optimizer passed into :func:`fp8amp.initialize`), or fp8amp's at another level.
   same-layout load are not kept as saved; the real values are, and the next step depends on them
   alone (docs/distributed.md#checkpoints).
 
+The saved forms: an O2 moment in a state dict is one :class:`ScaledMoment` (codes and scale);
+pickled, FP8 codes travel as uint8 views of their bytes (torch cannot ``pickle.loads`` a float8
+tensor), in a state dict and in a pickled optimizer (:func:`fp8_states_as_bytes`).
+
 See docs/o1_o2.md#optimizer ("Loading a state dict").
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
@@ -33,8 +38,10 @@ except ImportError:  # a torch built without distributed
     DTensor = Shard = ()
 
 from .ops import dequantize, quantize_current
+from .scaled_tensor import ScaledTensor
 
-__all__ = ["complete_groups", "convert_state", "real_sharded_moments", "one_per_shard", "MOMENT_KEYS"]
+__all__ = ["complete_groups", "convert_state", "real_sharded_moments", "one_per_shard", "MOMENT_KEYS", "ScaledMoment",
+           "moments_with_scales", "moments_as_codes", "fp8_states_as_bytes", "fp8_states_from_bytes"]
 
 #: Each moment's state key with the keys of its scale and scale_inv (present when it is scaled).
 MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
@@ -136,3 +143,92 @@ def one_per_shard(value: torch.Tensor, sharded: "DTensor") -> "DTensor":
     shards = math.prod(mesh.size(i) for i, s in enumerate(is_shard) if s)
     placements = [Shard(0) if s else pl for s, pl in zip(is_shard, sharded.placements)]
     return DTensor.from_local(value, mesh, placements, run_check=False, shape=(shards,), stride=(1,))
+
+
+class ScaledMoment(ScaledTensor):
+    """An O2 moment as :meth:`fp8amp.optim.Adam.state_dict` saves it: the E4M3 or FP16 codes with
+    their scale, one tensor whose logical dtype is float32.
+
+    ``Tensor.to`` of it gives its real values as a plain tensor, always (also to its own dtype and
+    device, where torch would return the tensor itself): that is the cast ``torch.optim``'s
+    ``load_state_dict`` applies to every state, so a plain Adam/AdamW loading fp8amp's state dict
+    holds real moments. :meth:`fp8amp.optim.Adam.load_state_dict` takes the codes and the scale
+    back bit for bit."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            return args[0].dequantize().to(*args[1:], **kwargs)
+        if func is torch.Tensor.__deepcopy__:  # keep the type (a ScaledTensor clone would not)
+            moment = args[0]
+            return ScaledMoment(moment.codes.clone(), moment.scale_inv.clone(), moment.dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        # A clone or a detach comes back a ScaledTensor: made a moment again, so that a state dict
+        # copied tensor by tensor (as checkpoint tools do) still loads as real values. (Not views:
+        # a row view keeps its link to the moment it writes through.)
+        if func in _MOMENT_COPIES and type(out) is ScaledTensor:
+            return ScaledMoment(out.codes, out.scale_inv, out.dtype)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        # Pickled as plain tensors: loads under any map_location (torch refuses a callable one, as
+        # Lightning passes, for tensor subclasses it rebuilds as wrappers). The codes as uint8:
+        # pickle.loads of a float8 tensor fails in torch.
+        codes = self.codes
+        raw = codes.view(torch.uint8) if codes.dtype in _FP8_DTYPES else codes
+        return _rebuild_moment, (raw, codes.dtype, self.scale_inv, self.dtype)
+
+
+def _rebuild_moment(codes: torch.Tensor, codes_dtype: torch.dtype, scale_inv: torch.Tensor,
+                    dtype: torch.dtype) -> ScaledMoment:
+    return ScaledMoment(codes.view(codes_dtype), scale_inv, dtype)
+
+
+# (ScaledMoment also under its former module's name, which older state dicts give.)
+torch.serialization.add_safe_globals([_rebuild_moment, (ScaledMoment, "fp8amp.optim.ScaledMoment")])
+_MOMENT_COPIES = (torch.Tensor.clone, torch.clone, torch.Tensor.detach, torch.detach)
+
+
+def moments_with_scales(state: dict) -> dict:
+    """A param's saved state: each scaled moment and its scale as one ScaledMoment (a new dict:
+    torch's state_dict shares the live per-param dicts)."""
+    state = dict(state)
+    for key, scale_key, scale_inv_key in MOMENT_KEYS:
+        if scale_inv_key in state and not isinstance(state[key], DTensor):
+            state.pop(scale_key)
+            state[key] = ScaledMoment(state[key], state.pop(scale_inv_key))
+    return state
+
+
+def moments_as_codes(state: dict) -> dict:
+    """The inverse of moments_with_scales: codes, then the scale and scale_inv entries in the order
+    the optimizer makes them (the scale is the exact reciprocal of a power of two)."""
+    moments = {key: state[key] for key, _, _ in MOMENT_KEYS if isinstance(state.get(key), ScaledTensor)}
+    state = {key: moments[key].codes if key in moments else value for key, value in state.items()}
+    for key, scale_key, scale_inv_key in MOMENT_KEYS:
+        if key in moments:
+            state[scale_key] = moments[key].scale_inv.reciprocal()
+            state[scale_inv_key] = moments[key].scale_inv
+    return state
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_states_as_bytes(states: dict) -> defaultdict:
+    """An optimizer's ``state`` (param -> its state dict) to pickle: each plain float8 tensor (O2's
+    ``exp_avg`` codes) as a uint8 view of its bytes, its dtype kept under ``"_fp8_dtypes"``."""
+    out = defaultdict(dict)
+    for param, state in states.items():
+        fp8 = {k: v.dtype for k, v in state.items() if type(v) is torch.Tensor and v.dtype in _FP8_DTYPES}
+        out[param] = {**state, **{k: state[k].view(torch.uint8) for k in fp8}, "_fp8_dtypes": fp8} if fp8 else state
+    return out
+
+
+def fp8_states_from_bytes(states: dict) -> None:
+    """The inverse of fp8_states_as_bytes, in place (states without ``"_fp8_dtypes"`` stay as they are)."""
+    for state in states.values():
+        for k, dtype in state.pop("_fp8_dtypes", {}).items():
+            state[k] = state[k].view(dtype)

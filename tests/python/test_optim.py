@@ -318,6 +318,10 @@ def test_errors_name_the_argument():
         AdamW(params, lr=torch.tensor(1e-3))
     with pytest.raises(ValueError, match=r"invalid betas\[1\]"):
         AdamW(params, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"invalid eps: 0.0 \(must be > 0: with eps = 0 .* every step is skipped"):
+        AdamW(params, eps=0.0)
+    with pytest.raises(ValueError, match=r"invalid weight_decay: -0.1 \(must be >= 0\)"):
+        AdamW(params, weight_decay=-0.1)
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = AdamW(emb.parameters())
     emb(torch.tensor([1, 2])).sum().backward()
