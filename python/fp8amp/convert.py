@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -42,7 +41,6 @@ try:
 except ImportError:  # a torch built without distributed
     DTensor = None
 
-from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
 from .convert_policy import (
     DEFAULT_MIN_SPEEDUP,
     DEFAULT_TOKENS,
@@ -58,7 +56,7 @@ from .convert_policy import (
 )
 from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d
 from .recipes import Recipe, resolve_recipe
-from .scaling import ScalingState, update_states
+from .scaling_hooks import register_scaling_hooks, update_scaling
 
 __all__ = [
     "convert",
@@ -311,65 +309,6 @@ def _recipe_note(recipe) -> str:
     return "" if recipe.kind == "tensorwise" else f", recipe {recipe}"
 
 
-# The scaling states some optimizer's hooks update after each step, so that an update by hand of
-# the same states (which would roll their histories twice a step) is told. Weak: a state that is
-# gone leaves it; a deep copy of a model is not in it.
-_STATES_UPDATED_BY_HOOKS: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
-
-
-def scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
-    """Whether :func:`register_scaling_hooks` registered ``model`` on ``optimizer``."""
-    return any(m is model for m in optimizer.__dict__.get("_fp8amp_scaled_models", ()))
-
-
-def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
-    the amax reduction across ranks, so that the collective overlaps the step
-    (:func:`fp8amp.amax_sync.start_amax_reduction`), unless the step is given a closure, whose
-    forward and backward record amaxes inside the step: then the reduction follows it.
-    Registering a model again on the same optimizer (or a module inside one registered) changes
-    nothing: each scaling state is updated once a step, since a second update would roll its amax
-    history twice."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"register_scaling_hooks: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    models = optimizer.__dict__.get("_fp8amp_scaled_models")
-    if models is not None:
-        if not any(m is model for m in models):
-            models.append(model)
-            _STATES_UPDATED_BY_HOOKS.update(delayed_states(model))
-        return
-    models = optimizer.__dict__["_fp8amp_scaled_models"] = [model]
-    _STATES_UPDATED_BY_HOOKS.update(delayed_states(model))
-    # The states are found once a step, by the pre-hook, and updated by the post-hook: one walk of
-    # the module tree a step (host time in every step's hot loop), not two.
-    found: dict[str, list[ScalingState]] = {}
-
-    def states_of_models() -> list[ScalingState]:
-        if len(models) == 1:
-            return delayed_states(models[0])
-        return list({id(s): s for m in models for s in delayed_states(m)}.values())
-
-    def start(_, args, kwargs) -> None:  # a pre-hook returns None (or new arguments for step)
-        found["states"] = states_of_models()
-        # A closure (Lightning's every step) runs a forward and backward inside step(), after this
-        # hook: a reduction issued now would copy back maxima taken before them, overwriting their
-        # amaxes. Then the post-hook reduces, after the closure, without the overlap.
-        if (args[1] if len(args) > 1 else kwargs.get("closure")) is None:  # args: (optimizer, closure?)
-            _start_amax_reduction(found["states"], step_bound=True)
-
-    def finish(*_) -> None:  # not run when the step raises: its reduction is then discarded
-        states = found.pop("states", None)
-        states = states_of_models() if states is None else states
-        _end_step(states)
-        _update_states(states)
-
-    optimizer.register_step_pre_hook(start)
-    optimizer.register_step_post_hook(finish)
-
-
 class _Conv1DShape:
     """A Hugging Face Conv1D (weight ``[in, out]``) as the decision rules and the timing read a
     Linear: its in/out features, bias, and a weight of its device and dtype (a transposed view)."""
@@ -379,28 +318,3 @@ class _Conv1DShape:
         self.in_features, self.out_features = conv.weight.shape
         self.bias = conv.bias
         self.weight = conv.weight.detach().t()
-
-
-def update_scaling(model: nn.Module) -> None:
-    """Delayed-scaling update of every ``Fp8Linear`` in ``model``; call after each optimizer step.
-    One launch for all their input states and one for their output-gradient states. With several
-    ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
-    (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
-    the group must call it. A model whose optimizer's hooks already update it
-    (:func:`register_scaling_hooks`, which ``initialize`` and ``convert(..., optimizer)`` call)
-    must not be updated again: that is warned, since its histories would roll twice a step."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"update_scaling: model must be an nn.Module, got {type(model).__name__}")
-    states = delayed_states(model)
-    if _STATES_UPDATED_BY_HOOKS and any(s in _STATES_UPDATED_BY_HOOKS for s in states):  # (no hooks: no loop)
-        warnings.warn("update_scaling: this model's scaling is already updated after every optimizer.step() by "
-                      "the hooks of initialize / convert(..., optimizer) / register_scaling_hooks; a second "
-                      "update a step rolls each amax history twice (half its window). Remove this call, or "
-                      "convert without the optimizer and keep it", stacklevel=2)
-    _update_states(states)
-
-
-def _update_states(states: list[ScalingState]) -> None:
-    with torch.no_grad():
-        _reduce_amaxes(states)
-        update_states(states)

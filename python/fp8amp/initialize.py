@@ -34,7 +34,6 @@ from torch import nn
 from . import optim as fp8_optim
 from .convert import ModuleFilter, conversion_report, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
-from .formats import HIGH_PRECISION_DTYPES
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .recipes import resolve_recipe
@@ -102,6 +101,10 @@ def initialize(
     if optimizer is not None:
         _check_optimizer(optimizer)
         _check_optimizer_of(model, optimizer)
+        try:  # fp8amp's Adam checks every group (dtypes, options, hyperparameters) before the model changes
+            _rebuild_optimizer(optimizer, {}, opt_level)
+        except ValueError as error:
+            raise ValueError(f"initialize: {error}") from None
 
     if recipe is not None:  # its errors name initialize; convert takes the Recipe as it is
         recipe = resolve_recipe(recipe, "initialize")
@@ -195,11 +198,14 @@ def _check_optimizer(optimizer: object, caller: str = "initialize") -> None:
     if any(optimizer.state.values()):
         raise ValueError(f"{caller}: the optimizer has already taken steps (it holds state); convert it "
                          "before the first step, or load the checkpoint into the optimizer fp8amp returns")
-    for k, group in enumerate(optimizer.param_groups):  # what fp8amp's optimizer takes, before the model changes
+    for k, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
-            if not isinstance(p, ScaledTensor) and p.dtype not in HIGH_PRECISION_DTYPES:
-                raise ValueError(f"{caller}: the optimizer's params must be float32, bfloat16 or float16 (fp8amp's "
-                                 f"Adam steps no other dtype); param {i} of group {k} is {p.dtype}")
+            if getattr(p, "_fp8amp_replaced_by_master", False):
+                raise ValueError(f"{caller}: param {i} of group {k} is a Linear weight that an earlier "
+                                 "fp8amp.initialize replaced by an FP16 master: stepping it would not train the "
+                                 "model's layer; build the optimizer after initialize, over model.parameters() "
+                                 "(several optimizers: fp8amp.initialize(model, None, ...), then "
+                                 "fp8amp.initialize_optimizer(model, optimizer, opt_level) for each)")
 
 
 def _check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -255,6 +261,7 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
             setattr(module, name, master)
+        param._fp8amp_replaced_by_master = True  # an optimizer built before holds it: refused (_check_optimizer)
         masters[param] = master
     return masters
 

@@ -78,17 +78,44 @@ def test_without_optimizer():
     later.step()
 
 
-def test_initialize_optimizer_warns_of_an_optimizer_built_before_the_masters():
-    """Built before initialize(model, None): it holds the float32 Linear weights the masters
-    replaced, so it would train the biases and norms only (it did, silently, before 2026-12-06)."""
+def test_an_optimizer_built_before_the_masters_is_refused():
+    """Built before initialize: it holds the float32 Linear weights the masters replaced, so it
+    would train the biases and norms only (it did, silently: through initialize_optimizer before
+    2026-12-06, and through a second initialize with an optimizer of part of the model)."""
     model = net()
     early = torch.optim.AdamW(model.parameters())
     model, _ = fp8amp.initialize(model, None, "O2", policy="all")
-    with pytest.warns(UserWarning, match=r"initialize_optimizer: \d+ of the optimizer's parameters are not the model's"):
+    with pytest.raises(ValueError, match=r"initialize_optimizer: param \d+ of group 0 is a Linear weight that an "
+                                         r"earlier fp8amp.initialize replaced by an FP16 master"):
         fp8amp.initialize_optimizer(model, early, "O2")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp8amp.initialize_optimizer(model, torch.optim.AdamW(model.parameters()), "O2")
+
+    model = net()
+    first, second = torch.optim.AdamW(model.up.parameters()), torch.optim.AdamW(model.down.parameters())
+    model, first = fp8amp.initialize(model, first, "O2", policy="all")
+    with pytest.raises(ValueError, match=r"initialize: param \d+ of group 0 is a Linear weight that an earlier"):
+        fp8amp.initialize(model, second, "O2", policy="all")
+
+
+def test_initialize_optimizer_warns_of_parameters_not_the_models():
+    """Not replaced by initialize, but not the model's either (e.g. built before fully_shard)."""
+    model, _ = fp8amp.initialize(net(), None, "O2", policy="all")
+    other = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"initialize_optimizer: 2 of the optimizer's parameters are not the model's"):
+        fp8amp.initialize_optimizer(model, torch.optim.AdamW([*model.parameters(), *other.parameters()]), "O2")
+
+
+@pytest.mark.parametrize("options", [dict(amsgrad=True), dict(differentiable=True), dict(lr=torch.tensor(1e-2)),
+                                     dict(eps=0.0)], ids=["amsgrad", "differentiable", "tensor lr", "eps 0"])
+def test_optimizer_options_are_checked_before_the_model_changes(options):
+    """A refused optimizer left the model converted, with masters its old optimizer does not step."""
+    model = net()
+    with pytest.raises(ValueError, match=r"^initialize: fp8amp.optim.AdamW: "):
+        fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), **options), "O2", policy="all")
+    assert not any(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())
+    assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
 
 
 def test_errors_name_the_argument():

@@ -70,9 +70,9 @@ def test_other_ops_fp8amp_issues_a_step():
 
 def counting_walks(monkeypatch) -> list:
     """The walks of the module tree the optimizer hooks make (fp8amp.amax_sync.delayed_states, as
-    fp8amp.convert's hooks call it), one entry each."""
+    fp8amp.scaling_hooks calls it), one entry each."""
     walks = []
-    hooks = sys.modules["fp8amp.convert"]  # the module (fp8amp.convert is the function)
+    hooks = sys.modules["fp8amp.scaling_hooks"]
     walk = hooks.delayed_states
 
     def counting(model):

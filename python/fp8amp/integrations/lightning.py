@@ -44,7 +44,8 @@ from torch import nn
 
 from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
-from ..convert import check_options, scales_after_step
+from ..convert import check_options
+from ..scaling_hooks import scales_after_step
 from ..initialize import check_level, initialize, initialize_optimizer
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor

@@ -1,0 +1,189 @@
+"""The delayed-scaling update after each optimizer step: :func:`register_scaling_hooks` (what
+``initialize`` and ``convert(..., optimizer)`` call) and :func:`update_scaling` (by hand).
+
+- Each scaling state is updated by the hooks of one optimizer: the first registered for it that
+  is still alive. A model stepped by several optimizers (say Muon for its matrices and AdamW for
+  the rest) rolls each amax history once per step of that optimizer, not once per optimizer;
+  when that optimizer is gone, the next registered one takes its states over.
+- A copy of a registered optimizer (``copy.deepcopy``, ``pickle``, ``torch.save``) registers its
+  models again: copied together with the optimizer (``copy.deepcopy((model, optimizer))``), the
+  models are their copies, whose scales then follow the copy's steps. torch's own
+  ``Optimizer.__getstate__`` keeps no hooks, which froze a copy's scales silently.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
+from .scaling import ScalingState, update_states
+
+__all__ = ["register_scaling_hooks", "update_scaling", "scales_after_step"]
+
+# Each state's registered optimizers (weak references, in registration order); the first alive
+# updates it. Weak keys: a state that is gone leaves it; a deep copy of a model is not in it.
+_REGISTERED: "weakref.WeakKeyDictionary[ScalingState, list[weakref.ref]]" = weakref.WeakKeyDictionary()
+# Bumped when some state's owner may change (a registration, an optimizer gone): each optimizer's
+# hooks sort out their own states again only then, not at every step.
+_generation = 0
+
+
+def _ownership_changed(_=None) -> None:
+    global _generation
+    _generation += 1
+
+
+class _StepHooks:
+    """One optimizer's step hooks: before the step, the start of the amax reduction
+    (:func:`fp8amp.amax_sync.start_amax_reduction`); after it, :func:`update_scaling` of the
+    states of its models that it owns."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = weakref.ref(optimizer, _ownership_changed)
+        self.models: list[nn.Module] = []
+        self.found: list[ScalingState] | None = None  # the pre-hook's states, for the post-hook
+        self.walked: list[ScalingState] | None = None  # the models' states at the last sorting ...
+        self.owned: list[ScalingState] = []  # ... and those of them this optimizer updates
+        self.generation = -1
+
+    def add(self, model: nn.Module) -> None:
+        self.models.append(model)
+        self.claim(delayed_states(model))
+
+    def claim(self, states: list[ScalingState]) -> None:
+        """Registers this optimizer for ``states`` (after those registered before it)."""
+        me, added = self.optimizer, False
+        for state in states:
+            refs = _REGISTERED.get(state)
+            if refs is None:
+                _REGISTERED[state] = [me]
+            elif not any(r is me for r in refs):
+                refs.append(me)
+            else:
+                continue
+            added = True
+        if added:
+            _ownership_changed()
+
+    def states(self) -> list[ScalingState]:
+        """The states to update this step. The module tree is walked once a step (host time in
+        every step's hot loop); which states are this optimizer's is sorted out again only when
+        the walk finds other states or an ownership changed (one list comparison otherwise)."""
+        models = self.models
+        walked = (delayed_states(models[0]) if len(models) == 1
+                  else list({id(s): s for m in models for s in delayed_states(m)}.values()))
+        if walked != self.walked or self.generation != _generation:
+            self.claim(walked)  # states that appeared since the registration (layers converted later)
+            owned = []
+            for state in walked:
+                refs = _REGISTERED[state]
+                refs[:] = [r for r in refs if r() is not None]
+                if refs[0] is self.optimizer:
+                    owned.append(state)
+            self.walked, self.owned, self.generation = walked, owned, _generation
+        return self.owned
+
+    def start(self, _, args, kwargs) -> None:  # a pre-hook returns None (or new arguments for step)
+        states = self.found = self.states()
+        # A closure (Lightning's every step) runs a forward and backward inside step(), after this
+        # hook: a reduction issued now would copy back maxima taken before them, overwriting their
+        # amaxes. Then the post-hook reduces, after the closure, without the overlap.
+        if states and (args[1] if len(args) > 1 else kwargs.get("closure")) is None:  # args: (optimizer, closure?)
+            _start_amax_reduction(states, step_bound=True)
+
+    def finish(self, *_) -> None:  # not run when the step raises: its reduction is then discarded
+        states, self.found = self.found, None
+        states = self.states() if states is None else states
+        if states:
+            _end_step(states)
+            _update_states(states)
+
+
+def scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Whether :func:`register_scaling_hooks` registered ``model`` on ``optimizer``."""
+    hooks = optimizer.__dict__.get("_fp8amp_step_hooks")
+    return hooks is not None and any(m is model for m in hooks.models)
+
+
+def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After each ``optimizer.step()``, :func:`update_scaling` of ``model``; before it, the start of
+    the amax reduction across ranks, so that the collective overlaps the step
+    (:func:`fp8amp.amax_sync.start_amax_reduction`), unless the step is given a closure, whose
+    forward and backward record amaxes inside the step: then the reduction follows it.
+    Each scaling state is updated once a step, since a second update would roll its amax history
+    twice: registering a model again on the same optimizer (or a module inside one registered)
+    changes nothing, and of several optimizers registered for the same states, the first one
+    registered (and still alive) updates them. A copy of ``optimizer`` (``copy.deepcopy``,
+    ``pickle``) registers the copy of ``model`` made with it (``copy.deepcopy((model, optimizer))``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"register_scaling_hooks: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    hooks = optimizer.__dict__.get("_fp8amp_step_hooks")
+    if hooks is None:
+        hooks = optimizer.__dict__["_fp8amp_step_hooks"] = _StepHooks(optimizer)
+        optimizer.register_step_pre_hook(hooks.start)
+        optimizer.register_step_post_hook(hooks.finish)
+        # On the instance (pickle and copy look __reduce_ex__ up there): the optimizer's class may
+        # be torch's, whose state keeps no hooks. (A weak reference: no cycle keeps it alive.)
+        optimizer.__dict__["__reduce_ex__"] = functools.partial(_reduce_registered, hooks.optimizer)
+    if not any(m is model for m in hooks.models):
+        hooks.add(model)
+
+
+def _reduce_registered(optimizer_ref: weakref.ref, protocol: int) -> tuple:
+    """``__reduce_ex__`` of a registered optimizer: its class's state with the registered models,
+    which the copy registers again (see _set_registered_state)."""
+    optimizer = optimizer_ref()
+    state = {k: v for k, v in optimizer.__getstate__().items() if k not in ("__reduce_ex__", "_fp8amp_step_hooks")}
+    return _new_registered, (type(optimizer),), (state, optimizer.__dict__["_fp8amp_step_hooks"].models)
+
+
+def _new_registered(cls: type) -> torch.optim.Optimizer:
+    # Unpickling and copying set the state through the instance's __setstate__: this one sets it
+    # with the class's, then registers the models. (Built first and the state set after, so a
+    # model that refers back to its optimizer copies as any object cycle.)
+    optimizer = copyreg.__newobj__(cls)
+    optimizer.__setstate__ = functools.partial(_set_registered_state, weakref.ref(optimizer))
+    return optimizer
+
+
+def _set_registered_state(optimizer_ref: weakref.ref, state: tuple) -> None:
+    optimizer = optimizer_ref()
+    del optimizer.__dict__["__setstate__"]
+    state, models = state
+    optimizer.__setstate__(state)
+    for model in models:
+        register_scaling_hooks(model, optimizer)
+
+
+def update_scaling(model: nn.Module) -> None:
+    """Delayed-scaling update of every ``Fp8Linear`` in ``model``; call after each optimizer step.
+    One launch for all their input states and one for their output-gradient states. With several
+    ranks, this step's amaxes are first MAX-reduced over the data-parallel group in one collective
+    (:func:`fp8amp.amax_sync.reduce_amaxes`), so every rank gets the same scales; every rank of
+    the group must call it. A model whose optimizer's hooks already update it
+    (:func:`register_scaling_hooks`, which ``initialize`` and ``convert(..., optimizer)`` call)
+    must not be updated again: that is warned, since its histories would roll twice a step."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"update_scaling: model must be an nn.Module, got {type(model).__name__}")
+    states = delayed_states(model)
+    if _REGISTERED and any(r() is not None for s in states for r in _REGISTERED.get(s, ())):  # (no hooks: no loop)
+        warnings.warn("update_scaling: this model's scaling is already updated after every optimizer.step() by "
+                      "the hooks of initialize / convert(..., optimizer) / register_scaling_hooks; a second "
+                      "update a step rolls each amax history twice (half its window). Remove this call, or "
+                      "convert without the optimizer and keep it", stacklevel=2)
+    _update_states(states)
+
+
+def _update_states(states: list[ScalingState]) -> None:
+    with torch.no_grad():
+        _reduce_amaxes(states)
+        update_states(states)
