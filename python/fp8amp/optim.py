@@ -136,22 +136,29 @@ class Adam(torch.optim.Optimizer):
         return f"fp8amp.optim.{type(self).__name__}"
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, then this optimizer's checks (of every group, from a torch.optim too)."""
+        """torch's ``add_param_group``, then this optimizer's checks (of every group, from a torch.optim too);
+        a group they refuse is not added (kept, it failed every later step)."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict, k: int) -> None:
         self._check_options(group)
         for i, p in enumerate(map(_local, group["params"])):
             if isinstance(p, ScaledTensor):
                 if p.storage_format != FP16:
                     raise ValueError(
                         f"{self._name}: a ScaledTensor param must hold float16 codes (the O1/O2 master); "
-                        f"param {i} of group {len(self.param_groups) - 1} holds {p.storage_format}")
+                        f"param {i} of group {k} holds {p.storage_format}")
                 if isinstance(p, MasterWeight):
                     p.kept_amax()  # made now: a step Dynamo traces can use but not make it
             elif p.dtype not in HIGH_PRECISION_DTYPES:  # (bfloat16/float16 ones step in float32)
                 raise ValueError(
                     f"{self._name}: params must be float32, bfloat16 or float16 tensors or FP16 ScaledTensors (the "
-                    f"master weights); param {i} of group {len(self.param_groups) - 1} is {p.dtype}")
+                    f"master weights); param {i} of group {k} is {p.dtype}")
 
     def _check_options(self, group: dict) -> None:
         for flag in ("amsgrad", "differentiable"):
