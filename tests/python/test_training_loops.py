@@ -1,0 +1,68 @@
+"""Training-loop features combined with ``fp8amp.initialize`` (and fp8amp's optimizer built
+directly): param groups changed mid-run, GradScaler, clipping, accumulation, frozen and unused
+parameters, resume. Each case is compared with the same loop on the unconverted model."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(n)]
+
+
+def _train(model, optimizer, batches):
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "constructor"])
+def test_a_weight_replaced_by_its_master_is_refused_by_the_optimizer(how):
+    """Parameters collected before initialize (progressive unfreezing: the head's, to add later)
+    hold the Linear weights that the FP16 masters replaced: stepping them trains nothing. They were
+    taken silently, and the head never trained."""
+    model = _model()
+    head = list(model[4].parameters())
+    optimizer = torch.optim.AdamW(list(model[0].parameters()) + list(model[2].parameters()), lr=1e-2)
+    model, optimizer = fp8amp.initialize(model, optimizer, "O2")
+    with pytest.raises(ValueError, match="param 0 of group 1 is a Linear weight that fp8amp.initialize replaced"):
+        if how == "add_param_group":
+            optimizer.add_param_group({"params": head, "lr": 1e-3})
+        else:
+            fp8amp.optim.AdamW([{"params": list(model[0].parameters())}, {"params": head}], state_dtypes="O2")
+    assert len(optimizer.param_groups) == 1
+    optimizer.add_param_group({"params": list(model[4].parameters()), "lr": 1e-3})  # the model's own: trains
+    before = model[4].weight.dequantize()
+    _train(model, optimizer, _batches(2))
+    assert not torch.equal(before, model[4].weight.dequantize())
+
+
+@pytest.mark.parametrize("group", [{"params": [nn.Parameter(torch.ones(4, dtype=torch.float64))]},
+                                   {"params": [nn.Parameter(torch.ones(4))], "amsgrad": True},
+                                   {"params": [nn.Parameter(torch.ones(4))], "lr": torch.tensor(0.1)}])
+def test_a_refused_param_group_is_not_added(group):
+    """add_param_group raised, but kept the group: every later step then failed inside an op
+    (``fp8amp.multi_amax: xs[0] has unsupported dtype Double``), or stepped a group with options
+    the optimizer refuses."""
+    model = _model()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
+    with pytest.raises(ValueError, match="fp8amp.optim.AdamW"):
+        optimizer.add_param_group(group)
+    assert len(optimizer.param_groups) == 1
+    for p in group["params"]:
+        p.grad = torch.ones_like(p)
+    before = model[0].weight.dequantize()
+    _train(model, optimizer, _batches(1))
+    assert not torch.equal(before, model[0].weight.dequantize())
