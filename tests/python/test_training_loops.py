@@ -66,3 +66,65 @@ def test_a_refused_param_group_is_not_added(group):
     before = model[0].weight.dequantize()
     _train(model, optimizer, _batches(1))
     assert not torch.equal(before, model[0].weight.dequantize())
+
+
+# ------------------------------------------------------------------------------------------ Lightning
+
+
+def _lightning_loader():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 32, generator=gen)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.tanh(x[:, :16] * 2)), batch_size=10)
+
+
+def _fit(module, plugins, **kwargs):
+    L = pytest.importorskip("lightning")
+    trainer = L.Trainer(max_epochs=2, plugins=plugins, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs)
+    trainer.fit(module, _lightning_loader())
+    return trainer
+
+
+def _lightning_module(configure_optimizers, training_step=None):
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+            self.lrs, self.losses = [], []
+
+        def training_step(self, batch, batch_idx):
+            if training_step is not None:
+                return training_step(self, batch)
+            self.lrs.append([g["lr"] for o in self.trainer.optimizers for g in o.param_groups])
+            loss = nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return configure_optimizers(self)
+
+    return Module()
+
+
+@pytest.mark.parametrize("kind", ["SequentialLR", "ChainedScheduler"])
+def test_lightning_schedulers_made_of_schedulers_drive_the_fp8amp_optimizer(kind):
+    """The plugin pointed the scheduler configure_optimizers returned at fp8amp's optimizer, but not
+    the schedulers a SequentialLR / ChainedScheduler holds and steps: they went on changing the lr of
+    the torch optimizer the plugin had replaced, and the lr that trained stayed at its first value."""
+    from fp8amp.integrations.lightning import Fp8ampPrecision
+    sched = torch.optim.lr_scheduler
+
+    def configure_optimizers(module):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        warmup, decay = sched.LinearLR(optimizer, 0.1, total_iters=2), sched.ExponentialLR(optimizer, 0.8)
+        scheduler = (sched.SequentialLR(optimizer, [warmup, decay], milestones=[2]) if kind == "SequentialLR"
+                     else sched.ChainedScheduler([warmup, decay], optimizer))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    fp8, plain = _lightning_module(configure_optimizers), _lightning_module(configure_optimizers)
+    _fit(fp8, [Fp8ampPrecision("O2")])
+    _fit(plain, None)
+    assert len(fp8.lrs) == 8 and fp8.lrs == plain.lrs

@@ -242,10 +242,14 @@ def _scaling_keys(module: nn.Module) -> list[str]:
 
 def _point_scheduler_at(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Makes an lr scheduler built on the original optimizer drive ``optimizer``, which took the
-    original's param group dicts (their ``lr`` and ``initial_lr`` included). torch's schedulers
-    also mark the optimizer's ``step`` so as to warn when the scheduler steps first; the new one
-    gets the same mark."""
-    scheduler.optimizer = optimizer
+    original's param group dicts (their ``lr`` and ``initial_lr`` included), and so are the
+    schedulers it steps (a SequentialLR's or ChainedScheduler's: left on the original, they set the
+    lr of an optimizer nothing steps). torch's schedulers also mark the optimizer's ``step`` so as to
+    warn when the scheduler steps first; the new one gets the same mark."""
+    original, scheduler.optimizer = scheduler.optimizer, optimizer
+    for inner in getattr(scheduler, "_schedulers", ()):
+        if inner.optimizer is original:
+            _point_scheduler_at(inner, optimizer)
     step = optimizer.step
     if hasattr(step, "_wrapped_by_lr_sched"):  # a second scheduler on the same optimizer
         return
