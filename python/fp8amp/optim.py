@@ -59,6 +59,7 @@ fused multi-tensor op call a param group).
 from __future__ import annotations
 
 import itertools
+import numbers
 import warnings
 from collections import defaultdict
 
@@ -177,8 +178,8 @@ class Adam(torch.optim.Optimizer):
 
     def _check_hyper(self, group: dict) -> None:
         for key in ("lr", "eps", "weight_decay"):
-            value = group[key]
-            if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            value = group[key]  # (a numpy scalar too, as torch takes it: an lr schedule computed with numpy)
+            if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{self._name}: {key} must be a Python float, got {type(value).__name__}")
             if key == "eps" and not value > 0.0:
                 raise ValueError(f"{self._name}: invalid eps: {value} (must be > 0: with eps = 0 an element whose "

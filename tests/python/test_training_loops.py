@@ -21,6 +21,14 @@ def _batches(n):
     return [(torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(n)]
 
 
+def _assert_close(model, plain, rel=0.05):
+    """Parameters within FP8 training's distance of the unconverted model's (relative norm)."""
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        p, q = p.detach(), q.detach()
+        error = float((p.dequantize() if isinstance(p, fp8amp.ScaledTensor) else p).sub(q).norm())
+        assert error <= rel * float(q.norm()), (name, error / float(q.norm()))
+
+
 def _train(model, optimizer, batches):
     for x, y in batches:
         nn.functional.mse_loss(model(x), y).backward()
@@ -66,6 +74,27 @@ def test_a_refused_param_group_is_not_added(group):
     before = model[0].weight.dequantize()
     _train(model, optimizer, _batches(1))
     assert not torch.equal(before, model[0].weight.dequantize())
+
+
+def test_numpy_hyperparameters_step_as_with_torch():
+    """An lr schedule precomputed with numpy (LambdaLR over a float32 array) sets numpy float32
+    lrs, which torch's AdamW steps with; fp8amp's refused them at the first step ("lr must be a
+    Python float, got float32"), and initialize refused such an lr."""
+    np = pytest.importorskip("numpy")
+    schedule = np.cos(np.linspace(0, np.pi / 2, 4, dtype=np.float32))
+    model = _model()
+    plain = copy.deepcopy(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=np.float32(1e-3))
+                  for m in (model, plain)]
+    model, optimizers[0] = fp8amp.initialize(model, optimizers[0], "O2")
+    for m, optimizer in zip((model, plain), optimizers):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule[i])
+        for batch in _batches(3):
+            _train(m, optimizer, [batch])
+            scheduler.step()
+    assert optimizers[0].param_groups[0]["lr"] == optimizers[1].param_groups[0]["lr"]
+    assert isinstance(optimizers[0].param_groups[0]["lr"], np.float32)
+    _assert_close(model, plain)
 
 
 # ------------------------------------------------------------------------------------------ Lightning
