@@ -37,6 +37,7 @@ from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .recipes import resolve_recipe
+from .scaling_hooks import release_scaling
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
@@ -234,6 +235,7 @@ def retire(optimizer: torch.optim.Optimizer, caller: str, returned: str, usage: 
                            f"model's new weights: step and zero_grad that one ({usage}) and build lr schedulers on it")
 
     optimizer.step = optimizer.zero_grad = replaced
+    release_scaling(optimizer)  # (convert(..., optimizer) registered it: it would keep the states it updated)
 
 
 def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:

@@ -138,6 +138,22 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
         hooks.add(model)
 
 
+def release_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """Gives the scaling states that ``optimizer``'s hooks update over to the next optimizer
+    registered for each: for an optimizer that will not step again (one that ``initialize``
+    replaced), which as the first registered would keep them un-updated while anything holds it."""
+    hooks = optimizer.__dict__.get("_fp8amp_step_hooks")
+    if hooks is None:
+        return
+    for state, refs in list(_REGISTERED.items()):
+        refs[:] = [r for r in refs if r is not hooks.optimizer]
+        if not refs:
+            del _REGISTERED[state]
+    hooks.models.clear()
+    hooks.walked = None
+    _ownership_changed()
+
+
 def _reduce_registered(optimizer_ref: weakref.ref, protocol: int) -> tuple:
     """``__reduce_ex__`` of a registered optimizer: its class's state with the registered models,
     which the copy registers again (see _set_registered_state)."""

@@ -253,6 +253,24 @@ def test_resume_mid_run_continues_bit_for_bit(level, tmp_path):
         assert torch.equal(a, b)
 
 
+
+def test_initialize_after_convert_with_the_same_optimizer_updates_the_scaling():
+    """FP8 compute first (convert with the optimizer: its hooks update the scaling), then O2 with
+    that optimizer: the retired optimizer, while something held it, stayed registered first for
+    every scaling state, so it kept them, and as it never steps again no history rolled (every
+    counter stayed 0)."""
+    model, direct = _model(), _model()
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-3)  # still held (freed, it lost its states)
+    model = fp8amp.convert(model, optimizer=passed)
+    model, optimizer = fp8amp.initialize(model, passed, "O2")
+    direct, direct_optimizer = fp8amp.initialize(direct, torch.optim.AdamW(direct.parameters(), lr=1e-3), "O2")
+    _train(model, optimizer, _batches(3))
+    _train(direct, direct_optimizer, _batches(3))
+    assert int(model[0].input_scaling.counter) == 3
+    for (name, a), b in zip(model.state_dict().items(), direct.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 # ------------------------------------------------------------------------------------------ Lightning
 
 
