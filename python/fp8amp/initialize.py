@@ -16,7 +16,8 @@ What it does, in place on ``model`` and with a new optimizer:
    multi-tensor calls; after each step it updates the FP8 scaling of every Fp8Linear.
 
 Create lr schedulers after this call (a scheduler holds the optimizer it was built with: one built
-before is warned about). The optimizer passed in is retired: its ``step`` and ``zero_grad`` raise a
+before is warned about). Hooks registered on the optimizer passed in (``register_step_post_hook``
+and the state-dict ones) run on the returned one. The optimizer passed in is retired: its ``step`` and ``zero_grad`` raise a
 ``RuntimeError`` that points at the returned one (stepping it would not train the Linear weights).
 Non-Linear parameters (norms, embeddings, biases) keep their dtype,
 and their optimizer states follow the level (their m and v take the same formats).
@@ -37,7 +38,7 @@ from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .recipes import resolve_recipe
-from .scaling_hooks import release_scaling
+from .scaling_hooks import carry_hooks, release_scaling
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
@@ -188,6 +189,7 @@ def _check_params_are_the_models(model: nn.Module, optimizer: torch.optim.Optimi
 def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
                         opt_level: str) -> fp8_optim.Adam:
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
+    carry_hooks(optimizer, new_optimizer)  # (dropped, an EMA or logging hook stopped without a word)
     register_scaling_hooks(model, new_optimizer)
     return new_optimizer
 

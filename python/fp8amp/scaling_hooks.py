@@ -154,6 +154,24 @@ def release_scaling(optimizer: torch.optim.Optimizer) -> None:
     _ownership_changed()
 
 
+# torch.optim.Optimizer's dicts of the hooks registered on an optimizer.
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
+
+
+def carry_hooks(optimizer: torch.optim.Optimizer, new_optimizer: torch.optim.Optimizer) -> None:
+    """Makes the hooks registered on ``optimizer`` (step, state_dict, load_state_dict) run on
+    ``new_optimizer``, which replaces it (``initialize``'s rebuild): it takes the same dicts, so
+    that the handles still remove them. fp8amp's own scaling hooks are left out: they update the
+    models of ``optimizer``'s registration (the new one registers its own)."""
+    for name in _HOOK_DICTS:
+        hooks = getattr(optimizer, name)
+        for key in [k for k, hook in hooks.items() if isinstance(getattr(hook, "__self__", None), _StepHooks)]:
+            del hooks[key]
+        setattr(new_optimizer, name, hooks)
+
+
 def _reduce_registered(optimizer_ref: weakref.ref, protocol: int) -> tuple:
     """``__reduce_ex__`` of a registered optimizer: its class's state with the registered models,
     which the copy registers again (see _set_registered_state)."""

@@ -271,6 +271,33 @@ def test_initialize_after_convert_with_the_same_optimizer_updates_the_scaling():
         assert torch.equal(a, b), name
 
 
+
+@pytest.mark.parametrize("how", ["initialize", "initialize_optimizer"])
+def test_hooks_registered_on_the_optimizer_passed_in_run_on_the_returned_one(how):
+    """Step and state-dict hooks registered on the torch optimizer (an EMA update or a weight
+    renormalization after each step, in configure_optimizers under Lightning, whose plugin calls
+    initialize_optimizer) were dropped without a word when fp8amp rebuilt the optimizer."""
+    model = _model()
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    calls = []
+    post = passed.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
+    passed.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o)))
+    passed.register_state_dict_post_hook(lambda o, state: calls.append(("state_dict", o)))
+    if how == "initialize":
+        model, optimizer = fp8amp.initialize(model, passed, "O2")
+    else:
+        model, _ = fp8amp.initialize(model, None, "O2")
+        passed.param_groups[0]["params"] = list(model.parameters())  # (what the Lightning plugin does)
+        optimizer = fp8amp.initialize_optimizer(model, passed, "O2")
+    _train(model, optimizer, _batches(1))
+    optimizer.state_dict()
+    assert calls == [("pre", optimizer), ("post", optimizer), ("state_dict", optimizer)]
+    post.remove()  # the handles still work
+    _train(model, optimizer, _batches(1))
+    assert [c for c, _ in calls[3:]] == ["pre"]
+    assert int(model[0].input_scaling.counter) == 2  # fp8amp's own hooks: once a step
+
+
 # ------------------------------------------------------------------------------------------ Lightning
 
 
