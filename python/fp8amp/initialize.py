@@ -70,7 +70,10 @@ def initialize(
             weights are).
         optimizer: ``torch.optim.Adam`` / ``AdamW`` (or fp8amp's) over ``model``'s parameters,
             before its first step; ``None`` converts the model only (the returned optimizer is
-            ``None``; build an :class:`fp8amp.optim.AdamW` over ``model.parameters()`` later).
+            ``None``; build the optimizer over ``model.parameters()`` later and pass it to
+            :func:`initialize_optimizer`, or build an :class:`fp8amp.optim.AdamW` and call
+            :func:`fp8amp.register_scaling_hooks` on it: without either, or
+            :func:`fp8amp.update_scaling` after each step, the FP8 scaling is never updated).
         opt_level: ``"O1"`` or ``"O2"`` (docs/o1_o2.md#optimization-levels's table).
         module_filter_fn: ``(module, fully_qualified_name) -> bool``, which Linears to convert.
         recipe: how the Fp8Linear layers scale their FP8 operands, as :func:`fp8amp.convert`
