@@ -17,8 +17,9 @@ What it does, in place on ``model`` and with a new optimizer:
 
 Create lr schedulers after this call (a scheduler holds the optimizer it was built with: one built
 before is warned about). Hooks registered on the optimizer passed in (``register_step_post_hook``
-and the state-dict ones) run on the returned one. The optimizer passed in is retired: its ``step`` and ``zero_grad`` raise a
-``RuntimeError`` that points at the returned one (stepping it would not train the Linear weights).
+and the state-dict ones) run on the returned one. The optimizer passed in is retired: its ``step``
+and ``zero_grad`` raise a ``RuntimeError`` that points at the returned one (stepping it would not
+train the Linear weights).
 Non-Linear parameters (norms, embeddings, biases) keep their dtype,
 and their optimizer states follow the level (their m and v take the same formats).
 """

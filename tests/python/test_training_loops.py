@@ -379,7 +379,8 @@ def test_lightning_manual_optimization_with_two_optimizers(clip):
 
     def configure_optimizers(module):
         module.automatic_optimization = False
-        return torch.optim.Adam(module.net[0].parameters(), lr=1e-2), torch.optim.AdamW(module.net[2].parameters(), lr=1e-2)
+        return (torch.optim.Adam(module.net[0].parameters(), lr=1e-2),
+                torch.optim.AdamW(module.net[2].parameters(), lr=1e-2))
 
     fp8, plain = (_lightning_module(configure_optimizers, training_step) for _ in range(2))
     trainer = _fit(fp8, [Fp8ampPrecision("O2")])
