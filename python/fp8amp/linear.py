@@ -215,6 +215,18 @@ def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
                          "move one of them")
 
 
+def _reshaped_weight(out_in: torch.Tensor) -> str:
+    """The message for a weight whose shape FP8 cannot take: the layer was made for one it could
+    (Fp8Linear refuses others), so its weight changed shape since, as Hugging Face's
+    resize_token_embeddings changes an output head tied to the embeddings."""
+    out_features, in_features = out_in.shape
+    return (f"Fp8Linear: the weight now has out_features {out_features} and in_features {in_features}; FP8 GEMMs "
+            f"need multiples of {_ALIGN}. It changed shape after fp8amp converted the layer (e.g. "
+            "resize_token_embeddings of an output head tied to the embeddings): resize to a multiple of "
+            f"{_ALIGN} (resize_token_embeddings(n, pad_to_multiple_of={_ALIGN})), or before fp8amp.convert / "
+            "initialize (which keep such a layer an nn.Linear), or call fp8amp.unconvert(model) first")
+
+
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computing in FP8, with the same parameters and state-dict keys.
 
@@ -303,15 +315,18 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
             )
+        out_in = self._out_in_weight(weight)
+        if out_in.shape[0] % _ALIGN or out_in.shape[1] % _ALIGN:
+            raise RuntimeError(_reshaped_weight(out_in))
         master = self.master
         if master is not None:
             self._check_master(master, weight)
         fp8_grad = True if master is None else master.fp8_weight_grad
         if self.recipe.tiled:
-            return TiledLinearFunction.apply(x, self._out_in_weight(weight), self.bias, self.recipe,
+            return TiledLinearFunction.apply(x, out_in, self.bias, self.recipe,
                                              self.input_scaling, self.grad_output_scaling, fp8_grad)
         return _Fp8LinearFunction.apply(
-            x, self._out_in_weight(weight), self.bias, self.input_scaling, self.weight_scaling,
+            x, out_in, self.bias, self.input_scaling, self.weight_scaling,
             self.grad_output_scaling, fp8_grad,
             self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
