@@ -83,6 +83,12 @@ class MasterWeight(ScaledTensor):
         requires_grad: of the wrapper (for parameters).
         fp8_copy: optional ``(codes, scale, scale_inv)`` of the E4M3 copy: codes of ``data``'s
             shape and device, float32 ``[1]`` scales. :meth:`from_tensor` attaches one.
+
+    ``MasterWeight(tensor, requires_grad=...)``, without ``scale_inv``, is the parameter of a
+    master as ``nn.Parameter(tensor, requires_grad)`` makes one: of ``tensor`` itself if it is a
+    master, else of the master of its real values (:meth:`from_tensor`). That is how accelerate's
+    ``set_module_tensor_to_device`` rebuilds a parameter in its class when it offloads or loads one
+    (``cpu_offload``, ``disk_offload``, ``dispatch_model``).
     """
 
     _fp8: torch.Tensor | None
@@ -91,8 +97,11 @@ class MasterWeight(ScaledTensor):
     _kept: _KeptAmax | None = None  # None only on a master unpickled (see __getstate__) until first needed
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                 requires_grad: bool = False, fp8_copy: tuple | None = None):
+        if scale_inv is None:
+            master = data if isinstance(data, MasterWeight) else cls.from_tensor(data, orig_dtype=data.dtype)
+            return nn.Parameter(master, requires_grad)
         self = ScaledTensor.__new__(cls, data, scale_inv, dtype, requires_grad)
         if data.dtype != FP16:
             raise ValueError(f"fp8amp.MasterWeight: data must hold float16 codes, got {data.dtype}")

@@ -1,7 +1,8 @@
 """Hugging Face transformers models used as their users use them, after fp8amp.initialize (CPU, FP8
 emulation, tiny models built from configs): generate() in its modes, gradient checkpointing,
-resize_token_embeddings, bfloat16 models, the Trainer's resume from its own checkpoints, and
-save_pretrained of a converted model. test_integration_transformers.py covers the basic recipes."""
+resize_token_embeddings, bfloat16 models, the Trainer's resume from its own checkpoints,
+save_pretrained of a converted model, an encoder-decoder, PEFT LoRA and accelerate's offloading.
+test_integration_transformers.py covers the basic recipes."""
 
 import copy
 import itertools
@@ -254,3 +255,27 @@ def test_lora_over_a_converted_model(data):
         assert (base(x) - x @ real(base.weight).t()).norm() < 0.1 * (x @ real(base.weight).t()).norm()
     q_proj.unmerge()
     assert (real(base.weight) - before).norm() < 2.0 ** -9 * before.norm()
+
+
+def test_accelerate_offload_of_a_converted_model(tmp_path, data):
+    """accelerate's big-model offloading (cpu_offload, disk_offload: dispatch_model's hooks) keeps the
+    weights off the module and rebuilds each parameter in its class for the forward, as
+    ``type(param)(tensor, requires_grad=...)``. An O2 master is rebuilt from its saved real values:
+    the logits are those of the model before offloading, bit for bit."""
+    accelerate = pytest.importorskip("accelerate")
+    for offload in ("cpu", "disk"):
+        model, opt = o2(tiny_llama())
+        for x, y in data[:2]:
+            step(model, opt, x, y)
+        model.eval()
+        x = data[0][0]
+        with torch.no_grad():
+            expected = model(input_ids=x).logits
+        if offload == "cpu":
+            accelerate.cpu_offload(model, execution_device="cpu")
+        else:
+            accelerate.disk_offload(model, str(tmp_path), execution_device="cpu")
+        weight = model.model.layers[0].mlp.up_proj.weight
+        assert isinstance(weight, fp8amp.MasterWeight) and weight.is_meta
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=x).logits, expected), offload
