@@ -54,7 +54,7 @@ from .convert_policy import (
     decide_step,
     step_rule_applies,
 )
-from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d
+from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d, weight_not_parameter_reason
 from .recipes import Recipe, resolve_recipe
 from .scaling_hooks import register_scaling_hooks, update_scaling
 
@@ -259,7 +259,9 @@ def convert(
     for parent, child_name, fqn, linear in candidates:
         if id(linear) in decisions:  # a Linear reachable under two names is decided once
             continue
-        if (why := recipe.unsupported_reason(linear.in_features, linear.out_features, linear.weight.dtype)) is not None:
+        if (why := weight_not_parameter_reason(getattr(linear, "conv", linear))) is not None:
+            decisions[id(linear)] = _decision(fqn, linear, False, why)
+        elif (why := recipe.unsupported_reason(linear.in_features, linear.out_features, linear.weight.dtype)) is not None:
             decisions[id(linear)] = _decision(fqn, linear, False, why)
         elif module_filter_fn is not None and not bool(module_filter_fn(getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")

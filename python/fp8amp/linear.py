@@ -42,7 +42,8 @@ from .scaling import ScalingRecipe, ScalingState
 from .tiled_linear import TiledLinearFunction
 from .block_scaled_tensor import BlockScaledTensor
 
-__all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d"]
+__all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d",
+           "weight_not_parameter_reason"]
 
 _ALIGN = 16
 
@@ -54,6 +55,18 @@ def fp8_linear_supported(in_features: int, out_features: int) -> bool:
 
 #: What ``recipe=`` takes: a name of :data:`fp8amp.recipes.RECIPES`, a Recipe, a ScalingRecipe (tensorwise), None.
 RecipeArg = Union[None, str, Recipe, ScalingRecipe]
+
+
+def weight_not_parameter_reason(linear: nn.Module) -> Optional[str]:
+    """Why a Linear (or Conv1D) whose ``weight`` is not its registered parameter cannot become an
+    Fp8Linear (None: it can). torch.nn.utils.prune, weight_norm and spectral_norm move the
+    parameter aside and recompute ``weight`` in a forward pre-hook, which the Fp8Linear would not
+    keep: it would hold their last weight, and no parameter that trains."""
+    if linear._parameters.get("weight") is not None:
+        return None
+    return ("its weight is not a parameter of the layer (a forward pre-hook computes it from other parameters: "
+            "torch.nn.utils.prune, weight_norm, spectral_norm), and an Fp8Linear would not keep the hook; apply "
+            "them after convert / initialize instead")
 
 
 def _recipe_for(caller: str, recipe: RecipeArg, in_features: int, out_features: int, dtype: torch.dtype) -> Recipe:
@@ -289,6 +302,8 @@ class Fp8Linear(nn.Linear):
         the old module keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Fp8Linear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
+        if (why := weight_not_parameter_reason(linear)) is not None:
+            raise ValueError(f"Fp8Linear.from_linear: {why}")
         recipe = _recipe_for("Fp8Linear.from_linear", recipe, linear.in_features, linear.out_features,
                              linear.weight.dtype)
         new = cls.__new__(cls)
@@ -432,6 +447,8 @@ class Fp8Conv1D(Fp8Linear):
         """Wraps an existing Conv1D, sharing its parameter objects."""
         if not is_hf_conv1d(conv):
             raise TypeError(f"Fp8Conv1D.from_conv1d: conv must be a transformers Conv1D, got {type(conv).__name__}")
+        if (why := weight_not_parameter_reason(conv)) is not None:
+            raise ValueError(f"Fp8Conv1D.from_conv1d: {why}")
         in_features, out_features = conv.weight.shape
         recipe = _recipe_for("Fp8Conv1D.from_conv1d", recipe, in_features, out_features, conv.weight.dtype)
         new = cls.__new__(cls)
