@@ -351,6 +351,10 @@ class Fp8Linear(nn.Linear):
         not a ScaledTensor any more (load_state_dict(..., assign=True) replaced it), or one that
         FSDP2 gathered (an E4M3 ScaledTensor) from shards of masters that initialize's optimizer
         does not hold (fully_shard replaced them after that optimizer was built)."""
+        if self._parameters.get("weight") is not weight:
+            # Computed from the master by a parametrization or a forward pre-hook (parametrize,
+            # prune, spectral_norm): the optimizer steps the master the weight is made from.
+            return
         if not isinstance(weight, (ScaledTensor, BlockScaledTensor)):
             raise RuntimeError(
                 f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils import prune
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint
@@ -94,6 +95,47 @@ def test_from_linear_refuses_a_weight_that_is_not_a_parameter():
     prune.random_unstructured(linear, "weight", amount=0.5)
     with pytest.raises(ValueError, match="Fp8Linear.from_linear: .*not a parameter.*forward pre-hook"):
         Fp8Linear.from_linear(linear)
+
+
+class _Half(nn.Module):
+    def forward(self, weight):
+        return weight * 0.5
+
+
+_AFTER = {
+    "prune": lambda lin: prune.l1_unstructured(lin, "weight", amount=0.5),
+    "spectral_norm": lambda lin: torch.nn.utils.spectral_norm(lin),
+    "parametrize": lambda lin: parametrize.register_parametrization(lin, "weight", _Half()),
+    "parametrizations.spectral_norm": lambda lin: torch.nn.utils.parametrizations.spectral_norm(lin),
+}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("how", sorted(_AFTER))
+def test_a_reparametrization_of_a_converted_weight_trains(level, how):
+    """Applied after convert / initialize, the master (O1/O2) is the parameter the hook or the
+    parametrization reads: the optimizer steps it and the layer computes in FP8 from the weight
+    made from it. At O1/O2 the forward raised, saying the master had been replaced."""
+    ref, model = _mlp(), _mlp()
+    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, optimizer = _convert(model, level)
+    for m in (ref, model):
+        torch.manual_seed(3)
+        _AFTER[how](m[0])
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    source = next(p for n, p in model[0].named_parameters() if n != "bias")
+    before = _real(source).clone()
+    got, expected = _train([(model, optimizer), (ref, ref_optimizer)])
+    _close_curves(got, expected)
+    assert not torch.equal(_real(source), before)  # the optimizer steps what the weight is made from
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_replaced_master_is_still_refused(level):
+    model, _ = _convert(_mlp(), level)
+    model.load_state_dict(model.state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match="FP16 master .* replaced the parameter"):
+        model(torch.randn(4, 32))
 
 
 # ------------------------------------------------------------------ dtype changes
