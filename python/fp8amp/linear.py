@@ -211,12 +211,16 @@ _NO_TORCHSCRIPT = (
 
 
 def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """TorchScript tracing, sparse inputs, inputs of a dtype the casts do not take (named by the
-    layer, not by the cast op that would refuse them) and an input on another device than the
+    """TorchScript tracing, sparse inputs, inputs or weights of a dtype the casts do not take (named
+    by the layer, not by the cast op that would refuse them) and an input on another device than the
     weights (a meta input gave autocast's "unknown device type"), refused with what works. They read
     metadata only: free in eager, constant under torch.compile."""
     if torch.jit.is_tracing():
         raise NotImplementedError(_NO_TORCHSCRIPT)
+    if weight.dtype not in HIGH_PRECISION_DTYPES:  # model.double() after convert
+        raise ValueError(f"Fp8Linear: the weight is {weight.dtype}, which the FP8 casts do not read; keep the model "
+                         "in float32, bfloat16 or float16 (torch.autocast chooses the compute dtype), or run it in "
+                         "float64 as nn.Linear layers after fp8amp.unconvert(model)")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"Fp8Linear: the input x must be float32, bfloat16 or float16, got {x.dtype}; "
                          "convert it first (x.float(), or run under torch.autocast)")

@@ -141,6 +141,15 @@ def test_a_replaced_master_is_still_refused(level):
 # ------------------------------------------------------------------ dtype changes
 
 
+def test_a_float64_model_at_fp8_compute_says_what_works():
+    """model.double() after convert: the forward named an internal op ("fp8amp.cast_transpose: x
+    has unsupported dtype Double")."""
+    model = fp8amp.convert(_mlp(), policy="all").double()
+    for x in (torch.randn(4, 32), torch.randn(4, 32, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"Fp8Linear: the weight is torch.float64, .*unconvert"):
+            model(x)
+
+
 @pytest.mark.parametrize("to", ["half", "bfloat16", "float"])
 def test_a_16_bit_model_at_fp8_compute_matches_torch(to):
     ref = getattr(_mlp(), to)()
