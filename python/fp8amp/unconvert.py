@@ -60,15 +60,17 @@ def unconvert(
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not a ``torch.optim.Optimizer``.
         ValueError: ``optimizer`` holds O1/O2 master weights that are not ``model``'s, or holds
-            masters and is not fp8amp's (checked before the model is changed).
+            masters and is not fp8amp's; a layer's weight is computed by a parametrization or a
+            forward pre-hook (checked before the model is changed).
         NotImplementedError: a weight sharded by FSDP2 (a DTensor).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"unconvert: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"unconvert: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    _check_weights_are_parameters(model)  # before the model is changed
     if optimizer is not None:
-        _check_optimizer_masters(model, optimizer)  # before the model is changed
+        _check_optimizer_masters(model, optimizer)
     replaced: dict[int, torch.Tensor] = {}  # id(old weight) -> new plain parameter
     model = _unconvert_modules(model, replaced)
     model.__dict__.pop("_fp8amp_conversion_report", None)
@@ -85,6 +87,19 @@ def unconvert(
         retire(optimizer, "unconvert", "torch.optim optimizer", "model, optimizer = fp8amp.unconvert(model, optimizer)")
         optimizer = plain
     return model, optimizer
+
+
+def _check_weights_are_parameters(model: nn.Module) -> None:
+    """Refuses a layer whose weight is not its registered parameter: a parametrization or a forward
+    pre-hook computes it, and the nn.Linear made from the layer would keep neither them nor the
+    parameter they read (it would hold their last weight, and nothing that trains)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and module._parameters.get("weight") is None:
+            raise ValueError(
+                f"unconvert: layer {name or '(the model)'}'s weight is computed by a parametrization or a forward "
+                "pre-hook (torch.nn.utils.parametrize, prune, weight_norm, spectral_norm), which the nn.Linear made "
+                "from it would not keep; remove them first (parametrize.remove_parametrizations, prune.remove, "
+                "remove_weight_norm, remove_spectral_norm), then apply them again to the nn.Linear")
 
 
 def _check_optimizer_masters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -330,3 +330,25 @@ def test_tied_linear_weights_stay_one_parameter(level):
     got, expected = _train([(model, optimizer), (ref, ref_optimizer)])
     _close_curves(got, expected)
     assert model.b.weight is model.a.weight
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("how", ["prune", "parametrize"])
+def test_unconvert_refuses_a_reparametrized_layer_before_changing_the_model(level, how):
+    """unconvert made such a layer an nn.Linear holding the computed weight as a plain attribute:
+    weight_orig / parametrizations.weight.original and the hook were dropped, so the layer trained
+    nothing, silently. Removed first, the layer unconverts."""
+    model, optimizer = _convert(_mlp(), level)
+    _AFTER[how](model[0])
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"unconvert: layer 0's weight is computed .*prune.remove"):
+        fp8amp.unconvert(model, optimizer)
+    assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear)
+    assert [n for n, _ in model.named_parameters()] == names
+    if how == "prune":
+        prune.remove(model[0], "weight")
+    else:
+        parametrize.remove_parametrizations(model[0], "weight")
+    model, optimizer = fp8amp.unconvert(model, optimizer)
+    assert type(model[0]) is nn.Linear and [n for n, _ in model.named_parameters()] == [
+        n for n, _ in _mlp().named_parameters()]
