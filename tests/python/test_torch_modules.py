@@ -352,3 +352,31 @@ def test_unconvert_refuses_a_reparametrized_layer_before_changing_the_model(leve
     model, optimizer = fp8amp.unconvert(model, optimizer)
     assert type(model[0]) is nn.Linear and [n for n, _ in model.named_parameters()] == [
         n for n, _ in _mlp().named_parameters()]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_removing_a_parametrization_of_a_master_says_how(level):
+    """remove_parametrizations(leave_parametrized=True) swaps the master for a plain tensor (torch's
+    swap_tensors, for a wrapper subclass): the forward's error named assign=True loads, to_empty and
+    functional_call only. What it says works: leave_parametrized=False, then the weight copied in."""
+    model, optimizer = _convert(_mlp(), level)
+    parametrize.register_parametrization(model[0], "weight", _Half())
+    x = torch.randn(16, 32)
+    parametrized = model(x).detach()
+    with torch.no_grad():
+        weight = model[0].weight.clone()
+    parametrize.remove_parametrizations(model[0], "weight")
+    with pytest.raises(RuntimeError, match=r"remove_parametrizations\(\.\.\., leave_parametrized=True\).*"
+                                           r"leave_parametrized=False"):
+        model(x)
+
+    model, optimizer = _convert(_mlp(), level)
+    parametrize.register_parametrization(model[0], "weight", _Half())
+    with torch.no_grad():
+        weight = model[0].weight.clone()
+    parametrize.remove_parametrizations(model[0], "weight", leave_parametrized=False)
+    with torch.no_grad():
+        model[0].weight.copy_(weight)
+    assert isinstance(model[0].weight, fp8amp.MasterWeight)
+    assert _rel(model(x), parametrized) < 1e-6
+    _train([(model, optimizer)], steps=2)
