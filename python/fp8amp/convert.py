@@ -56,7 +56,7 @@ from .convert_policy import (
 )
 from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d, weight_not_parameter_reason
 from .recipes import Recipe, resolve_recipe
-from .scaling_hooks import register_scaling_hooks, update_scaling
+from .scaling_hooks import register_scaling_hooks, update_scaling, watch_scaling_updates
 
 __all__ = [
     "convert",
@@ -304,6 +304,8 @@ def convert(
     object.__setattr__(model, "_fp8amp_conversion_report", report)
     if optimizer is not None:
         register_scaling_hooks(model, optimizer)
+    else:
+        watch_scaling_updates(model)
     return model
 
 

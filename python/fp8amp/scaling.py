@@ -78,6 +78,9 @@ class ScalingState(torch.nn.Module):
 
     #: Whether :func:`fp8amp.update_scaling` MAX-reduces this state's amaxes across ranks.
     amax_reduction: bool = True
+    #: Scaling updates run in this process, of any state (on the class): how
+    #: :mod:`fp8amp.scaling_hooks` tells that nothing updates a model's scaling between two steps.
+    updates_run: int = 0
     #: The group it reduces over; None: the default group, when one is initialized with > 1 rank.
     amax_reduction_group: Optional[dist.ProcessGroup] = None
 
@@ -208,6 +211,7 @@ class ScalingState(torch.nn.Module):
         amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
         r = self.recipe
         b = self._buffers
+        ScalingState.updates_run += 1
         fast.update_delayed_scaling(b["amax_history"], b["scale"], b["scale_inv"], b["counter"], self.fmax, r.margin,
                                     r.pow2_scale)
 
@@ -307,6 +311,7 @@ def update_states(states: Iterable[ScalingState]) -> None:
     """:meth:`ScalingState.update` of many states (each once), in one launch for each device,
     format and recipe among them instead of one a state: what :func:`fp8amp.update_scaling` runs
     after every optimizer step for all the Fp8Linears of a model."""
+    ScalingState.updates_run += 1
     groups: dict[tuple, list[dict]] = {}
     for state in {id(st): st for st in states}.values():
         r, buffers = state.recipe, state._buffers  # (not state.amax_history: Module.__getattr__ is slow)

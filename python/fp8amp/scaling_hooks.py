@@ -5,6 +5,10 @@
   is still alive. A model stepped by several optimizers (say Muon for its matrices and AdamW for
   the rest) rolls each amax history once per step of that optimizer, not once per optimizer;
   when that optimizer is gone, the next registered one takes its states over.
+- A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``)
+  is watched until its scaling is registered: an optimizer that steps its parameters twice with
+  no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
+  update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand).
 - A copy of a registered optimizer (``copy.deepcopy``, ``pickle``, ``torch.save``) registers its
   models again: copied together with the optimizer (``copy.deepcopy((model, optimizer))``), the
   models are their copies, whose scales then follow the copy's steps. torch's own
@@ -20,11 +24,12 @@ import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
 from .scaling import ScalingState, update_states
 
-__all__ = ["register_scaling_hooks", "update_scaling", "scales_after_step"]
+__all__ = ["register_scaling_hooks", "update_scaling", "scales_after_step", "watch_scaling_updates"]
 
 # Each state's registered optimizers (weak references, in registration order); the first alive
 # updates it. Weak keys: a state that is gone leaves it; a deep copy of a model is not in it.
@@ -136,6 +141,7 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
         optimizer.__dict__["__reduce_ex__"] = functools.partial(_reduce_registered, hooks.optimizer)
     if not any(m is model for m in hooks.models):
         hooks.add(model)
+    _WATCHED.pop(model, None)
 
 
 def release_scaling(optimizer: torch.optim.Optimizer) -> None:
@@ -221,3 +227,55 @@ def _update_states(states: list[ScalingState]) -> None:
     with torch.no_grad():
         _reduce_amaxes(states)
         update_states(states)
+
+
+# Models converted without an optimizer whose scaling no hooks update (yet); weak keys. Each
+# optimizer that steps: (the watched models whose parameters it holds, ScalingState.updates_run
+# at its previous step). Checked by one global step post-hook, there only while models are watched.
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int]]" = weakref.WeakKeyDictionary()
+_watch_hook = None
+
+
+def watch_scaling_updates(model: nn.Module) -> None:
+    """Warns once if an optimizer steps ``model``'s parameters twice with no scaling update between
+    (no :func:`update_scaling` by hand, no hooks): its delayed scales would stay in warm-up for the
+    whole run, each set by the largest amax seen since the start. ``convert`` without an optimizer
+    calls it; :func:`register_scaling_hooks` ends the watch."""
+    global _watch_hook
+    if not delayed_states(model):  # (nothing delayed-scaled: nothing to update)
+        return
+    _WATCHED[model] = True
+    if _watch_hook is None:
+        _watch_hook = register_optimizer_step_post_hook(_check_step)
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    global _watch_hook
+    if not _WATCHED:  # every watched model registered or gone: no hook on every optimizer's step
+        _watch_hook.remove()
+        _watch_hook = None
+        _STEPPED.clear()
+        return
+    if torch.compiler.is_compiling():
+        return
+    seen = _STEPPED.get(optimizer)
+    if seen is None:  # its first step: which watched models it steps, found once
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        models = [weakref.ref(m) for m in list(_WATCHED) if any(id(p) in held for p in m.parameters())]
+        _STEPPED[optimizer] = (models, ScalingState.updates_run)
+        return
+    models, updates_then = seen
+    _STEPPED[optimizer] = (models, ScalingState.updates_run)
+    if ScalingState.updates_run != updates_then:
+        return
+    for ref in models:
+        model = ref()
+        if model is not None and _WATCHED.pop(model, False):
+            warnings.warn(
+                f"fp8amp: {type(optimizer).__name__}.step() updated the parameters of a model that fp8amp converted "
+                "without an optimizer, and nothing updated the model's FP8 scaling since its previous step: its "
+                "delayed scales stay in warm-up, each set by the largest amax since the start. Give the optimizer "
+                "to fp8amp: fp8amp.initialize_optimizer(model, optimizer, opt_level) (O1/O2: also the level's "
+                "state formats), or fp8amp.register_scaling_hooks(model, optimizer), or call "
+                "fp8amp.update_scaling(model) after each optimizer.step()", stacklevel=2)

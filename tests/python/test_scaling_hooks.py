@@ -152,3 +152,58 @@ def test_a_copy_of_the_optimizer_alone_leaves_the_models_scaling_alone(setup):
         assert torch.equal(got, want)
     _train(model, [opt], 1)
     assert model[0].input_scaling.counter.eq(3).all()
+
+
+NEVER_UPDATED = r"nothing updated the model's FP8 scaling since its previous step"
+
+
+def _converted(how):
+    """A model converted without an optimizer, and the optimizer a user then builds over it."""
+    model = _mlp()
+    if how == "convert":
+        return fp8amp.convert(model, policy="all"), torch.optim.AdamW
+    model, _ = fp8amp.initialize(model, None, "O2", policy="all")
+    return model, lambda params: fp8amp.optim.AdamW(params, state_dtypes="O2")
+
+
+@pytest.mark.parametrize("how", ["convert", "initialize"])
+def test_an_optimizer_stepping_a_model_whose_scaling_nothing_updates_warns_once(how):
+    model, make = _converted(how)
+    opt = make(model.parameters())
+    _train(model, [opt], 1)
+    with pytest.warns(UserWarning, match=NEVER_UPDATED):
+        _train(model, [opt], 1, first=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, [opt], 2, first=2)  # once
+
+
+@pytest.mark.parametrize("update", ["hooks", "by hand", "by hand, wrapped", "initialize_optimizer"])
+def test_a_model_whose_scaling_is_updated_is_not_warned_about(update):
+    model, make = _converted("initialize")
+    if update == "initialize_optimizer":
+        opt = fp8amp.initialize_optimizer(model, torch.optim.AdamW(model.parameters()), "O2")
+    else:
+        opt = make(model.parameters())
+    if update == "hooks":
+        fp8amp.register_scaling_hooks(model, opt)
+    wrapper = nn.ModuleList([model])  # (as DDP holds the model: the update of the wrapper counts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(4):
+            _train(model, [opt], 1, first=i)
+            if update.startswith("by hand"):
+                fp8amp.update_scaling(wrapper if update.endswith("wrapped") else model)
+    assert all(bool((s.counter == 4).all()) for s in delayed_states(model))
+
+
+def test_an_optimizer_over_other_parameters_is_not_warned_about():
+    model, _ = _converted("convert")
+    other = nn.Linear(4, 4)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            other(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    del model

@@ -279,3 +279,14 @@ def test_accelerate_offload_of_a_converted_model(tmp_path, data):
         assert isinstance(weight, fp8amp.MasterWeight) and weight.is_meta
         with torch.no_grad():
             assert torch.equal(model(input_ids=x).logits, expected), offload
+
+
+def test_the_trainers_own_optimizer_over_a_converted_model_is_warned_about(tmp_path, data):
+    """Without the create_optimizer of the test above, the Trainer steps a plain torch AdamW over
+    the masters: it trains, but nothing updates the FP8 scaling, which is warned."""
+    windows = [{"input_ids": x[i], "labels": x[i]} for x, _ in data for i in range(len(x))]
+    model, _ = fp8amp.initialize(tiny_llama(), None, "O2", policy="all")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    with pytest.warns(UserWarning, match=r"nothing updated the model's FP8 scaling.*initialize_optimizer"):
+        transformers.Trainer(model=model, args=args, train_dataset=windows).train()
