@@ -344,6 +344,7 @@ def test_lightning_schedulers_made_of_schedulers_drive_the_fp8amp_optimizer(kind
     """The plugin pointed the scheduler configure_optimizers returned at fp8amp's optimizer, but not
     the schedulers a SequentialLR / ChainedScheduler holds and steps: they went on changing the lr of
     the torch optimizer the plugin had replaced, and the lr that trained stayed at its first value."""
+    pytest.importorskip("lightning")
     from fp8amp.integrations.lightning import Fp8ampPrecision
     sched = torch.optim.lr_scheduler
 
@@ -363,6 +364,7 @@ def test_lightning_schedulers_made_of_schedulers_drive_the_fp8amp_optimizer(kind
 @pytest.mark.parametrize("clip", ["norm", "value"])
 def test_lightning_manual_optimization_with_two_optimizers(clip):
     """A GAN-like step: two optimizers (Adam and AdamW) over two parts, toggled, each clipped."""
+    pytest.importorskip("lightning")
     from fp8amp.integrations.lightning import Fp8ampPrecision
 
     def training_step(module, batch):
