@@ -1,0 +1,65 @@
+"""torch.compile and torch.export of converted models as users apply them (CPU, aot_eager where the
+question is tracing): whole training steps compiled with graph breaks, state dicts across compiled
+and uncompiled models, dynamic shapes, the order of compile and initialize."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8amp
+
+
+class MLP(nn.Module):
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.ln = nn.LayerNorm(h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.ln(self.fc1(x))))
+
+
+def converted(level, recipe=None, seed=0):
+    """A tiny MLP and its AdamW, converted to ``level`` ("fp8": convert with the optimizer)."""
+    torch.manual_seed(seed)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if level == "fp8":
+        return fp8amp.convert(model, policy="all", recipe=recipe, optimizer=optimizer), optimizer
+    return fp8amp.initialize(model, optimizer, opt_level=level, policy="all", recipe=recipe)
+
+
+def rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def train_step(model, optimizer, x):
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@pytest.mark.parametrize("level, recipe", [("O1", None), ("O2", None), ("O2", "blockwise"), ("fp8", None)])
+def test_a_compiled_train_step_with_backward_inside_trains_as_eager(level, recipe):
+    """torch.compile of the whole step (fullgraph=False): loss.backward() breaks the graph and runs
+    eagerly under Dynamo's frame hook, which then compiled the FP8 gradients' __torch_dispatch__
+    frames and crashed on a half-built ScaledTensor ("'ScaledTensor' object has no attribute '_data'")."""
+    torch._dynamo.reset()
+    eager, eager_opt = converted(level, recipe)
+    model, opt = converted(level, recipe)
+    step = torch.compile(train_step, backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 16, 32, generator=g)
+        expected, got = train_step(eager, eager_opt, x), step(model, opt, x)
+        assert abs(got.item() - expected.item()) <= 1e-3 * expected.item()
+    assert rel(model(x), eager(x)) < 0.1
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert type(p) is type(q) and p.grad is None, name
