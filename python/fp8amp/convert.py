@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 try:
     from torch.distributed.tensor import DTensor
@@ -119,7 +120,13 @@ def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     Fp8Linear are counted in its notes, not judged again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"conversion_report: model must be an nn.Module, got {type(model).__name__}")
-    return model.__dict__.get("_fp8amp_conversion_report")
+    return report_holder(model).__dict__.get("_fp8amp_conversion_report")
+
+
+def report_holder(model: nn.Module) -> nn.Module:
+    """The module that keeps ``model``'s report: for ``torch.compile(model)`` (an OptimizedModule),
+    the module it compiles, whose layers convert changes, so that either reads the same report."""
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
 def _is_sharded(linear: nn.Module) -> bool:
@@ -282,6 +289,12 @@ def convert(
     if to_time:
         _decide_auto(to_time, decisions, tokens, float(min_speedup), timer, recipe)
 
+    for parent, _, fqn, linear in candidates:
+        if isinstance(parent, OptimizedModule) and decisions[id(linear)].converted:
+            # Its forward is bound to the Linear it compiled: a layer put in its place would never run.
+            raise ValueError(f"fp8amp.convert: {fqn} is a Linear layer that torch.compile wraps, whose compiled "
+                             "forward would keep calling that Linear; convert / initialize the Linear first, "
+                             "then torch.compile the module they return")
     converted: dict[int, nn.Module] = {}
     for parent, child_name, fqn, linear in candidates:
         decision = decisions[id(linear)]
@@ -301,7 +314,7 @@ def convert(
     report.decisions.sort(key=lambda d: order.get(d.name, len(order)))
     logger.info("%d of %d Linear layers converted to FP8 (policy=%r)", len(report.converted), len(report.decisions),
                 policy)
-    object.__setattr__(model, "_fp8amp_conversion_report", report)
+    object.__setattr__(report_holder(model), "_fp8amp_conversion_report", report)
     if optimizer is not None:
         register_scaling_hooks(model, optimizer)
     else:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
+from .convert import report_holder
 from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
@@ -73,7 +74,7 @@ def unconvert(
         _check_optimizer_masters(model, optimizer)
     replaced: dict[int, torch.Tensor] = {}  # id(old weight) -> new plain parameter
     model = _unconvert_modules(model, replaced)
-    model.__dict__.pop("_fp8amp_conversion_report", None)
+    report_holder(model).__dict__.pop("_fp8amp_conversion_report", None)
     if optimizer is None:
         if replaced:
             warnings.warn(

@@ -63,3 +63,36 @@ def test_a_compiled_train_step_with_backward_inside_trains_as_eager(level, recip
     assert rel(model(x), eager(x)) < 0.1
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert type(p) is type(q) and p.grad is None, name
+
+
+@pytest.mark.parametrize("how", ["convert", "initialize"])
+def test_convert_of_a_compiled_linear_is_refused_before_anything_changes(how):
+    """torch.compile(nn.Linear) binds its forward to that Linear: convert replaced the wrapper's
+    _orig_mod by an Fp8Linear that no forward ran (the model computed in high precision, and at O2
+    the optimizer stepped masters that got no gradient)."""
+    linear = nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(linear.parameters())
+    compiled = torch.compile(linear, backend="aot_eager")
+    with pytest.raises(ValueError, match="torch.compile"):
+        if how == "convert":
+            fp8amp.convert(compiled, policy="all")
+        else:
+            fp8amp.initialize(compiled, optimizer, opt_level="O2", policy="all")
+    assert type(compiled._orig_mod) is nn.Linear and type(linear.weight) is nn.Parameter
+    # What works: convert first, compile what convert returns.
+    model = torch.compile(fp8amp.convert(linear, policy="all"), backend="aot_eager")
+    x = torch.randn(16, 32)
+    assert torch.equal(model(x), model._orig_mod(x)) and not torch.equal(model(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_conversion_report_reads_through_torch_compile():
+    """conversion_report(torch.compile(model)) was None ("never went through convert"); convert of
+    the wrapper reported on the wrapper only, and unconvert of the wrapper left the model's report."""
+    model, _ = converted("fp8")
+    compiled = torch.compile(model, backend="aot_eager")
+    assert fp8amp.conversion_report(compiled) is fp8amp.conversion_report(model) is not None
+    fp8amp.unconvert(compiled)
+    assert fp8amp.conversion_report(model) is None and type(model.fc1) is nn.Linear
+    fp8amp.convert(compiled, policy="all")
+    assert fp8amp.conversion_report(model) is fp8amp.conversion_report(compiled)
+    assert len(fp8amp.conversion_report(model).converted) == 2
