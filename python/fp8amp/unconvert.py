@@ -26,6 +26,7 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from . import optim as fp8_optim
 from .convert import report_holder
@@ -93,8 +94,14 @@ def unconvert(
 def _check_weights_are_parameters(model: nn.Module) -> None:
     """Refuses a layer whose weight is not its registered parameter: a parametrization or a forward
     pre-hook computes it, and the nn.Linear made from the layer would keep neither them nor the
-    parameter they read (it would hold their last weight, and nothing that trains)."""
+    parameter they read (it would hold their last weight, and nothing that trains). Also refuses
+    an Fp8Linear that torch.compile wraps."""
     for name, module in model.named_modules():
+        if isinstance(module, OptimizedModule) and isinstance(module._orig_mod, Fp8Linear):
+            # Its forward is bound to the layer it compiled: an nn.Linear put in its place would never run.
+            raise ValueError(f"unconvert: {name + '.' if name else ''}_orig_mod is an Fp8Linear that torch.compile "
+                             "wraps, whose compiled forward would keep calling it; unconvert the layer itself, then "
+                             "torch.compile the module unconvert returns")
         if isinstance(module, Fp8Linear) and module._parameters.get("weight") is None:
             raise ValueError(
                 f"unconvert: layer {name or '(the model)'}'s weight is computed by a parametrization or a forward "

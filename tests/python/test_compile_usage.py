@@ -96,3 +96,14 @@ def test_conversion_report_reads_through_torch_compile():
     fp8amp.convert(compiled, policy="all")
     assert fp8amp.conversion_report(model) is fp8amp.conversion_report(compiled)
     assert len(fp8amp.conversion_report(model).converted) == 2
+
+
+def test_unconvert_of_a_compiled_fp8_linear_is_refused_before_anything_changes():
+    """torch.compile(Fp8Linear)'s forward is bound to the Fp8Linear: unconvert put an nn.Linear in
+    the wrapper's _orig_mod that no forward ran (the model went on computing in FP8)."""
+    layer = fp8amp.convert(nn.Linear(32, 32), policy="all")
+    compiled = torch.compile(layer, backend="aot_eager")
+    with pytest.raises(ValueError, match="torch.compile"):
+        fp8amp.unconvert(compiled)
+    assert compiled._orig_mod is layer and fp8amp.conversion_report(layer) is not None
+    assert type(torch.compile(fp8amp.unconvert(layer), backend="aot_eager")._orig_mod) is nn.Linear
