@@ -107,3 +107,88 @@ def test_unconvert_of_a_compiled_fp8_linear_is_refused_before_anything_changes()
         fp8amp.unconvert(compiled)
     assert compiled._orig_mod is layer and fp8amp.conversion_report(layer) is not None
     assert type(torch.compile(fp8amp.unconvert(layer), backend="aot_eager")._orig_mod) is nn.Linear
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_a_compiled_models_state_dict_loads_into_the_uncompiled_model_and_back(level):
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    torch._dynamo.reset()
+    model, opt = converted(level)
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        train_step(compiled, opt, torch.randn(4, 16, 32))
+    state = compiled.state_dict()
+    assert all(k.startswith("_orig_mod.") for k in state)
+    x = torch.randn(4, 16, 32)
+    model.eval()
+    expected = compiled(x)
+    plain, _ = converted(level, seed=1)
+    consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
+    plain.load_state_dict(state)
+    assert torch.equal(plain.eval()(x), expected)
+    again, _ = converted(level, seed=2)
+    again = torch.compile(again, backend="aot_eager")
+    again._orig_mod.load_state_dict(plain.state_dict())
+    assert torch.equal(again.eval()(x), expected)
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_initialize_after_compile_trains_as_initialize_before(level):
+    """The order users get wrong works: the compiled wrapper recompiles for the converted layers."""
+    torch._dynamo.reset()
+    reference, ref_opt = converted(level)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(4, 16, 32))  # compiled while plain
+    if level == "fp8":
+        fp8amp.convert(compiled, policy="all", optimizer=opt)
+    else:
+        compiled, opt = fp8amp.initialize(compiled, opt, opt_level=level, policy="all")
+    for _ in range(3):
+        x = torch.randn(4, 16, 32)
+        assert torch.equal(train_step(compiled, opt, x), train_step(reference, ref_opt, x))
+    assert type(model.fc1.weight) is type(reference.fc1.weight)
+
+
+@pytest.mark.parametrize("recipe", [None, "blockwise"])
+def test_exported_trained_o2_model_equals_eager(recipe):
+    model, opt = converted("O2", recipe)
+    for _ in range(2):
+        train_step(model, opt, torch.randn(4, 16, 32))
+    model.eval()
+    program = torch.export.export(model, (torch.randn(4, 16, 32),)).module()
+    x = torch.randn(4, 16, 32) * 3
+    with torch.no_grad():
+        assert torch.equal(program(x), model(x))
+
+
+def test_a_converted_gpt_compiles_without_graph_breaks():
+    from fp8amp.testing import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, d_model=32))
+    gpt, _ = fp8amp.initialize(gpt, torch.optim.AdamW(gpt.parameters()), opt_level="O2", policy="all")
+    idx = torch.randint(0, 64, (2, 32))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(gpt)(idx, idx)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_dynamic_batch_and_sequence_compile_a_bounded_number_of_graphs():
+    """mark_dynamic on batch and sequence: token counts off the multiple of 16 add one graph (the
+    padded branch), not one a shape."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model, opt = converted("O2")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    for b, t in [(2, 16), (3, 16), (4, 24), (5, 7), (6, 48), (2, 100), (3, 5), (7, 33)]:
+        x = torch.randn(b, t, 32)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(x, 1)
+        train_step(compiled, opt, x)
+    assert counter.frame_count <= 3
