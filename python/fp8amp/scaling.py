@@ -78,7 +78,7 @@ class ScalingState(torch.nn.Module):
 
     #: Whether :func:`fp8amp.update_scaling` MAX-reduces this state's amaxes across ranks.
     amax_reduction: bool = True
-    #: Scaling updates run in this process, of any state (on the class): how
+    #: Scaling updates run eagerly in this process, of any state (on the class): how
     #: :mod:`fp8amp.scaling_hooks` tells that nothing updates a model's scaling between two steps.
     updates_run: int = 0
     #: The group it reduces over; None: the default group, when one is initialized with > 1 rank.
@@ -211,7 +211,7 @@ class ScalingState(torch.nn.Module):
         amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
         r = self.recipe
         b = self._buffers
-        ScalingState.updates_run += 1
+        _count_update()
         fast.update_delayed_scaling(b["amax_history"], b["scale"], b["scale_inv"], b["counter"], self.fmax, r.margin,
                                     r.pow2_scale)
 
@@ -307,11 +307,16 @@ def fresh_scaling_if_missing():
         _fresh_if_missing.reset(token)
 
 
+def _count_update() -> None:
+    if not torch.compiler.is_compiling():  # (torch 2.11's Dynamo cannot trace a class attribute's write)
+        ScalingState.updates_run += 1
+
+
 def update_states(states: Iterable[ScalingState]) -> None:
     """:meth:`ScalingState.update` of many states (each once), in one launch for each device,
     format and recipe among them instead of one a state: what :func:`fp8amp.update_scaling` runs
     after every optimizer step for all the Fp8Linears of a model."""
-    ScalingState.updates_run += 1
+    _count_update()
     groups: dict[tuple, list[dict]] = {}
     for state in {id(st): st for st in states}.values():
         r, buffers = state.recipe, state._buffers  # (not state.amax_history: Module.__getattr__ is slow)
