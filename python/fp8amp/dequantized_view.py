@@ -90,6 +90,11 @@ class DequantizedView(torch.Tensor):
     def numpy(self, *, force: bool = False):
         return self.values().numpy(force=force)
 
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0 and not self.is_meta:
+            return self.values().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __array__(self, dtype=None):
         return self.values().__array__(dtype)
 

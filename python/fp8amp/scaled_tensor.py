@@ -86,7 +86,7 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
 class WrapperTensorMixin:
     """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
     inner tensors with no storage of their own: pickling, ``.data`` assignment, item assignment,
-    and ``tolist`` / ``numpy`` (which torch refuses for any subclass) of the real values."""
+    and ``tolist`` / ``numpy`` (which torch refuses for any subclass) and ``format`` of the real values."""
 
     # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
     # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
@@ -140,6 +140,13 @@ class WrapperTensorMixin:
             raise RuntimeError(f"fp8amp.{type(self).__name__}: can't call numpy() on a tensor that requires grad; "
                                "use .detach().numpy() (or numpy(force=True))")
         return self.dequantize().detach().cpu().numpy()
+
+    def __format__(self, format_spec: str) -> str:
+        # torch formats the value of a 0-d tensor only when its type is exactly Tensor, so
+        # f"{w[0, 0]:.4f}" of a master or an FP8 gradient raised "unsupported format string".
+        if self.dim() == 0 and not self.is_meta:
+            return self.dequantize().detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
 
     def __setitem__(self, index, value) -> None:
         # A plain tensor's item assignment writes through a view of it; views of these wrappers

@@ -1,0 +1,70 @@
+"""What users do with the tensors fp8amp puts in their hands (CPU): the O1/O2 masters, the FP8
+weight gradients (ScaledTensor; BlockScaledTensor under recipe="blockwise") and their views,
+each compared with the same on its dequantized values (docs/hardening.md)."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+from fp8amp.block_scaled_tensor import BlockScaledTensor
+from fp8amp.dequantized_view import DequantizedView
+from fp8amp.scaled_tensor import ScaledTensor
+
+
+def _trained(level="O2", recipe=None, features=32):
+    """A model after initialize, one backward and one step, and one more backward (grads kept)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(features, features * 2), nn.GELU(), nn.Linear(features * 2, 16))
+    kwargs = {} if recipe is None else {"recipe": recipe}
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, **kwargs)
+    x = torch.randn(8, features)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    model(x).square().mean().backward()
+    return model, optimizer
+
+
+@functools.lru_cache(maxsize=1)
+def _tensors():
+    """name -> a master, an FP8 gradient, a block-scaled gradient (shared: for tests that only read them)."""
+    model, _ = _trained()
+    blockwise, _ = _trained(recipe="blockwise", features=256)
+    tensors = {"master": model[0].weight, "grad": model[0].weight.grad, "block_grad": blockwise[0].weight.grad}
+    assert [type(t) for t in tensors.values()] == [fp8amp.MasterWeight, ScaledTensor, BlockScaledTensor]
+    return tensors
+
+
+TENSORS = ["master", "grad", "block_grad"]
+
+
+def _real(t):
+    return t.dequantize() if isinstance(t, (ScaledTensor, BlockScaledTensor)) else t
+
+
+# ------------------------------------------------------------------ printing
+
+
+@pytest.mark.parametrize("name", TENSORS)
+@pytest.mark.parametrize("index", [(0, 0), (-1, 3)], ids=["first", "last_row"])
+@pytest.mark.parametrize("view", ["plain", "transposed"])
+def test_format_of_an_element_formats_its_value(name, index, view):
+    """f"{w[0, 0]:.4f}" formats the element's value, as for a plain tensor; torch formats a 0-d
+    tensor's value only when its type is exactly Tensor, so a master's or an FP8 gradient's
+    element (a 0-d ScaledTensor or DequantizedView) raised "unsupported format string"."""
+    t = _tensors()[name]
+    with torch.no_grad():
+        element = (t if view == "plain" else t.T)[index]
+        want = (_real(t) if view == "plain" else _real(t).T)[index]
+        assert isinstance(element, (ScaledTensor, DequantizedView))
+        for spec in (".4f", ".3e", "", "+.6g", ">12.5f"):
+            assert f"{element:{spec}}" == f"{want:{spec}}", spec
+    whole = ScaledTensor.from_tensor(torch.tensor(-3.25), fp8amp.E4M3)
+    assert f"{whole:.2f}" == "-3.25"
+    assert format(t, "") == str(t)  # a tensor of several elements: its str, as torch gives it
+    with pytest.raises(TypeError, match="unsupported format string"):
+        format(t, ".2f")
