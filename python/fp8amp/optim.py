@@ -128,6 +128,9 @@ class Adam(torch.optim.Optimizer):
         # hash is a Python call); set before super().__init__, which calls add_param_group.
         self._cohorts: dict[int, object] = {}
         self._cohort_ids = itertools.count(1)
+        # Each param's step count tensor and its version counter when its cohort was last known:
+        # a count written from outside since (a state reset by hand) makes it read again.
+        self._count_marks: dict[int, tuple[torch.Tensor, int]] = {}
         # The lists of last step's op calls, by the ids of their params (fp8amp.optim_calls).
         self._call_lists: dict[tuple[int, ...], CallLists] = {}
         super().__init__(params, defaults)
@@ -219,6 +222,7 @@ class Adam(torch.optim.Optimizer):
                 if key in state:
                     state[key] = one_per_shard(state[key], param)
         self._cohorts[id(param)] = 0  # cohort 0: step count 0
+        self._mark_count(param, state["step"])
 
     def _cohort_from_state(self, p: torch.Tensor) -> object:
         """The cohort of a param whose state was set from outside (unpickling, assignment,
@@ -229,8 +233,16 @@ class Adam(torch.optim.Optimizer):
         (a param without a grad does not step), so a group's
         params are stepped in one call per cohort: params stepped by exactly the same calls since
         their counts were last known. Usually all params of a group form one cohort."""
-        key = self._cohorts[id(p)] = ("step", float(self.state[p]["step"]))
+        count = self.state[p]["step"]
+        key = self._cohorts[id(p)] = ("step", float(count))
+        self._mark_count(p, count)
         return key
+
+    def _mark_count(self, p: torch.Tensor, count: torch.Tensor) -> None:
+        """Records ``p``'s step count tensor and its version counter, by which ``step`` tells a
+        count written from outside since (none in a traced step: the next eager step reads it)."""
+        if not torch.compiler.is_compiling():
+            self._count_marks[id(p)] = (count, count._version)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # (O2's float8 codes as bytes: torch cannot pickle.loads them)
@@ -241,6 +253,7 @@ class Adam(torch.optim.Optimizer):
         fp8_states_from_bytes(self.state)
         self._cohorts = {}
         self._cohort_ids = itertools.count(1)
+        self._count_marks = {}
         self._call_lists = {}
 
     def state_dict(self) -> dict:
@@ -324,7 +337,8 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
 
         calls: list[tuple[dict, list[torch.Tensor], list[dict]]] = []  # (group, params, their states)
-        cohorts = self._cohorts
+        cohorts, marks = self._cohorts, self._count_marks
+        eager = not torch.compiler.is_compiling()  # (a traced step reads no version counter)
         for group in self.param_groups:
             self._check_hyper(group)
             parts: dict[tuple, tuple[list[torch.Tensor], list[dict]]] = {}
@@ -341,6 +355,12 @@ class Adam(torch.optim.Optimizer):
                 cohort = cohorts.get(id(p))
                 if cohort is None:
                     cohort = self._cohort_from_state(p)
+                elif eager:
+                    # torch's Adam takes each param's own count: one set by hand (zero_, a new
+                    # tensor) would otherwise be stepped with its cohort's count
+                    mark, count = marks.get(id(p)), state["step"]
+                    if mark is None or mark[0] is not count or mark[1] != count._version:
+                        cohort = self._cohort_from_state(p)
                 # (the device's index, not the device: an int, where p.device makes an object; no
                 # setdefault, whose default lists would be made for every param)
                 key = (p.get_device(), cohort)
@@ -365,6 +385,8 @@ class Adam(torch.optim.Optimizer):
             self._call_lists[key] = lists
             self._call(group, params, lists, found_infs[params[0].device])
             self._cohorts.update(dict.fromkeys(key, next(self._cohort_ids)))
+            if eager:  # (the op advances the counts without bumping their version counters)
+                marks.update({id(p): (s["step"], s["step"]._version) for p, s in zip(params, states)})
         return loss
 
     def _warn_no_grads(self) -> None:

@@ -68,3 +68,61 @@ def test_format_of_an_element_formats_its_value(name, index, view):
     assert format(t, "") == str(t)  # a tensor of several elements: its str, as torch gives it
     with pytest.raises(TypeError, match="unsupported format string"):
         format(t, ".2f")
+
+
+# ------------------------------------------------------------------ the optimizer's states
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("how", ["zero_", "fill_", "assign", "delete"])
+def test_a_step_count_reset_by_hand_steps_that_param_as_torch_does(level, how):
+    """Resetting one param's Adam state by hand (a re-initialized layer): torch's AdamW takes each
+    param's own step count for its bias corrections. fp8amp's fused step takes one count per call
+    (its params' counts are equal) and read that count again only for a state it had not seen, so
+    a count written from outside (``zero_``, ``fill_``, a new tensor) stepped that param with the
+    others' count: the count read right, the update was wrong. Compared with torch's AdamW (O1),
+    and bit for bit with one fp8amp optimizer per param, whose single count is its own (O1, O2)."""
+    torch.manual_seed(0)
+    start = [torch.randn(16, 16) for _ in range(3)]
+    runs = []  # (params, their optimizers)
+    for kind in ("torch", "together", "apart"):
+        params = [p.clone().requires_grad_() for p in start]
+        if kind == "torch":
+            optimizers = [torch.optim.AdamW(params, lr=1e-2, foreach=False)] * 3
+        elif kind == "together":
+            optimizers = [fp8amp.optim.AdamW(params, lr=1e-2, state_dtypes=level)] * 3
+        else:
+            optimizers = [fp8amp.optim.AdamW([p], lr=1e-2, state_dtypes=level) for p in params]
+        runs.append((params, optimizers))
+    gen = torch.Generator().manual_seed(1)
+
+    def step():
+        grads = [torch.randn(16, 16, generator=gen) for _ in start]
+        for params, optimizers in runs:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            for opt in dict.fromkeys(optimizers):
+                opt.step()
+
+    for _ in range(4):
+        step()
+    for params, optimizers in runs:
+        opt, p = optimizers[1], params[1]
+        if how == "zero_":
+            opt.state[p]["step"].zero_()
+        elif how == "fill_":
+            opt.state[p]["step"].fill_(1.0)
+        elif how == "assign":
+            opt.state[p]["step"] = torch.tensor(0.0)
+        else:
+            del opt.state[p]
+    for _ in range(3):
+        step()
+    (ref, ref_opts), (ours, our_opts), (apart, apart_opts) = runs
+    counts = [[o.state[p]["step"].item() for p, o in zip(params, opts)] for params, opts in runs]
+    assert counts[0] == counts[1] == counts[2] and counts[0][0] != counts[0][1]
+    for p, q in zip(ours, apart):
+        assert torch.equal(p, q)
+    if level == "O1":  # torch's math to ~2^-21 of an update
+        for p, q in zip(ours, ref):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
