@@ -448,9 +448,13 @@ class Adam(torch.optim.Optimizer):
 def _fused_form(grad: torch.Tensor) -> torch.Tensor:
     """``grad`` as the fused step takes it: a block gradient (128 x 128 block scales) as itself
     (the step reads each block's scale), unless its columns are not a multiple of 128, which the
-    step's block indexing needs (the blockwise recipe makes none such): then its float32 real values."""
+    step's block indexing needs (the blockwise recipe makes none such): then its float32 real values.
+    A ScaledTensor of FP16 codes (``p.grad = p.new_zeros(...)`` of a master, which is a master) as
+    its real values: the step takes FP8 codes or plain grads."""
     if isinstance(grad, BlockScaledTensor) and grad.shape[1] % BLOCK_TILE[1]:
         return grad.dequantize(torch.float32)
+    if isinstance(grad, ScaledTensor) and grad.codes.dtype == FP16:
+        return grad.dequantize()
     return grad
 
 

@@ -126,3 +126,27 @@ def test_a_step_count_reset_by_hand_steps_that_param_as_torch_does(level, how):
     if level == "O1":  # torch's math to ~2^-21 of an update
         for p, q in zip(ours, ref):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("grad_of", ["new_zeros", "fp16_scaled"])
+def test_a_grad_with_float16_codes_steps_as_its_values(level, grad_of):
+    """``p.grad = p.new_zeros(p.shape)`` before backward (grads allocated up front) makes a
+    master's grad a master (new_zeros keeps the type, for FSDP2), with FP16 codes, as does a
+    ``ScaledTensor.from_tensor(g, torch.float16)`` set as a grad; the fused step takes FP8 or plain
+    grads only, and raised "adam_step: grad_scale_invs[0] must be None: its grad is not float8".
+    Such a grad steps as its real values do, bit for bit."""
+    model, optimizer = _trained(level)
+    weight = model[0].weight
+    if grad_of == "new_zeros":
+        new = weight.new_zeros(weight.shape)
+        new.add_(weight.grad)  # autograd's accumulation into a grad set before backward
+        weight.grad = new
+    else:
+        weight.grad = ScaledTensor.from_tensor(weight.grad.dequantize(), fp8amp.FP16)
+    assert isinstance(weight.grad, ScaledTensor) and weight.grad.codes.dtype == torch.float16
+    reference_model, reference = _trained(level)
+    reference_model[0].weight.grad = weight.grad.dequantize()
+    optimizer.step()
+    reference.step()
+    assert torch.equal(weight.dequantize(), reference_model[0].weight.dequantize())
