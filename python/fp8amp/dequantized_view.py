@@ -83,12 +83,22 @@ class DequantizedView(torch.Tensor):
                            args, kwargs)
         return out
 
-    # What torch does with a tensor's storage, done with the view's values.
+    # What torch does with a tensor's storage, done with the view's values (apply_ writes them
+    # back as any in-place op through the view does; torch's read the absent storage: a crash).
     def tolist(self):
         return self.values().tolist()
 
     def numpy(self, *, force: bool = False):
         return self.values().numpy(force=force)
+
+    def apply_(self, callable):
+        if self.requires_grad:  # torch's own check and message
+            raise RuntimeError("Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead.")
+        return self.copy_(self.values().apply_(callable))
+
+    def share_memory_(self):
+        raise RuntimeError("fp8amp.DequantizedView: share_memory_() is not supported (a view of an O1/O2 master or "
+                           "an FP8 gradient has no storage of its own to share); share a copy: .clone().share_memory_()")
 
     def __format__(self, format_spec: str) -> str:
         if self.dim() == 0 and not self.is_meta:

@@ -86,7 +86,8 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
 class WrapperTensorMixin:
     """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
     inner tensors with no storage of their own: pickling, ``.data`` assignment, item assignment,
-    and ``tolist`` / ``numpy`` (which torch refuses for any subclass) and ``format`` of the real values."""
+    ``tolist`` / ``numpy`` (which torch refuses for any subclass), ``format`` and ``apply_`` of the real
+    values; ``share_memory_`` is refused."""
 
     # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
     # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
@@ -140,6 +141,25 @@ class WrapperTensorMixin:
             raise RuntimeError(f"fp8amp.{type(self).__name__}: can't call numpy() on a tensor that requires grad; "
                                "use .detach().numpy() (or numpy(force=True))")
         return self.dequantize().detach().cpu().numpy()
+
+    def share_memory_(self):
+        """Refused: torch shares a tensor's storage between processes, and this is a wrapper
+        without one of its own (sharing it crashed the process)."""
+        raise RuntimeError(
+            f"fp8amp.{type(self).__name__}: share_memory_() is not supported (an O1/O2 master or an FP8 gradient "
+            "is a wrapper of codes and scales, with no storage of its own to share); train with several "
+            "processes through torch.distributed (DDP, FSDP2: docs/distributed.md), or share a model "
+            "converted for FP8 compute only (fp8amp.convert), whose weights are plain tensors")
+
+    def apply_(self, callable):
+        """``callable`` on each real value, written back as any in-place op writes (torch's own
+        reads the storage, which a wrapper does not have: it crashed the process)."""
+        if self.requires_grad:  # torch's own check and message
+            raise RuntimeError("Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead.")
+        real = self.dequantize().apply_(callable)
+        with torch.no_grad():
+            self.copy_(real)
+        return self
 
     def __format__(self, format_spec: str) -> str:
         # torch formats the value of a 0-d tensor only when its type is exactly Tensor, so
@@ -264,15 +284,6 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
     def _after_write(self, source: "ScaledTensor | None" = None) -> None:
         """Called after every in-place write of the codes or the scale (``source``: the tensor
         copied bit for bit, if that was the write); a subclass refreshes what it derives from them."""
-
-    def share_memory_(self):
-        """Refused: torch shares a tensor's storage between processes, and a ScaledTensor is a
-        wrapper without one of its own (sharing it crashed the process)."""
-        raise RuntimeError(
-            "fp8amp.ScaledTensor: share_memory_() is not supported (an O1/O2 master or an FP8 gradient is a "
-            "wrapper of codes and a scale, with no storage of its own to share); train with several "
-            "processes through torch.distributed (DDP, FSDP2: docs/distributed.md), or share a model "
-            "converted for FP8 compute only (fp8amp.convert), whose weights are plain tensors")
 
     @property
     def codes(self) -> torch.Tensor:

@@ -150,3 +150,55 @@ def test_a_grad_with_float16_codes_steps_as_its_values(level, grad_of):
     optimizer.step()
     reference.step()
     assert torch.equal(weight.dequantize(), reference_model[0].weight.dequantize())
+
+
+# ------------------------------------------------------------------ what reads a tensor's storage
+
+_STORAGE_CHILD = """
+import torch, fp8amp
+from torch import nn
+from fp8amp.dequantized_view import DequantizedView
+torch.manual_seed(0)
+model, _ = fp8amp.initialize(nn.Sequential(nn.Linear(256, 256)), None, "O2", recipe={recipe!r}, policy="all")
+model(torch.randn(16, 256)).square().mean().backward()
+weight = model[0].weight
+kinds = {{"master": lambda: weight.detach(), "grad": lambda: weight.grad, "row": lambda: weight.grad[2:5],
+          "transposed": lambda: weight.grad.T}}
+for kind, make in kinds.items():
+    t = make()
+    real = lambda: (t.values() if isinstance(t, DequantizedView) else t.dequantize()).float()
+    want = real().clone()
+    want.apply_(lambda v: v * 2 - 1)
+    returned = t.apply_(lambda v: v * 2 - 1)
+    err = ((real() - want).abs().max() / want.abs().max()).item()
+    print(kind, "apply_", returned is t, err < 2 ** -3)
+    try:
+        make().share_memory_()
+        print(kind, "share_memory_ returned")
+    except RuntimeError as e:
+        print(kind, "share_memory_ refused:", "share_memory_() is not supported" in str(e))
+try:
+    weight.apply_(lambda v: v)
+except RuntimeError as e:
+    print("requires grad:", e)
+"""
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_apply_and_share_memory_never_crash(recipe):
+    """``Tensor.apply_`` (a Python callable on each value) reads the storage, which a master, an
+    FP8 gradient or a view of one does not have: it crashed the process (SIGSEGV), as did
+    ``share_memory_`` of a BlockScaledTensor or a transposed view (ScaledTensor refused it). apply_
+    now runs on the real values and writes them back as any in-place op does; share_memory_ is
+    refused. Run in a child, so that a crash fails the test."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _STORAGE_CHILD.format(recipe=recipe)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    for kind in ("master", "grad", "row", "transposed"):
+        assert f"{kind} apply_ True True" in lines, out.stdout
+        assert f"{kind} share_memory_ refused: True" in lines, out.stdout
+    assert "requires grad: Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead." \
+        in lines, out.stdout
