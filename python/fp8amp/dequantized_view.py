@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from .wrapper_ops import is_view_op, make_wrapper, written_instances
 
-__all__ = ["DequantizedView", "view_of"]
+__all__ = ["DequantizedView", "view_of", "export_dlpack"]
 
 
 def view_of(out, base: torch.Tensor, func, args, kwargs):
@@ -36,6 +36,17 @@ def view_of(out, base: torch.Tensor, func, args, kwargs):
     if isinstance(out, torch.Tensor):
         return DequantizedView(out, base, view)
     return type(out)(DequantizedView(o, base, lambda real, i=i: view(real)[i]) for i, o in enumerate(out))
+
+
+def export_dlpack(t: torch.Tensor, values, kwargs: dict):
+    """``t.__dlpack__(**kwargs)`` for a tensor with no storage of its own: ``values()`` (a plain copy
+    of its real values) exported, with torch's refusal of a tensor that requires grad."""
+    if t.requires_grad:
+        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+    if kwargs.get("copy") is False:
+        raise BufferError(f"fp8amp.{type(t).__name__}: its values are computed from its codes and scales, so a "
+                          "DLPack export is a copy; pass copy=None or copy=True")
+    return values().__dlpack__(**kwargs)
 
 
 class DequantizedView(torch.Tensor):
@@ -95,6 +106,9 @@ class DequantizedView(torch.Tensor):
         if self.requires_grad:  # torch's own check and message
             raise RuntimeError("Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead.")
         return self.copy_(self.values().apply_(callable))
+
+    def __dlpack__(self, **kwargs):
+        return export_dlpack(self, self.values, kwargs)
 
     def share_memory_(self):
         raise RuntimeError("fp8amp.DequantizedView: share_memory_() is not supported (a view of an O1/O2 master or "

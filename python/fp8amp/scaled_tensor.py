@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
-from .dequantized_view import view_of
+from .dequantized_view import export_dlpack, view_of
 from .wrapper_ops import is_view_op, make_wrapper, run_on_values, written_instances
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
@@ -86,8 +86,8 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
 class WrapperTensorMixin:
     """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
     inner tensors with no storage of their own: pickling, ``.data`` assignment, item assignment,
-    ``tolist`` / ``numpy`` (which torch refuses for any subclass), ``format`` and ``apply_`` of the real
-    values; ``share_memory_`` is refused."""
+    ``tolist`` / ``numpy`` (which torch refuses for any subclass), ``format``, ``apply_`` and DLPack
+    export of the real values; ``share_memory_`` is refused."""
 
     # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
     # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
@@ -160,6 +160,12 @@ class WrapperTensorMixin:
         with torch.no_grad():
             self.copy_(real)
         return self
+
+    def __dlpack__(self, **kwargs):
+        """The real values as a DLPack capsule (numpy.from_dlpack, torch.from_dlpack): a copy, as
+        ``numpy()`` gives them. torch's own exported the wrapper's storage, which it does not have:
+        consumers read garbage."""
+        return export_dlpack(self, self.dequantize, kwargs)
 
     def __format__(self, format_spec: str) -> str:
         # torch formats the value of a 0-d tensor only when its type is exactly Tensor, so

@@ -202,3 +202,27 @@ def test_apply_and_share_memory_never_crash(recipe):
         assert f"{kind} share_memory_ refused: True" in lines, out.stdout
     assert "requires grad: Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead." \
         in lines, out.stdout
+
+
+@pytest.mark.parametrize("name", TENSORS + ["row", "transposed"])
+def test_dlpack_export_gives_the_real_values(name):
+    """``numpy.from_dlpack(t)`` / ``torch.from_dlpack(t)`` (how array libraries take a tensor)
+    call ``t.__dlpack__``: torch's exported the wrapper's storage, which it does not have, and
+    numpy read garbage (values like -3.9e15 for a weight of 0.1) or the process crashed. The
+    export is now the real values, a copy, as ``numpy()`` gives them; a consumer asking for no copy
+    is told why there is one, and a tensor that requires grad is refused as torch refuses it."""
+    import numpy as np
+    tensors = _tensors()
+    if name == "row":
+        t = tensors["grad"][2:5]
+    elif name == "transposed":
+        t = tensors["grad"].T
+    else:
+        t = tensors[name].detach()
+    want = t.values() if isinstance(t, DequantizedView) else t.dequantize()
+    assert np.array_equal(np.from_dlpack(t), want.numpy())
+    assert torch.equal(torch.from_dlpack(t), want)
+    with pytest.raises(BufferError, match="copy"):
+        t.__dlpack__(copy=False)
+    with pytest.raises(RuntimeError, match="require gradient"):
+        tensors["master"].__dlpack__()
