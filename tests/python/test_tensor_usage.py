@@ -70,6 +70,90 @@ def test_format_of_an_element_formats_its_value(name, index, view):
         format(t, ".2f")
 
 
+# ------------------------------------------------------------------ reads, serialization, autograd (kept working)
+
+READS = {
+    "eq": lambda t: t == t.abs(), "allclose": lambda t: torch.tensor(torch.allclose(t, t * 1)),
+    "equal": lambda t: torch.tensor(torch.equal(t, t)), "sum": lambda t: t.sum(), "sum(0)": lambda t: t.sum(0),
+    "norm": lambda t: t.norm(), "norm(1)": lambda t: t.norm(p=1), "abs().max()": lambda t: t.abs().max(),
+    "isfinite().all()": lambda t: torch.isfinite(t).all(), "where": lambda t: torch.where(t > 0, t, 0.0),
+    "stack": lambda t: torch.stack([t, t]), "cat": lambda t: torch.cat([t, t]), "float": lambda t: t.float(),
+    "to(bfloat16)": lambda t: t.to(torch.bfloat16), "clone": lambda t: t.clone(), "detach": lambda t: t.detach(),
+    "contiguous": lambda t: t.contiguous(), "tolist": lambda t: torch.tensor(t.tolist()),
+    "numpy": lambda t: torch.from_numpy(t.detach().numpy()), "[0]": lambda t: t[0], "[:, 1:3]": lambda t: t[:, 1:3],
+    "[mask]": lambda t: t[t > 0], ".T": lambda t: t.T, "view(-1)": lambda t: t.view(-1),
+    "flatten": lambda t: t.flatten(), "item": lambda t: torch.tensor(t[1, 2].item()),
+}
+
+
+@pytest.mark.parametrize("name", TENSORS)
+@pytest.mark.parametrize("read", READS, ids=list(READS))
+def test_reads_equal_those_of_the_dequantized_tensor(name, read):
+    t = _tensors()[name]
+    with torch.no_grad():
+        got, want = READS[read](t), READS[read](_real(t).clone())
+    got = got.values() if isinstance(got, DequantizedView) else _real(got)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if read.startswith("norm"):  # from the codes: the float32 sums' rounding (block sums for a block grad)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_hooks_autograd_grad_and_identity(level):
+    model, optimizer = _trained(level)
+    weight = model[0].weight
+    ids = [id(p) for p in model.parameters()]
+    seen = []
+    weight.register_hook(lambda g: seen.append(("hook", type(g))))
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(("post", p is weight, type(p.grad))))
+    optimizer.zero_grad()
+    x = torch.randn(8, 32)
+    model(x).square().mean().backward()
+    assert seen == [("hook", ScaledTensor), ("post", True, ScaledTensor)]
+    (grad,) = torch.autograd.grad(model(x).square().mean(), weight)
+    assert type(grad) is ScaledTensor and torch.equal(grad.dequantize(), weight.grad.dequantize())
+    weight.requires_grad_(False)
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    assert weight.grad is None
+    weight.requires_grad_(True)
+    model(x).square().mean().backward()
+    before = weight.dequantize().clone()
+    optimizer.step()
+    assert not torch.equal(weight.dequantize(), before)
+    assert [id(p) for p in model.parameters()] == ids and type(weight) is fp8amp.MasterWeight
+    assert all(p in optimizer.state for p in model.parameters())
+
+
+def test_serialization_round_trips():
+    import copy
+    import io
+    import pickle
+    model, _ = _trained()
+    weight, grad = model[0].weight, model[0].weight.grad
+    state = model.state_dict()
+    for protocol in (2, 5):
+        for t in (weight, grad):
+            loaded = pickle.loads(pickle.dumps(t, protocol=protocol))
+            assert type(loaded) is type(t) and torch.equal(loaded.dequantize(), t.dequantize())
+    for new_format in (True, False):
+        buffer = io.BytesIO()
+        torch.save({"state": state, "weight": weight, "grad": grad}, buffer, _use_new_zipfile_serialization=new_format)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        assert all(torch.equal(loaded["state"][k], v) for k, v in state.items())
+        assert type(loaded["weight"]) is fp8amp.MasterWeight and torch.equal(loaded["weight"].dequantize(),
+                                                                            weight.dequantize())
+    shallow = copy.copy(grad)  # shares the codes and the scale, as a plain tensor's shallow copy shares storage
+    shallow.mul_(2)
+    assert torch.equal(shallow.dequantize(), grad.dequantize())
+    safetensors = pytest.importorskip("safetensors.torch")
+    loaded = safetensors.load(safetensors.save(state))
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
 # ------------------------------------------------------------------ the optimizer's states
 
 
