@@ -15,7 +15,7 @@ from fp8amp.scaled_tensor import ScaledTensor
 
 
 def _trained(level="O2", recipe=None, features=32):
-    """A model after initialize, one backward and one step, and one more backward (grads kept)."""
+    """A model after initialize and two steps, then one more backward (its grads kept)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(features, features * 2), nn.GELU(), nn.Linear(features * 2, 16))
     kwargs = {} if recipe is None else {"recipe": recipe}
