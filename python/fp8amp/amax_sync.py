@@ -33,12 +33,13 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .linear import Fp8Linear
 from .scaling import ScalingState
 
 __all__ = ["set_amax_reduction", "start_amax_reduction", "end_step", "reduce_amaxes", "delayed_states",
-           "ranks_agree"]
+           "ranks_agree", "AmaxReductionJoin"]
 
 def set_amax_reduction(model: nn.Module, process_group: Optional[dist.ProcessGroup] = None, *,
                        enabled: bool = True) -> int:
@@ -277,3 +278,64 @@ def _reduce_amaxes(states: list[ScalingState]) -> int:
         work.wait()
         torch._foreach_copy_(columns, flat.split([c.numel() for c in columns]))
     return issued
+
+
+class AmaxReductionJoin(Joinable):
+    """Uneven inputs under DDP: ``with Join([ddp, AmaxReductionJoin(model, ddp)]):`` instead of
+    ``with ddp.join():``. A rank that has run out of batches shadows DDP's collectives (DDP's own
+    join hook) and, with this, the amax reduction of each optimizer step of the ranks still
+    training (one all-reduce of zeros: neutral in a MAX), which ``ddp.join()`` alone leaves
+    unmatched, so the ranks waited for each other until the collective timeout. List ``ddp``
+    first. The shadowing rank assumes one optimizer step per DDP gradient sync of the others
+    (accumulation inside ``ddp.no_sync()`` included), as DDP's join hook does.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module or ``ddp`` not a DistributedDataParallel.
+        ValueError: it is listed before ``ddp`` in the ``Join``.
+    """
+
+    def __init__(self, model: nn.Module, ddp: nn.parallel.DistributedDataParallel) -> None:
+        where = "fp8amp.amax_sync.AmaxReductionJoin"
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+            raise TypeError(f"{where}: ddp must be the torch.nn.parallel.DistributedDataParallel wrapping the "
+                            f"model, got {type(ddp).__name__}")
+        super().__init__()
+        self._model, self._ddp = model, ddp
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _AmaxReductionJoinHook(self._model, self._ddp)
+
+    @property
+    def join_device(self) -> torch.device:
+        if self._join_config.is_first_joinable:  # (set by Join before it reads this)
+            raise ValueError("fp8amp.amax_sync.AmaxReductionJoin: list the DistributedDataParallel first: "
+                             "Join([ddp, AmaxReductionJoin(model, ddp)]); DDP's forward tells the joined ranks "
+                             "of each iteration only as the first joinable")
+        return self._ddp.join_device
+
+    @property
+    def join_process_group(self):
+        return self._ddp.join_process_group
+
+
+class _AmaxReductionJoinHook(JoinHook):
+    def __init__(self, model: nn.Module, ddp: nn.parallel.DistributedDataParallel) -> None:
+        self._model, self._ddp = model, ddp
+
+    def main_hook(self) -> None:
+        # DDP's hook, run just before, found whether the other ranks sync gradients this
+        # iteration: a step, whose amax reduction this matches, follows only then.
+        if not self._ddp.require_forward_param_sync:
+            return
+        plan = _reducing(delayed_states(self._model))
+        if plan is None:
+            return
+        states, group = plan
+        by_device: dict[torch.device, int] = {}
+        for st in states:
+            device = st.amax_history.device
+            by_device[device] = by_device.get(device, 0) + st.amax_history[:, 0].numel()
+        for device, n in by_device.items():  # as _issue: one collective per device, in the same order
+            dist.all_reduce(torch.zeros(n, device=device), op=dist.ReduceOp.MAX, group=group)

@@ -1,0 +1,86 @@
+"""fp8amp used as users do with torch.distributed: 2 processes on CPU with gloo (FP8 emulation).
+
+DDP with uneven inputs (torch's ``Join`` context: a rank that runs out of batches shadows the
+others' collectives until they finish): the amax reduction of ``fp8amp.update_scaling`` is one
+more collective a step, which ``fp8amp.amax_sync.AmaxReductionJoin`` shadows on the rank that
+has joined (without it the ranks waited for each other until the collective timeout).
+"""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fp8amp
+from fp8amp.amax_sync import AmaxReductionJoin
+from fp8amp.distributed import FP8CommState, fp8_allreduce_hook
+from ranks import run_on_ranks
+
+WORLD = 2
+# A rank left waiting in a collective gives up after this, not gloo's 30 minutes.
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank)) * (1 + 3 * rank)
+
+
+def real(t: torch.Tensor) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, fp8amp.ScaledTensor) else t.detach().clone()
+
+
+def uneven_rank(rank: int, hook: bool, accumulate: bool) -> dict:
+    """Rank 1 has 2 batches more than rank 0 (2 micro-batches a step when ``accumulate``)."""
+    model = make_model()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if hook:
+        ddp.register_comm_hook(FP8CommState(method="all_to_all"), fp8_allreduce_hook)
+    steps = 2 + 2 * rank
+    with torch.distributed.algorithms.Join([ddp, AmaxReductionJoin(model, ddp)]):
+        for step in range(steps):
+            if accumulate:
+                with ddp.no_sync():
+                    ddp(batch(step + 50, rank)).pow(2).mean().backward()
+            ddp(batch(step, rank)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"params": {k: real(p) for k, p in model.named_parameters()},
+            "buffers": {k: b.clone() for k, b in model.named_buffers()}}
+
+
+@pytest.mark.parametrize("hook, accumulate", [(False, False), (True, False), (False, True)],
+                         ids=["allreduce", "fp8_hook", "no_sync"])
+def test_uneven_inputs_under_join_finish_with_identical_ranks(hook, accumulate):
+    res = run_on_ranks(uneven_rank, WORLD, hook, accumulate, timeout=TIMEOUT)
+    # DDP's join hook hands the last joiner's parameters and buffers to the others at the end.
+    for kind in ("params", "buffers"):
+        for name, value in res[1][kind].items():
+            assert torch.equal(res[0][kind][name], value), name
+    # 4 steps on rank 1 (the last 2 with rank 0's share zero): the counters counted them.
+    assert res[0]["buffers"]["0.input_scaling.counter"].tolist() == [4]
+
+
+def wrong_order_rank(rank: int) -> str:
+    model = make_model()
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    try:
+        torch.distributed.algorithms.Join([AmaxReductionJoin(model, ddp), ddp])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_amax_reduction_join_listed_before_ddp_is_refused():
+    for message in run_on_ranks(wrong_order_rank, WORLD, timeout=TIMEOUT):
+        assert "list the DistributedDataParallel first" in message, message
+    with pytest.raises(TypeError, match="ddp must be"):
+        AmaxReductionJoin(make_model(), make_model())
