@@ -4,6 +4,9 @@ DDP with uneven inputs (torch's ``Join`` context: a rank that runs out of batche
 others' collectives until they finish): the amax reduction of ``fp8amp.update_scaling`` is one
 more collective a step, which ``fp8amp.amax_sync.AmaxReductionJoin`` shadows on the rank that
 has joined (without it the ranks waited for each other until the collective timeout).
+
+FSDP2: ``enable_fp8_all_gather`` after ``fully_shard`` (the wrong order) is refused by name (FSDP2
+failed at the first forward with an AttributeError about ``_local_tensor``).
 """
 
 import datetime
@@ -84,3 +87,26 @@ def test_amax_reduction_join_listed_before_ddp_is_refused():
         assert "list the DistributedDataParallel first" in message, message
     with pytest.raises(TypeError, match="ddp must be"):
         AmaxReductionJoin(make_model(), make_model())
+
+
+def fp8_all_gather_after_fully_shard_rank(rank: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8amp.fsdp import enable_fp8_all_gather
+
+    model = fp8amp.convert(make_model(), policy="all")
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        enable_fp8_all_gather(model)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_enable_fp8_all_gather_after_fully_shard_is_refused_by_name():
+    for message in run_on_ranks(fp8_all_gather_after_fully_shard_rank, WORLD, timeout=TIMEOUT):
+        assert "0 is already sharded by fully_shard" in message, message
+        assert "before fully_shard" in message
