@@ -285,8 +285,9 @@ class AmaxReductionJoin(Joinable):
     ``with ddp.join():``. A rank that has run out of batches shadows DDP's collectives (DDP's own
     join hook) and, with this, the amax reduction of each optimizer step of the ranks still
     training (one all-reduce of zeros: neutral in a MAX), which ``ddp.join()`` alone leaves
-    unmatched, so the ranks waited for each other until the collective timeout. List ``ddp``
-    first. The shadowing rank assumes one optimizer step per DDP gradient sync of the others
+    unmatched, so the ranks waited for each other until the collective timeout. When all have
+    joined, every rank takes the last joiner's scaling buffers (with ``broadcast_buffers=False``
+    DDP leaves them as they were). List ``ddp`` first. The shadowing rank assumes one optimizer step per DDP gradient sync of the others
     (accumulation inside ``ddp.no_sync()`` included), as DDP's join hook does.
 
     Raises:
@@ -339,3 +340,17 @@ class _AmaxReductionJoinHook(JoinHook):
             by_device[device] = by_device.get(device, 0) + st.amax_history[:, 0].numel()
         for device, n in by_device.items():  # as _issue: one collective per device, in the same order
             dist.all_reduce(torch.zeros(n, device=device), op=dist.ReduceOp.MAX, group=group)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # The ranks that joined early stopped updating their scaling buffers: they take the last
+        # joiner's, as DDP's hook does for every buffer only with broadcast_buffers=True.
+        plan = _reducing(delayed_states(self._model))
+        if plan is None:
+            return
+        states, group = plan
+        device = states[0].amax_history.device
+        src = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=device)
+        dist.all_reduce(src, op=dist.ReduceOp.MAX, group=group)
+        for st in states:
+            for buffer in st.buffers():
+                dist.broadcast(buffer, src=int(src.item()), group=group)

@@ -39,11 +39,11 @@ def real(t: torch.Tensor) -> torch.Tensor:
     return t.dequantize() if isinstance(t, fp8amp.ScaledTensor) else t.detach().clone()
 
 
-def uneven_rank(rank: int, hook: bool, accumulate: bool) -> dict:
+def uneven_rank(rank: int, hook: bool, accumulate: bool, broadcast_buffers: bool) -> dict:
     """Rank 1 has 2 batches more than rank 0 (2 micro-batches a step when ``accumulate``)."""
     model = make_model()
     model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers)
     if hook:
         ddp.register_comm_hook(FP8CommState(method="all_to_all"), fp8_allreduce_hook)
     steps = 2 + 2 * rank
@@ -59,11 +59,13 @@ def uneven_rank(rank: int, hook: bool, accumulate: bool) -> dict:
             "buffers": {k: b.clone() for k, b in model.named_buffers()}}
 
 
-@pytest.mark.parametrize("hook, accumulate", [(False, False), (True, False), (False, True)],
-                         ids=["allreduce", "fp8_hook", "no_sync"])
-def test_uneven_inputs_under_join_finish_with_identical_ranks(hook, accumulate):
-    res = run_on_ranks(uneven_rank, WORLD, hook, accumulate, timeout=TIMEOUT)
-    # DDP's join hook hands the last joiner's parameters and buffers to the others at the end.
+@pytest.mark.parametrize("hook, accumulate, broadcast_buffers", [
+    (False, False, True), (True, False, True), (False, True, True), (True, True, False)],
+    ids=["allreduce", "fp8_hook", "no_sync", "fp8_hook-no_sync-no_broadcast_buffers"])
+def test_uneven_inputs_under_join_finish_with_identical_ranks(hook, accumulate, broadcast_buffers):
+    res = run_on_ranks(uneven_rank, WORLD, hook, accumulate, broadcast_buffers, timeout=TIMEOUT)
+    # At the end the last joiner's parameters go to the others (DDP's join hook), and its scaling
+    # buffers (AmaxReductionJoin's: DDP's sends buffers only with broadcast_buffers=True).
     for kind in ("params", "buffers"):
         for name, value in res[1][kind].items():
             assert torch.equal(res[0][kind][name], value), name
