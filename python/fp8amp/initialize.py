@@ -98,11 +98,17 @@ def initialize(
 
     Raises:
         ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
-            has already stepped, or hyperparameters fp8amp's Adam does not take (``amsgrad``...).
+            has already stepped, or hyperparameters fp8amp's Adam does not take (``amsgrad``...); a
+            model already wrapped in ``DistributedDataParallel`` (initialize it before wrapping).
         TypeError: ``model`` is not an ``nn.Module``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # DDP's reducer holds the Linear weights that the masters replace: their gradients would
+        # not be all-reduced (silently so with find_unused_parameters=True).
+        raise ValueError("initialize: model is a DistributedDataParallel; call fp8amp.initialize(model, ...) before "
+                         "wrapping it, then DistributedDataParallel(model) (docs/distributed.md)")
     check_level(opt_level, weight_grad)
     if optimizer is not None:
         _check_optimizer(optimizer)

@@ -5,6 +5,11 @@ others' collectives until they finish): the amax reduction of ``fp8amp.update_sc
 more collective a step, which ``fp8amp.amax_sync.AmaxReductionJoin`` shadows on the rank that
 has joined (without it the ranks waited for each other until the collective timeout).
 
+``fp8amp.initialize`` of a model already wrapped in DDP (the wrong order) is refused by name: DDP's
+reducer holds the Linear weights that initialize replaces by masters, so with
+``find_unused_parameters=True`` the masters' gradients were never all-reduced and the ranks' weights
+parted silently (without it, DDP's own error blamed unused parameters).
+
 FSDP2: ``enable_fp8_all_gather`` after ``fully_shard`` (the wrong order) is refused by name (FSDP2
 failed at the first forward with an AttributeError about ``_local_tensor``).
 """
@@ -112,3 +117,18 @@ def test_enable_fp8_all_gather_after_fully_shard_is_refused_by_name():
     for message in run_on_ranks(fp8_all_gather_after_fully_shard_rank, WORLD, timeout=TIMEOUT):
         assert "0 is already sharded by fully_shard" in message, message
         assert "before fully_shard" in message
+
+
+def initialize_after_ddp_rank(rank: int) -> str:
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    try:
+        fp8amp.initialize(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), "O2")
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_initialize_of_a_ddp_wrapped_model_is_refused_by_name():
+    for message in run_on_ranks(initialize_after_ddp_rank, WORLD, timeout=TIMEOUT):
+        assert "DistributedDataParallel" in message and "before wrapping" in message, message
