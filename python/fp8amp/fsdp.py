@@ -189,6 +189,9 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optiona
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not 0 < divisor < math.inf:
         raise ValueError(f"{where}: divisor must be a positive finite number, got {divisor!r}")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{where}: this rank is not a member of group (dist.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER): pass a group this rank belongs to")
     if fmt not in FORMATS:
         raise ValueError(f"{where}: fmt must be one of {', '.join(map(str, FORMATS))}; got {fmt!r}")
     if input.dtype not in HIGH_PRECISION_DTYPES or output.dtype != input.dtype:

@@ -11,7 +11,8 @@ reducer holds the Linear weights that initialize replaces by masters, so with
 parted silently (without it, DDP's own error blamed unused parameters).
 
 FSDP2: ``enable_fp8_all_gather`` after ``fully_shard`` (the wrong order) is refused by name (FSDP2
-failed at the first forward with an AttributeError about ``_local_tensor``).
+failed at the first forward with an AttributeError about ``_local_tensor``); ``fp8_reduce_scatter``
+given a process group this rank is not in says so (it said "world size (-1)").
 """
 
 import datetime
@@ -132,3 +133,19 @@ def initialize_after_ddp_rank(rank: int) -> str:
 def test_initialize_of_a_ddp_wrapped_model_is_refused_by_name():
     for message in run_on_ranks(initialize_after_ddp_rank, WORLD, timeout=TIMEOUT):
         assert "DistributedDataParallel" in message and "before wrapping" in message, message
+
+
+def reduce_scatter_outside_group_rank(rank: int) -> str:
+    from fp8amp.fsdp import fp8_reduce_scatter
+
+    groups = [dist.new_group([0]), dist.new_group([1])]  # every rank makes both
+    try:
+        fp8_reduce_scatter(torch.zeros(4), torch.ones(4), groups[1 - rank])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_fp8_reduce_scatter_over_a_group_without_this_rank_is_refused_by_name():
+    for message in run_on_ranks(reduce_scatter_outside_group_rank, WORLD, timeout=TIMEOUT):
+        assert "not a member of group" in message, message
