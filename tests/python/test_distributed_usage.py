@@ -3,7 +3,11 @@
 DDP with uneven inputs (torch's ``Join`` context: a rank that runs out of batches shadows the
 others' collectives until they finish): the amax reduction of ``fp8amp.update_scaling`` is one
 more collective a step, which ``fp8amp.amax_sync.AmaxReductionJoin`` shadows on the rank that
-has joined (without it the ranks waited for each other until the collective timeout).
+has joined (without it the ranks waited for each other until the collective timeout); at the end
+every rank takes the last joiner's scaling buffers, also with ``broadcast_buffers=False``.
+
+The FP8 gradient hook on a model with a frozen layer, a zero-size, a 0-dim and an odd-sized
+parameter, a NaN in one rank's batch: every rank skips that step together and trains on after it.
 
 ``fp8amp.initialize`` of a model already wrapped in DDP (the wrong order) is refused by name: DDP's
 reducer holds the Linear weights that initialize replaces by masters, so with
@@ -77,6 +81,50 @@ def test_uneven_inputs_under_join_finish_with_identical_ranks(hook, accumulate, 
             assert torch.equal(res[0][kind][name], value), name
     # 4 steps on rank 1 (the last 2 with rank 0's share zero): the counters counted them.
     assert res[0]["buffers"]["0.input_scaling.counter"].tolist() == [4]
+
+
+class Odd(nn.Module):
+    """A Linear FP8 takes, a frozen one, one it cannot (7 outputs), a zero-size and a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.frozen, self.odd = nn.Linear(32, 48), nn.Linear(48, 48), nn.Linear(48, 7)
+        self.frozen.requires_grad_(False)
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.gain = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.odd(torch.relu(self.frozen(torch.relu(self.a(x))))) * self.gain + self.empty.sum()
+
+
+def nan_on_one_rank_rank(rank: int) -> list:
+    model = Odd()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(trained, lr=1e-2), "O2")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(FP8CommState(method="all_to_all"), fp8_allreduce_hook)
+    params = []
+    for step in range(3):
+        x = batch(step, rank)
+        if step == 1 and rank == 1:
+            x[0, 0] = float("nan")
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append({k: real(p) for k, p in model.named_parameters()})
+    return params
+
+
+def test_fp8_hook_nan_on_one_rank_skips_the_step_on_every_rank_with_odd_parameters():
+    res = run_on_ranks(nan_on_one_rank_rank, WORLD, timeout=TIMEOUT)
+    for step in range(3):
+        for name, value in res[0][step].items():
+            assert torch.equal(value, res[1][step][name]), (step, name)
+    for name, value in res[0][1].items():
+        assert torch.equal(value, res[0][0][name]), name  # the NaN step: skipped
+    assert not torch.equal(res[0][2]["a.weight"], res[0][1]["a.weight"])  # and training goes on
+    assert torch.equal(res[0][2]["frozen.weight"], res[0][0]["frozen.weight"])
 
 
 def wrong_order_rank(rank: int) -> str:
