@@ -287,8 +287,8 @@ class AmaxReductionJoin(Joinable):
     training (one all-reduce of zeros: neutral in a MAX), which ``ddp.join()`` alone leaves
     unmatched, so the ranks waited for each other until the collective timeout. When all have
     joined, every rank takes the last joiner's scaling buffers (with ``broadcast_buffers=False``
-    DDP leaves them as they were). List ``ddp`` first. The shadowing rank assumes one optimizer step per DDP gradient sync of the others
-    (accumulation inside ``ddp.no_sync()`` included), as DDP's join hook does.
+    DDP leaves them as they were). List ``ddp`` first. The shadowing rank assumes one optimizer
+    step per DDP gradient sync of the others (accumulation inside ``ddp.no_sync()`` included).
 
     Raises:
         TypeError: ``model`` is not an nn.Module or ``ddp`` not a DistributedDataParallel.
