@@ -271,7 +271,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     for ref in models:
         model = ref()
-        if model is not None and _WATCHED.pop(model, False):
+        if model is not None and _WATCHED.pop(model, False) and delayed_states(model):  # (not unconverted since)
             warnings.warn(
                 f"fp8amp: {type(optimizer).__name__}.step() updated the parameters of a model that fp8amp converted "
                 "without an optimizer, and nothing updated the model's FP8 scaling since its previous step: its "

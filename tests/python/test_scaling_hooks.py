@@ -178,11 +178,16 @@ def test_an_optimizer_stepping_a_model_whose_scaling_nothing_updates_warns_once(
         _train(model, [opt], 2, first=2)  # once
 
 
-@pytest.mark.parametrize("update", ["hooks", "by hand", "by hand, wrapped", "initialize_optimizer"])
+@pytest.mark.parametrize("update", ["hooks", "by hand", "by hand, wrapped", "initialize_optimizer", "unconverted"])
 def test_a_model_whose_scaling_is_updated_is_not_warned_about(update):
     model, make = _converted("initialize")
     if update == "initialize_optimizer":
         opt = fp8amp.initialize_optimizer(model, torch.optim.AdamW(model.parameters()), "O2")
+    elif update == "unconverted":  # (nothing to update any more)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (unconvert's note on the optimizer's masters)
+            model = fp8amp.unconvert(model)
+        opt = torch.optim.AdamW(model.parameters())
     else:
         opt = make(model.parameters())
     if update == "hooks":
@@ -194,7 +199,7 @@ def test_a_model_whose_scaling_is_updated_is_not_warned_about(update):
             _train(model, [opt], 1, first=i)
             if update.startswith("by hand"):
                 fp8amp.update_scaling(wrapper if update.endswith("wrapped") else model)
-    assert all(bool((s.counter == 4).all()) for s in delayed_states(model))
+    assert update == "unconverted" or all(bool((s.counter == 4).all()) for s in delayed_states(model))
 
 
 def test_an_optimizer_over_other_parameters_is_not_warned_about():
