@@ -127,15 +127,20 @@ def test_fp8_hook_nan_on_one_rank_skips_the_step_on_every_rank_with_odd_paramete
     assert torch.equal(res[0][2]["frozen.weight"], res[0][0]["frozen.weight"])
 
 
+def value_error_of(call) -> str:
+    """The message of the ValueError ``call()`` raises on this rank, or "accepted"."""
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def wrong_order_rank(rank: int) -> str:
     model = make_model()
     model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
     ddp = nn.parallel.DistributedDataParallel(model)
-    try:
-        torch.distributed.algorithms.Join([AmaxReductionJoin(model, ddp), ddp])
-    except ValueError as e:
-        return str(e)
-    return "accepted"
+    return value_error_of(lambda: torch.distributed.algorithms.Join([AmaxReductionJoin(model, ddp), ddp]))
 
 
 def test_amax_reduction_join_listed_before_ddp_is_refused():
@@ -155,11 +160,7 @@ def fp8_all_gather_after_fully_shard_rank(rank: int) -> str:
     mesh = init_device_mesh("cpu", (WORLD,))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    try:
-        enable_fp8_all_gather(model)
-    except ValueError as e:
-        return str(e)
-    return "accepted"
+    return value_error_of(lambda: enable_fp8_all_gather(model))
 
 
 def test_enable_fp8_all_gather_after_fully_shard_is_refused_by_name():
@@ -171,11 +172,7 @@ def test_enable_fp8_all_gather_after_fully_shard_is_refused_by_name():
 def initialize_after_ddp_rank(rank: int) -> str:
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    try:
-        fp8amp.initialize(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), "O2")
-    except ValueError as e:
-        return str(e)
-    return "accepted"
+    return value_error_of(lambda: fp8amp.initialize(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), "O2"))
 
 
 def test_initialize_of_a_ddp_wrapped_model_is_refused_by_name():
@@ -187,11 +184,7 @@ def reduce_scatter_outside_group_rank(rank: int) -> str:
     from fp8amp.fsdp import fp8_reduce_scatter
 
     groups = [dist.new_group([0]), dist.new_group([1])]  # every rank makes both
-    try:
-        fp8_reduce_scatter(torch.zeros(4), torch.ones(4), groups[1 - rank])
-    except ValueError as e:
-        return str(e)
-    return "accepted"
+    return value_error_of(lambda: fp8_reduce_scatter(torch.zeros(4), torch.ones(4), groups[1 - rank]))
 
 
 def test_fp8_reduce_scatter_over_a_group_without_this_rank_is_refused_by_name():
