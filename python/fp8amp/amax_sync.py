@@ -167,13 +167,18 @@ class _Pending:
             work.wait()  # finished (on CUDA: the stream ordered after it), never applied
 
 
-def _issue(states: list[ScalingState], group, step_bound: bool = False) -> _Pending:
-    """Issues one asynchronous all_reduce(MAX) per device."""
+def _by_device(states: list[ScalingState]) -> dict[torch.device, list[ScalingState]]:
+    """The states grouped by device, in the order of the collectives (one per device)."""
     by_device: dict[torch.device, list[ScalingState]] = {}
     for st in states:
         by_device.setdefault(st.amax_history.device, []).append(st)
+    return by_device
+
+
+def _issue(states: list[ScalingState], group, step_bound: bool = False) -> _Pending:
+    """Issues one asynchronous all_reduce(MAX) per device."""
     works = []
-    for device, device_states in by_device.items():
+    for device, device_states in _by_device(states).items():
         _check_ranks_agree(group, device, device_states)
         columns = [st.amax_history[:, 0] for st in device_states]
         flat = torch.cat(columns)
@@ -334,11 +339,8 @@ class _AmaxReductionJoinHook(JoinHook):
         if plan is None:
             return
         states, group = plan
-        by_device: dict[torch.device, int] = {}
-        for st in states:
-            device = st.amax_history.device
-            by_device[device] = by_device.get(device, 0) + st.amax_history[:, 0].numel()
-        for device, n in by_device.items():  # as _issue: one collective per device, in the same order
+        for device, device_states in _by_device(states).items():  # the collectives _issue makes, of zeros
+            n = sum(st.amax_history.shape[0] for st in device_states)
             dist.all_reduce(torch.zeros(n, device=device), op=dist.ReduceOp.MAX, group=group)
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -351,6 +353,7 @@ class _AmaxReductionJoinHook(JoinHook):
         device = states[0].amax_history.device
         src = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=device)
         dist.all_reduce(src, op=dist.ReduceOp.MAX, group=group)
+        src = int(src.item())
         for st in states:
             for buffer in st.buffers():
-                dist.broadcast(buffer, src=int(src.item()), group=group)
+                dist.broadcast(buffer, src=src, group=group)
