@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from .wrapper_ops import is_view_op, make_wrapper, written_instances
 
-__all__ = ["DequantizedView", "view_of", "export_dlpack"]
+__all__ = ["DequantizedView", "view_of", "RealValuesMixin"]
 
 
 def view_of(out, base: torch.Tensor, func, args, kwargs):
@@ -38,18 +38,56 @@ def view_of(out, base: torch.Tensor, func, args, kwargs):
     return type(out)(DequantizedView(o, base, lambda real, i=i: view(real)[i]) for i, o in enumerate(out))
 
 
-def export_dlpack(t: torch.Tensor, values, kwargs: dict):
-    """``t.__dlpack__(**kwargs)`` for a tensor with no storage of its own: ``values()`` (a plain copy
-    of its real values) exported, with torch's refusal of a tensor that requires grad."""
-    if t.requires_grad:
-        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
-    if kwargs.get("copy") is False:
-        raise BufferError(f"fp8amp.{type(t).__name__}: its values are computed from its codes and scales, so a "
-                          "DLPack export is a copy; pass copy=None or copy=True")
-    return values().__dlpack__(**kwargs)
+class RealValuesMixin:
+    """What torch does with a tensor's storage, done with the real values, for fp8amp's tensors
+    that have no storage of their own (ScaledTensor, BlockScaledTensor, DequantizedView: torch's
+    own read the absent storage, giving garbage or crashing the process). ``_real_values()``
+    gives the values as a plain tensor."""
+
+    def _real_values(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tolist(self):
+        """The real values as (nested) Python numbers, as ``Tensor.tolist`` gives them."""
+        return self._real_values().tolist()
+
+    def apply_(self, callable):
+        """``callable`` on each real value, written back as any in-place op writes."""
+        if self.requires_grad:  # torch's own check and message
+            raise RuntimeError("Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead.")
+        real = self._real_values().apply_(callable)
+        with torch.no_grad():
+            self.copy_(real)
+        return self
+
+    def __dlpack__(self, **kwargs):
+        """The real values as a DLPack capsule (numpy.from_dlpack, torch.from_dlpack): a copy, as
+        ``numpy()`` gives them, with torch's refusal of a tensor that requires grad."""
+        if self.requires_grad:
+            raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+        if kwargs.get("copy") is False:
+            raise BufferError(f"fp8amp.{type(self).__name__}: its values are computed from its codes and scales, so "
+                              "a DLPack export is a copy; pass copy=None or copy=True")
+        return self._real_values().__dlpack__(**kwargs)
+
+    def share_memory_(self):
+        """Refused: torch shares a tensor's storage between processes, and there is none."""
+        raise RuntimeError(
+            f"fp8amp.{type(self).__name__}: share_memory_() is not supported (an O1/O2 master, an FP8 gradient or a "
+            "view of one is a wrapper of codes and scales, with no storage of its own to share); share a copy (a "
+            "view's .clone().share_memory_()), train with several processes through torch.distributed (DDP, FSDP2: "
+            "docs/distributed.md), or share a model converted for FP8 compute only (fp8amp.convert), whose "
+            "weights are plain tensors")
+
+    def __format__(self, format_spec: str) -> str:
+        # torch formats the value of a 0-d tensor only when its type is exactly Tensor, so
+        # f"{w[0, 0]:.4f}" of a master or an FP8 gradient raised "unsupported format string".
+        if self.dim() == 0 and not self.is_meta:
+            return self._real_values().detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
 
 
-class DequantizedView(torch.Tensor):
+class DequantizedView(RealValuesMixin, torch.Tensor):
     """A view ``view_fn(base)`` of a ScaledTensor or BlockScaledTensor ``base`` (see the module
     docstring): a tensor of the view's shape, strides and logical dtype with no storage of its
     own."""
@@ -94,30 +132,11 @@ class DequantizedView(torch.Tensor):
                            args, kwargs)
         return out
 
-    # What torch does with a tensor's storage, done with the view's values (apply_ writes them
-    # back as any in-place op through the view does; torch's read the absent storage: a crash).
-    def tolist(self):
-        return self.values().tolist()
+    def _real_values(self) -> torch.Tensor:
+        return self.values()
 
     def numpy(self, *, force: bool = False):
         return self.values().numpy(force=force)
-
-    def apply_(self, callable):
-        if self.requires_grad:  # torch's own check and message
-            raise RuntimeError("Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead.")
-        return self.copy_(self.values().apply_(callable))
-
-    def __dlpack__(self, **kwargs):
-        return export_dlpack(self, self.values, kwargs)
-
-    def share_memory_(self):
-        raise RuntimeError("fp8amp.DequantizedView: share_memory_() is not supported (a view of an O1/O2 master or "
-                           "an FP8 gradient has no storage of its own to share); share a copy: .clone().share_memory_()")
-
-    def __format__(self, format_spec: str) -> str:
-        if self.dim() == 0 and not self.is_meta:
-            return self.values().__format__(format_spec)
-        return object.__format__(self, format_spec)
 
     def __array__(self, dtype=None):
         return self.values().__array__(dtype)

@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
-from .dequantized_view import export_dlpack, view_of
+from .dequantized_view import RealValuesMixin, view_of
 from .wrapper_ops import is_view_op, make_wrapper, run_on_values, written_instances
 from .formats import E4M3, HIGH_PRECISION_DTYPES, SCALED_FORMATS, check_dtype
 
@@ -83,11 +83,11 @@ def norms_from_codes(tensors: list, tile: tuple[int, int] | None, dtype: torch.d
     return norms
 
 
-class WrapperTensorMixin:
+class WrapperTensorMixin(RealValuesMixin):
     """What fp8amp's tensor subclasses (ScaledTensor, BlockScaledTensor) do alike as wrappers of
     inner tensors with no storage of their own: pickling, ``.data`` assignment, item assignment,
-    ``tolist`` / ``numpy`` (which torch refuses for any subclass), ``format``, ``apply_`` and DLPack
-    export of the real values; ``share_memory_`` is refused."""
+    ``numpy`` (which torch refuses for any subclass) of the real values, and with them what
+    :class:`RealValuesMixin` does for any tensor without storage."""
 
     # pickle.loads (not torch.load) of a float8 tensor fails in torch (its storage has no typed
     # class: "UntypedStorage has no attribute 'dtype'"), which broke pickle, multiprocessing and
@@ -130,9 +130,8 @@ class WrapperTensorMixin:
         with torch.no_grad():
             self.copy_(value)
 
-    def tolist(self):
-        """The real values as (nested) Python numbers, as ``Tensor.tolist`` gives them."""
-        return self.dequantize().tolist()
+    def _real_values(self) -> torch.Tensor:
+        return self.dequantize()
 
     def numpy(self, *, force: bool = False):
         """The real values as a NumPy array (a copy: the codes are not the values). As for a plain
@@ -141,38 +140,6 @@ class WrapperTensorMixin:
             raise RuntimeError(f"fp8amp.{type(self).__name__}: can't call numpy() on a tensor that requires grad; "
                                "use .detach().numpy() (or numpy(force=True))")
         return self.dequantize().detach().cpu().numpy()
-
-    def share_memory_(self):
-        """Refused: torch shares a tensor's storage between processes, and this is a wrapper
-        without one of its own (sharing it crashed the process)."""
-        raise RuntimeError(
-            f"fp8amp.{type(self).__name__}: share_memory_() is not supported (an O1/O2 master or an FP8 gradient "
-            "is a wrapper of codes and scales, with no storage of its own to share); train with several "
-            "processes through torch.distributed (DDP, FSDP2: docs/distributed.md), or share a model "
-            "converted for FP8 compute only (fp8amp.convert), whose weights are plain tensors")
-
-    def apply_(self, callable):
-        """``callable`` on each real value, written back as any in-place op writes (torch's own
-        reads the storage, which a wrapper does not have: it crashed the process)."""
-        if self.requires_grad:  # torch's own check and message
-            raise RuntimeError("Can't call apply_() on Variable that requires grad. Use var.detach().apply_() instead.")
-        real = self.dequantize().apply_(callable)
-        with torch.no_grad():
-            self.copy_(real)
-        return self
-
-    def __dlpack__(self, **kwargs):
-        """The real values as a DLPack capsule (numpy.from_dlpack, torch.from_dlpack): a copy, as
-        ``numpy()`` gives them. torch's own exported the wrapper's storage, which it does not have:
-        consumers read garbage."""
-        return export_dlpack(self, self.dequantize, kwargs)
-
-    def __format__(self, format_spec: str) -> str:
-        # torch formats the value of a 0-d tensor only when its type is exactly Tensor, so
-        # f"{w[0, 0]:.4f}" of a master or an FP8 gradient raised "unsupported format string".
-        if self.dim() == 0 and not self.is_meta:
-            return self.dequantize().detach().item().__format__(format_spec)
-        return object.__format__(self, format_spec)
 
     def __setitem__(self, index, value) -> None:
         # A plain tensor's item assignment writes through a view of it; views of these wrappers
