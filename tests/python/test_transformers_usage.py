@@ -9,39 +9,19 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fp8amp
 from fp8amp.testing import batches, load_text_bytes
+from hf_models import o2, step, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 SEQ = 32
 
 
-def tiny_llama(seed: int = 0, **config):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      **config)
-    return transformers.LlamaForCausalLM(config)
-
-
 @pytest.fixture(scope="module")
 def data():
     return list(itertools.islice(batches(load_text_bytes(max_bytes=1 << 16), 4, SEQ), 8))
-
-
-def o2(model, lr=3e-3):
-    return fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), "O2", policy="all")
-
-
-def step(model, opt, x, y) -> float:
-    loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
 
 
 def test_resize_token_embeddings_of_a_tied_head(data):
