@@ -270,7 +270,9 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                              "values only (docs/numerics.md#non-finite-values)")
         with torch.no_grad():
             master = MasterWeight.from_tensor(param.detach())
-            if all(m.recipe.tiled for m, _ in owners):  # its per-tensor E4M3 copy would go unread
+            # The E4M3 copy has one power-of-two scale with margin 0: a layer of a tiled recipe or of
+            # another scale rule casts the master by its own rule in each forward instead.
+            if not all(_reads_fp8_copy(m.recipe) for m, _ in owners):
                 master.drop_fp8_copy()
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         for module, name in owners:
@@ -278,6 +280,11 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         param._fp8amp_replaced_by_master = True  # an optimizer built before holds it: refused (_check_optimizer)
         masters[param] = master
     return masters
+
+
+def _reads_fp8_copy(recipe) -> bool:
+    """Whether a layer of ``recipe`` can take a master's E4M3 copy as its weight operand."""
+    return not recipe.tiled and recipe.margin == 0 and recipe.pow2_scale
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_level: str) -> fp8_optim.Adam:
