@@ -51,13 +51,20 @@ class ScalingRecipe:
         for name in ("history_len", "margin"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"ScalingRecipe: {name} must be an int, got {type(value).__name__}")
+                raise TypeError(f"ScalingRecipe: {name} must be a Python int (int(x) converts), got {_type_name(value)}")
         if self.history_len < 1:
             raise ValueError(f"ScalingRecipe: history_len must be >= 1, got {self.history_len}")
         if not 0 <= self.margin <= _MAX_MARGIN:
             raise ValueError(f"ScalingRecipe: margin must be in [0, {_MAX_MARGIN}], got {self.margin}")
         if not isinstance(self.pow2_scale, bool):
-            raise TypeError(f"ScalingRecipe: pow2_scale must be a bool, got {type(self.pow2_scale).__name__}")
+            raise TypeError(f"ScalingRecipe: pow2_scale must be a Python bool (True or False), got "
+                            f"{_type_name(self.pow2_scale)}")
+
+
+def _type_name(value) -> str:
+    """The type's name, qualified outside the builtins: numpy's bool is also named "bool"."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
 
 
 class ScalingState(torch.nn.Module):

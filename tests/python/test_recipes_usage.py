@@ -65,3 +65,13 @@ def test_the_weight_cast_takes_the_recipes_scale_rule_at_every_level(recipe, lev
         assert weight_scale(model, x) == pytest.approx(expected, rel=1e-6)
         optimizer.step()
         optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("make", [lambda v: Recipe("blockwise", pow2_scale=v), lambda v: ScalingRecipe(pow2_scale=v)],
+                         ids=["Recipe", "ScalingRecipe"])
+def test_a_numpy_bool_scale_rule_is_refused_naming_its_type(make):
+    # The message said "pow2_scale must be a bool, got bool" (numpy's bool is named "bool").
+    with pytest.raises(TypeError, match=r"pow2_scale must be a Python bool .*got numpy\.bool"):
+        make(np.bool_(False))
+    with pytest.raises(TypeError, match=r"margin must be a Python int .*got numpy\.int64"):
+        Recipe("blockwise", margin=np.int64(1))
