@@ -80,9 +80,9 @@ def initialize(
         recipe: how the Fp8Linear layers scale their FP8 operands, as :func:`fp8amp.convert`
             takes it: ``"tensorwise"`` (default), ``"rowwise"``, ``"blockwise"``, ``"mxfp8"``
             (docs/tiles.md#mxfp8) or an :class:`fp8amp.Recipe` (docs/tiles.md#recipes). Under the
-            tiled recipes the masters carry no E4M3 copy: each forward quantizes the master with
-            tile scales; under blockwise the E4M3 weight gradients are in 128 x 128 blocks (a
-            BlockScaledTensor).
+            tiled recipes (and a tensorwise one with a margin or ``pow2_scale=False``) the masters
+            carry no E4M3 copy: each forward quantizes the master by the recipe's scales; under
+            blockwise the E4M3 weight gradients are in 128 x 128 blocks (a BlockScaledTensor).
         weight_grad: ``"fp8"`` (docs/o1_o2.md#optimization-levels: E4M3 ScaledTensor gradients, 1 byte per element,
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
             (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
