@@ -144,6 +144,17 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     _WATCHED.pop(model, None)
 
 
+def registered_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The live optimizers registered for any of ``model``'s scaling states, in no set order."""
+    found = {}
+    for state in delayed_states(model):
+        for ref in _REGISTERED.get(state, ()):
+            optimizer = ref()
+            if optimizer is not None:
+                found[id(optimizer)] = optimizer
+    return list(found.values())
+
+
 def release_scaling(optimizer: torch.optim.Optimizer) -> None:
     """Gives the scaling states that ``optimizer``'s hooks update over to the next optimizer
     registered for each: for an optimizer that will not step again (one that ``initialize``

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -45,7 +46,7 @@ from torch import nn
 from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
 from ..convert import check_options
-from ..scaling_hooks import scales_after_step
+from ..scaling_hooks import registered_optimizers, release_scaling, scales_after_step
 from ..initialize import check_level, initialize, initialize_optimizer
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor
@@ -142,14 +143,16 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
             raise TypeError(f"Fp8ampPrecision: fp8_allreduce must be True, False or an "
                             f"fp8amp.distributed.FP8CommState; got {type(fp8_allreduce).__name__}")
         self.fp8_allreduce = FP8CommState() if fp8_allreduce is True else fp8_allreduce or None
+        self._made: weakref.WeakSet = weakref.WeakSet()  # the fp8amp optimizers connect made
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple[nn.Module, list, list]:
         if self._module is None:
             raise RuntimeError("Fp8ampPrecision: connect before convert_module; the strategy must convert the "
                                "module first (Lightning's strategies do)")
-        converted = []
+        converted, made = [], False
         for optimizer in optimizers:
-            if _updates_scaling_of(optimizer, self._module):  # made here (validate/test after fit connect again)
+            # made here (validate/test after fit connect again, also once a later fit took the scaling over)
+            if optimizer in self._made or _updates_scaling_of(optimizer, self._module):
                 converted.append(optimizer)
                 continue
             new = self._fp8amp_optimizer(optimizer)
@@ -157,6 +160,14 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
                 if config.scheduler.optimizer is optimizer:
                     _point_scheduler_at(config.scheduler, new)
             converted.append(new)
+            self._made.add(new)
+            made = True
+        if made:
+            # An earlier fit's optimizers (another Trainer's, or this one's before a refit) were registered
+            # first: while anything held them, they kept the module's scaling from this fit's steps.
+            for old in registered_optimizers(self._module):
+                if not any(old is o for o in converted):
+                    release_scaling(old)
         if self.fp8_allreduce is not None and isinstance(model, nn.parallel.DistributedDataParallel):
             model.register_comm_hook(self.fp8_allreduce, fp8_allreduce_hook)
         return model, converted, lr_schedulers
