@@ -2,6 +2,10 @@
 emulation): what a second Trainer, a refit, callbacks and checkpoints do to the module fp8amp
 trains. Each test names what was wrong before its fix."""
 
+import gc
+import warnings
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +13,7 @@ from torch import nn
 import fp8amp
 
 L = pytest.importorskip("lightning")
-from fp8amp.integrations.lightning import Fp8ampPrecision  # noqa: E402 (needs lightning)
+from fp8amp.integrations.lightning import Fp8ampFabricPrecision, Fp8ampPrecision  # noqa: E402 (needs lightning)
 
 
 class Regression(L.LightningModule):
@@ -60,3 +64,59 @@ def test_a_second_trainer_on_a_trained_module_updates_its_scaling():
     # the first Trainer still tests with the optimizer it made (it raised as a stepped optimizer)
     first.test(module, loader(), verbose=False)
     assert int(module.net[0].input_scaling.counter) == 16
+
+
+def gan_batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(16, 32, generator=gen) for _ in range(n)]
+
+
+def test_fabric_with_two_models_updates_each_ones_scaling():
+    """A GAN under one Fabric: both models set up, then each optimizer converted (the generator's
+    built before setup, on its unconverted parameters). The plugin kept only the last module set up:
+    the generator's optimizer was refused as holding replaced weights, and one built after setup
+    was registered for the discriminator's scaling, so the generator's stayed at its first scales
+    (with a warning that its parameters were not the model's)."""
+    precision = Fp8ampFabricPrecision("O2", autocast_dtype=None)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[precision])
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    d = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    opt_g = torch.optim.AdamW(g.parameters(), lr=1e-2)  # built before setup
+    g, d = fabric.setup_module(g), fabric.setup_module(d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt_g = fabric.setup_optimizers(precision.convert_optimizer(opt_g))
+        opt_d = fabric.setup_optimizers(precision.convert_optimizer(torch.optim.AdamW(d.parameters(), lr=1e-2)))
+    assert g.module[0].weight in opt_g.param_groups[0]["params"]
+    for z in gan_batches(4):
+        loss_d = d(g(z).detach()).pow(2).mean()
+        opt_d.zero_grad()
+        fabric.backward(loss_d)
+        opt_d.step()
+        loss_g = d(g(z)).mean()
+        opt_g.zero_grad()
+        fabric.backward(loss_g)
+        opt_g.step()
+    for model in (g, d):
+        for layer in (model.module[0], model.module[2]):
+            assert int(layer.input_scaling.counter) == 4 and int(layer.grad_output_scaling.counter) == 4
+
+
+@pytest.mark.parametrize("where", ["Trainer", "Fabric"])
+def test_the_plugins_do_not_keep_the_replaced_weights_alive(where):
+    """The plugins mapped each Linear weight that an O1/O2 master replaced to its master (for an
+    optimizer built before setup) in a plain dict, which kept every original weight alive as long
+    as the plugin (the Trainer): the model's Linear weights twice over in memory."""
+    if where == "Trainer":
+        module = Regression()
+        original = weakref.ref(module.net[0].weight)
+        fitted = trainer(epochs=1)
+        fitted.fit(module, loader())
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[Fp8ampFabricPrecision("O2")])
+        model = nn.Sequential(nn.Linear(32, 64))
+        original = weakref.ref(model[0].weight)
+        model = fabric.setup_module(model)
+    gc.collect()
+    assert original() is None

@@ -42,6 +42,7 @@ import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
@@ -82,18 +83,20 @@ class _Fp8ampConversion:
         self.autocast_dtype = autocast_dtype
         self.precision = _PRECISION_NAMES[autocast_dtype]
         self._options = options
-        self._module: Optional[nn.Module] = None
-        # {parameter before conversion: the O1/O2 master that replaced it}, for an optimizer built before
-        self._replaced: dict[torch.Tensor, torch.Tensor] = {}
+        self._module: Optional[nn.Module] = None  # the last one set up
+        self._modules: weakref.WeakSet = weakref.WeakSet()  # all set up (Fabric: a GAN's two models)
+        # {parameter before conversion: the O1/O2 master that replaced it}, for an optimizer built
+        # before; weak, so that the replaced weights are freed with such optimizers
+        self._replaced = WeakIdKeyDictionary()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self._module is module:  # Lightning calls this again on every fit/validate/test
-            return module
-        if not any(isinstance(m, Fp8Linear) for m in module.modules()):
-            before = dict(module.named_parameters(remove_duplicate=False))
-            initialize(module, None, self.opt_level, **self._options)
-            after = dict(module.named_parameters(remove_duplicate=False))
-            self._replaced = {p: after[name] for name, p in before.items() if after.get(name) is not p}
+        if module not in self._modules:  # (Lightning calls this again on every fit/validate/test)
+            if not any(isinstance(m, Fp8Linear) for m in module.modules()):
+                before = dict(module.named_parameters(remove_duplicate=False))
+                initialize(module, None, self.opt_level, **self._options)
+                after = dict(module.named_parameters(remove_duplicate=False))
+                self._replaced.update({p: after[name] for name, p in before.items() if after.get(name) is not p})
+            self._modules.add(module)
         self._module = module
         return module
 
@@ -106,7 +109,11 @@ class _Fp8ampConversion:
                                "the module must be set up first")
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(p, p) for p in group["params"]]
-        return initialize_optimizer(self._module, optimizer, self.opt_level, caller=type(self).__name__)
+        # The scaling to update is that of the modules set up whose parameters it holds, not the last one's.
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        modules = [m for m in self._modules if any(id(p) in held for p in m.parameters())]
+        model = self._module if not modules else modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        return initialize_optimizer(model, optimizer, self.opt_level, caller=type(self).__name__)
 
     @contextlib.contextmanager
     def forward_context(self):
