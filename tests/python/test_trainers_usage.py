@@ -120,3 +120,34 @@ def test_the_plugins_do_not_keep_the_replaced_weights_alive(where):
         model = fabric.setup_module(model)
     gc.collect()
     assert original() is None
+
+
+def test_resume_with_a_layer_now_kept_in_high_precision(tmp_path):
+    """A run resumed with a module_filter_fn that keeps a layer FP8 before in high precision (say the
+    head, for fine-tuning): restoring the scaling state of that layer, which has none now, raised
+    torch's "AttributeError: Linear has no attribute `input_scaling`". The other layers' scaling is
+    restored; the head trains on from its saved weights."""
+    first = trainer(epochs=1)
+    first.fit(Regression(), loader())
+    first.save_checkpoint(tmp_path / "all.ckpt")
+    plugin = Fp8ampPrecision("O2", module_filter_fn=lambda module, name: name != "net.3")
+    module = Regression()
+    resumed = L.Trainer(max_epochs=2, plugins=[plugin], accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    resumed.fit(module, loader(), ckpt_path=tmp_path / "all.ckpt")
+    assert type(module.net[3]) is nn.Linear and isinstance(module.net[0], fp8amp.Fp8Linear)
+    assert int(module.net[0].input_scaling.counter) == 8  # 4 steps restored (a fresh state: 4)
+
+
+def test_resume_with_another_history_length_says_so(tmp_path):
+    """A checkpoint's amax histories copied into a run with another history_len raised torch's "The
+    size of tensor a (32) must match the size of tensor b (16)", naming no state and no cause."""
+    first = trainer(epochs=1)
+    first.fit(Regression(), loader())
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    plugin = Fp8ampPrecision("O2", recipe=fp8amp.ScalingRecipe(history_len=32))
+    resumed = L.Trainer(max_epochs=2, plugins=[plugin], accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"Fp8ampPrecision: the checkpoint's net.0.input_scaling.amax_history has "
+                                         r"shape \(1, 16\), this run's \(1, 32\): resume with the recipe"):
+        resumed.fit(Regression(), loader(), ckpt_path=tmp_path / "a.ckpt")

@@ -199,9 +199,17 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
         saved = checkpoint.get(_CHECKPOINT_KEY)
         if saved is None or self._module is None:
             return
+        buffers = dict(self._module.named_buffers())
+        # (not in buffers: a layer that this run keeps in high precision, by its module_filter_fn or policy)
+        restored = {key: value for key, value in saved["scaling"].items() if key in buffers}
+        for key, value in restored.items():
+            if value.shape != buffers[key].shape:
+                raise ValueError(f"Fp8ampPrecision: the checkpoint's {key} has shape {tuple(value.shape)}, this "
+                                 f"run's {tuple(buffers[key].shape)}: resume with the recipe the checkpoint was "
+                                 "saved with (its history_len)")
         with torch.no_grad():
-            for key, value in saved["scaling"].items():
-                self._module.get_buffer(key).copy_(value)
+            for key, value in restored.items():
+                buffers[key].copy_(value)
 
 
 class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
