@@ -3,6 +3,7 @@ emulation): what a second Trainer, a refit, callbacks and checkpoints do to the 
 trains. Each test names what was wrong before its fix."""
 
 import gc
+import pickle
 import warnings
 import weakref
 
@@ -151,3 +152,18 @@ def test_resume_with_another_history_length_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"Fp8ampPrecision: the checkpoint's net.0.input_scaling.amax_history has "
                                          r"shape \(1, 16\), this run's \(1, 32\): resume with the recipe"):
         resumed.fit(Regression(), loader(), ckpt_path=tmp_path / "a.ckpt")
+
+
+@pytest.mark.parametrize("plugin", [Fp8ampPrecision, Fp8ampFabricPrecision])
+def test_the_plugins_pickle_before_and_after_set_up(plugin):
+    """ddp_spawn pickles the Trainer with its plugins; a copy of a plugin that converted a module
+    takes that module as converted (not converted twice)."""
+    fresh = pickle.loads(pickle.dumps(plugin("O1", autocast_dtype=None)))
+    assert fresh.opt_level == "O1" and fresh.autocast_dtype is None
+    precision = plugin("O2")
+    model = nn.Sequential(nn.Linear(32, 64))
+    precision.convert_module(model)
+    master = model[0].weight
+    model_copy, precision_copy = pickle.loads(pickle.dumps((model, precision)))
+    assert precision_copy.convert_module(model_copy) is model_copy and precision_copy._module is model_copy
+    assert type(model_copy[0].weight) is type(master)

@@ -88,6 +88,17 @@ class _Fp8ampConversion:
         # {parameter before conversion: the O1/O2 master that replaced it}, for an optimizer built
         # before; weak, so that the replaced weights are freed with such optimizers
         self._replaced = WeakIdKeyDictionary()
+        self._made: weakref.WeakSet = weakref.WeakSet()  # the fp8amp optimizers Fp8ampPrecision.connect made
+
+    def __getstate__(self) -> dict:
+        # Weak containers do not pickle (ddp_spawn pickles the Trainer): a copy knows the module it
+        # was given last (converted already, so not again) and none of the optimizers.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_modules", "_replaced", "_made")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._modules = weakref.WeakSet([self._module] if self._module is not None else [])
+        self._replaced, self._made = WeakIdKeyDictionary(), weakref.WeakSet()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if module not in self._modules:  # (Lightning calls this again on every fit/validate/test)
@@ -150,7 +161,6 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
             raise TypeError(f"Fp8ampPrecision: fp8_allreduce must be True, False or an "
                             f"fp8amp.distributed.FP8CommState; got {type(fp8_allreduce).__name__}")
         self.fp8_allreduce = FP8CommState() if fp8_allreduce is True else fp8_allreduce or None
-        self._made: weakref.WeakSet = weakref.WeakSet()  # the fp8amp optimizers connect made
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple[nn.Module, list, list]:
         if self._module is None:
