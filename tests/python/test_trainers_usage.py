@@ -167,3 +167,19 @@ def test_the_plugins_pickle_before_and_after_set_up(plugin):
     model_copy, precision_copy = pickle.loads(pickle.dumps((model, precision)))
     assert precision_copy.convert_module(model_copy) is model_copy and precision_copy._module is model_copy
     assert type(model_copy[0].weight) is type(master)
+
+
+def test_a_fit_without_optimizer():
+    """configure_optimizers returning None, which Lightning runs with a stand-in that steps nothing
+    (a warm-up of statistics, a check of the loop): the plugin refused it as a
+    "lightning.pytorch.core.optimizer._MockOptimizer", not one of the accepted optimizers "(or None)"."""
+
+    class NoOptimizer(Regression):
+        def configure_optimizers(self):
+            return None
+
+    module = NoOptimizer()
+    bias = module.net[0].bias.detach().clone()
+    fitted = trainer(epochs=1)
+    fitted.fit(module, loader())
+    assert isinstance(module.net[0], fp8amp.Fp8Linear) and torch.equal(module.net[0].bias, bias)

@@ -172,6 +172,9 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
             if optimizer in self._made or _updates_scaling_of(optimizer, self._module):
                 converted.append(optimizer)
                 continue
+            if not any(group["params"] for group in optimizer.param_groups):
+                converted.append(optimizer)  # configure_optimizers returned None: Lightning's stand-in steps nothing
+                continue
             new = self._fp8amp_optimizer(optimizer)
             for config in lr_schedulers:
                 if config.scheduler.optimizer is optimizer:
