@@ -183,3 +183,29 @@ def test_a_fit_without_optimizer():
     fitted = trainer(epochs=1)
     fitted.fit(module, loader())
     assert isinstance(module.net[0], fp8amp.Fp8Linear) and torch.equal(module.net[0].bias, bias)
+
+
+def test_model_pruning_is_refused_naming_the_order_that_works():
+    """ModelPruning collects the layers to prune in its setup, which Lightning runs before the
+    plugin converts the module: it pruned the replaced nn.Linear layers, and the model trained
+    dense (0 % zeros where the same fit without fp8amp has 50 % and more), without a word. Converted
+    in the LightningModule's __init__, the layers it collects are the model's, and it prunes them."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    with pytest.raises(ValueError, match=r"Fp8ampPrecision: ModelPruning .*\(fp8amp.initialize\(self, None, 'O2'\)"):
+        trainer(epochs=1, callbacks=[ModelPruning("l1_unstructured", amount=0.5)]).fit(Regression(), loader())
+
+    class ConvertedInInit(Regression):
+        def __init__(self):
+            super().__init__()
+            fp8amp.initialize(self, None, "O2")
+
+    module, plain = ConvertedInInit(), Regression()
+    trainer(epochs=1, callbacks=[ModelPruning("l1_unstructured", amount=0.5)]).fit(module, loader())
+    L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False,
+              callbacks=[ModelPruning("l1_unstructured", amount=0.5)]).fit(plain, loader())
+    assert isinstance(module.net[0], fp8amp.Fp8Linear)
+    for layer in (0, 3):
+        pruned, plain_pruned = (float((m.net[layer].weight == 0).float().mean()) for m in (module, plain))
+        assert plain_pruned > 0.3 and abs(pruned - plain_pruned) < 0.03, (layer, pruned, plain_pruned)

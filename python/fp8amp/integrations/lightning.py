@@ -40,6 +40,7 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -103,6 +104,7 @@ class _Fp8ampConversion:
     def convert_module(self, module: nn.Module) -> nn.Module:
         if module not in self._modules:  # (Lightning calls this again on every fit/validate/test)
             if not any(isinstance(m, Fp8Linear) for m in module.modules()):
+                _check_callbacks(module, self.opt_level)
                 before = dict(module.named_parameters(remove_duplicate=False))
                 initialize(module, None, self.opt_level, **self._options)
                 after = dict(module.named_parameters(remove_duplicate=False))
@@ -265,6 +267,17 @@ class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
                 "not fp8amp's: Fabric does not hand optimizers to precision plugins, so pass it through "
                 "precision.convert_optimizer(optimizer) before fabric.setup_optimizers (after fabric.setup_module)")
         return optimizer.step(**kwargs)
+
+
+def _check_callbacks(module: nn.Module, opt_level: str) -> None:
+    """Lightning runs the callbacks' ``setup`` before the plugin converts the module: ModelPruning
+    collects the layers to prune there, and would prune the nn.Linear layers conversion replaces."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None and any(isinstance(c, ModelPruning) for c in trainer.callbacks):
+        raise ValueError(f"Fp8ampPrecision: ModelPruning collects the layers to prune before this plugin converts "
+                         f"them, so it would prune the nn.Linear layers that Fp8Linear layers replace, not the model's; "
+                         f"convert the model in the LightningModule's __init__ (fp8amp.initialize(self, None, "
+                         f"'{opt_level}')), which this plugin then takes as it is")
 
 
 def _updates_scaling_of(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
