@@ -209,3 +209,33 @@ def test_model_pruning_is_refused_naming_the_order_that_works():
     for layer in (0, 3):
         pruned, plain_pruned = (float((m.net[layer].weight == 0).float().mean()) for m in (module, plain))
         assert plain_pruned > 0.3 and abs(pruned - plain_pruned) < 0.03, (layer, pruned, plain_pruned)
+
+
+def test_weight_averaging_of_a_module_with_buffers_is_refused_naming_the_order_that_works():
+    """WeightAveraging (EMA) copies the module in its setup, before the plugin converts it, then
+    pairs the copy's parameters and buffers with the converted module's, whose buffers begin with
+    FP8 scaling states: a module with buffers of its own (BatchNorm) failed in the first update
+    with torch's "The size of tensor a (64) must match the size of tensor b (16)", and the end of
+    training copies the copy's buffers over the scaling states (silently, where shapes broadcast).
+    Converted in __init__, the copy is converted too and the buffers pair up."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    class Normed(Regression):
+        def __init__(self):
+            super().__init__()
+            self.net[2] = nn.BatchNorm1d(64)
+
+    with pytest.raises(ValueError, match=r"Fp8ampPrecision: WeightAveraging .*\(fp8amp.initialize\(self, None, 'O2'\)"):
+        trainer(epochs=1, callbacks=[EMAWeightAveraging(decay=0.5)]).fit(Normed(), loader())
+
+    class ConvertedInInit(Normed):
+        def __init__(self):
+            super().__init__()
+            fp8amp.initialize(self, None, "O2")
+
+    module = ConvertedInInit()
+    trainer(epochs=1, callbacks=[EMAWeightAveraging(decay=0.5, use_buffers=False)]).fit(module, loader())
+    assert int(module.net[0].input_scaling.counter) == 4 and int(module.net[2].num_batches_tracked) == 4
+    module = Regression()  # no buffers of its own: averaged as it is
+    trainer(epochs=1, callbacks=[EMAWeightAveraging(decay=0.5)]).fit(module, loader())
+    assert int(module.net[0].input_scaling.counter) == 4

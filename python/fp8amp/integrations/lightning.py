@@ -40,7 +40,7 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import ModelPruning, WeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -271,13 +271,21 @@ class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
 
 def _check_callbacks(module: nn.Module, opt_level: str) -> None:
     """Lightning runs the callbacks' ``setup`` before the plugin converts the module: ModelPruning
-    collects the layers to prune there, and would prune the nn.Linear layers conversion replaces."""
+    collects the layers to prune there (it would prune the nn.Linear layers conversion replaces),
+    and WeightAveraging copies the module, whose buffers it then pairs with the converted one's,
+    among which are the FP8 scaling states."""
     trainer = getattr(module, "_trainer", None)
-    if trainer is not None and any(isinstance(c, ModelPruning) for c in trainer.callbacks):
-        raise ValueError(f"Fp8ampPrecision: ModelPruning collects the layers to prune before this plugin converts "
-                         f"them, so it would prune the nn.Linear layers that Fp8Linear layers replace, not the model's; "
-                         f"convert the model in the LightningModule's __init__ (fp8amp.initialize(self, None, "
-                         f"'{opt_level}')), which this plugin then takes as it is")
+    callbacks = trainer.callbacks if trainer is not None else []
+    problem = None
+    if any(isinstance(c, ModelPruning) for c in callbacks):
+        problem = ("ModelPruning collects the layers to prune before this plugin converts them, so it would prune "
+                   "the nn.Linear layers that Fp8Linear layers replace")
+    elif any(isinstance(c, WeightAveraging) for c in callbacks) and next(module.buffers(), None) is not None:
+        problem = ("WeightAveraging copies the module before this plugin converts it and pairs the copy's buffers "
+                   "with the converted module's, which hold the FP8 scaling states besides its own")
+    if problem:
+        raise ValueError(f"Fp8ampPrecision: {problem}; convert the model in the LightningModule's __init__ "
+                         f"(fp8amp.initialize(self, None, '{opt_level}')), which this plugin then takes as it is")
 
 
 def _updates_scaling_of(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
