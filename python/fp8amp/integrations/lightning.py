@@ -40,7 +40,8 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.pytorch.callbacks import ModelPruning, WeightAveraging
+from lightning.pytorch import callbacks as lightning_callbacks
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -269,6 +270,10 @@ class Fp8ampFabricPrecision(_Fp8ampConversion, FabricPrecision):
         return optimizer.step(**kwargs)
 
 
+# (Lightning 2.6 added WeightAveraging; fp8amp takes 2.5 too)
+_WEIGHT_AVERAGING = getattr(lightning_callbacks, "WeightAveraging", ())
+
+
 def _check_callbacks(module: nn.Module, opt_level: str) -> None:
     """Lightning runs the callbacks' ``setup`` before the plugin converts the module: ModelPruning
     collects the layers to prune there (it would prune the nn.Linear layers conversion replaces),
@@ -280,7 +285,7 @@ def _check_callbacks(module: nn.Module, opt_level: str) -> None:
     if any(isinstance(c, ModelPruning) for c in callbacks):
         problem = ("ModelPruning collects the layers to prune before this plugin converts them, so it would prune "
                    "the nn.Linear layers that Fp8Linear layers replace")
-    elif any(isinstance(c, WeightAveraging) for c in callbacks) and next(module.buffers(), None) is not None:
+    elif any(isinstance(c, _WEIGHT_AVERAGING) for c in callbacks) and next(module.buffers(), None) is not None:
         problem = ("WeightAveraging copies the module before this plugin converts it and pairs the copy's buffers "
                    "with the converted module's, which hold the FP8 scaling states besides its own")
     if problem:
