@@ -52,11 +52,12 @@ def weight_scale(model, x):
 @pytest.mark.parametrize("recipe", [Recipe("tensorwise", margin=2), ScalingRecipe(16, 3, True),
                                     Recipe("tensorwise", pow2_scale=False), Recipe("blockwise", margin=2)],
                          ids=["margin", "scaling-recipe", "not-pow2", "blockwise-margin"])
-def test_the_weight_cast_takes_the_recipes_scale_rule_at_every_level(recipe, level):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_weight_cast_takes_the_recipes_scale_rule_at_every_level(recipe, level, device):
     # At O1/O2 the tensorwise weight operand came from the master's E4M3 copy, made with margin 0
     # and power-of-two scales whatever the recipe said.
-    model, optimizer = to_level(nn.Sequential(nn.Linear(128, 128)), recipe, level)
-    x = torch.randn(32, 128)
+    model, optimizer = to_level(nn.Sequential(nn.Linear(128, 128)).to(device), recipe, level)
+    x = torch.randn(32, 128, device=device)
     for _ in range(2):  # and after a step of the optimizer, which rewrites a master
         amax = real(model[0].weight).abs().max().item()
         rule = Recipe(margin=recipe.margin, pow2_scale=recipe.pow2_scale)
