@@ -73,9 +73,9 @@ except ImportError:  # a torch built without distributed: no DTensor params
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
 from .master_weight import MasterWeight
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, nonfinite_flag, or_empty as _or_empty
-from .optim_state import (MOMENT_KEYS, ScaledMoment, complete_groups, convert_state, fp8_states_as_bytes,
-                          fp8_states_from_bytes, moments_as_codes, moments_with_scales, one_per_shard,
-                          real_sharded_moments)
+from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, complete_groups, convert_state,
+                          fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
+                          one_per_shard, real_sharded_moments)
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
 from .scaled_tensor import ScaledTensor
 
@@ -280,6 +280,7 @@ class Adam(torch.optim.Optimizer):
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"{self._name}.load_state_dict: state_dict must be a dict with 'state' and "
                              f"'param_groups' (what state_dict() returns); got {got}")
+        check_groups(state_dict["param_groups"], self.param_groups, f"{self._name}.load_state_dict")
         state_dict = {**state_dict, "state": {pid: moments_as_codes(state)
                                               for pid, state in state_dict["state"].items()}}
         saved = state_dict["state"]

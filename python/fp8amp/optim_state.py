@@ -40,21 +40,35 @@ except ImportError:  # a torch built without distributed
 from .ops import dequantize, quantize_current
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["complete_groups", "convert_state", "real_sharded_moments", "one_per_shard", "MOMENT_KEYS", "ScaledMoment",
-           "moments_with_scales", "moments_as_codes", "fp8_states_as_bytes", "fp8_states_from_bytes"]
+__all__ = ["check_groups", "complete_groups", "convert_state", "real_sharded_moments", "one_per_shard", "MOMENT_KEYS",
+           "ScaledMoment", "moments_with_scales", "moments_as_codes", "fp8_states_as_bytes", "fp8_states_from_bytes"]
 
 #: Each moment's state key with the keys of its scale and scale_inv (present when it is scaled).
 MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
                ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_scale_inv"))
 
 
+def check_groups(saved_groups: list[dict], groups: list[dict], where: str) -> None:
+    """Refuses saved param groups of other sizes than the optimizer's, before anything is loaded
+    (the checks of the saved states match them to params by position: a saved moment of another
+    param's shape read as "a state dict of another model")."""
+    saved_sizes, sizes = ([len(g["params"]) for g in gs] for gs in (saved_groups, groups))
+    if saved_sizes != sizes:
+        raise ValueError(f"{where}: the state dict has {_groups(saved_sizes)}, this optimizer {_groups(sizes)}: "
+                         "build it with the param groups of the optimizer that saved it, in the same order")
+
+
+def _groups(sizes: list[int]) -> str:
+    """Param groups by their sizes, for messages: "2 param groups (4, 2 params)"."""
+    return f"{len(sizes)} param group{'s' * (len(sizes) != 1)} ({', '.join(map(str, sizes))} params)"
+
+
 def complete_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
     """Copies of ``saved_groups``, each completed by the keys of the optimizer's group of the same
     index that it lacks, and with that group's ``state_dtypes``: the level stays the optimizer's,
-    whatever level saved the state (torch's own ``load_state_dict`` reports a different number of
-    groups)."""
+    whatever level saved the state (:func:`check_groups` has matched the groups' sizes)."""
     return [{**{k: v for k, v in group.items() if k != "params"}, **saved, "state_dtypes": group["state_dtypes"]}
-            for saved, group in zip(saved_groups, groups)] + list(saved_groups[len(groups):])
+            for saved, group in zip(saved_groups, groups)]
 
 
 def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: str) -> None:
