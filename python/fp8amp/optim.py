@@ -73,7 +73,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
 from .master_weight import MasterWeight
 from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, nonfinite_flag, or_empty as _or_empty
-from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, complete_groups, convert_state,
+from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
                           one_per_shard, real_sharded_moments)
 from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
@@ -274,8 +274,9 @@ class Adam(torch.optim.Optimizer):
         rounds for a bfloat16 or float16 param), onto its param's device, ``step`` as float32. Takes what
         :meth:`state_dict` saves (O2 moments as :class:`ScaledMoment`), the older form (codes and
         scale entries), and a plain ``torch.optim`` state dict, converted to this optimizer's
-        levels (fp8amp.optim_state). A state dict without ``state`` and ``param_groups``, or with a
-        moment whose shape is not its param's, is refused (ValueError) before anything is loaded."""
+        levels (fp8amp.optim_state). A state dict without ``state`` and ``param_groups``, with param
+        groups of other sizes, or with a moment whose shape is not its param's or that holds inf or
+        NaN, is refused (ValueError) before anything is loaded."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"{self._name}.load_state_dict: state_dict must be a dict with 'state' and "
@@ -300,6 +301,7 @@ class Adam(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.shape != p.shape:
                     raise ValueError(f"{self._name}.load_state_dict: {which} has shape {tuple(p.shape)} but its "
                                      f"saved {key!r} {tuple(value.shape)}: a state dict of another model")
+            check_moments(saved.get(pid, {}), f"{self._name}.load_state_dict: {which}")
         super().load_state_dict(state_dict)
         self._cohorts = {}
         self._call_lists = {}  # the states are new tensors (CallLists.still_for would tell too)

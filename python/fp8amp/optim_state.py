@@ -40,8 +40,9 @@ except ImportError:  # a torch built without distributed
 from .ops import dequantize, quantize_current
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["check_groups", "complete_groups", "convert_state", "real_sharded_moments", "one_per_shard", "MOMENT_KEYS",
-           "ScaledMoment", "moments_with_scales", "moments_as_codes", "fp8_states_as_bytes", "fp8_states_from_bytes"]
+__all__ = ["check_groups", "check_moments", "complete_groups", "convert_state", "real_sharded_moments", "one_per_shard",
+           "MOMENT_KEYS", "ScaledMoment", "moments_with_scales", "moments_as_codes", "fp8_states_as_bytes",
+           "fp8_states_from_bytes"]
 
 #: Each moment's state key with the keys of its scale and scale_inv (present when it is scaled).
 MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
@@ -75,8 +76,8 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
     """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype), in
     place: real ones (float32, or a 16-bit param's dtype as torch keeps them) into scaled formats
     (quantized with current scaling) or float32, scaled ones into float32 (their real values,
-    exactly); refuses non-finite moments and a negative exp_avg_sq.
-    ``where`` names the param in messages."""
+    exactly). Their values were checked by :func:`check_moments`. ``where`` names the param in
+    messages."""
     for (key, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, formats):
         value = state.get(key)
         if value is None:
@@ -85,10 +86,6 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
         if isinstance(value, DTensor):
             _convert_sharded(state, (key, scale_key, scale_inv_key), dtype, where)
             continue
-        _check_finite(value, scale_inv, key, where)
-        if key == "exp_avg_sq" and bool((value < 0).any()):  # one host read per state, at load time only
-            raise ValueError(f"{where}: state 'exp_avg_sq' holds a negative value; the checkpoint is corrupt (a "
-                             "second moment is a mean of squares: its square root would make every step skipped)")
         if scale_inv is None:  # real values: torch's moments, float32 or a 16-bit param's dtype
             if dtype == torch.float32:
                 state[key] = value.float()
@@ -101,6 +98,20 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
             state[key] = dequantize(value, scale_inv, torch.float32)
             state.pop(scale_key, None)
             state.pop(scale_inv_key, None)
+
+
+def check_moments(state: dict, where: str) -> None:
+    """Refuses a saved param's state whose moments hold inf or NaN, or a negative exp_avg_sq (a
+    corrupt checkpoint), before anything is loaded: a refused state dict leaves the optimizer as
+    it was. Sharded (DTensor) moments are checked as they convert (:func:`convert_state`)."""
+    for key, _, scale_inv_key in MOMENT_KEYS:
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        _check_finite(value, state.get(scale_inv_key), key, where)
+        if key == "exp_avg_sq" and bool((value < 0).any()):  # one host read per state, at load time only
+            raise ValueError(f"{where}: state 'exp_avg_sq' holds a negative value; the checkpoint is corrupt (a "
+                             "second moment is a mean of squares: its square root would make every step skipped)")
 
 
 def _check_finite(value: torch.Tensor, scale_inv: torch.Tensor | None, key: str, where: str) -> None:

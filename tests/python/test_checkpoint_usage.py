@@ -56,3 +56,35 @@ def test_a_state_dict_of_other_param_groups_is_refused_naming_the_groups(level, 
     with pytest.raises(ValueError, match=r"fp8amp.optim.AdamW.load_state_dict: the state dict has " + message):
         fresh.load_state_dict(copy.deepcopy(saved))
     assert not fresh.state  # nothing loaded
+
+
+def _state_bits(optimizer):
+    return [(key, value.float()) for state in optimizer.state.values() for key, value in sorted(state.items())]
+
+
+@pytest.mark.parametrize("saved_level", ["plain", "O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_refused_corrupt_state_dict_leaves_the_optimizer_as_it_was(level, saved_level):
+    """A NaN moment of the fourth param is refused (a corrupt checkpoint), but it was refused after
+    torch had loaded every state: the optimizer kept the corrupt state dict, the params after the
+    fourth unconverted (float32 moments at O2, scaled ones at O1), and a run that went on (a resume
+    that falls back to a fresh optimizer state) had every later step skipped, or failed inside the
+    op ("exp_avg_scales[4] must be None: its exp_avg is float32")."""
+    model, optimizer = _setup(saved_level, lambda model: model.parameters())
+    _train(model, optimizer, 2)
+    corrupt = optimizer.state_dict()
+    moment = corrupt["state"][3]["exp_avg"]
+    (moment.scale_inv if isinstance(moment, fp8amp.ScaledTensor) else moment)[0] = float("nan")
+    runs = [_setup(level, lambda model: model.parameters(), seed=1) for _ in range(2)]
+    for run in runs:
+        _train(*run, 2)
+    before = _state_bits(runs[0][1])
+    with pytest.raises(ValueError, match="param 3 of group 0: state 'exp_avg' holds inf or NaN"):
+        runs[0][1].load_state_dict(corrupt)
+    after = _state_bits(runs[0][1])
+    assert [k for k, _ in after] == [k for k, _ in before]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before))
+    for run in runs:
+        _train(*run, 2)
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.equal(p.detach().float(), q.detach().float())  # trains as if the load had not been tried
