@@ -296,6 +296,10 @@ class Adam(torch.optim.Optimizer):
             return zip(ids, ours)
 
         for pid, (p, _, which) in params():  # also before anything is loaded
+            if p.is_meta and pid in saved:  # (its state would be meta tensors, read on the host below)
+                raise ValueError(f"{self._name}.load_state_dict: {which} is on the meta device; to_empty() replaces "
+                                 "a module's parameters, so build the optimizer (fp8amp.initialize) after "
+                                 "model.to_empty(...) and the weights' load, and load its state dict into that one")
             for key in ("exp_avg", "exp_avg_sq"):
                 value = saved.get(pid, {}).get(key)
                 if isinstance(value, torch.Tensor) and value.shape != p.shape:

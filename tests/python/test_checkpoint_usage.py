@@ -88,3 +88,29 @@ def test_a_refused_corrupt_state_dict_leaves_the_optimizer_as_it_was(level, save
         _train(*run, 2)
     for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
         assert torch.equal(p.detach().float(), q.detach().float())  # trains as if the load had not been tried
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_loading_into_an_optimizer_over_meta_params_says_to_build_it_after_materializing(level):
+    """A model and optimizer made on the meta device (a big model's init), the checkpoint loaded
+    into the optimizer: it failed inside the finiteness check with torch's "Tensor.item() cannot
+    be called on meta tensors". to_empty() replaces the params (the masters too), so the optimizer
+    must be built after it; the order that works resumes the run."""
+    model, optimizer = _setup(level, lambda model: model.parameters())
+    _train(model, optimizer, 2)
+    saved_model, saved_optimizer = copy.deepcopy((model.state_dict(), optimizer.state_dict()))  # (as saved)
+    with torch.device("meta"):
+        meta, meta_optimizer = _setup(level, lambda model: model.parameters(), seed=1)
+    with pytest.raises(ValueError, match=r"param 0 of group 0 is on the meta device.*after model.to_empty"):
+        meta_optimizer.load_state_dict(saved_optimizer)
+    with torch.device("meta"):
+        meta = _model(1)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(saved_model, strict=False)  # the weights (the plain model has no scaling buffers)
+    resumed, resumed_optimizer = fp8amp.initialize(meta, torch.optim.AdamW(meta.parameters()), level, policy="all")
+    resumed.load_state_dict(saved_model)  # the scaling buffers
+    resumed_optimizer.load_state_dict(saved_optimizer)
+    for run in ((model, optimizer), (resumed, resumed_optimizer)):
+        _train(*run, 2)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p.detach().float(), q.detach().float())
