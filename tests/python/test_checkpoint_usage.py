@@ -114,3 +114,34 @@ def test_loading_into_an_optimizer_over_meta_params_says_to_build_it_after_mater
         _train(*run, 2)
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p.detach().float(), q.detach().float())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_async_distributed_checkpoint_resumes_bit_for_bit(level, tmp_path):
+    """dcp.async_save (torchtitan's async checkpointing) stages the state dict on the CPU first: a
+    tensor with no storage of its own (data_ptr() 0), as an O2 moment is, was staged as
+    new_empty(), a plain float32 tensor of uninitialized memory. The checkpoint held garbage
+    moments: refused at load as corrupt ("holds inf or NaN", "a negative value"), or loaded when
+    they happened to be finite. Resumed from it, the run goes on as the uninterrupted one."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    straight, straight_optimizer = _setup(level, lambda model: model.parameters())
+    for _ in range(2):
+        _train(straight, straight_optimizer, 2)
+    model, optimizer = _setup(level, lambda model: model.parameters())
+    _train(model, optimizer, 2)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp_path)).result()
+    _train(model, optimizer, 2)  # the live state moves on after the save
+
+    resumed, resumed_optimizer = _setup(level, lambda model: model.parameters(), seed=1)
+    model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
+    checkpoint = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(checkpoint, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=checkpoint["model"],
+                   optim_state_dict=checkpoint["optimizer"])
+    _train(resumed, resumed_optimizer, 2)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p.detach().float(), q.detach().float())
