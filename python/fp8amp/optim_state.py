@@ -188,14 +188,6 @@ class ScaledMoment(ScaledTensor):
         if func is torch.Tensor.__deepcopy__:  # keep the type (a ScaledTensor clone would not)
             moment = args[0]
             return ScaledMoment(moment.codes.clone(), moment.scale_inv.clone(), moment.dtype)
-        if func is torch.Tensor.new_empty and kwargs.get("dtype") in (None, args[0].dtype):
-            # A moment too: DCP's async staging copies a tensor with no storage of its own as its
-            # new_empty() with its attributes (codes, scale) set on it; a plain tensor kept
-            # uninitialized memory, which the checkpoint saved.
-            moment = args[0]
-            codes = moment.codes.new_empty(*args[1:], **{**kwargs, "dtype": moment.codes.dtype})
-            scale_inv = moment.scale_inv.new_empty(moment.scale_inv.shape, device=codes.device)
-            return ScaledMoment(codes, scale_inv, moment.dtype)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         # A clone or a detach comes back a ScaledTensor: made a moment again, so that a state dict

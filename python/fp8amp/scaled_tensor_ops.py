@@ -10,7 +10,8 @@ Semantics of ops (``__torch_dispatch__``):
   ``.cuda()``: moves both inner tensors; the codes are not touched); row views (slicing or
   ``split``/``chunk``/``narrow`` along dim 0, step 1, ``x[i]``, ``unbind``): views of the codes at
   the tensor's scale (sharing ``_scale_inv``); ``new_zeros``: zeros at a copy of the tensor's
-  scale. (FSDP2 shards an O1/O2 master with these: fp8amp.fsdp.)
+  scale, ``new_empty`` uninitialized codes. (FSDP2 shards an O1/O2 master with these:
+  fp8amp.fsdp; DCP's async staging copies one through ``new_empty``.)
 * In place, supported:
   ``copy_(plain)``: re-quantizes ``src`` into the storage format with a fresh current scale
   (amax -> pow2 scale -> quantize, no host sync; an inf or NaN in ``src`` makes ``_scale_inv``
@@ -194,11 +195,22 @@ def _write_rows(x: "ScaledTensor", real: torch.Tensor) -> "ScaledTensor":
 def _new_zeros(func, args, kwargs):
     """Zeros of another shape with this tensor's scale, of its type (FSDP2's padded shard of a
     master; a master's E4M3 copy is not made for them)."""
+    return _new_of_type(torch.zeros, args, kwargs)
+
+
+def _new_empty(func, args, kwargs):
+    """Uninitialized codes of another shape, of this tensor's type: DCP's async staging copies a
+    tensor with no storage of its own as its new_empty() with its attributes (codes, scale) set on
+    it; a plain tensor kept uninitialized memory, which the checkpoint saved."""
+    return _new_of_type(torch.empty, args, kwargs)
+
+
+def _new_of_type(make, args, kwargs):
     x, size = args[0], args[1]
     if set(kwargs) - {"device", "dtype", "layout", "pin_memory"} or kwargs.get("dtype") not in (None, x.dtype):
         return NotImplemented
     device = kwargs.get("device") or x.device
-    return type(x)(torch.zeros(size, dtype=x._data.dtype, device=device), x._scale_inv.clone().to(device), x.dtype)
+    return type(x)(make(size, dtype=x._data.dtype, device=device), x._scale_inv.clone().to(device), x.dtype)
 
 
 def _to_copy(func, args, kwargs):
@@ -429,6 +441,7 @@ OP_TABLE.update({
     aten.fill_.Scalar: _fill_,
     aten.fill_.Tensor: _fill_,
     aten.new_zeros.default: _new_zeros,
+    aten.new_empty.default: _new_empty,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.mul_.Tensor: _scale_op,

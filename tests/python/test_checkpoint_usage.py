@@ -145,3 +145,36 @@ def test_async_distributed_checkpoint_resumes_bit_for_bit(level, tmp_path):
     _train(resumed, resumed_optimizer, 2)
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p.detach().float(), q.detach().float())
+
+
+def _o3_async_round_trip(rank: int, world: int, path: str) -> list[str]:
+    """On each rank: an O3 (O2 under FSDP2) model and optimizer trained, saved with dcp.async_save,
+    trained on, then a new pair loaded from the checkpoint; what differs from the saved state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from test_checkpoint_reshard import build, snapshot, step
+
+    model, optimizer = build(True, "cpu")
+    for i in range(2):
+        step(model, optimizer, i, rank, world, "cpu")
+    saved = snapshot(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path).result()
+    step(model, optimizer, 2, rank, world, "cpu")
+    model, optimizer = build(True, "cpu")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    checkpoint = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(checkpoint, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"])
+    loaded = snapshot(model, optimizer)
+    return [key for key, value in saved.items() if not torch.equal(value, loaded[key])]
+
+
+def test_async_distributed_checkpoint_of_sharded_masters_keeps_them(tmp_path):
+    """Under FSDP2 each master is a DTensor whose local shard is a MasterWeight, which DCP's async
+    staging copied as new_empty() too: the checkpoint held uninitialized memory for every Linear
+    weight (the optimizer's sharded moments, float32 DTensors, were saved)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from ranks import run_on_ranks
+
+    assert run_on_ranks(_o3_async_round_trip, 2, 2, str(tmp_path)) == [[], []]
