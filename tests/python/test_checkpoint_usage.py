@@ -39,8 +39,8 @@ def _two_groups(model):
 
 
 @pytest.mark.parametrize("groups, message", [
-    (lambda model: [{"params": list(model.parameters())}], r"2 param groups \(4, 2 params\), this optimizer 1 param group \(6 params\)"),
-    (lambda model: _two_groups(model)[::-1], r"2 param groups \(4, 2 params\), this optimizer 2 param groups \(2, 4 params\)"),
+    (lambda model: [{"params": list(model.parameters())}], r"this optimizer 1 param group \(6 params\)"),
+    (lambda model: _two_groups(model)[::-1], r"this optimizer 2 param groups \(2, 4 params\)"),
 ], ids=["one_group", "groups_swapped"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_state_dict_of_other_param_groups_is_refused_naming_the_groups(level, groups, message):
@@ -53,7 +53,8 @@ def test_a_state_dict_of_other_param_groups_is_refused_naming_the_groups(level, 
     with pytest.raises(ValueError, match="parameter group"):  # plain torch
         _setup("plain", groups)[1].load_state_dict(copy.deepcopy(saved))
     _, fresh = _setup(level, groups, seed=1)
-    with pytest.raises(ValueError, match=r"fp8amp.optim.AdamW.load_state_dict: the state dict has " + message):
+    with pytest.raises(ValueError, match=r"fp8amp.optim.AdamW.load_state_dict: the state dict has 2 param groups "
+                                         r"\(4, 2 params\), " + message):
         fresh.load_state_dict(copy.deepcopy(saved))
     assert not fresh.state  # nothing loaded
 
