@@ -267,7 +267,8 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
             continue
         if not param.is_meta and not bool(param.isfinite().all()):  # once per weight, at initialize only
             raise ValueError(f"initialize: {qualified[param]} holds inf or NaN; an O1/O2 master stores finite "
-                             "values only (docs/numerics.md#non-finite-values)")
+                             "values only (docs/numerics.md#non-finite-values). A model made with to_empty() holds "
+                             "uninitialized memory until its weights are loaded: load them before initialize")
         with torch.no_grad():
             master = MasterWeight.from_tensor(param.detach())
             # The E4M3 copy has one power-of-two scale with margin 0: a layer of a tiled recipe or of

@@ -147,7 +147,8 @@ def test_initialize_refuses_a_nonfinite_weight():
     model = _model()
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"initialize: 0\.weight holds inf or NaN"):
+    # (and names the likely cause: a model made with to_empty() whose weights were not loaded yet)
+    with pytest.raises(ValueError, match=r"initialize: 0\.weight holds inf or NaN.*to_empty\(\).*load them before"):
         fp8amp.initialize(model, None, "O2", policy="all")
 
 
