@@ -235,7 +235,6 @@ def convert(
                     "(fp8amp.unconvert(model) first to convert them again with another recipe)")
             report.notes.append(note)
             warnings.warn(f"convert: {note}", stacklevel=2)
-    model_in = model
 
     # Which Linears, and where a timing is needed.
     # (parent, child name, fqn, linear); a Conv1D enters as its _Conv1DShape, the same for every
@@ -260,6 +259,10 @@ def convert(
                     if id(child) not in conv1d_shapes:
                         conv1d_shapes[id(child)] = _Conv1DShape(child)
                     candidates.append((module, child_name, fqn, conv1d_shapes[id(child)]))
+        # Module order, so that a Linear reachable under two names (an alias set on the root) is
+        # filtered and reported under its first, the name named_modules and numerics_report give it.
+        order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+        candidates.sort(key=lambda candidate: order[candidate[2]])
 
     decisions = {}
     to_time = []
@@ -310,8 +313,6 @@ def convert(
         else:
             setattr(parent, child_name, converted[id(linear)])
 
-    order = {name: i for i, (name, _) in enumerate(model_in.named_modules(remove_duplicate=False))}
-    report.decisions.sort(key=lambda d: order.get(d.name, len(order)))
     logger.info("%d of %d Linear layers converted to FP8 (policy=%r)", len(report.converted), len(report.decisions),
                 policy)
     object.__setattr__(report_holder(model), "_fp8amp_conversion_report", report)
