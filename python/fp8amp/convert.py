@@ -28,6 +28,7 @@ its cache, the agreement across ranks) and :func:`~fp8amp.convert_policy.decide`
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -144,11 +145,36 @@ def check_options(*, module_filter_fn: Optional[ModuleFilter] = None, recipe: Re
     resolved."""
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"{caller}: module_filter_fn must be a callable (module, name) -> bool")
+    if module_filter_fn is not None:
+        _check_filter_signature(module_filter_fn, caller)
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"{caller}: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r}")
     _check_policy_args(tokens, min_speedup, timer, caller)
     check_compiled(compiled, caller)
     return resolve_recipe(recipe, caller)
+
+
+def _check_filter_signature(module_filter_fn: ModuleFilter, caller: str) -> None:
+    """module_filter_fn takes (module, fqn) positionally: a clear TypeError before any call (Python's
+    names neither the argument nor what it takes)."""
+    try:
+        signature = inspect.signature(module_filter_fn)
+    except (TypeError, ValueError):  # a callable without a signature (some builtins): called as it is
+        return
+    try:
+        signature.bind(None, "")
+    except TypeError:
+        raise TypeError(f"{caller}: module_filter_fn must take (module, fqn) positionally and return a bool "
+                        f"(True: convert the Linear); got a callable of signature {signature}") from None
+
+
+def _filter_accepts(module_filter_fn: ModuleFilter, linear: nn.Module, fqn: str) -> bool:
+    answer = module_filter_fn(linear, fqn)
+    try:
+        return bool(answer)
+    except (TypeError, ValueError, RuntimeError):  # a tensor or array of several values
+        raise TypeError(f"fp8amp.convert: module_filter_fn must return a bool; for {fqn!r} it returned "
+                        f"{type(answer).__name__} {answer!r}, which has no truth value") from None
 
 
 def convert(
@@ -273,7 +299,7 @@ def convert(
             decisions[id(linear)] = _decision(fqn, linear, False, why)
         elif (why := recipe.unsupported_reason(linear.in_features, linear.out_features, linear.weight.dtype)) is not None:
             decisions[id(linear)] = _decision(fqn, linear, False, why)
-        elif module_filter_fn is not None and not bool(module_filter_fn(getattr(linear, "conv", linear), fqn)):
+        elif module_filter_fn is not None and not _filter_accepts(module_filter_fn, getattr(linear, "conv", linear), fqn):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")
         elif policy == "all":
             decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'" + _recipe_note(recipe))

@@ -41,3 +41,63 @@ def test_an_aliased_linear_is_judged_and_reported_under_its_first_name():
     with fp8amp.numerics_report(model) as report:
         model(torch.randn(4, 32)).sum().backward()
     assert {r.layer for r in report.rows} == {d.name for d in fp8amp.conversion_report(model).converted}
+
+
+def two_linears():
+    return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+
+
+@pytest.mark.parametrize("call", ["convert", "initialize"])
+@pytest.mark.parametrize("module_filter_fn", [lambda fqn: True, lambda module, fqn, extra: True,
+                                              lambda *, module, fqn: True])
+def test_a_module_filter_of_the_wrong_signature_is_named(call, module_filter_fn):
+    """A filter taking other arguments than (module, name) failed with Python's "<lambda>() takes
+    1 positional argument but 2 were given", naming neither module_filter_fn nor what it takes."""
+    model = two_linears()
+    with pytest.raises(TypeError, match=rf"{call}: module_filter_fn must take \(module, fqn\)"):
+        if call == "convert":
+            fp8amp.convert(model, module_filter_fn=module_filter_fn)
+        else:
+            fp8amp.initialize(model, None, "O1", module_filter_fn=module_filter_fn)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]  # nothing changed
+
+
+@pytest.mark.parametrize("answer", [torch.tensor([True, False]), torch.ones(2).numpy()])
+def test_a_module_filter_answer_that_is_no_truth_value_is_named(answer):
+    """A filter returning a tensor or array of several values raised torch's / numpy's "Boolean
+    value of Tensor with more than one value is ambiguous", naming neither the filter nor the layer."""
+    model = two_linears()
+    with pytest.raises(TypeError, match=r"module_filter_fn must return a bool; for '0' it returned"):
+        fp8amp.convert(model, module_filter_fn=lambda module, fqn: answer)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+
+
+def test_module_filters_that_work():
+    """Any callable of (module, name) whose answer has a truth value: defaults, *args, a
+    torch.tensor(False), a bound method; its own error propagates as it is, before any change."""
+    assert [type(m) for m in fp8amp.convert(two_linears(), module_filter_fn=lambda *args: args[1] == "1")] == [
+        nn.Linear, fp8amp.Fp8Linear]
+    assert [type(m) for m in fp8amp.convert(two_linears(), module_filter_fn=lambda m, fqn, x=1: torch.tensor(False))] \
+        == [nn.Linear, nn.Linear]
+    names = {"0"}
+    assert [type(m) for m in fp8amp.convert(two_linears(), module_filter_fn=lambda m, fqn: fqn in names)] == [
+        fp8amp.Fp8Linear, nn.Linear]
+    model = two_linears()
+    with pytest.raises(ZeroDivisionError):
+        fp8amp.convert(model, module_filter_fn=lambda m, fqn: 1 / 0)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(policy="none"), ValueError, "policy must be one of 'auto', 'layers', 'all'; got 'none'"),
+    (dict(tokens=0), ValueError, "tokens must be >= 1, got 0"),
+    (dict(tokens=8.0), TypeError, "tokens must be an int, got float"),
+    (dict(compiled="yes"), TypeError, "compiled must be True"),
+])
+def test_initialize_names_itself_in_its_policy_errors(kwargs, error, words):
+    """initialize's policy, tokens and compiled errors said "convert: ...", a function the caller
+    never called."""
+    model = two_linears()
+    with pytest.raises(error, match="^initialize: " + words.replace("(", r"\(")):
+        fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", **kwargs)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
