@@ -34,11 +34,10 @@ import torch
 from torch import nn
 
 from . import optim as fp8_optim
-from .convert import ModuleFilter, conversion_report, convert, register_scaling_hooks
+from .convert import ModuleFilter, check_options, conversion_report, convert, register_scaling_hooks
 from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
-from .recipes import resolve_recipe
 from .scaling_hooks import carry_hooks, release_scaling
 from .scaled_tensor import ScaledTensor
 
@@ -118,8 +117,10 @@ def initialize(
         except ValueError as error:
             raise ValueError(f"initialize: {error}") from None
 
-    if recipe is not None:  # its errors name initialize; convert takes the Recipe as it is
-        recipe = resolve_recipe(recipe, "initialize")
+    # The options' errors name initialize; convert takes the resolved Recipe as it is.
+    resolved = check_options(module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
+                             compiled=compiled, caller="initialize")
+    recipe = None if recipe is None else resolved
     model = convert(model, module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
                     compiled=compiled)
     _note_level_below_crossover(model, opt_level)
