@@ -289,6 +289,9 @@ def convert(
         # filtered and reported under its first, the name named_modules and numerics_report give it.
         order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
         candidates.sort(key=lambda candidate: order[candidate[2]])
+        if isinstance(model, OptimizedModule):  # the names of the module it compiles, which keeps the report
+            candidates = [(parent, child_name, fqn.removeprefix("_orig_mod."), linear)
+                          for parent, child_name, fqn, linear in candidates]
 
     decisions = {}
     to_time = []

@@ -101,3 +101,22 @@ def test_initialize_names_itself_in_its_policy_errors(kwargs, error, words):
     with pytest.raises(error, match="^initialize: " + words.replace("(", r"\(")):
         fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2", **kwargs)
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+
+
+def test_a_compiled_model_is_filtered_and_reported_under_its_own_names():
+    """convert(torch.compile(model)) passed module_filter_fn and reported names with the wrapper's
+    "_orig_mod." prefix, which the model itself (where the report is kept) has no module of: a
+    filter on the model's own names ("blocks.") converted nothing, silently."""
+    model = Aliased()
+    compiled = torch.compile(model, backend="eager")
+    seen = []
+    fp8amp.convert(compiled, policy="all", module_filter_fn=lambda m, fqn: seen.append(fqn) or fqn.startswith("blocks."))
+    assert seen == ["blocks.0", "blocks.2", "head"]
+    report = fp8amp.conversion_report(model)
+    assert report is fp8amp.conversion_report(compiled)
+    assert [(d.name, d.converted) for d in report.decisions] == [("blocks.0", True), ("blocks.2", True), ("head", False)]
+    assert all(isinstance(model.get_submodule(d.name), fp8amp.Fp8Linear) for d in report.converted)
+    with fp8amp.numerics_report(model) as numerics:  # eager: the model itself
+        model(torch.randn(4, 32)).sum().backward()
+    assert {r.layer for r in numerics.rows} == {d.name for d in report.converted}
+    torch.testing.assert_close(compiled(torch.ones(2, 32)), model(torch.ones(2, 32)))
