@@ -189,7 +189,7 @@ class NumericsReport:
         for r in self.worst(len(self.rows)):
             warm = "" if r.warming_up is None else ("yes" if r.warming_up else "no")
             lines.append(
-                f"| {r.layer} | {r.role} | {str(r.fmt).replace('torch.', '')} | {r.calls} | {r.amax:.4g} | "
+                f"| {r.layer or '<model>'} | {r.role} | {str(r.fmt).replace('torch.', '')} | {r.calls} | {r.amax:.4g} | "
                 f"{r.scale:.4g} | {100 * r.saturated:.3g} % | {100 * r.underflow:.3g} % | {r.sqnr_db:.1f} | "
                 f"{r.nonfinite} | {warm} |")
         return "\n".join(lines)

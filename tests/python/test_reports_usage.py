@@ -120,3 +120,14 @@ def test_a_compiled_model_is_filtered_and_reported_under_its_own_names():
         model(torch.randn(4, 32)).sum().backward()
     assert {r.layer for r in numerics.rows} == {d.name for d in report.converted}
     torch.testing.assert_close(compiled(torch.ones(2, 32)), model(torch.ones(2, 32)))
+
+
+def test_a_model_that_is_one_linear_is_named_in_both_reports():
+    """convert(nn.Linear) returns the Fp8Linear itself, whose name is "": conversion_report prints
+    it as <model>, numerics_report's table printed an empty layer cell."""
+    layer = fp8amp.convert(nn.Linear(32, 32), policy="all")
+    assert "  <model> (32->32 +bias" in str(fp8amp.conversion_report(layer))
+    with fp8amp.numerics_report(layer) as report:
+        layer(torch.randn(4, 32))
+    assert [r.layer for r in report.rows] == ["", ""]  # the name named_modules gives it
+    assert "| <model> | input |" in str(report) and "| <model> | weight |" in str(report)
