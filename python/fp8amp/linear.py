@@ -222,8 +222,9 @@ def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
                          "in float32, bfloat16 or float16 (torch.autocast chooses the compute dtype), or run it in "
                          "float64 as nn.Linear layers after fp8amp.unconvert(model)")
     if x.dtype not in HIGH_PRECISION_DTYPES:
+        # (torch.autocast casts only these three dtypes: it is no way out for the others)
         raise ValueError(f"Fp8Linear: the input x must be float32, bfloat16 or float16, got {x.dtype}; "
-                         "convert it first (x.float(), or run under torch.autocast)")
+                         f"convert it first (x.float(); torch.autocast does not cast {x.dtype} inputs)")
     if x.layout != torch.strided:
         raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
                          "casts and GEMMs read dense memory; call .to_dense() first")
