@@ -84,7 +84,8 @@ def initialize(
             blockwise the E4M3 weight gradients are in 128 x 128 blocks (a BlockScaledTensor).
         weight_grad: ``"fp8"`` (docs/o1_o2.md#optimization-levels: E4M3 ScaledTensor gradients, 1 byte per element,
             accumulated across micro-batches by a fused dequantize-add-requantize) or ``"fp32"``
-            (plain float32 gradients: a higher-precision accumulator for long accumulations, 4 bytes).
+            (plain gradients in the weight's dtype, float32 for a float32 model: a higher-precision
+            accumulator for long accumulations, 4 bytes; a bfloat16 or float16 model's are warned about).
         policy, tokens: which Linears FP8 takes, as :func:`fp8amp.convert` decides: ``"auto"``
             (default) keeps the whole model in BF16 compute where a step of ``tokens`` tokens (your
             micro-batch's) is below the measured FP8 crossover, and otherwise keeps ``nn.Linear``
@@ -125,6 +126,8 @@ def initialize(
                     compiled=compiled)
     _note_level_below_crossover(model, opt_level)
     masters = _make_masters(model)
+    if weight_grad == "fp32":
+        _warn_16_bit_weight_grads(model)
     terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
     for module in model.modules():
         if isinstance(module, Fp8Linear) and isinstance(module.weight, ScaledTensor):
@@ -135,6 +138,21 @@ def initialize(
     retire(optimizer, "initialize", "fp8amp optimizer",
            "model, optimizer = fp8amp.initialize(model, optimizer, ...)")
     return model, new_optimizer
+
+
+def _warn_16_bit_weight_grads(model: nn.Module) -> None:
+    """weight_grad="fp32" keeps plain gradients, which autograd makes in each parameter's dtype: a
+    bfloat16 or float16 model's are 16-bit, not the float32 accumulator asked for."""
+    low = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, MasterWeight) and p.dtype != torch.float32:
+            low.setdefault(p.dtype, []).append(name)
+    for dtype, names in low.items():
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        warnings.warn(f"initialize: weight_grad='fp32' keeps plain weight gradients, in their weight's dtype, and "
+                      f"{len(names)} Linear weights are {dtype} ({shown}): their gradients are {dtype}, not float32 "
+                      "(autograd gives a gradient its parameter's dtype). For float32 gradients keep the model in "
+                      "float32 (torch.autocast chooses the compute dtype)", UserWarning, stacklevel=3)
 
 
 def _note_level_below_crossover(model: nn.Module, opt_level: str) -> None:

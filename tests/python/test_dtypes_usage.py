@@ -234,3 +234,26 @@ def test_an_input_fp8_cannot_take_is_refused_saying_what_works(level, dtype):
         message = str(error.value)
         assert f"the input x must be float32, bfloat16 or float16, got {dtype}" in message
         assert "x.float()" in message and "run under torch.autocast" not in message
+
+
+# ------------------------------------------------------------------------------------------------
+# weight_grad="fp32" of a 16-bit model
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_fp32_weight_grads_of_a_16_bit_model_are_warned_about(dtype):
+    """weight_grad="fp32" promises float32 weight gradients, a higher-precision accumulator; autograd
+    gives a gradient its parameter's dtype, so a 16-bit model's were 16-bit, silently."""
+    with pytest.warns(UserWarning, match=rf"weight_grad='fp32'.*2 Linear weights are {dtype} \(0.weight, "
+                                         rf"2.weight\).*gradients are {dtype}, not float32"):
+        model, _ = fp8amp.initialize(_model(dtype), None, "O1", weight_grad="fp32")
+    model(torch.randn(16, 32, dtype=dtype)).float().sum().backward()
+    assert model[0].weight.grad.dtype == dtype  # what the warning says
+
+
+def test_fp32_weight_grads_of_a_float32_model_are_float32(recwarn):
+    model, _ = fp8amp.initialize(_model(), None, "O1", weight_grad="fp32")
+    with torch.autocast("cpu", dtype=BF16):
+        model(torch.randn(16, 32)).float().sum().backward()
+    assert type(model[0].weight.grad) is torch.Tensor and model[0].weight.grad.dtype == F32
+    assert not [w for w in recwarn if "weight_grad" in str(w.message)]
