@@ -145,7 +145,7 @@ def _scaled_run(level, autocast, inject, batches):
 @pytest.mark.parametrize("inject", ["loss", "grad"])
 def test_grad_scaler_skips_the_steps_plain_torch_skips(level, autocast, inject):
     batches = _batches(6)
-    *_, expected = _scaled_run("plain", autocast, inject, batches)
+    _, _, plain_scaler, expected = _scaled_run("plain", autocast, inject, batches)
     model, optimizer, scaler, log = _scaled_run(level, autocast, inject, batches)
     assert [entry[1:] for entry in log] == [entry[1:] for entry in expected]
     assert not any(log[3][3]) and all(all(entry[3]) for entry in log[:3] + log[4:])
@@ -153,11 +153,11 @@ def test_grad_scaler_skips_the_steps_plain_torch_skips(level, autocast, inject):
         assert loss == want if not math.isfinite(want) else abs(loss - want) <= 0.05 * abs(want)
     steps = {int(optimizer.state[p]["step"]) for p in model.parameters()}
     assert steps == {5}  # 6 iterations, one skipped
-    assert scaler.state_dict() == _scaled_run("plain", autocast, inject, batches)[2].state_dict()
+    assert scaler.state_dict() == plain_scaler.state_dict()
     for name, state in model.named_modules():
         if isinstance(state, fp8amp.scaling.ScalingState):
             assert bool(state.scale.isfinite().all()) and bool((state.scale > 0).all()), name
-            assert bool(state.amax_history.isfinite().all() | (state.amax_history == 0).all()), name
+            assert bool(state.amax_history.isfinite().all()), name  # the update dropped the inf
 
 
 # ------------------------------------------------------------------------------------------------
