@@ -177,7 +177,9 @@ class NumericsReport:
         self.rows = rows
 
     def worst(self, n: int = 10) -> list[TensorStats]:
-        """The n rows with the lowest SQNR (non-finite ones first)."""
+        """The n rows with the lowest SQNR (non-finite ones first); n a non-negative int."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"NumericsReport.worst: n must be a non-negative int (how many rows), got {n!r}")
         return sorted(self.rows, key=lambda r: (r.nonfinite == 0, r.sqnr_db))[:n]
 
     def __str__(self) -> str:

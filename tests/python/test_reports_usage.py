@@ -131,3 +131,14 @@ def test_a_model_that_is_one_linear_is_named_in_both_reports():
         layer(torch.randn(4, 32))
     assert [r.layer for r in report.rows] == ["", ""]  # the name named_modules gives it
     assert "| <model> | input |" in str(report) and "| <model> | weight |" in str(report)
+
+
+@pytest.mark.parametrize("n", [-1, 2.5, True, "3"])
+def test_worst_refuses_a_count_that_is_no_non_negative_int(n):
+    # worst(-1) sliced as Python does: every row but one, where a count was meant.
+    model = fp8amp.convert(nn.Linear(32, 32))
+    with fp8amp.numerics_report(model) as report:
+        model(torch.randn(4, 32)).sum().backward()
+    assert len(report.worst(0)) == 0 and len(report.worst(100)) == len(report.rows)
+    with pytest.raises(ValueError, match=r"NumericsReport\.worst: n must be a non-negative int"):
+        report.worst(n)
