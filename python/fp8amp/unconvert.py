@@ -183,20 +183,21 @@ def _plain_optimizer(optimizer: fp8_optim.Adam, replaced: dict[int, torch.Tensor
     scales, so torch's load reads real values)."""
     decoupled = isinstance(optimizer, fp8_optim.AdamW) or bool(optimizer.defaults["decoupled_weight_decay"])
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    hyper = ("lr", "betas", "eps", "weight_decay", "maximize")
-    groups = []
-    for group in optimizer.param_groups:
-        params = [replaced.get(id(p), p) for p in group["params"]]
-        groups.append({"params": params, **{key: group[key] for key in hyper + ("initial_lr",) if key in group}})
+    hyper = ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "capturable", "fused")
+    # Every key of a group but fp8amp's own: the user's (a name, a scale), an lr scheduler's
+    # (initial_lr, max_lr...), torch's options.
+    groups = [{**{key: value for key, value in group.items() if key != "state_dtypes"},
+               "params": [replaced.get(id(p), p) for p in group["params"]]} for group in optimizer.param_groups]
     plain = cls(groups, **{key: optimizer.defaults[key] for key in hyper})
     saved = optimizer.state_dict()
     saved["param_groups"] = [{**new, "params": old["params"]}
                              for new, old in zip(plain.state_dict()["param_groups"], saved["param_groups"])]
     plain.load_state_dict(saved)
-    for state in plain.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            # torch keeps a non-capturable step on the host (fp8amp's is on the param's device).
-            state["step"] = state["step"].detach().to("cpu", torch.float32)
-        for key in [k for k in state if k not in ("step", "exp_avg", "exp_avg_sq")]:
-            del state[key]
+    for group in plain.param_groups:
+        for state in (plain.state[p] for p in group["params"] if p in plain.state):
+            if isinstance(state.get("step"), torch.Tensor) and not (group["capturable"] or group["fused"]):
+                # torch keeps a non-capturable step on the host (fp8amp's is on the param's device).
+                state["step"] = state["step"].detach().to("cpu", torch.float32)
+            for key in [k for k in state if k not in ("step", "exp_avg", "exp_avg_sq")]:
+                del state[key]
     return plain

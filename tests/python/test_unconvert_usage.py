@@ -1,0 +1,124 @@
+"""fp8amp.unconvert as users call it: what the model and the optimizer carried before (param-group
+settings, hooks on layers and weights, pending gradients) is still there after, and plain torch
+trains on from the same place."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16, bias=False), nn.LayerNorm(16)).to(dtype)
+
+
+def _train(model, opt, steps=3, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(24, 32, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _converted(level, model, opt):
+    if level == "fp8":
+        fp8amp.convert(model, optimizer=opt, policy="all")
+        return model, opt
+    return fp8amp.initialize(model, opt, level, policy="all")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_param_group_settings_of_the_user_survive(level):
+    """The plain optimizer took lr, betas, eps, weight_decay and maximize only: a group's own keys
+    (a name, a scale an lr schedule reads, a scheduler's max_lr) and foreach were dropped."""
+    model = _model()
+    base = torch.optim.AdamW([{"params": model[0].parameters(), "name": "first", "lr_scale": 0.5},
+                              {"params": [*model[2].parameters(), *model[3].parameters()], "name": "rest",
+                               "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3, foreach=False)
+    model, opt = fp8amp.initialize(model, base, level, policy="all")
+    _train(model, opt)
+    model, plain = fp8amp.unconvert(model, opt)
+    assert [g["name"] for g in plain.param_groups] == ["first", "rest"]
+    assert plain.param_groups[0]["lr_scale"] == 0.5
+    assert [g["foreach"] for g in plain.param_groups] == [False, False]
+    assert [(g["lr"], g["weight_decay"]) for g in plain.param_groups] == [(1e-3, 1e-2), (1e-2, 0.0)]
+    assert all("state_dtypes" not in g for g in plain.param_groups)  # fp8amp's own key
+    _train(model, plain, 1)
+
+
+def test_a_scheduler_repointed_at_the_plain_optimizer_keeps_its_schedule():
+    model = _model()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", policy="all")
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    for _ in range(3):
+        _train(model, opt, 1)
+        sched.step()
+    with pytest.warns(UserWarning, match="lr scheduler was built on the optimizer passed in"):
+        model, plain = fp8amp.unconvert(model, opt)
+    sched.optimizer = plain
+    ref = torch.optim.lr_scheduler.OneCycleLR(torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1e-2),
+                                              max_lr=1e-2, total_steps=10)
+    for _ in range(3):
+        ref.optimizer.step()
+        ref.step()
+    for _ in range(3):
+        _train(model, plain, 1)
+        sched.step()
+        ref.optimizer.step()
+        ref.step()
+        assert plain.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+def test_hooks_on_layers_and_weights_survive(level):
+    model = _model()
+    model, opt = _converted(level, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, args: seen.append("pre"))
+    model[0].register_forward_hook(lambda m, args, out: seen.append("forward"))
+    handle = model[0].register_forward_hook(lambda m, args, out: seen.append("removed"))
+    model[2].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append("backward"))
+    model[2].weight.register_hook(lambda g: seen.append("grad"))
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: seen.append("accumulated"))
+    model, plain = fp8amp.unconvert(model, opt)
+    handle.remove()  # a handle taken before still removes its hook
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+    _train(model, plain, 1)
+    assert sorted(seen) == ["accumulated", "backward", "forward", "grad", "pre"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_pending_gradient_is_kept(level):
+    """A master's gradient (an FP8 ScaledTensor) was dropped: the new weight had none, so the step
+    that followed left every Linear weight where it was."""
+    model = _model()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, policy="all")
+    model(torch.randn(8, 32)).square().mean().backward()
+    grads = [m.weight.grad.dequantize() for m in (model[0], model[2])]
+    model, plain = fp8amp.unconvert(model, opt)
+    for layer, grad in zip((model[0], model[2]), grads):
+        assert type(layer.weight.grad) is torch.Tensor and layer.weight.grad.dtype == layer.weight.dtype
+        assert torch.equal(layer.weight.grad, grad)
+    before = model[2].weight.detach().clone()
+    plain.step()
+    assert not torch.equal(model[2].weight, before)
+
+
+def test_plain_training_goes_on_as_torch_from_the_same_state():
+    model = _model()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), "O2",
+                                   policy="all")
+    _train(model, opt)
+    model, plain = fp8amp.unconvert(model, opt)
+    ref = _model()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+    _train(model, plain, 2, seed=5)
+    _train(ref, ref_opt, 2, seed=5)
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
