@@ -3,8 +3,8 @@
 In place, every :class:`~fp8amp.Fp8Linear` becomes an ``nn.Linear`` again (an
 :class:`~fp8amp.linear.Fp8Conv1D` the Hugging Face ``Conv1D`` it was): its weight a plain
 parameter of the dtype the original Linear had (an O1/O2 FP16 master is dequantized: its real
-values, rounded once into that dtype), its bias the same parameter object, its three scaling
-states gone. The model's ``state_dict()`` then has exactly the keys and dtypes of the model as it
+values, rounded once into that dtype), its bias the same parameter object, the hooks registered
+on the layer and its weight kept, its three scaling states gone. The model's ``state_dict()`` then has exactly the keys and dtypes of the model as it
 was built, so it loads with ``strict=True`` into a fresh one, and a Hugging Face model goes
 through ``save_pretrained`` / ``from_pretrained``.
 
@@ -40,6 +40,12 @@ except ImportError:  # a torch built without distributed
     DTensor = ()
 
 __all__ = ["unconvert"]
+
+# The hooks a user registers on a layer (forward, backward, state dict), which its nn.Linear keeps.
+_MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                 "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook",
+                 "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks")
 
 
 def unconvert(
@@ -155,6 +161,8 @@ def _to_linear(layer: Fp8Linear, linears: dict[int, nn.Module], replaced: dict[i
     linear.weight = _plain_weight(layer.weight, replaced)
     linear.bias = layer.bias
     linear.train(layer.training)
+    for name in _MODULE_HOOKS:  # the same dicts, so that the handles taken on the layer still remove them
+        setattr(linear, name, getattr(layer, name))
     linears[id(layer)] = linear
     return linear
 
@@ -172,8 +180,13 @@ def _plain_weight(weight: nn.Parameter, replaced: dict[int, torch.Tensor]) -> nn
         return weight
     if id(weight) not in replaced:
         with torch.no_grad():
-            real = weight.dequantize()
-        replaced[id(weight)] = nn.Parameter(real, requires_grad=weight.requires_grad)
+            plain = nn.Parameter(weight.dequantize(), requires_grad=weight.requires_grad)
+        # The same hook dicts, so that the handles taken on the master still remove them.
+        if weight._backward_hooks:
+            plain._backward_hooks = weight._backward_hooks
+        if weight._post_accumulate_grad_hooks:
+            plain._post_accumulate_grad_hooks = weight._post_accumulate_grad_hooks
+        replaced[id(weight)] = plain
     return replaced[id(weight)]
 
 
