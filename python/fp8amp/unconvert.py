@@ -3,10 +3,11 @@
 In place, every :class:`~fp8amp.Fp8Linear` becomes an ``nn.Linear`` again (an
 :class:`~fp8amp.linear.Fp8Conv1D` the Hugging Face ``Conv1D`` it was): its weight a plain
 parameter of the dtype the original Linear had (an O1/O2 FP16 master is dequantized: its real
-values, rounded once into that dtype), its bias the same parameter object, the hooks registered
-on the layer and its weight kept, its three scaling states gone. The model's ``state_dict()`` then has exactly the keys and dtypes of the model as it
-was built, so it loads with ``strict=True`` into a fresh one, and a Hugging Face model goes
-through ``save_pretrained`` / ``from_pretrained``.
+values, rounded once into that dtype, and so is a gradient not yet stepped), its bias the same
+parameter object, the hooks registered on the layer and its weight kept, its three scaling states
+gone. The model's ``state_dict()`` then has exactly the keys and dtypes of the model as it was
+built, so it loads with ``strict=True`` into a fresh one, and a Hugging Face model goes through
+``save_pretrained`` / ``from_pretrained``.
 
 With the optimizer too, the fp8amp optimizer that :func:`~fp8amp.initialize` built becomes a
 plain ``torch.optim.Adam`` / ``AdamW`` over the new parameters, with the same param groups and
@@ -181,6 +182,8 @@ def _plain_weight(weight: nn.Parameter, replaced: dict[int, torch.Tensor]) -> nn
     if id(weight) not in replaced:
         with torch.no_grad():
             plain = nn.Parameter(weight.dequantize(), requires_grad=weight.requires_grad)
+            if (grad := weight.grad) is not None:  # a gradient not yet stepped (an FP8 one: its real values)
+                plain.grad = (grad.dequantize() if hasattr(grad, "dequantize") else grad).to(plain.dtype)
         # The same hook dicts, so that the handles taken on the master still remove them.
         if weight._backward_hooks:
             plain._backward_hooks = weight._backward_hooks

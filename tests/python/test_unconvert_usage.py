@@ -91,6 +91,24 @@ def test_hooks_on_layers_and_weights_survive(level):
     assert sorted(seen) == ["accumulated", "backward", "forward", "grad", "pre"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_pending_gradient_is_kept(level, dtype):
+    """A master's gradient (an FP8 ScaledTensor) was dropped: the new weight had none, so the step
+    that followed left every Linear weight where it was."""
+    model = _model(dtype)
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level, policy="all")
+    model(torch.randn(8, 32).to(dtype)).float().square().mean().backward()
+    grads = [m.weight.grad.dequantize().to(dtype) for m in (model[0], model[2])]
+    model, plain = fp8amp.unconvert(model, opt)
+    for layer, grad in zip((model[0], model[2]), grads):
+        assert type(layer.weight.grad) is torch.Tensor and layer.weight.grad.dtype == dtype
+        assert torch.equal(layer.weight.grad, grad)
+    before = model[2].weight.detach().clone()
+    plain.step()
+    assert not torch.equal(model[2].weight, before)
+
+
 def test_plain_training_goes_on_as_torch_from_the_same_state():
     model = _model()
     model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), "O2",
