@@ -10,10 +10,11 @@ built, so it loads with ``strict=True`` into a fresh one, and a Hugging Face mod
 ``save_pretrained`` / ``from_pretrained``.
 
 With the optimizer too, the fp8amp optimizer that :func:`~fp8amp.initialize` built becomes a
-plain ``torch.optim.Adam`` / ``AdamW`` over the new parameters, with the same param groups and
-hyperparameters and its moments as real values (O2's E4M3 m and FP16 v dequantized); the fp8amp
-one is retired (its ``step`` and ``zero_grad`` raise: it holds the old masters). Without it, a
-model whose masters were replaced warns that such an optimizer would not train them.
+plain ``torch.optim.Adam`` / ``AdamW`` over the new parameters, with the same param groups,
+hyperparameters and hooks (step, state dict) and its moments as real values (O2's E4M3 m and
+FP16 v dequantized); the fp8amp one is retired (its ``step`` and ``zero_grad`` raise: it holds
+the old masters). Without it, a model whose masters were replaced warns that such an optimizer
+would not train them.
 
 What is lost: the delayed-scaling histories and scales of every layer, and the scales of the
 moments. To resume FP8 training bit for bit, keep the converted model's and optimizer's own
@@ -34,6 +35,7 @@ from .convert import report_holder
 from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
+from .scaling_hooks import carry_hooks
 
 try:
     from torch.distributed.tensor import DTensor
@@ -93,6 +95,7 @@ def unconvert(
         return model
     if isinstance(optimizer, fp8_optim.Adam):
         plain = _plain_optimizer(optimizer, replaced)
+        carry_hooks(optimizer, plain)  # (dropped: an EMA or logging hook stopped without a word)
         retire(optimizer, "unconvert", "torch.optim optimizer", "model, optimizer = fp8amp.unconvert(model, optimizer)")
         optimizer = plain
     return model, optimizer

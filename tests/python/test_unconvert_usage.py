@@ -123,3 +123,23 @@ def test_plain_training_goes_on_as_torch_from_the_same_state():
     _train(ref, ref_opt, 2, seed=5)
     for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_hooks_on_the_optimizer_move_to_the_plain_one():
+    """Step and state-dict hooks on fp8amp's optimizer (an EMA update, logging) were dropped, as
+    initialize carries them over to the optimizer it returns."""
+    model = _model()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", policy="all")
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append("post"))
+    handle = opt.register_step_post_hook(lambda o, args, kwargs: seen.append("removed"))
+    opt.register_state_dict_post_hook(lambda o, state: seen.append("state_dict"))
+    _train(model, opt, 1)
+    model, plain = fp8amp.unconvert(model, opt)
+    handle.remove()
+    seen.clear()
+    _train(model, plain, 1)
+    plain.state_dict()
+    assert seen == ["pre", "post", "state_dict"]
+    assert not any(hasattr(h, "__self__") for h in plain._optimizer_step_post_hooks.values())  # no fp8amp hook
