@@ -266,6 +266,7 @@ def retire(optimizer: torch.optim.Optimizer, caller: str, returned: str, usage: 
                            f"model's new weights: step and zero_grad that one ({usage}) and build lr schedulers on it")
 
     optimizer.step = optimizer.zero_grad = replaced
+    optimizer._fp8amp_replaced_by = caller  # (unconvert refuses it, naming the optimizer to pass)
     release_scaling(optimizer)  # (convert(..., optimizer) registered it: it would keep the states it updated)
 
 

@@ -124,6 +124,9 @@ def _check_optimizer_masters(model: nn.Module, optimizer: torch.optim.Optimizer)
     """Refuses an optimizer that would be left stepping O1/O2 masters outside the unconverted model:
     masters of another model (in a new plain optimizer they would stay ScaledTensors), or masters
     in an optimizer that is not fp8amp's (returned as it is, it would hold the replaced tensors)."""
+    if (caller := optimizer.__dict__.get("_fp8amp_replaced_by")) is not None:
+        raise ValueError(f"unconvert: fp8amp.{caller} already replaced this optimizer by the one it returned, which "
+                         f"holds the model's weights: pass the optimizer {caller} returned")
     masters = {id(m.weight) for m in model.modules() if isinstance(m, Fp8Linear)}
     for k, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
@@ -131,7 +134,9 @@ def _check_optimizer_masters(model: nn.Module, optimizer: torch.optim.Optimizer)
                 continue
             if id(p) not in masters:
                 raise ValueError(f"unconvert: param {i} of the optimizer's group {k} is an O1/O2 master weight "
-                                 f"that is not in model: pass the optimizer of this model")
+                                 "that is not in model (the optimizer of another model, or of a model that holds "
+                                 "this one): pass the optimizer of this model, or unconvert the whole model it "
+                                 "trains, fp8amp.unconvert(whole_model, optimizer)")
             if not isinstance(optimizer, fp8_optim.Adam):
                 raise ValueError(f"unconvert: the optimizer ({type(optimizer).__name__}) holds O1/O2 master weights "
                                  f"(param {i} of group {k}), which unconvert replaces; only fp8amp's Adam / AdamW "

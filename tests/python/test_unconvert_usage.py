@@ -143,3 +143,28 @@ def test_hooks_on_the_optimizer_move_to_the_plain_one():
     plain.state_dict()
     assert seen == ["pre", "post", "state_dict"]
     assert not any(hasattr(h, "__self__") for h in plain._optimizer_step_post_hooks.values())  # no fp8amp hook
+
+
+@pytest.mark.parametrize("caller", ["initialize", "unconvert"])
+def test_an_optimizer_already_replaced_is_refused_naming_the_one_to_pass(caller):
+    """The optimizer that initialize replaced came back from unconvert as it was (its step raised
+    later, naming initialize); the one unconvert replaced was refused as "not in model"."""
+    model = _model()
+    base = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = fp8amp.initialize(model, base, "O2", policy="all")
+    _train(model, opt, 1)
+    retired = base
+    if caller == "unconvert":
+        model, _ = fp8amp.unconvert(model, opt)
+        retired = opt
+    with pytest.raises(ValueError, match=f"fp8amp.{caller} already replaced this optimizer.*pass the optimizer"):
+        fp8amp.unconvert(model, retired)
+
+
+def test_a_submodule_with_the_whole_models_optimizer_says_what_works():
+    model = nn.Sequential(_model(), nn.Linear(16, 16))
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", policy="all")
+    types = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"not in model.*fp8amp.unconvert\(whole_model, optimizer\)"):
+        fp8amp.unconvert(model[0], opt)
+    assert [type(m) for m in model.modules()] == types  # nothing changed
