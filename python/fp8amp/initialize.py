@@ -40,6 +40,7 @@ from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .scaling_hooks import carry_hooks, release_scaling
 from .scaled_tensor import ScaledTensor
+from .user_hooks import carry_tensor_hooks
 
 __all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
 
@@ -296,6 +297,7 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
             if not all(_reads_fp8_copy(m.recipe) for m, _ in owners):
                 master.drop_fp8_copy()
             master = nn.Parameter(master, requires_grad=param.requires_grad)
+        carry_tensor_hooks(param, master)
         for module, name in owners:
             setattr(module, name, master)
         param._fp8amp_replaced_by_master = True  # an optimizer built before holds it: refused (_check_optimizer)

@@ -41,6 +41,7 @@ from .recipes import Recipe, resolve_recipe
 from .scaling import ScalingRecipe, ScalingState
 from .tiled_linear import TiledLinearFunction
 from .block_scaled_tensor import BlockScaledTensor
+from .user_hooks import carry_module_hooks
 
 __all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is_hf_conv1d",
            "weight_not_parameter_reason"]
@@ -304,7 +305,7 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: RecipeArg = None) -> "Fp8Linear":
         """Wraps an existing ``nn.Linear``, sharing its parameter objects (an optimizer built on
-        the old module keeps working)."""
+        the old module keeps working) and its hooks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Fp8Linear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
         if (why := weight_not_parameter_reason(linear)) is not None:
@@ -319,6 +320,7 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new._add_scaling_states(recipe, linear.weight.device)
         new.train(linear.training)
+        carry_module_hooks(linear, new)
         apply_inductor_config()
         return new
 
@@ -456,7 +458,7 @@ class Fp8Conv1D(Fp8Linear):
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, recipe: RecipeArg = None) -> "Fp8Conv1D":
-        """Wraps an existing Conv1D, sharing its parameter objects."""
+        """Wraps an existing Conv1D, sharing its parameter objects and its hooks."""
         if not is_hf_conv1d(conv):
             raise TypeError(f"Fp8Conv1D.from_conv1d: conv must be a transformers Conv1D, got {type(conv).__name__}")
         if (why := weight_not_parameter_reason(conv)) is not None:
@@ -471,6 +473,7 @@ class Fp8Conv1D(Fp8Linear):
         new.conv1d_type = type(conv)
         new._add_scaling_states(recipe, conv.weight.device)
         new.train(conv.training)
+        carry_module_hooks(conv, new)
         apply_inductor_config()
         return new
 

@@ -36,6 +36,7 @@ from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
 from .scaling_hooks import carry_hooks
+from .user_hooks import carry_module_hooks, carry_tensor_hooks
 
 try:
     from torch.distributed.tensor import DTensor
@@ -43,12 +44,6 @@ except ImportError:  # a torch built without distributed
     DTensor = ()
 
 __all__ = ["unconvert"]
-
-# The hooks a user registers on a layer (forward, backward, state dict), which its nn.Linear keeps.
-_MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-                 "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook",
-                 "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                 "_load_state_dict_post_hooks")
 
 
 def unconvert(
@@ -170,8 +165,7 @@ def _to_linear(layer: Fp8Linear, linears: dict[int, nn.Module], replaced: dict[i
     linear.weight = _plain_weight(layer.weight, replaced)
     linear.bias = layer.bias
     linear.train(layer.training)
-    for name in _MODULE_HOOKS:  # the same dicts, so that the handles taken on the layer still remove them
-        setattr(linear, name, getattr(layer, name))
+    carry_module_hooks(layer, linear)
     linears[id(layer)] = linear
     return linear
 
@@ -192,11 +186,7 @@ def _plain_weight(weight: nn.Parameter, replaced: dict[int, torch.Tensor]) -> nn
             plain = nn.Parameter(weight.dequantize(), requires_grad=weight.requires_grad)
             if (grad := weight.grad) is not None:  # a gradient not yet stepped (an FP8 one: its real values)
                 plain.grad = (grad.dequantize() if hasattr(grad, "dequantize") else grad).to(plain.dtype)
-        # The same hook dicts, so that the handles taken on the master still remove them.
-        if weight._backward_hooks:
-            plain._backward_hooks = weight._backward_hooks
-        if weight._post_accumulate_grad_hooks:
-            plain._post_accumulate_grad_hooks = weight._post_accumulate_grad_hooks
+        carry_tensor_hooks(weight, plain)
         replaced[id(weight)] = plain
     return replaced[id(weight)]
 

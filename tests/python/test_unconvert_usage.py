@@ -168,3 +168,33 @@ def test_a_submodule_with_the_whole_models_optimizer_says_what_works():
     with pytest.raises(ValueError, match=r"not in model.*fp8amp.unconvert\(whole_model, optimizer\)"):
         fp8amp.unconvert(model[0], opt)
     assert [type(m) for m in model.modules()] == types  # nothing changed
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+def test_hooks_registered_before_convert_survive_the_round_trip(level):
+    """convert made a fresh Fp8Linear (the Linear's forward and backward hooks dropped) and
+    initialize a new master parameter (the weight's gradient hooks dropped), silently."""
+    model = _model()
+    seen = []
+    model[0].register_forward_hook(lambda m, args, out: seen.append("forward"))
+    model[2].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append("backward"))
+    model[2].weight.register_hook(lambda g: seen.append("grad"))
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: seen.append("accumulated"))
+    model, opt = _converted(level, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _train(model, opt, 1)
+    assert sorted(seen) == ["accumulated", "backward", "forward", "grad"]
+    seen.clear()
+    model, plain = fp8amp.unconvert(model, opt)
+    _train(model, plain, 1)
+    assert sorted(seen) == ["accumulated", "backward", "forward", "grad"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_gradient_hook_that_scales_the_gradient_applies_to_the_master(level):
+    model = _model()
+    model[2].weight.register_hook(lambda g: g * 0.0)
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0), level,
+                                   policy="all")
+    before = model[2].weight.dequantize().clone()
+    _train(model, opt, 1)
+    assert torch.equal(model[2].weight.dequantize(), before)  # zero gradient, no weight decay: unchanged
