@@ -65,7 +65,8 @@ def unconvert(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not a ``torch.optim.Optimizer``.
-        ValueError: ``optimizer`` holds O1/O2 master weights that are not ``model``'s, or holds
+        ValueError: ``model`` is a ``DistributedDataParallel`` (pass its ``module``, then wrap the
+            result again); ``optimizer`` holds O1/O2 master weights that are not ``model``'s, or holds
             masters and is not fp8amp's; a layer's weight is computed by a parametrization or a
             forward pre-hook (checked before the model is changed).
         NotImplementedError: a weight sharded by FSDP2 (a DTensor).
@@ -74,6 +75,14 @@ def unconvert(
         raise TypeError(f"unconvert: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"unconvert: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    if ddp and any(isinstance(m, Fp8Linear) for m in model.modules()):
+        # DDP broadcasts the buffers it listed when it wrapped the model (the scaling states, which
+        # go) and reduces the gradients of the parameters it listed (the O1/O2 masters, replaced).
+        raise ValueError("unconvert: model is a DistributedDataParallel, which holds the layers' scaling buffers and "
+                         "master weights that unconvert removes; call model, optimizer = "
+                         "fp8amp.unconvert(ddp.module, optimizer), then wrap the model in a new "
+                         "DistributedDataParallel")
     _check_weights_are_parameters(model)  # before the model is changed
     if optimizer is not None:
         _check_optimizer_masters(model, optimizer)

@@ -6,9 +6,11 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fp8amp
+from ranks import free_port
 
 
 def _model(dtype=torch.float32):
@@ -198,3 +200,27 @@ def test_a_gradient_hook_that_scales_the_gradient_applies_to_the_master(level):
     before = model[2].weight.dequantize().clone()
     _train(model, opt, 1)
     assert torch.equal(model[2].weight.dequantize(), before)  # zero gradient, no weight decay: unchanged
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_a_ddp_wrapped_model_is_refused_before_anything_changes(level):
+    """The next forward failed inside torch ("!tensors.empty() INTERNAL ASSERT FAILED at
+    reducer.cpp": DDP broadcasts the buffers it listed when it wrapped the model, and the scaling
+    buffers were gone), and at O1/O2 its reducer held the replaced masters."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        plain = nn.parallel.DistributedDataParallel(_model())
+        assert fp8amp.unconvert(plain) is plain  # nothing to unconvert
+        model = _model()
+        model, opt = _converted(level, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        _train(ddp, opt, 1)
+        with pytest.raises(ValueError, match=r"DistributedDataParallel.*fp8amp.unconvert\(ddp.module, optimizer\)"):
+            fp8amp.unconvert(ddp, opt)
+        assert isinstance(model[0], fp8amp.Fp8Linear)
+        model, opt = fp8amp.unconvert(ddp.module, opt)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        assert type(ddp.module[0]) is nn.Linear
+        _train(ddp, opt, 2)
+    finally:
+        dist.destroy_process_group()
