@@ -268,7 +268,25 @@ def retire(optimizer: torch.optim.Optimizer, caller: str, returned: str, usage: 
 
     optimizer.step = optimizer.zero_grad = replaced
     optimizer._fp8amp_replaced_by = caller  # (unconvert refuses it, naming the optimizer to pass)
+    # A scheduler that marks nothing on it (ReduceLROnPlateau) is only seen when it sets the lr.
+    optimizer.param_groups[:] = [_ReplacedGroup(group, caller=caller) for group in optimizer.param_groups]
     release_scaling(optimizer)  # (convert(..., optimizer) registered it: it would keep the states it updated)
+
+
+class _ReplacedGroup(dict):
+    """A param group of an optimizer that ``caller`` replaced: setting its lr warns that nothing
+    changes (an lr scheduler still built on it)."""
+
+    def __init__(self, group: dict, caller: str) -> None:
+        super().__init__(group)
+        self.caller = caller
+
+    def __setitem__(self, key, value) -> None:
+        if key == "lr":
+            warnings.warn(f"fp8amp.{self.caller} replaced this optimizer: setting its lr (an lr scheduler built on "
+                          f"it?) changes nothing; point the scheduler at the optimizer {self.caller} returned "
+                          f"(scheduler.optimizer = optimizer) or build it on that one", UserWarning, stacklevel=2)
+        super().__setitem__(key, value)
 
 
 def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:

@@ -224,3 +224,24 @@ def test_a_ddp_wrapped_model_is_refused_before_anything_changes(level):
         _train(ddp, opt, 2)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("caller", ["initialize", "unconvert"])
+def test_a_reduce_on_plateau_scheduler_left_on_the_replaced_optimizer_is_warned_about(caller):
+    """ReduceLROnPlateau marks nothing on its optimizer (no initial_lr, no wrapped step), so the
+    one built on the optimizer fp8amp replaced went on lowering that one's lr, silently."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if caller == "initialize":
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        model, new = fp8amp.initialize(model, opt, "O2", policy="all")
+    else:
+        model, opt = fp8amp.initialize(model, opt, "O2", policy="all")
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        model, new = fp8amp.unconvert(model, opt)
+    sched.step(1.0)
+    with pytest.warns(UserWarning, match=f"fp8amp.{caller} replaced this optimizer.*scheduler.optimizer = "):
+        sched.step(2.0)
+    sched.optimizer = new  # what the warning says: the schedule goes on on the returned optimizer
+    sched.step(3.0)
+    assert new.param_groups[0]["lr"] == pytest.approx(1e-3)
