@@ -84,6 +84,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seed_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not -2**63 <= value < 2**63:  # torch.manual_seed's range, with room for the rank added to it
+        raise argparse.ArgumentTypeError(f"must be an integer from -2**63 to 2**63 - 1, got {value}")
+    return value
+
+
 def precision_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
     wrong = [name for name in names if name not in PRECISIONS]
@@ -154,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: E4M3, fp8amp.fsdp.enable_fp8_all_gather)")
     p.add_argument("--data", default=None,
                    help="a text file or a directory of .py files (default: the Python standard library's sources)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the initial weights and the batches (default: 0)")
     p.add_argument("--log-every", type=positive_int, default=20,
                    help="steps between log lines and throughput measurements (default: 20)")
     p.add_argument("--eval-every", type=positive_int, default=None,
