@@ -436,18 +436,25 @@ def main() -> None:
     runs = runs_of(args)
     log(f"{', '.join(label_of(p, r, device) for p, r in runs)}: the {setup.preset} preset on "
         f"{(setup.train.numel() + setup.val.numel()) / 1e6:.1f} MB of text, the same initial weights and batches")
-    rows = []
-    for precision, recipe in runs:
-        rows += train_one(precision, recipe, args, setup, init_state, rank, world, device, log)
-    if rank == 0:
+    rows, interrupted = [], False
+    try:
+        for precision, recipe in runs:
+            rows += train_one(precision, recipe, args, setup, init_state, rank, world, device, log)
+    except KeyboardInterrupt:  # Ctrl-C: keep what the precisions that finished measured
+        interrupted = True
+        log(f"\ninterrupted: {len({r.precision for r in rows})} of {len(runs)} precisions finished"
+            + ("" if rows else "; nothing written"))
+    if rank == 0 and rows:
         meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (FP8 emulation)",
                     torch=torch.__version__, preset=setup.preset, steps=setup.steps, batch=setup.batch,
                     seq_len=setup.cfg.seq_len, processes=world, compile=args.compile,
                     fp8_activations=args.fp8_activations)
         paths = write_outputs(setup.out, rows, summarize(rows), meta)
         log("wrote " + ", ".join(str(p) for p in paths))
-    if dist.is_initialized():
+    if dist.is_initialized() and not interrupted:  # the other ranks may not reach it
         dist.destroy_process_group()
+    if interrupted:
+        sys.exit(130)  # the shell's code for a run ended by SIGINT
 
 
 if __name__ == "__main__":

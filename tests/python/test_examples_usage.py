@@ -42,3 +42,47 @@ def test_a_seed_torch_cannot_take_is_an_argument_error(example, seed, capsys):
 @pytest.mark.parametrize("seed", ["-1", "0", str(2**63 - 1)])
 def test_seeds_in_range_are_taken(example, seed):
     assert example.build_parser().parse_args(["--seed", seed]).seed == int(seed)
+
+
+def test_an_interrupted_run_writes_the_precisions_that_finished(example, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second precision: the first one's metrics, picture and summary are
+    written and the run exits with 130 (it ended in a KeyboardInterrupt traceback, writing nothing)."""
+    finished = [example.RunRow("fp32", step, 5.0 - step, val_loss=4.0 if step == 2 else None, tokens_per_s=1e3)
+                for step in (1, 2)]
+    calls = []
+
+    def train_one(precision, *args):
+        calls.append(precision)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return finished
+
+    text = tmp_path / "text.txt"
+    text.write_text("a text long enough for training and validation windows of the tiny preset\n" * 20)
+    out = tmp_path / "out"
+    monkeypatch.setattr(example, "train_one", train_one)
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", "--device", "cpu", "--precision", "bf16,O2", "--steps", "2",
+                                      "--data", str(text), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert exit_.value.code == 130 and calls == ["bf16", "O2"]
+    assert "interrupted: 1 of 2 precisions finished" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.csv", "summary.md", "train.png"]
+    assert (out / "metrics.csv").read_text().splitlines()[1:] == ["fp32,1,4,,1000,", "fp32,2,3,4,1000,"]
+    assert "| fp32 | 3.5000 | 4.0000 | 1,000 | 1.00× |" in (out / "summary.md").read_text()
+
+
+def test_an_interrupted_run_with_nothing_finished_writes_nothing(example, tmp_path, monkeypatch, capsys):
+    def train_one(*args):
+        raise KeyboardInterrupt
+
+    text = tmp_path / "text.txt"
+    text.write_text("a text long enough for training and validation windows of the tiny preset\n" * 20)
+    monkeypatch.setattr(example, "train_one", train_one)
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", "--device", "cpu", "--data", str(text),
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert exit_.value.code == 130
+    assert "interrupted: 0 of 2 precisions finished; nothing written" in capsys.readouterr().out
+    assert not any((tmp_path / "out").iterdir())
