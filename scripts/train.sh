@@ -12,8 +12,9 @@ path_next=0
 for arg in "$@"; do
   if [ "$path_next" = 1 ]; then ARGS+=("$(absolute "$arg")"); path_next=0; continue; fi
   case "$arg" in
-    --data|--out) ARGS+=("$arg"); path_next=1 ;;
-    --data=*|--out=*) ARGS+=("${arg%%=*}=$(absolute "${arg#*=}")") ;;
+    # with the prefixes argparse takes for them (--d alone is ambiguous: --device)
+    --da|--dat|--data|--o|--ou|--out) ARGS+=("$arg"); path_next=1 ;;
+    --da=*|--dat=*|--data=*|--o=*|--ou=*|--out=*) ARGS+=("${arg%%=*}=$(absolute "${arg#*=}")") ;;
     *) ARGS+=("$arg") ;;
   esac
 done

@@ -86,3 +86,29 @@ def test_an_interrupted_run_with_nothing_finished_writes_nothing(example, tmp_pa
     assert exit_.value.code == 130
     assert "interrupted: 0 of 2 precisions finished; nothing written" in capsys.readouterr().out
     assert not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("given, passed", [
+    (["--out", "runs/a"], ["--out", "{caller}/runs/a"]),
+    (["--ou", "runs/a"], ["--ou", "{caller}/runs/a"]),
+    (["--o=runs/a"], ["--o={caller}/runs/a"]),
+    (["--dat", "t.txt", "--data=u.txt", "--da=/abs/v.txt"],
+     ["--dat", "{caller}/t.txt", "--data={caller}/u.txt", "--da=/abs/v.txt"]),
+    (["--steps", "3", "--device", "cpu"], ["--steps", "3", "--device", "cpu"]),
+])
+def test_train_sh_takes_out_and_data_from_where_it_runs(given, passed, tmp_path):
+    """scripts/train.sh makes --out and --data absolute before setup.sh moves to the repository's
+    root; argparse also takes their unambiguous prefixes (--ou, --dat), which stayed relative, so
+    the run wrote into (or read from) the repository instead. Run with a setup.sh that echoes."""
+    import subprocess
+
+    scripts = tmp_path / "repo" / "scripts"
+    scripts.mkdir(parents=True)
+    (scripts / "train.sh").write_text((EXAMPLE.parents[1] / "scripts" / "train.sh").read_text())
+    (scripts / "setup.sh").write_text('cd "$(dirname "${BASH_SOURCE[0]}")/.."\nPY=echo\n')
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    result = subprocess.run(["bash", str(scripts / "train.sh"), *given], cwd=caller, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["examples/train_gpt.py", *(a.format(caller=caller) for a in passed)]
