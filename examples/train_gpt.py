@@ -234,6 +234,9 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
                      f"{2 * window} that the {preset_name} preset (seq_len {cfg.seq_len}) needs: one window of "
                      f"{window} bytes for training and one for validation")
     held_out = max(window, data.numel() // 20)
+    if args.out == "":  # --out "$DIR" with DIR unset
+        parser.error("argument --out: empty; accepted: a directory that exists or can be created, and is writable "
+                     "(leave --out out for a new folder under runs/)")
     out = Path(args.out) if args.out else REPO / "runs" / (time.strftime("%Y%m%d-%H%M%S") + "-"
                                                            + "-".join(args.precision))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 writes (and its clock names the run)

@@ -112,3 +112,11 @@ def test_train_sh_takes_out_and_data_from_where_it_runs(given, passed, tmp_path)
                             timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["examples/train_gpt.py", *(a.format(caller=caller) for a in passed)]
+
+
+def test_an_empty_out_is_an_argument_error(example, tmp_path, capsys, monkeypatch):
+    # --out "$DIR" with DIR unset: the run went into a new folder under runs/ instead, saying so only at the end
+    monkeypatch.chdir(tmp_path)
+    line = parse_error(example, ["--out", "", "--device", "cpu"], capsys)
+    assert line.endswith("argument --out: empty; accepted: a directory that exists or can be created, and is "
+                         "writable (leave --out out for a new folder under runs/)"), line
