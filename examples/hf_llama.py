@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fp8amp
 from fp8amp.testing import batches, load_text_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_args import positive_int  # noqa: E402
 
 PRESETS = {  # every Linear's in/out features a multiple of 16, so FP8 takes them all
     "tiny": dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,12 +50,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--opt-level", choices=["O1", "O2", "none"], default="O2",
                    help="fp8amp.initialize's level; none: the bf16 baseline")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: small on GPU, tiny on CPU")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--steps", type=positive_int, default=None)
+    p.add_argument("--batch", type=positive_int, default=None)
     p.add_argument("--cpu", action="store_true", help="run on CPU processes (FP8 emulation; gloo under torchrun)")
     p.add_argument("--data", default=None, help="a text file or a directory of .py files (default: stdlib)")
     p.add_argument("--save", default=None, help="after training: fp8amp.unconvert, then save_pretrained here")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=positive_int, default=10)
     return p.parse_args()
 
 

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 
 from fp8amp.integrations.lightning import Fp8ampPrecision
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_args import positive_int  # noqa: E402
 
 
 class ByteWindows(torch.utils.data.IterableDataset):
@@ -62,13 +67,13 @@ class PrintLoss(L.Callback):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--opt-level", choices=["O1", "O2"], default="O2")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=None)
+    p.add_argument("--devices", type=positive_int, default=1)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--fp8-allreduce", action="store_true",
                    help="under DDP, average the gradients with fp8amp's FP8 all-reduce (the plugin's comm hook)")
     p.add_argument("--ckpt", default=None, help="resume from this checkpoint if it exists; save to it at the end")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=positive_int, default=10)
     args = p.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu
     config = (GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512) if gpu

@@ -14,13 +14,18 @@ gradients through their scales and skips a step with a non-finite one.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import fp8amp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_args import positive_int, resolve_device  # noqa: E402
 
 PRESETS = {
     "tiny": dict(model=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0),
@@ -37,11 +42,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--opt-level", choices=["O1", "O2", "none"], default="O2")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: base on GPU, tiny on CPU")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--log-every", type=int, default=10)
-    return p.parse_args()
+    p.add_argument("--steps", type=positive_int, default=None)
+    p.add_argument("--batch", type=positive_int, default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
+    p.add_argument("--log-every", type=positive_int, default=10)
+    args = p.parse_args()
+    args.device = resolve_device(p, args.device)
+    return args
 
 
 def synthetic_batch(patterns: torch.Tensor, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +60,7 @@ def synthetic_batch(patterns: torch.Tensor, batch: int, gen: torch.Generator) ->
 
 def main() -> None:
     args = parse_args()
-    device = torch.device(args.device)
+    device = args.device
     preset = PRESETS[args.preset or ("tiny" if device.type == "cpu" else "base")]
     steps, batch = args.steps or preset["steps"], args.batch or preset["batch"]
     torch.manual_seed(0)

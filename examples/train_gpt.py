@@ -47,6 +47,7 @@ import fp8amp
 from fp8amp.testing import GPT, GPTConfig, batches, load_text_bytes, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_args import positive_float, positive_int, resolve_device  # noqa: E402
 from train_gpt_outputs import FINAL_LOSS_STEPS, RunRow, summarize, write_outputs  # noqa: E402
 
 PRESETS = {
@@ -62,26 +63,6 @@ GPU_PRESET, CPU_PRESET = "medium", "tiny"
 PRECISIONS = ("bf16", "fp8", "O1", "O2")
 EVAL_BATCHES = 8
 REPO = Path(__file__).resolve().parents[1]
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
 
 
 def seed_int(text: str) -> int:
@@ -185,25 +166,6 @@ class Setup:
     train: torch.Tensor
     val: torch.Tensor
     out: Path
-
-
-def resolve_device(parser: argparse.ArgumentParser, text: str | None) -> torch.device:
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        parser.error(f"argument --device: accepted: cpu, cuda or cuda:N; got {text!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            parser.error(f"argument --device: {text!r} needs a CUDA GPU, and torch sees none here; use --device cpu "
-                         "(FP8 emulation)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            parser.error(f"argument --device: {text!r}: this machine has {torch.cuda.device_count()} GPU(s), "
-                         f"accepted: cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
 
 
 def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:

@@ -120,3 +120,31 @@ def test_an_empty_out_is_an_argument_error(example, tmp_path, capsys, monkeypatc
     line = parse_error(example, ["--out", "", "--device", "cpu"], capsys)
     assert line.endswith("argument --out: empty; accepted: a directory that exists or can be created, and is "
                          "writable (leave --out out for a new folder under runs/)"), line
+
+
+@pytest.mark.parametrize("example_name, module, args, message", [
+    # --steps 0 ran the preset's step count (0 is falsy), a negative one crashed after the loop, and
+    # --log-every 0 divided by zero at the first step; --device cuda without a GPU failed in torch
+    ("timm_vit.py", "timm", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    ("timm_vit.py", "timm", ["--steps", "-1"], "argument --steps: must be a positive integer, got -1"),
+    ("timm_vit.py", "timm", ["--batch", "0"], "argument --batch: must be a positive integer, got 0"),
+    ("timm_vit.py", "timm", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    ("timm_vit.py", "timm", ["--device", "tpu"], "argument --device: accepted: cpu, cuda or cuda:N; got 'tpu'"),
+    ("hf_llama.py", "transformers", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    ("hf_llama.py", "transformers", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    ("lightning_gpt.py", "lightning", ["--steps", "-3"], "argument --steps: must be a positive integer, got -3"),
+    ("lightning_gpt.py", "lightning", ["--devices", "0"], "argument --devices: must be a positive integer, got 0"),
+] + ([] if __import__("torch").cuda.is_available() else [
+    ("timm_vit.py", "timm", ["--device", "cuda"], "argument --device: 'cuda' needs a CUDA GPU, and torch sees none "
+                                                  "here; use --device cpu (FP8 emulation)")]))
+def test_integration_examples_refuse_bad_counts(example_name, module, args, message, monkeypatch, capsys):
+    pytest.importorskip(module)
+    spec = importlib.util.spec_from_file_location(example_name[:-3], EXAMPLE.parent / example_name)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)  # in this process: its imports (seconds each) load once
+    monkeypatch.setattr(sys, "argv", [example_name, *args])
+    with pytest.raises(SystemExit) as exit_:
+        loaded.main()  # ends in its parse_args
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: "), err
+    assert err.splitlines()[-1].endswith(message), err
