@@ -179,6 +179,11 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     if args.recipe != ["tensorwise"] and args.precision == ["bf16"]:
         parser.error("argument --recipe: it applies to the FP8 precisions (fp8, O1, O2), and --precision names "
                      "only bf16")
+    if args.numerics_report and args.precision == ["bf16"]:
+        parser.error("argument --numerics-report: it reports the FP8 precisions (fp8, O1, O2), and --precision names "
+                     "only bf16")
+    if not args.fp8_all_gather and (args.parallel != "fsdp" or "fp8" not in args.precision):
+        parser.error("argument --no-fp8-all-gather: it applies to --parallel fsdp with --precision fp8")
     device = resolve_device(parser, args.device)
     preset_name = args.preset or (GPU_PRESET if device.type == "cuda" else CPU_PRESET)
     preset = PRESETS[preset_name]

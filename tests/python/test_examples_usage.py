@@ -148,3 +148,16 @@ def test_integration_examples_refuse_bad_counts(example_name, module, args, mess
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: "), err
     assert err.splitlines()[-1].endswith(message), err
+
+
+@pytest.mark.parametrize("args, message", [
+    # each was accepted and did nothing: no report, the E4M3 all-gather kept or never there
+    (["--precision", "bf16", "--numerics-report"],
+     "argument --numerics-report: it reports the FP8 precisions (fp8, O1, O2), and --precision names only bf16"),
+    (["--no-fp8-all-gather"], "argument --no-fp8-all-gather: it applies to --parallel fsdp with --precision fp8"),
+    (["--precision", "O2", "--no-fp8-all-gather"],
+     "argument --no-fp8-all-gather: it applies to --parallel fsdp with --precision fp8"),
+])
+def test_options_that_would_do_nothing_are_argument_errors(example, args, message, capsys):
+    line = parse_error(example, [*args, "--device", "cpu"], capsys)
+    assert line.endswith(message), line
