@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=None, help="a text file or a directory of .py files (default: stdlib)")
     p.add_argument("--save", default=None, help="after training: fp8amp.unconvert, then save_pretrained here")
     p.add_argument("--log-every", type=positive_int, default=10)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.data is not None and not os.path.exists(args.data):
+        p.error(f"argument --data: no such file or directory: {args.data!r}")
+    return args
 
 
 def main() -> None:

@@ -132,6 +132,8 @@ def test_an_empty_out_is_an_argument_error(example, tmp_path, capsys, monkeypatc
     ("timm_vit.py", "timm", ["--device", "tpu"], "argument --device: accepted: cpu, cuda or cuda:N; got 'tpu'"),
     ("hf_llama.py", "transformers", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
     ("hf_llama.py", "transformers", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    # a missing --data raised load_text_bytes' ValueError with a traceback, after the model was built
+    ("hf_llama.py", "transformers", ["--data", "missing.txt"], "argument --data: no such file or directory: 'missing.txt'"),
     ("lightning_gpt.py", "lightning", ["--steps", "-3"], "argument --steps: must be a positive integer, got -3"),
     ("lightning_gpt.py", "lightning", ["--devices", "0"], "argument --devices: must be a positive integer, got 0"),
 ] + ([] if __import__("torch").cuda.is_available() else [
