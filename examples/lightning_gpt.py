@@ -75,6 +75,9 @@ def main() -> None:
     p.add_argument("--ckpt", default=None, help="resume from this checkpoint if it exists; save to it at the end")
     p.add_argument("--log-every", type=positive_int, default=10)
     args = p.parse_args()
+    if args.ckpt and os.path.isdir(args.ckpt):
+        p.error(f"argument --ckpt: {args.ckpt!r} is a directory; accepted: a checkpoint file's path (resumed from if "
+                "it exists, written at the end)")
     gpu = torch.cuda.is_available() and not args.cpu
     config = (GPTConfig(seq_len=512, n_layer=6, n_head=8, d_model=512) if gpu
               else GPTConfig(seq_len=64, n_layer=2, n_head=4, d_model=64))

@@ -136,6 +136,9 @@ def test_an_empty_out_is_an_argument_error(example, tmp_path, capsys, monkeypatc
     ("hf_llama.py", "transformers", ["--data", "missing.txt"], "argument --data: no such file or directory: 'missing.txt'"),
     ("lightning_gpt.py", "lightning", ["--steps", "-3"], "argument --steps: must be a positive integer, got -3"),
     ("lightning_gpt.py", "lightning", ["--devices", "0"], "argument --devices: must be a positive integer, got 0"),
+    # a directory was taken for a checkpoint to resume from: IsADirectoryError from torch.load
+    ("lightning_gpt.py", "lightning", ["--ckpt", "."], "argument --ckpt: '.' is a directory; accepted: a checkpoint "
+                                                       "file's path (resumed from if it exists, written at the end)"),
 ] + ([] if __import__("torch").cuda.is_available() else [
     ("timm_vit.py", "timm", ["--device", "cuda"], "argument --device: 'cuda' needs a CUDA GPU, and torch sees none "
                                                   "here; use --device cpu (FP8 emulation)")]))
