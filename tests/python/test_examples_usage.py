@@ -142,7 +142,7 @@ def test_an_empty_out_is_an_argument_error(example, tmp_path, capsys, monkeypatc
 ] + ([] if __import__("torch").cuda.is_available() else [
     ("timm_vit.py", "timm", ["--device", "cuda"], "argument --device: 'cuda' needs a CUDA GPU, and torch sees none "
                                                   "here; use --device cpu (FP8 emulation)")]))
-def test_integration_examples_refuse_bad_counts(example_name, module, args, message, monkeypatch, capsys):
+def test_integration_examples_refuse_bad_arguments(example_name, module, args, message, monkeypatch, capsys):
     pytest.importorskip(module)
     spec = importlib.util.spec_from_file_location(example_name[:-3], EXAMPLE.parent / example_name)
     loaded = importlib.util.module_from_spec(spec)
