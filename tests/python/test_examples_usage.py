@@ -5,20 +5,15 @@ arguments."""
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+from test_examples import EXAMPLE, load_example
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_example()
 
 
 def parse_error(example, args: list[str], capsys) -> str:
