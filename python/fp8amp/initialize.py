@@ -40,7 +40,7 @@ from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
 from .scaling_hooks import carry_hooks, release_scaling
 from .scaled_tensor import ScaledTensor
-from .user_hooks import carry_tensor_hooks
+from .user_hooks import carry_tensor_attributes, carry_tensor_hooks
 
 __all__ = ["initialize", "initialize_optimizer", "OPT_LEVELS"]
 
@@ -316,6 +316,7 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
                 master.drop_fp8_copy()
             master = nn.Parameter(master, requires_grad=param.requires_grad)
         carry_tensor_hooks(param, master)
+        carry_tensor_attributes(param, master)
         for module, name in owners:
             setattr(module, name, master)
         param._fp8amp_replaced_by_master = True  # an optimizer built before holds it: refused (_check_optimizer)

@@ -36,7 +36,7 @@ from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
 from .scaling_hooks import carry_hooks
-from .user_hooks import carry_module_hooks, carry_tensor_hooks
+from .user_hooks import carry_module_hooks, carry_tensor_attributes, carry_tensor_hooks
 
 try:
     from torch.distributed.tensor import DTensor
@@ -196,6 +196,7 @@ def _plain_weight(weight: nn.Parameter, replaced: dict[int, torch.Tensor]) -> nn
             if (grad := weight.grad) is not None:  # a gradient not yet stepped (an FP8 one: its real values)
                 plain.grad = (grad.dequantize() if hasattr(grad, "dequantize") else grad).to(plain.dtype)
         carry_tensor_hooks(weight, plain)
+        carry_tensor_attributes(weight, plain)
         replaced[id(weight)] = plain
     return replaced[id(weight)]
 

@@ -192,6 +192,20 @@ def test_hooks_registered_before_convert_survive_the_round_trip(level):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
+def test_attributes_set_on_a_weight_survive_the_round_trip(level):
+    """A flag set on a weight (read by code that groups params by it) was lost when initialize
+    replaced the weight by its master, and again when unconvert replaced the master."""
+    model = _model()
+    model[2].weight.no_decay = True
+    model, opt = _converted(level, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert getattr(model[2].weight, "no_decay", None) is True
+    assert not hasattr(model[0].weight, "no_decay")
+    model, _ = fp8amp.unconvert(model, opt)
+    assert getattr(model[2].weight, "no_decay", None) is True
+    assert not any(name.startswith("_") for name in vars(model[2].weight))  # no master internals
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_gradient_hook_that_scales_the_gradient_applies_to_the_master(level):
     model = _model()
     model[2].weight.register_hook(lambda g: g * 0.0)
