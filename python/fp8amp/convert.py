@@ -130,7 +130,7 @@ def report_holder(model: nn.Module) -> nn.Module:
     return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
-def _is_sharded(linear: nn.Module) -> bool:
+def is_sharded(linear: nn.Module) -> bool:
     """A Linear whose weight a distributed wrapper replaced by a DTensor (FSDP2's fully_shard makes
     the layer an instance of a subclass, which convert would skip without a word)."""
     return DTensor is not None and isinstance(getattr(linear, "weight", None), DTensor)
@@ -275,7 +275,7 @@ def convert(
                 fqn = f"{name}.{child_name}" if name else child_name
                 if type(child) is nn.Linear:
                     candidates.append((module, child_name, fqn, child))
-                elif isinstance(child, nn.Linear) and not isinstance(child, Fp8Linear) and _is_sharded(child):
+                elif isinstance(child, nn.Linear) and not isinstance(child, Fp8Linear) and is_sharded(child):
                     raise ValueError(
                         f"fp8amp.convert: {fqn} is already sharded (its weight is a DTensor: fully_shard / FSDP2 "
                         "or tensor parallelism ran first), and convert takes plain nn.Linear layers only, so it "

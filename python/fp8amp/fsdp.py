@@ -38,7 +38,7 @@ from torch.distributed import fsdp as torch_fsdp
 from torch.utils._pytree import tree_map_only
 
 from .comm_amax import shared_amax
-from .convert import _is_sharded
+from .convert import is_sharded
 from .distributed import FORMATS
 from .formats import E4M3, HIGH_PRECISION_DTYPES, format_max
 from .linear import Fp8Linear
@@ -151,7 +151,7 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
             raise ValueError(
                 f"enable_fp8_all_gather: {name or 'model'} holds an O1/O2 FP16 master weight (fp8amp.initialize), "
                 "which fully_shard all-gathers in E4M3 without this call; it is for FP8 compute (fp8amp.convert)")
-        if _is_sharded(module):  # FSDP2 would fail at its lazy init, inside torch, naming neither
+        if is_sharded(module):  # FSDP2 would fail at its lazy init, inside torch, naming neither
             raise ValueError(
                 f"enable_fp8_all_gather: {name or 'model'} is already sharded by fully_shard (its weight is a "
                 "DTensor); call enable_fp8_all_gather after fp8amp.convert and before fully_shard")
