@@ -173,7 +173,7 @@ def _filter_accepts(module_filter_fn: ModuleFilter, linear: nn.Module, fqn: str)
     try:
         return bool(answer)
     except (TypeError, ValueError, RuntimeError):  # a tensor or array of several values
-        raise TypeError(f"fp8amp.convert: module_filter_fn must return a bool; for {fqn!r} it returned "
+        raise TypeError(f"module_filter_fn (of fp8amp.convert / fp8amp.initialize) must return a bool; for {fqn!r} it returned "
                         f"{type(answer).__name__} {answer!r}, which has no truth value") from None
 
 

@@ -67,7 +67,7 @@ def test_a_module_filter_answer_that_is_no_truth_value_is_named(answer):
     """A filter returning a tensor or array of several values raised torch's / numpy's "Boolean
     value of Tensor with more than one value is ambiguous", naming neither the filter nor the layer."""
     model = two_linears()
-    with pytest.raises(TypeError, match=r"module_filter_fn must return a bool; for '0' it returned"):
+    with pytest.raises(TypeError, match=r"module_filter_fn \(of fp8amp.convert / fp8amp.initialize\) must return a bool; for '0' it returned"):
         fp8amp.convert(model, module_filter_fn=lambda module, fqn: answer)
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]
 
