@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -121,7 +121,31 @@ def conversion_report(model: nn.Module) -> Optional[ConversionReport]:
     Fp8Linear are counted in its notes, not judged again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"conversion_report: model must be an nn.Module, got {type(model).__name__}")
-    return report_holder(model).__dict__.get("_fp8amp_conversion_report")
+    holder = report_holder(model)
+    report = holder.__dict__.get("_fp8amp_conversion_report")
+    if report is not None:
+        _mark_unconverted(holder, report)
+    return report
+
+
+_UNCONVERTED = "converted, then made a plain layer again (fp8amp.unconvert of a submodule, or replaced)"
+
+
+def _mark_unconverted(holder: nn.Module, report: ConversionReport) -> None:
+    """Marks, in place, the layers the report converted whose name now holds a plain Linear (or
+    Conv1D) of their shape: an ``unconvert`` of a submodule cannot reach the report its root keeps.
+    (A name that now holds something else, under a wrapper that moved its children, says nothing.)"""
+    for i, decision in enumerate(report.decisions):
+        if not decision.converted:
+            continue
+        try:
+            layer = holder.get_submodule(decision.name)
+        except AttributeError:
+            continue
+        plain = (isinstance(layer, nn.Linear) and not isinstance(layer, Fp8Linear)) or is_hf_conv1d(layer)
+        if plain and tuple(layer.weight.shape) in {(decision.out_features, decision.in_features),
+                                                   (decision.in_features, decision.out_features)}:
+            report.decisions[i] = replace(decision, converted=False, reason=_UNCONVERTED)
 
 
 def report_holder(model: nn.Module) -> nn.Module:

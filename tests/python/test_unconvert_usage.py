@@ -259,3 +259,32 @@ def test_a_reduce_on_plateau_scheduler_left_on_the_replaced_optimizer_is_warned_
     sched.optimizer = new  # what the warning says: the schedule goes on on the returned optimizer
     sched.step(3.0)
     assert new.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_the_roots_report_follows_an_unconvert_of_a_submodule(level):
+    """unconvert(model.block) cannot reach the report the root keeps, which went on naming the
+    block's layers as converted; conversion_report(model) now marks them as made plain again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(32, 64), nn.GELU()), nn.Linear(64, 16))
+    model, opt = _converted(level, model, torch.optim.AdamW(model.parameters()))
+    assert [d.name for d in fp8amp.conversion_report(model).converted] == ["0.0", "1"]
+    if level == "fp8":
+        fp8amp.unconvert(model[0])
+    else:
+        with pytest.warns(UserWarning, match="master weight"):
+            fp8amp.unconvert(model[0])
+    report = fp8amp.conversion_report(model)
+    assert [d.name for d in report.converted] == ["1"]
+    (gone,) = report.skipped
+    assert gone.name == "0.0" and "unconvert" in gone.reason
+    assert "1 of 2 Linear layers converted" in str(report)
+    assert fp8amp.conversion_report(model) is report  # one report, kept up to date in place
+
+
+def test_a_report_keeps_layers_whose_names_a_wrapper_changed():
+    """A converted layer whose name no longer resolves (a wrapper put around its parent renames the
+    path) is not claimed to be unconverted."""
+    model = fp8amp.convert(nn.Sequential(nn.Sequential(nn.Linear(32, 64))), policy="all")
+    model[0] = nn.Sequential(model[0])  # now at "0.0.0"
+    assert [d.name for d in fp8amp.conversion_report(model).converted] == ["0.0"]
