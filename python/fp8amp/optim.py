@@ -434,7 +434,8 @@ class Adam(torch.optim.Optimizer):
         """The fused op over ``sharded`` (the params of one cohort) with their ``lists`` and this
         step's grads. bfloat16/float16 params step through a float32 copy rounded back once (the op
         keeps low-precision params only as FP16 codes with a scale): one rounding per step, as
-        torch's fused AdamW does for such params."""
+        torch's fused AdamW does for such params; non-contiguous ones (channels_last conv weights)
+        through a contiguous copy, as the op's contiguous moments need."""
         grads, grad_scale_invs = [], [None] * len(sharded)
         for i, q in enumerate(sharded):
             g = q.grad

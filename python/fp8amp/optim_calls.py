@@ -9,16 +9,16 @@ while :meth:`CallLists.still_for` finds unchanged what they were built from: the
 every state tensor (a state replaced, loaded, moved to another device, a param's first state)
 and of every param's inner tensors (a master's codes, scale, E4M3 copy: ``drop_fp8_copy`` /
 ``attach_fp8_copy``; a shard's local tensor) and every param's dtype. What is new every step is
-read every step: the grads and the float32 copies of bfloat16/float16 params. A master keeps no
-scale, only its ``scale_inv``: the op derives the old scale from it and writes the new
-scale_inv. Hyperparameters are the group's, read at every call.
+read every step: the grads and the contiguous float32 copies of bfloat16/float16 and of
+non-contiguous (channels_last) params. A master keeps no scale, only its ``scale_inv``: the op
+derives the old scale from it and writes the new scale_inv. Hyperparameters are the group's, read
+at every call.
 
 The op's own checks of those tensors are kept too: :meth:`CallLists.step` steps a
 ``fast.AdamPlan`` (the core checks every buffer but the grads once, when the plan is made), which
 refuses to step once a tensor it holds has other storage, shape or dtype (a ``.data`` swap, a
 resize: the identities ``still_for`` compares do not change then), and is then made again. A
-cohort with bfloat16/float16 params, whose float32 copies are new every step, a cohort with a
-tensor subclass among its buffers or grads (an ``Fp8AllGatherWeight``: the op's dispatch hands the
+cohort with such params, whose float32 copies are new every step, a cohort with a tensor subclass among its buffers or grads (an ``Fp8AllGatherWeight``: the op's dispatch hands the
 kernel the tensor it wraps, the plan would get the wrapper), and a step that Dynamo traces or that runs
 under a ``TorchDispatchMode`` (which sees ops, not the plan's method) call the op itself.
 """
@@ -102,7 +102,7 @@ class CallLists:
         self.sharded = sharded
         self.params = params = [local(p) for p in sharded]
         for p in params:
-            if not p.is_contiguous():
+            if isinstance(p, ScaledTensor) and not p.is_contiguous():
                 raise ValueError(f"{name}: params must be contiguous (param of shape {tuple(p.shape)} is not)")
         #: positions of the sharded (DTensor) params, whose local tensors may be replaced
         self.sharded_positions = [i for i, p in enumerate(sharded) if p is not params[i]]
@@ -111,9 +111,10 @@ class CallLists:
         self.scale_lists = [or_empty([local(s.get(key)) for s in states]) for key in SCALE_KEYS]
         #: the ScaledTensor params (masters)
         self.masters = [p for p in params if isinstance(p, ScaledTensor)]
-        #: positions of the bfloat16/float16 plain params, which step through a float32 copy
-        self.widened_positions = [i for i, p in enumerate(params)
-                                  if not isinstance(p, ScaledTensor) and p.dtype != torch.float32]
+        #: positions of the plain params that step through a contiguous float32 copy: bfloat16/float16
+        #: ones, and non-contiguous ones (channels_last conv weights; the moments are contiguous)
+        self.widened_positions = [i for i, p in enumerate(params) if not isinstance(p, ScaledTensor)
+                                  and (p.dtype != torch.float32 or not p.is_contiguous())]
         self.data = [p.codes if isinstance(p, ScaledTensor) else p for p in params]
         self.param_scale_invs = or_empty([p.scale_inv if isinstance(p, ScaledTensor) else None for p in params])
         copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
@@ -228,7 +229,7 @@ class CallLists:
             return self.data, []
         data, widened = list(self.data), []
         for i in self.widened_positions:
-            wide = self.params[i].float()
+            wide = self.params[i].to(torch.float32, memory_format=torch.contiguous_format)
             widened.append((self.params[i], wide))
             data[i] = wide
         return data, widened
