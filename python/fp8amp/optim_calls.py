@@ -18,9 +18,10 @@ The op's own checks of those tensors are kept too: :meth:`CallLists.step` steps 
 ``fast.AdamPlan`` (the core checks every buffer but the grads once, when the plan is made), which
 refuses to step once a tensor it holds has other storage, shape or dtype (a ``.data`` swap, a
 resize: the identities ``still_for`` compares do not change then), and is then made again. A
-cohort with such params, whose float32 copies are new every step, a cohort with a tensor subclass among its buffers or grads (an ``Fp8AllGatherWeight``: the op's dispatch hands the
-kernel the tensor it wraps, the plan would get the wrapper), and a step that Dynamo traces or that runs
-under a ``TorchDispatchMode`` (which sees ops, not the plan's method) call the op itself.
+cohort with such params, whose float32 copies are new every step, a cohort with a tensor subclass
+among its buffers or grads (an ``Fp8AllGatherWeight``: the op's dispatch hands the kernel the
+tensor it wraps, the plan would get the wrapper), and a step that Dynamo traces or that runs under
+a ``TorchDispatchMode`` (which sees ops, not the plan's method) call the op itself.
 """
 
 from __future__ import annotations
