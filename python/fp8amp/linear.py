@@ -123,6 +123,13 @@ class MasterPolicy:
     optimizer_built: bool = False
 
 
+_WEIGHT_WRITTEN = (
+    "Fp8Linear: the layer's O1/O2 master weight was modified in place (an optimizer step, a write under "
+    "torch.no_grad()) after the forward and before this backward, which reads it (nn.Linear's backward raises "
+    "torch's \"modified by an inplace operation\" here). Step the optimizer after loss.backward() of every loss "
+    "computed through the layer (in a GAN, compute the loss through D after D's step), or run the forward again")
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -155,6 +162,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
         ctx.w_transpose_from = transpose_from
+        # The backward reads the master as it is then: a write in between is refused, as torch
+        # refuses one to a tensor it saved (in eager mode: Dynamo cannot read a version counter).
+        eager_master = transpose_from is not None and not torch.compiler.is_compiling()
+        ctx.weight_version = (weight, weight._version) if eager_master else None
         # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).
         ctx.fp8_weight_grad = isinstance(weight, MasterWeight) and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
@@ -169,7 +180,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
-        if ctx.w_transpose_from is not None:
+        if ctx.w_transpose_from is not None and ctx.needs_input_grad[0]:  # only dX reads the weight
+            if ctx.weight_version is not None and ctx.weight_version[0]._version != ctx.weight_version[1]:
+                raise RuntimeError(_WEIGHT_WRITTEN)
             w_fp8_t = _transposed_copy(*ctx.w_transpose_from)
         two_d = grad_output.dim() == 2
         dy2d = grad_output if two_d else grad_output.reshape(-1, grad_output.shape[-1])
