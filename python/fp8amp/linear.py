@@ -225,7 +225,7 @@ _NO_TORCHSCRIPT = (
 
 
 def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """TorchScript tracing, sparse inputs, inputs or weights of a dtype the casts do not take (named
+    """TorchScript tracing, sparse and nested inputs, inputs or weights of a dtype the casts do not take (named
     by the layer, not by the cast op that would refuse them) and an input on another device than the
     weights (a meta input gave autocast's "unknown device type"), refused with what works. They read
     metadata only: free in eager, constant under torch.compile."""
@@ -239,6 +239,10 @@ def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor) -> None:
         # (torch.autocast casts only these three dtypes: it is no way out for the others)
         raise ValueError(f"Fp8Linear: the input x must be float32, bfloat16 or float16, got {x.dtype}; "
                          f"convert it first (x.float(); torch.autocast does not cast {x.dtype} inputs)")
+    if x.is_nested:  # a strided one passed the layout check and failed inside torch at x.shape
+        raise ValueError("Fp8Linear: the input is a nested tensor, which FP8 casts and GEMMs cannot read; for a "
+                         "jagged one, torch.nested.nested_tensor_from_jagged(layer(x.values()), x.offsets()), or "
+                         "pad it first: layer(torch.nested.to_padded_tensor(x, 0.0))")
     if x.layout != torch.strided:
         raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
                          "casts and GEMMs read dense memory; call .to_dense() first")

@@ -6,6 +6,7 @@ odd batches, dtypes with and without autocast, and autograd's uses of inputs and
 hooks). Shapes, dtypes and strides exactly, values within FP8's error. CPU (FP8 emulation)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -196,3 +197,23 @@ def test_a_weight_changed_before_a_backward_that_needs_no_input_gradient_runs(le
     y.backward(grad)
     assert rel(model.weight.grad, plain.weight.grad) < 0.1
 
+
+# ------------------------------------------------------------------------------------------------
+# Inputs the layer cannot take: a clear error, as for any other
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_nested_tensor_is_refused_naming_what_works(level, layout):
+    # A strided nested tensor failed inside torch ("NestedTensorImpl doesn't support sizes"), and
+    # a jagged one was told to call .to_dense(), which torch refuses for it.
+    _, model = pair(level, "tensorwise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype warning for strided nested tensors
+        x = torch.nested.nested_tensor([torch.randn(3, 128), torch.randn(5, 128)], layout=layout)
+    with pytest.raises(ValueError, match="nested tensor.*values().*to_padded_tensor"):
+        model(x)
+    # what the message says works, and gives nn.Linear's values
+    if layout == torch.jagged:
+        y = torch.nested.nested_tensor_from_jagged(model(x.values()), x.offsets())
+        assert rel(y.values(), nn.functional.linear(x.values(), real(model.weight), model.bias)) < 0.1
