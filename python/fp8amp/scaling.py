@@ -239,6 +239,7 @@ class ScalingState(torch.nn.Module):
         if not any(prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
             carried = local_metadata.get(METADATA_KEY)
             if carried is not None:
+                self.check_saved(carried, prefix)
                 with torch.no_grad():
                     for name, value in carried.items():
                         self._buffers[name].copy_(value)
@@ -246,12 +247,54 @@ class ScalingState(torch.nn.Module):
             if _fresh_if_missing.get():
                 self.reset()
                 return
+        self.check_saved({name: state_dict[prefix + name] for name in self._buffers if prefix + name in state_dict},
+                         prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
         buffers = self._buffers
         if buffers["_always_current"].is_meta and not buffers["scale"].is_meta:
             # load_state_dict(..., assign=True) into a state made on the meta device: the checkpoint
             # brought the persistent buffers; the non-persistent constant is made where they are.
             buffers["_always_current"] = torch.zeros(1, dtype=torch.int32, device=buffers["scale"].device)
+
+    def check_saved(self, saved: dict, prefix: str = "") -> None:
+        """Refuses buffers of a checkpoint (``saved``: buffer name -> tensor) that no run of this state
+        saves, before any loads: a scale or scale_inv that is not a finite positive number (the
+        casts would give NaN or 0, and at FP8 compute the optimizer would step every weight into
+        NaN), a counter outside [0, H], a negative amax or a non-finite one outside column 0 (this
+        step's, which a forward that met an inf leaves until the next update resets the counter),
+        and a history of another length H. One host read per buffer, at load time only."""
+        h = self.recipe.history_len
+        for name, value in saved.items():
+            buffer = self._buffers.get(name)
+            if buffer is None or not isinstance(value, torch.Tensor) or value.is_meta:
+                continue
+            if value.shape != buffer.shape:
+                if name == "amax_history" and value.dim() == 2 and value.shape[0] == buffer.shape[0]:
+                    raise ValueError(
+                        f"ScalingState.load_state_dict: {prefix}amax_history has a history of {value.shape[1]} steps, "
+                        f"this state's recipe {h} (history_len): convert with the checkpoint's history_len "
+                        f"(fp8amp.Recipe(..., history_len={value.shape[1]})), or leave this state's keys out of the "
+                        "state dict and load it inside fp8amp.fresh_scaling_if_missing() to restart its warm-up")
+                continue  # torch reports the size mismatch
+            if name in ("scale", "scale_inv"):
+                bad = ("inf or NaN" if not bool(value.isfinite().all())
+                       else "0 or a negative value" if bool((value <= 0).any()) else None)
+                rule = "a scale is a finite positive number"
+            elif name == "counter":
+                bad = "a value out of range" if not bool(((value >= 0) & (value <= h)).all()) else None
+                rule = f"a warm-up counter is in [0, {h}] (the history_len)"
+            elif name == "amax_history":
+                old = ~value[:, 1:].isfinite()
+                bad = ("a negative value" if bool((value < 0).any())
+                       else f"inf or NaN in column {1 + int(old.any(0).nonzero()[0])}" if bool(old.any()) else None)
+                rule = "an amax is not negative, and only column 0 (this step's) may be inf or NaN"
+            else:
+                continue
+            if bad is not None:
+                raise ValueError(
+                    f"ScalingState.load_state_dict: {prefix}{name} holds {bad}; {rule}, so the checkpoint is "
+                    "corrupt. To restart this state's warm-up instead, leave its keys out of the state dict and "
+                    "load it inside fp8amp.fresh_scaling_if_missing()")
 
     def _apply(self, fn, recurse=True):
         # module.half(), .bfloat16(), .to(dtype) must not cast the state (the ops take float32

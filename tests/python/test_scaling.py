@@ -372,14 +372,14 @@ def test_cached_views_follow_replaced_buffers():
         state.quantize(torch.tensor([2.0]), n - 1)
         assert state.amax_history[n - 1, 0] == 2.0 and old[n - 1, 0] == 1.0
         # load_state_dict(assign=True) and plain assignment replace buffers too
-        state.load_state_dict({k: torch.zeros_like(v) for k, v in state.state_dict().items()}, assign=True)
+        state.load_state_dict({k: v.clone() for k, v in state.state_dict().items()}, assign=True)
         state.cast_transpose(torch.tensor([[3.0]]), n - 1)
         assert state.amax_history[n - 1, 0] == 3.0
         state.amax_history = torch.zeros(n, 2)
         state.cast_transpose_current(torch.tensor([[5.0]]), 0)
         assert state.amax_history[0, 0] == 5.0
         # a plain load_state_dict writes in place: the views stay valid
-        state.load_state_dict({k: torch.zeros_like(v) for k, v in state.state_dict().items()})
+        state.load_state_dict({k: v.clone() for k, v in state.state_dict().items()})
         state.quantize(torch.tensor([6.0]), 0)
         assert state.amax_history[0, 0] == 6.0
 

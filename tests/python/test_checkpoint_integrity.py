@@ -1,0 +1,143 @@
+"""Checkpoints that are damaged, foreign or half-made (2026-12-06): scaling buffers no run saves
+(a NaN, inf, 0 or negative scale, a counter out of range, a negative amax, a history of another
+length), loaded at every level and recipe. Each must load to a correct run or be refused at load,
+naming the key and what works; never trained on silently."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.LayerNorm(32))
+
+
+def _setup(level, recipe="tensorwise", seed=0):
+    """A model at ``level`` ("fp8": convert with torch's AdamW; "O1", "O2": initialize) and its optimizer."""
+    model = _model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if level == "fp8":
+        fp8amp.convert(model, optimizer=optimizer, policy="all", recipe=recipe)
+        return model, optimizer
+    return fp8amp.initialize(model, optimizer, level, policy="all", recipe=recipe)
+
+
+def _train(model, optimizer, steps, start=0):
+    losses = []
+    for i in range(start, start + steps):
+        optimizer.zero_grad()
+        loss = model(3 * torch.randn(8, 32, generator=torch.Generator().manual_seed(i))).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _saved(level, recipe="tensorwise"):
+    model, optimizer = _setup(level, recipe)
+    _train(model, optimizer, 20)  # past the warm-up: the delayed scales are in use
+    return copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("input_scaling.scale", float("nan"), "a scale is a finite positive number"),
+    ("input_scaling.scale", float("inf"), "a scale is a finite positive number"),
+    ("grad_output_scaling.scale", 0.0, "a scale is a finite positive number"),
+    ("input_scaling.scale", -1.0, "a scale is a finite positive number"),
+    ("weight_scaling.scale_inv", float("nan"), "a scale is a finite positive number"),
+    ("input_scaling.scale_inv", 0.0, "a scale is a finite positive number"),
+    ("input_scaling.counter", -1, r"a warm-up counter is in \[0, 16\] \(the history_len\)"),
+    ("grad_output_scaling.counter", 17, r"a warm-up counter is in \[0, 16\] \(the history_len\)"),
+    ("input_scaling.amax_history", -1.0, "an amax is not negative"),
+], ids=["scale_nan", "scale_inf", "scale_zero", "scale_negative", "scale_inv_nan", "scale_inv_zero",
+        "counter_negative", "counter_too_large", "amax_negative"])
+@pytest.mark.parametrize("level, recipe", [("fp8", "tensorwise"), ("fp8", "rowwise"), ("O1", "tensorwise"),
+                                           ("O2", "tensorwise"), ("O2", "rowwise")])
+def test_scaling_buffers_no_run_saves_are_refused_at_load_naming_the_key(level, recipe, key, value, what):
+    """A NaN, inf or 0 delayed scale loaded silently: the first forward after it gave NaN, which at
+    FP8 compute (torch's AdamW) went into every weight (the model was NaN for good), at O1/O2
+    skipped a step; in eval, where nothing updates the scale, every output stayed NaN. fp8amp never
+    saves such values (a scale is a finite positive float, a counter in [0, history_len], an amax
+    not negative), so they are a corrupt checkpoint: refused before the state loads, naming the key
+    and how to restart the state's warm-up instead. (The tiled recipes keep the states too, and a
+    state dict loads across recipes.)"""
+    state, _ = _saved(level, recipe)
+    state[f"2.{key}"].fill_(value)
+    model, _ = _setup(level, recipe, seed=1)
+    refused = model[2].get_submodule(key.split(".")[0])
+    before = copy.deepcopy(refused.state_dict())
+    with pytest.raises(ValueError, match=rf"ScalingState.load_state_dict: 2\.{key} holds .*; {what}.*"
+                                         r"fresh_scaling_if_missing\(\)"):
+        model.load_state_dict(state)
+    after = refused.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the refused state is as it was
+
+
+def test_a_refused_scaling_state_restarts_its_warm_up_as_the_error_says():
+    """What the refusal says works: the corrupt state's keys left out, loaded inside
+    fresh_scaling_if_missing(), that state restarts its warm-up and the run trains as the
+    uninterrupted one within FP8 rounding; every other key loads."""
+    state, optimizer_state = _saved("fp8")
+    reference, reference_optimizer = _setup("fp8", seed=1)
+    reference.load_state_dict(copy.deepcopy(state))
+    reference_optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+    state["2.input_scaling.scale"].fill_(float("nan"))
+    model, optimizer = _setup("fp8", seed=1)
+    with pytest.raises(ValueError, match="fresh_scaling_if_missing"):
+        model.load_state_dict(state)
+    with fp8amp.fresh_scaling_if_missing():
+        model.load_state_dict({k: v for k, v in state.items() if not k.startswith("2.input_scaling.")})
+    optimizer.load_state_dict(optimizer_state)
+    assert int(model[2].input_scaling.counter) == 0
+    losses, reference_losses = _train(model, optimizer, 5, 20), _train(reference, reference_optimizer, 5, 20)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses == pytest.approx(reference_losses, rel=0.05)
+
+
+@pytest.mark.parametrize("column", [0, 5])
+def test_a_non_finite_amax_loads_only_where_a_run_leaves_one(column):
+    """This step's amax (column 0) is inf or NaN in a live state after a forward that met one, until
+    the next update resets the counter (a step GradScaler skipped runs no update): such a
+    checkpoint loads and recovers as the live run would. An older column never holds one (the
+    update replaces it by 0 before the roll): refused."""
+    state, optimizer_state = _saved("O2")
+    state["2.input_scaling.amax_history"][0, column] = float("inf")
+    model, optimizer = _setup("O2", seed=1)
+    if column:
+        with pytest.raises(ValueError, match=r"2\.input_scaling\.amax_history holds inf or NaN in column 5; .*"
+                                             "only column 0"):
+            model.load_state_dict(state)
+        return
+    model.load_state_dict(state)
+    optimizer.load_state_dict(optimizer_state)
+    _train(model, optimizer, 3, 20)
+    assert int(model[2].input_scaling.counter) == 2  # reset by the inf, warming up again
+    assert all(torch.isfinite(p.detach().float()).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_history_of_another_length_names_history_len(strict):
+    """A checkpoint saved with another history_len: torch's size mismatch named the shapes, not the
+    recipe setting that makes them; the error says which history_len the checkpoint has."""
+    state, _ = _saved("O2")
+    model, _ = _setup("O2", fp8amp.Recipe("tensorwise", history_len=8), seed=1)
+    with pytest.raises(ValueError, match=r"0\.input_scaling\.amax_history has a history of 16 steps, this state's "
+                                         r"recipe 8 \(history_len\): convert with the checkpoint's history_len"):
+        model.load_state_dict(state, strict=strict)
+
+
+def test_scaling_buffers_carried_in_metadata_are_checked_too():
+    """A state dict whose scaling buffers travel in its metadata (carry_in_metadata, the Lightning
+    plugin's checkpoints) is checked as one holding them in its keys."""
+    state, _ = _saved("O1")
+    scaling = {k: state.pop(k) for k in list(state) if "_scaling." in k}
+    scaling["2.input_scaling.scale"].fill_(0.0)
+    fp8amp.scaling.carry_in_metadata(state, scaling)
+    model, _ = _setup("O1", seed=1)
+    with pytest.raises(ValueError, match=r"2\.input_scaling\.scale holds 0 or a negative value"):
+        model.load_state_dict(state)
