@@ -275,8 +275,9 @@ class Adam(torch.optim.Optimizer):
         :meth:`state_dict` saves (O2 moments as :class:`ScaledMoment`), the older form (codes and
         scale entries), and a plain ``torch.optim`` state dict, converted to this optimizer's
         levels (fp8amp.optim_state). A state dict without ``state`` and ``param_groups``, with param
-        groups of other sizes, or with a moment whose shape is not its param's or that holds inf or
-        NaN, is refused (ValueError) before anything is loaded."""
+        groups of other sizes, or with a moment whose shape is not its param's, that holds inf or
+        NaN, or another state no Adam saves (fp8amp.optim_state.check_moments), is refused
+        (ValueError) before anything is loaded."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"{self._name}.load_state_dict: state_dict must be a dict with 'state' and "

@@ -10,7 +10,9 @@ optimizer passed into :func:`fp8amp.initialize`), or fp8amp's at another level.
   power-of-two scale from their amax, the rule the optimizer's step uses, and the scale pair is
   added. Scaled moments are kept as saved (the op takes both kinds in one call).
 - Every moment must be finite: an inf or NaN (a corrupt checkpoint) is a ``ValueError`` naming
-  the param and the state, where the step would otherwise skip every step from then on.
+  the param and the state, where the step would otherwise skip every step from then on. So is
+  any other state no Adam saves (:func:`check_moments`): an entry missing, a step count that is
+  not one whole number >= 0, a moment that is not floating point, codes without a valid scale.
 - Sharded (FSDP2, DTensor) moments: :func:`real_sharded_moments` saves each scaled moment as a
   float32 DTensor of its real values, sharded as the param, without its per-shard scales, so that
   ``torch.distributed.checkpoint`` reshards it as any plain state; on load each rank's new shard is
@@ -89,8 +91,8 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
         if scale_inv is None:  # real values: torch's moments, float32 or a 16-bit param's dtype
             if dtype == torch.float32:
                 state[key] = value.float()
-            else:
-                codes, scale_inv, _ = quantize_current(value, dtype)
+            else:  # (float64 as torch's AdamW takes it: cast to float32 first)
+                codes, scale_inv, _ = quantize_current(value.float() if value.dtype == torch.float64 else value, dtype)
                 state[key] = codes
                 state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
                 state[scale_inv_key] = scale_inv
@@ -101,17 +103,57 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
 
 
 def check_moments(state: dict, where: str) -> None:
-    """Refuses a saved param's state whose moments hold inf or NaN, or a negative exp_avg_sq (a
-    corrupt checkpoint), before anything is loaded: a refused state dict leaves the optimizer as
-    it was. Sharded (DTensor) moments are checked as they convert (:func:`convert_state`)."""
+    """Refuses a saved param's state that no Adam saves (a corrupt or hand-edited checkpoint), before
+    anything is loaded: a refused state dict leaves the optimizer as it was. A state that is not
+    empty (a param never stepped has none) holds a step count, one whole number >= 0, and two
+    finite floating-point moments, exp_avg_sq not negative; codes (E4M3, and FP16 in a state with
+    scale entries: torch keeps a 16-bit param's moments in its dtype) come with one finite
+    positive scale_inv. Sharded (DTensor) moments are checked as they convert (:func:`convert_state`)."""
+    if not state:
+        return
+    missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in state]
+    if missing:
+        raise ValueError(f"{where}: the saved state has no {' or '.join(map(repr, missing))} (it has "
+                         f"{', '.join(map(repr, state))}); Adam's state of a param holds 'step', 'exp_avg' and "
+                         "'exp_avg_sq': load a state dict of torch.optim.Adam / AdamW or fp8amp's optimizer, as saved")
+    _check_step(state["step"], where)
+    scaled = any(scale_inv_key in state for _, _, scale_inv_key in MOMENT_KEYS)
     for key, _, scale_inv_key in MOMENT_KEYS:
-        value = state.get(key)
+        value, scale_inv = state[key], state.get(scale_inv_key)
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             continue
-        _check_finite(value, state.get(scale_inv_key), key, where)
+        if not value.is_floating_point():
+            raise ValueError(f"{where}: state {key!r} is {value.dtype}; a moment is a floating-point tensor")
+        if scale_inv is None and (value.dtype in _FP8_DTYPES or (scaled and value.dtype == torch.float16)):
+            raise ValueError(f"{where}: state {key!r} is {value.dtype} codes without {scale_inv_key!r}, so its real "
+                             "values are unknown; load the state dict as the optimizer saved it")
+        _check_finite(value, scale_inv, key, where)
+        if scale_inv is not None and not (scale_inv.numel() == 1 and bool((scale_inv > 0).all())):
+            raise ValueError(f"{where}: state {scale_inv_key!r} must be one finite positive value, got "
+                             f"{scale_inv.flatten()[:4].tolist()}; the checkpoint is corrupt")
         if key == "exp_avg_sq" and bool((value < 0).any()):  # one host read per state, at load time only
             raise ValueError(f"{where}: state 'exp_avg_sq' holds a negative value; the checkpoint is corrupt (a "
                              "second moment is a mean of squares: its square root would make every step skipped)")
+
+
+def _check_step(step, where: str) -> None:
+    """Refuses a step count that is not one whole number >= 0 (a NaN one stayed NaN for good; a
+    negative one gave bias corrections of the wrong sign, then 0 to divide by)."""
+    if isinstance(step, DTensor):
+        return
+    count = torch.as_tensor(step)
+    if count.numel() != 1:
+        what = f"{count.numel()} values"
+    elif not bool(count.isfinite().all()):
+        what = "inf or NaN"
+    elif float(count) < 0:
+        what = "a negative count"
+    elif float(count) != int(float(count)):
+        what = "a fraction"
+    else:
+        return
+    raise ValueError(f"{where}: state 'step' holds {what}; a step count is one whole number >= 0 (the checkpoint "
+                     "is corrupt)")
 
 
 def _check_finite(value: torch.Tensor, scale_inv: torch.Tensor | None, key: str, where: str) -> None:

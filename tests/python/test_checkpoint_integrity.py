@@ -141,3 +141,113 @@ def test_scaling_buffers_carried_in_metadata_are_checked_too():
     model, _ = _setup("O1", seed=1)
     with pytest.raises(ValueError, match=r"2\.input_scaling\.scale holds 0 or a negative value"):
         model.load_state_dict(state)
+
+
+def _optimizer_case(level, edit):
+    """An optimizer state dict saved at ``level`` after 5 steps, edited by ``edit(state of param
+    0)`` in its stored form (O2 moments as codes with their scale entries, the older form), and a
+    fresh model loaded with the model state dict and its optimizer."""
+    from fp8amp.optim_state import moments_as_codes
+
+    model, optimizer = _setup(level)
+    _train(model, optimizer, 5)
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["state"] = {pid: moments_as_codes(state) for pid, state in saved["state"].items()}
+    edit(saved["state"][0])
+    fresh, fresh_optimizer = _setup(level, seed=1)
+    fresh.load_state_dict(model.state_dict())
+    return fresh, fresh_optimizer, saved
+
+
+def _moments(optimizer):
+    return [(k, v.clone()) for state in optimizer.state.values() for k, v in sorted(state.items())]
+
+
+@pytest.mark.parametrize("key", ["step", "exp_avg", "exp_avg_sq"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_saved_state_without_a_moment_or_its_step_is_refused_naming_it(level, key):
+    """A param's saved state without one of Adam's entries (hand-edited, or renamed by a state dict
+    of another version or optimizer): it loaded, and the next step failed with KeyError: 'exp_avg'
+    (torch's AdamW fails the same way). Refused at load, naming the param and the missing entry."""
+    model, optimizer, saved = _optimizer_case(level, lambda state: state.__setitem__("m", state.pop(key)))
+    with pytest.raises(ValueError, match=rf"param 0 of group 0: the saved state has no '{key}' \(it has .*'m'.*\); "
+                                         "Adam's state of a param holds 'step', 'exp_avg' and 'exp_avg_sq'"):
+        optimizer.load_state_dict(saved)
+    assert not optimizer.state
+
+
+@pytest.mark.parametrize("step, what", [(float("nan"), "inf or NaN"), (-3.0, "a negative count"),
+                                        (2.5, "a fraction"), ([5.0, 5.0], "2 values")],
+                         ids=["nan", "negative", "fraction", "two_values"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_step_count_no_optimizer_saves_is_refused(level, step, what):
+    """A NaN step count loaded and stayed NaN for good (every later checkpoint kept it, and each
+    step's bias correction came from it); a negative one gave bias corrections of the wrong sign
+    and then a division by 0 (1 - beta^0) as it passed 0; one of two values failed with "shape '[]'
+    is invalid for input of size 2". A count is one whole number >= 0."""
+    model, optimizer, saved = _optimizer_case(level, lambda state: state.__setitem__("step", torch.tensor(step)))
+    with pytest.raises(ValueError, match=rf"param 0 of group 0: state 'step' holds {what}; a step count is one "
+                                         "whole number >= 0"):
+        optimizer.load_state_dict(saved)
+    assert not optimizer.state
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_moment_that_is_not_floating_point_is_refused(level, dtype):
+    """An integer or bool moment loaded at O1 as its float32 cast (silently: the moment's values
+    were lost), and at O2 failed naming fp8amp.quantize_current's argument x."""
+    def edit(state):
+        state["exp_avg"] = torch.zeros(state["exp_avg"].shape, dtype=dtype)
+        state.pop("exp_avg_scale", None)
+        state.pop("exp_avg_scale_inv", None)
+
+    model, optimizer, saved = _optimizer_case(level, edit)
+    with pytest.raises(ValueError, match=rf"param 0 of group 0: state 'exp_avg' is {dtype}; a moment is a "
+                                         "floating-point tensor"):
+        optimizer.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_float64_moment_loads_as_plain_torch_loads_it(level):
+    """A float64 moment (a state dict of a float64 run, or one converted by a tool): torch's AdamW
+    casts it to its param's dtype; fp8amp's refused it at O2 naming fp8amp.quantize_current's x.
+    It loads to the same state as the same real values in float32 do."""
+    def real_moment(dtype):
+        def edit(state):
+            moment = state["exp_avg"]
+            if "exp_avg_scale_inv" in state:
+                moment = fp8amp.ops.dequantize(moment, state.pop("exp_avg_scale_inv"), torch.float32)
+                state.pop("exp_avg_scale")
+            state["exp_avg"] = moment.to(dtype)
+        return edit
+
+    _, optimizer, saved = _optimizer_case(level, real_moment(torch.float64))
+    optimizer.load_state_dict(saved)
+    _, reference_optimizer, saved = _optimizer_case(level, real_moment(torch.float32))
+    reference_optimizer.load_state_dict(saved)
+    moments, reference = _moments(optimizer), _moments(reference_optimizer)
+    assert [(k, v.dtype) for k, v in moments] == [(k, v.dtype) for k, v in reference]
+    assert all(torch.equal(a.float(), b.float()) for (_, a), (_, b) in zip(moments, reference))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda state: [state.pop(k) for k in ("exp_avg_scale", "exp_avg_scale_inv")],
+     r"state 'exp_avg' is torch.float8_e4m3fn codes without 'exp_avg_scale_inv'"),
+    (lambda state: [state.pop(k) for k in ("exp_avg_sq_scale", "exp_avg_sq_scale_inv")],
+     r"state 'exp_avg_sq' is torch.float16 codes without 'exp_avg_sq_scale_inv'"),
+    (lambda state: state["exp_avg_sq_scale_inv"].fill_(-1.0),
+     r"state 'exp_avg_sq_scale_inv' must be one finite positive value, got \[-1.0\]"),
+    (lambda state: state.__setitem__("exp_avg_scale_inv", torch.ones(2)),
+     r"state 'exp_avg_scale_inv' must be one finite positive value, got \[1.0, 1.0\]"),
+], ids=["fp8_codes_without_scale", "fp16_codes_without_scale", "negative_scale_inv", "two_scale_invs"])
+def test_o2_codes_without_a_valid_scale_are_refused(edit, message):
+    """An O2 state in its older stored form (codes beside *_scale / *_scale_inv entries) with a
+    scale entry removed or damaged: E4M3 codes without their scale failed naming
+    fp8amp.quantize_current's x, FP16 codes without theirs loaded as if the codes were the real
+    values (every second moment off by its scale), and a negative second-moment scale made every
+    later step of the param skipped (its square root is NaN), silently."""
+    model, optimizer, saved = _optimizer_case("O2", edit)
+    with pytest.raises(ValueError, match=r"param 0 of group 0: " + message):
+        optimizer.load_state_dict(saved)
+    assert not optimizer.state
