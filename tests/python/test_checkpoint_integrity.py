@@ -251,3 +251,38 @@ def test_o2_codes_without_a_valid_scale_are_refused(edit, message):
     with pytest.raises(ValueError, match=r"param 0 of group 0: " + message):
         optimizer.load_state_dict(saved)
     assert not optimizer.state
+
+
+def test_a_lightning_checkpoint_with_a_corrupt_scale_is_refused_at_resume(tmp_path):
+    """The Lightning plugin restores the scaling buffers from checkpoint["fp8amp"] itself, by copy_:
+    a NaN scale there resumed silently (and its next forward gave NaN). The plugin checks them as
+    a state dict's are."""
+    L = pytest.importorskip("lightning")
+    from fp8amp.integrations.lightning import Fp8ampPrecision
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def fit(epochs, ckpt_path=None):
+        data = torch.utils.data.TensorDataset(torch.randn(40, 32, generator=torch.Generator().manual_seed(1)))
+        trainer = L.Trainer(max_epochs=epochs, plugins=[Fp8ampPrecision("O2")], accelerator="cpu", devices=1,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False)
+        trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=10), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(1).save_checkpoint(tmp_path / "a.ckpt")
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    checkpoint["fp8amp"]["scaling"]["net.2.input_scaling.scale"].fill_(float("nan"))
+    torch.save(checkpoint, tmp_path / "corrupt.ckpt")
+    with pytest.raises(ValueError, match=r"net\.2\.input_scaling\.scale holds inf or NaN; a scale is a finite "
+                                         "positive number"):
+        fit(2, tmp_path / "corrupt.ckpt")

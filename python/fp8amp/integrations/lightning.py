@@ -223,6 +223,12 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
                 raise ValueError(f"Fp8ampPrecision: the checkpoint's {key} has shape {tuple(value.shape)}, this "
                                  f"run's {tuple(buffers[key].shape)}: resume with the recipe the checkpoint was "
                                  "saved with (its history_len)")
+        by_state: dict[str, dict] = {}  # (checked as a state dict's: copy_ would take a NaN scale)
+        for key, value in restored.items():
+            module, _, buffer = key.rpartition(".")
+            by_state.setdefault(module, {})[buffer] = value
+        for module, values in by_state.items():
+            self._module.get_submodule(module).check_saved(values, module + ".")
         with torch.no_grad():
             for key, value in restored.items():
                 buffers[key].copy_(value)
