@@ -236,7 +236,7 @@ class ScalingState(torch.nn.Module):
         # reports the buffers as missing, as torch does, unless the load runs under
         # fresh_scaling_if_missing(): then this state restarts its warm-up. A state dict that
         # carries them in its metadata instead (carry_in_metadata) gives them from there.
-        if not any(prefix + name in state_dict for name in ("amax_history", "scale", "scale_inv", "counter")):
+        if not any(prefix + name in state_dict for name in _SAVED_BUFFERS):
             carried = local_metadata.get(METADATA_KEY)
             if carried is not None:
                 self.check_saved(carried, prefix)
@@ -247,9 +247,14 @@ class ScalingState(torch.nn.Module):
             if _fresh_if_missing.get():
                 self.reset()
                 return
-        self.check_saved({name: state_dict[prefix + name] for name in self._buffers if prefix + name in state_dict},
-                         prefix)
+        saved = {name: state_dict[prefix + name] for name in self._buffers if prefix + name in state_dict}
+        self.check_saved(saved, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        if 0 < len(saved) < len(_SAVED_BUFFERS):
+            # Some of the buffers (strict=False): they need not fit the ones kept (a warmed-up
+            # counter beside scale 1); the warm-up's current scaling is right whatever they hold.
+            with torch.no_grad():
+                self.counter.zero_()
         buffers = self._buffers
         if buffers["_always_current"].is_meta and not buffers["scale"].is_meta:
             # load_state_dict(..., assign=True) into a state made on the meta device: the checkpoint
@@ -320,6 +325,9 @@ class ScalingState(torch.nn.Module):
         )
 
 
+#: The buffers a ScalingState saves in its state dict.
+_SAVED_BUFFERS = ("amax_history", "scale", "scale_inv", "counter")
+
 #: The key of a module's metadata in a state dict under which :func:`carry_in_metadata` puts a
 #: ScalingState's buffers.
 METADATA_KEY = "fp8amp_scaling"
@@ -349,7 +357,8 @@ def fresh_scaling_if_missing():
     restarts from its warm-up (:meth:`ScalingState.reset`) and is not reported in
     ``missing_keys``, so ``strict=True`` still checks every other key. Outside it such a load
     lists the scaling buffers as missing (``strict=True`` raises). A state dict holding some of a
-    state's buffers is loaded as usual either way (the absent ones are missing)."""
+    state's buffers loads them either way (the absent ones are missing), and that state restarts
+    its warm-up (its counter is set to 0)."""
     token = _fresh_if_missing.set(True)
     try:
         yield

@@ -286,3 +286,27 @@ def test_a_lightning_checkpoint_with_a_corrupt_scale_is_refused_at_resume(tmp_pa
     with pytest.raises(ValueError, match=r"net\.2\.input_scaling\.scale holds inf or NaN; a scale is a finite "
                                          "positive number"):
         fit(2, tmp_path / "corrupt.ckpt")
+
+
+@pytest.mark.parametrize("buffer", ["amax_history", "scale", "counter"])
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+def test_a_strict_false_load_of_some_of_a_states_buffers_restarts_its_warm_up(level, buffer):
+    """A state dict holding some of a state's buffers (one renamed by hand or by another version),
+    loaded with strict=False: the state mixed the checkpoint's buffers with its own (a warmed-up
+    counter beside an empty history, or beside scale 1, with which the next forward cast: E5M2
+    gradients of 1e-4 underflowed), and trained apart from either. The missing keys are reported
+    and such a state restarts its warm-up, so the run trains bit for bit as one loaded inside
+    fresh_scaling_if_missing() from the state dict without any scaling keys."""
+    state, optimizer_state = _saved(level)
+    renamed = {k[:-len(buffer)] + "old_" + buffer if k.endswith(f"scaling.{buffer}") else k: v
+               for k, v in state.items()}
+    model, optimizer = _setup(level, seed=1)
+    result = model.load_state_dict(renamed, strict=False)
+    assert sorted(result.missing_keys) == sorted(k for k in state if k.endswith(f"scaling.{buffer}"))
+    assert sorted(result.unexpected_keys) == sorted(k for k in renamed if k not in state)
+    optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+    reference, reference_optimizer = _setup(level, seed=1)
+    with fp8amp.fresh_scaling_if_missing():
+        reference.load_state_dict({k: v for k, v in state.items() if "_scaling." not in k})
+    reference_optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+    assert _train(model, optimizer, 20, 20) == _train(reference, reference_optimizer, 20, 20)
