@@ -8,7 +8,8 @@ optimizer passed into :func:`fp8amp.initialize`), or fp8amp's at another level.
 - States: moments held without a scale (float32) in a group whose ``state_dtypes`` stores them
   scaled (O2: E4M3 ``exp_avg``, FP16 ``exp_avg_sq``) are quantized into those formats with a
   power-of-two scale from their amax, the rule the optimizer's step uses, and the scale pair is
-  added. Scaled moments are kept as saved (the op takes both kinds in one call).
+  added. Scaled moments are kept as saved (the op takes both kinds in one call), but codes of
+  another format than the group's (FP16 codes of exp_avg), which go through their real values.
 - Every moment must be finite: an inf or NaN (a corrupt checkpoint) is a ``ValueError`` naming
   the param and the state, where the step would otherwise skip every step from then on. So is
   any other state no Adam saves (:func:`check_moments`): an entry missing, a step count that is
@@ -78,7 +79,7 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
     """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype), in
     place: real ones (float32, or a 16-bit param's dtype as torch keeps them) into scaled formats
     (quantized with current scaling) or float32, scaled ones into float32 (their real values,
-    exactly). Their values were checked by :func:`check_moments`. ``where`` names the param in
+    exactly) or, codes of another format, into the group's. Their values were checked by :func:`check_moments`. ``where`` names the param in
     messages."""
     for (key, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, formats):
         value = state.get(key)
@@ -92,14 +93,23 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
             if dtype == torch.float32:
                 state[key] = value.float()
             else:  # (float64 as torch's AdamW takes it: cast to float32 first)
-                codes, scale_inv, _ = quantize_current(value.float() if value.dtype == torch.float64 else value, dtype)
-                state[key] = codes
-                state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
-                state[scale_inv_key] = scale_inv
+                _quantize_into(state, (key, scale_key, scale_inv_key),
+                               value.float() if value.dtype == torch.float64 else value, dtype)
         elif dtype == torch.float32:  # an O2 moment into O1: its real values, exactly
             state[key] = dequantize(value, scale_inv, torch.float32)
             state.pop(scale_key, None)
             state.pop(scale_inv_key, None)
+        elif value.dtype != dtype:  # codes of another format (FP16 ones of exp_avg): through their real values
+            _quantize_into(state, (key, scale_key, scale_inv_key), dequantize(value, scale_inv, torch.float32), dtype)
+
+
+def _quantize_into(state: dict, keys: tuple[str, str, str], real: torch.Tensor, dtype: torch.dtype) -> None:
+    """A moment's real values into ``state`` as ``dtype`` codes with a scale from their amax."""
+    key, scale_key, scale_inv_key = keys
+    codes, scale_inv, _ = quantize_current(real, dtype)
+    state[key] = codes
+    state[scale_key] = scale_inv.reciprocal()  # exact: a power of two
+    state[scale_inv_key] = scale_inv
 
 
 def check_moments(state: dict, where: str) -> None:
@@ -124,6 +134,9 @@ def check_moments(state: dict, where: str) -> None:
             continue
         if not value.is_floating_point():
             raise ValueError(f"{where}: state {key!r} is {value.dtype}; a moment is a floating-point tensor")
+        if scale_inv is not None and value.dtype not in (*_FP8_DTYPES, torch.float16):
+            raise ValueError(f"{where}: state {key!r} is {value.dtype} beside {scale_inv_key!r}; scaled moments are "
+                             "E4M3, E5M2 or FP16 codes: load the state dict as the optimizer saved it")
         if scale_inv is None and (value.dtype in _FP8_DTYPES or (scaled and value.dtype == torch.float16)):
             raise ValueError(f"{where}: state {key!r} is {value.dtype} codes without {scale_inv_key!r}, so its real "
                              "values are unknown; load the state dict as the optimizer saved it")
@@ -131,7 +144,7 @@ def check_moments(state: dict, where: str) -> None:
         if scale_inv is not None and not (scale_inv.numel() == 1 and bool((scale_inv > 0).all())):
             raise ValueError(f"{where}: state {scale_inv_key!r} must be one finite positive value, got "
                              f"{scale_inv.flatten()[:4].tolist()}; the checkpoint is corrupt")
-        if key == "exp_avg_sq" and bool((value < 0).any()):  # one host read per state, at load time only
+        if key == "exp_avg_sq" and bool((value.float() < 0).any()):  # one host read per state, at load time only
             raise ValueError(f"{where}: state 'exp_avg_sq' holds a negative value; the checkpoint is corrupt (a "
                              "second moment is a mean of squares: its square root would make every step skipped)")
 

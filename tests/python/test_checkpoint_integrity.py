@@ -310,3 +310,52 @@ def test_a_strict_false_load_of_some_of_a_states_buffers_restarts_its_warm_up(le
         reference.load_state_dict({k: v for k, v in state.items() if "_scaling." not in k})
     reference_optimizer.load_state_dict(copy.deepcopy(optimizer_state))
     assert _train(model, optimizer, 20, 20) == _train(reference, reference_optimizer, 20, 20)
+
+
+def _requantized(key, dtype):
+    """An edit that stores param 0's O2 moment ``key`` as codes of ``dtype`` with their own scale."""
+    def edit(state):
+        real = fp8amp.ops.dequantize(state[key], state[f"{key}_scale_inv"], torch.float32)
+        codes, scale_inv, _ = fp8amp.ops.quantize_current(real, dtype)
+        state[key], state[f"{key}_scale_inv"], state[f"{key}_scale"] = codes, scale_inv, scale_inv.reciprocal()
+    return edit
+
+
+def _as_real(key, edit):
+    """``edit``, then the moment as float32 real values without scale entries (torch's form)."""
+    def real(state):
+        edit(state)
+        state[key] = fp8amp.ops.dequantize(state[key], state.pop(f"{key}_scale_inv"), torch.float32)
+        state.pop(f"{key}_scale")
+    return real
+
+
+@pytest.mark.parametrize("key, dtype", [("exp_avg", torch.float16), ("exp_avg", torch.float8_e5m2),
+                                        ("exp_avg_sq", torch.float8_e4m3fn)])
+def test_scaled_moments_in_another_format_load_as_their_real_values(key, dtype):
+    """An O2 moment stored as codes of another format than the optimizer keeps it in (FP16 or E5M2
+    codes for exp_avg, E4M3 for exp_avg_sq: another version's or tool's choice): it loaded and the
+    next step failed inside fp8amp.adam_step ("exp_avgs[0] must be float32 or float8_e4m3fn"), or
+    the load failed with torch's '"lt_cpu" not implemented for Float8_e4m3fn'. It loads as its real
+    values do, into the optimizer's formats."""
+    _, optimizer, saved = _optimizer_case("O2", _requantized(key, dtype))
+    optimizer.load_state_dict(saved)
+    _, reference_optimizer, saved = _optimizer_case("O2", _as_real(key, _requantized(key, dtype)))
+    reference_optimizer.load_state_dict(saved)
+    moments, reference = _moments(optimizer), _moments(reference_optimizer)
+    assert [(k, v.dtype) for k, v in moments] == [(k, v.dtype) for k, v in reference]
+    assert all(torch.equal(a.float(), b.float()) for (_, a), (_, b) in zip(moments, reference))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_moment_beside_a_scale_that_is_no_codes_is_refused(dtype):
+    """A float32 or bfloat16 moment beside a scale entry (codes or real values? a hand edit): it
+    loaded and the next step failed inside fp8amp.adam_step."""
+    def edit(state):
+        state["exp_avg"] = fp8amp.ops.dequantize(state["exp_avg"], state["exp_avg_scale_inv"], torch.float32).to(dtype)
+
+    _, optimizer, saved = _optimizer_case("O2", edit)
+    with pytest.raises(ValueError, match=rf"param 0 of group 0: state 'exp_avg' is {dtype} beside 'exp_avg_scale_inv'; "
+                                         "scaled moments are E4M3, E5M2 or FP16 codes"):
+        optimizer.load_state_dict(saved)
+    assert not optimizer.state
