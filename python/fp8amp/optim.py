@@ -151,12 +151,17 @@ class Adam(torch.optim.Optimizer):
 
     def _check_group(self, group: dict, k: int) -> None:
         self._check_options(group)
+        first: dict[int, int] = {}
         for i, p in enumerate(group["params"]):
             if getattr(p, "_fp8amp_replaced_by_master", False):  # kept from before initialize
                 raise ValueError(
                     f"{self._name}: param {i} of group {k} is a Linear weight that fp8amp.initialize replaced by an "
                     "FP16 master: stepping it would not train the model's layer; pass the model's parameters as "
                     "they are after initialize (model.parameters(), or the layer's)")
+            j = first.setdefault(id(p), i)
+            if j != i:  # (the fused op refused it at the first step, naming its own lists)
+                raise ValueError(f"{self._name}: param {i} of group {k} is param {j} of the same group; list each "
+                                 "param once (torch.optim warns that a duplicate will be an error)")
         for i, p in enumerate(map(_local, group["params"])):
             if isinstance(p, ScaledTensor):
                 if p.storage_format != FP16:
