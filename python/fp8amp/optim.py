@@ -72,11 +72,12 @@ except ImportError:  # a torch built without distributed: no DTensor params
 
 from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
 from .master_weight import MasterWeight
-from .optim_calls import SCALE_KEYS as _SCALES, CallLists, local as _local, nonfinite_flag, or_empty as _or_empty
+from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, nonfinite_flag,
+                          or_empty as _or_empty)
 from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
-                          one_per_shard, real_sharded_moments)
-from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
+                          load_hooks_outside, one_per_shard, real_sharded_moments, state_dict_hooks_outside)
+from .block_scaled_tensor import BlockScaledTensor
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -261,6 +262,7 @@ class Adam(torch.optim.Optimizer):
         self._count_marks = {}
         self._call_lists = {}
 
+    @state_dict_hooks_outside
     def state_dict(self) -> dict:
         """torch's ``state_dict``, with each O2 moment saved as one :class:`ScaledMoment` (its codes
         and its scale together) instead of bare codes beside ``*_scale`` / ``*_scale_inv`` entries:
@@ -273,6 +275,7 @@ class Adam(torch.optim.Optimizer):
                           for pid, state in saved["state"].items()}
         return saved
 
+    @load_hooks_outside
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping the state dtypes and values: each saved state tensor
         is taken as saved (torch casts every floating-point state to its param's dtype, which
@@ -446,7 +449,7 @@ class Adam(torch.optim.Optimizer):
         for i, q in enumerate(sharded):
             g = q.grad
             if type(g) is not torch.Tensor:  # a shard, an FP8 gradient (plain grads skip the checks)
-                g = _fused_form(_local(g))
+                g = fused_form(_local(g))
                 if isinstance(g, (ScaledTensor, BlockScaledTensor)):
                     grads.append(g.codes)
                     grad_scale_invs[i] = g.scale_inv
@@ -457,19 +460,6 @@ class Adam(torch.optim.Optimizer):
                    (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                     float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"])),
                    found_inf)
-
-
-def _fused_form(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as the fused step takes it: a block gradient (128 x 128 block scales) as itself
-    (the step reads each block's scale), unless its columns are not a multiple of 128, which the
-    step's block indexing needs (the blockwise recipe makes none such): then its float32 real values.
-    A ScaledTensor of FP16 codes (``p.grad = p.new_zeros(...)`` of a master, which is a master) as
-    its real values: the step takes FP8 codes or plain grads."""
-    if isinstance(grad, BlockScaledTensor) and grad.shape[1] % BLOCK_TILE[1]:
-        return grad.dequantize(torch.float32)
-    if isinstance(grad, ScaledTensor) and grad.codes.dtype == FP16:
-        return grad.dequantize()
-    return grad
 
 
 class AdamW(Adam):

@@ -37,12 +37,14 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
+from .block_scaled_tensor import BLOCK_TILE, BlockScaledTensor
+from .formats import FP16
 from .master_weight import MasterWeight
 from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["CallLists", "local", "or_empty", "SCALE_KEYS"]
+__all__ = ["CallLists", "fused_form", "local", "or_empty", "SCALE_KEYS"]
 
 #: The state keys of the moments' scales, in the op's order of its scale lists.
 SCALE_KEYS = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
@@ -81,6 +83,19 @@ def nonfinite_flag(grads: list[torch.Tensor], grad_scale_invs: list, device: tor
         multi_amax(ts, amax)
         amaxes.append(amax)
     return torch.cat(amaxes).isfinite().logical_not().any().reshape(1).float()
+
+
+def fused_form(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as the fused step takes it: a block gradient (128 x 128 block scales) as itself
+    (the step reads each block's scale), unless its columns are not a multiple of 128, which the
+    step's block indexing needs (the blockwise recipe makes none such): then its float32 real values.
+    A ScaledTensor of FP16 codes (``p.grad = p.new_zeros(...)`` of a master, which is a master) as
+    its real values: the step takes FP8 codes or plain grads."""
+    if isinstance(grad, BlockScaledTensor) and grad.shape[1] % BLOCK_TILE[1]:
+        return grad.dequantize(torch.float32)
+    if isinstance(grad, ScaledTensor) and grad.codes.dtype == FP16:
+        return grad.dequantize()
+    return grad
 
 
 def _kept_amax(p: torch.Tensor) -> torch.Tensor | None:

@@ -21,6 +21,9 @@ optimizer passed into :func:`fp8amp.initialize`), or fp8amp's at another level.
   same-layout load are not kept as saved; the real values are, and the next step depends on them
   alone (docs/distributed.md#checkpoints).
 
+The optimizer's state-dict hooks run outside torch's methods, on the state dict and the state as
+fp8amp's callers see them (:func:`load_hooks_outside`, :func:`state_dict_hooks_outside`).
+
 The saved forms: an O2 moment in a state dict is one :class:`ScaledMoment` (codes and scale);
 pickled, FP8 codes travel as uint8 views of their bytes (torch cannot ``pickle.loads`` a float8
 tensor), in a state dict and in a pickled optimizer (:func:`fp8_states_as_bytes`).
@@ -30,8 +33,10 @@ See docs/o1_o2.md#optimizer ("Loading a state dict").
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -45,11 +50,64 @@ from .scaled_tensor import ScaledTensor
 
 __all__ = ["check_groups", "check_moments", "complete_groups", "convert_state", "real_sharded_moments", "one_per_shard",
            "MOMENT_KEYS", "ScaledMoment", "moments_with_scales", "moments_as_codes", "fp8_states_as_bytes",
-           "fp8_states_from_bytes"]
+           "fp8_states_from_bytes", "load_hooks_outside", "state_dict_hooks_outside"]
 
 #: Each moment's state key with the keys of its scale and scale_inv (present when it is scaled).
 MOMENT_KEYS = (("exp_avg", "exp_avg_scale", "exp_avg_scale_inv"),
                ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_scale_inv"))
+
+
+def load_hooks_outside(load_state_dict):
+    """Wraps fp8amp's ``load_state_dict`` so that its hooks run outside torch's, which it wraps:
+    there pre hooks saw fp8amp's inner form (O2's bare codes beside scale entries), post hooks the
+    state before fp8amp's conversion (O2's codes as float32 values), and what either wrote was
+    overwritten by that conversion. Now pre hooks take the state dict as given and post hooks the
+    state as loaded, as in torch (whose own checks also follow its pre hooks)."""
+
+    @functools.wraps(load_state_dict)
+    def wrapper(self, state_dict):
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # (shallow, as torch's: a hook may change it in place)
+            for hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = hook(self, state_dict)
+                state_dict = state_dict if result is None else result
+        held = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+        with _hooks_held(self, held) as post:
+            load_state_dict(self, state_dict)
+        for hook in post.values():
+            hook(self)
+
+    return wrapper
+
+
+def state_dict_hooks_outside(state_dict):
+    """Wraps fp8amp's ``state_dict`` so that its post hooks take the state dict it returns (O2's
+    moments as ScaledMoments), not torch's from inside it (bare codes beside scale entries)."""
+
+    @functools.wraps(state_dict)
+    def wrapper(self):
+        with _hooks_held(self, ("_optimizer_state_dict_post_hooks",)) as post:
+            saved = state_dict(self)
+        for hook in post.values():
+            result = hook(self, saved)
+            saved = saved if result is None else result
+        return saved
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _hooks_held(optimizer, names: tuple[str, ...]):
+    """Empties the optimizer's hook dicts ``names`` while torch's method runs, yielding the last;
+    then puts the same dicts back (the hooks' handles still remove them)."""
+    held = [getattr(optimizer, name) for name in names]
+    try:
+        for name in names:
+            setattr(optimizer, name, OrderedDict())
+        yield held[-1]
+    finally:
+        for name, hooks in zip(names, held):
+            setattr(optimizer, name, hooks)
 
 
 def check_groups(saved_groups: list[dict], groups: list[dict], where: str) -> None:

@@ -32,12 +32,8 @@ def _initialized(level):
     return fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
 
 
-def _real(t):
-    """A state tensor's real values: O2's moments are codes with a scale_inv beside them."""
-    return t.dequantize() if isinstance(t, fp8amp.ScaledTensor) else t.float()
-
-
 def _moment(state, key):
+    """A live moment's real values: at O2, codes with a scale_inv beside them."""
     scale_inv = state.get(f"{key}_scale_inv")
     return state[key].float() if scale_inv is None else state[key].float() * scale_inv
 
@@ -63,3 +59,82 @@ def test_a_param_listed_twice_in_a_group_is_refused_where_the_group_is_made(how)
         assert len(optimizer.param_groups) == 1
     if how == "initialize":  # refused before the model changed
         assert type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_load_state_dict_post_hooks_see_and_keep_the_loaded_state(level):
+    """A load_state_dict post hook ran inside torch's load, before fp8amp had restored the state's
+    formats: at O2 it read exp_avg as float32 copies of the E4M3 codes (values of ~300 for moments
+    of ~1e-3), and what it wrote into the moments (a momentum reset on resume) was overwritten."""
+    model, optimizer = _initialized(level)
+    _train(model, optimizer, 2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    expected = {key: _moment(optimizer.state[model[0].weight], key) for key in ("exp_avg", "exp_avg_sq")}
+    seen = {}
+
+    def read(opt):
+        state = opt.state[model[0].weight]
+        seen.update({key: (state[key].dtype, _moment(state, key)) for key in expected})
+
+    handle = optimizer.register_load_state_dict_post_hook(read)
+    optimizer.load_state_dict(saved)
+    handle.remove()
+    for key, (dtype, value) in seen.items():
+        assert dtype == optimizer.state[model[0].weight][key].dtype
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
+
+    def reset(opt):
+        for state in opt.state.values():
+            state["exp_avg"].zero_()
+
+    optimizer.register_load_state_dict_post_hook(reset)
+    optimizer.load_state_dict(saved)
+    assert all(not state["exp_avg"].float().any() for state in optimizer.state.values())
+    _train(model, optimizer, 1)  # and it steps from there
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_load_state_dict_pre_hooks_see_the_saved_form_and_their_changes_load(level):
+    """A pre hook got fp8amp's internal form (O2: bare E4M3 codes beside scale entries) rather
+    than what state_dict() returned, and a moment it replaced by real values (float32 zeros) was
+    loaded as if it were codes, or failed inside an op."""
+    model, optimizer = _initialized(level)
+    _train(model, optimizer, 2)
+    saved = optimizer.state_dict()
+    kinds = {}
+
+    def adapt(opt, state_dict):
+        kinds.update({key: type(value) for key, value in state_dict["state"][0].items()})
+        state_dict = copy.deepcopy(state_dict)
+        for state in state_dict["state"].values():
+            state["exp_avg"] = torch.zeros(tuple(state["exp_avg"].shape))
+        state_dict["param_groups"][0]["lr"] = 1e-4
+        return state_dict
+
+    optimizer.register_load_state_dict_pre_hook(adapt)
+    optimizer.load_state_dict(saved)
+    assert kinds == {key: type(value) for key, value in saved["state"][0].items()}
+    assert optimizer.param_groups[0]["lr"] == 1e-4
+    for state in optimizer.state.values():
+        assert not state["exp_avg"].float().any()
+        assert state["exp_avg"].dtype == fp8amp.optim.STATE_DTYPES[level][0]
+    _train(model, optimizer, 1)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_state_dict_post_hooks_see_what_state_dict_returns(level):
+    """A state_dict post hook got the O2 moments as bare codes beside scale entries, which
+    fp8amp then rewrote: a hook that logs or edits the moments saw another form than the caller."""
+    model, optimizer = _initialized(level)
+    _train(model, optimizer, 2)
+    plain = optimizer.state_dict()
+    seen = {}
+
+    def post(opt, state_dict):
+        seen.update({key: type(value) for key, value in state_dict["state"][0].items()})
+        state_dict["extra"] = 1
+
+    optimizer.register_state_dict_post_hook(post)
+    hooked = optimizer.state_dict()
+    assert seen == {key: type(value) for key, value in plain["state"][0].items()}
+    assert hooked["extra"] == 1
