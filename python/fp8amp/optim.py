@@ -397,6 +397,9 @@ class Adam(torch.optim.Optimizer):
             key = tuple(map(id, params))
             lists = kept.get(key)
             if lists is None or not lists.still_for(params, states):
+                if eager:  # (states changed: a moment set by hand holds real values, as torch's would)
+                    for state in states:
+                        convert_state(state, STATE_DTYPES[group["state_dtypes"]], f"{self._name}.step")
                 lists = CallLists(params, states, self._name)
             self._call_lists[key] = lists
             self._call(group, params, lists, found_infs[params[0].device])

@@ -137,13 +137,19 @@ def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: 
     """Brings a loaded param's moments into ``formats`` (exp_avg dtype, exp_avg_sq dtype), in
     place: real ones (float32, or a 16-bit param's dtype as torch keeps them) into scaled formats
     (quantized with current scaling) or float32, scaled ones into float32 (their real values,
-    exactly) or, codes of another format, into the group's. Their values were checked by :func:`check_moments`. ``where`` names the param in
-    messages."""
+    exactly) or, codes of another format, into the group's. Their values were checked by
+    :func:`check_moments`. ``where`` names the param in messages. Also the optimizer's step's, for
+    a moment set by hand (``state["exp_avg"] = torch.zeros_like(p)``): a float32 or bfloat16 moment
+    is real values, its scale entries stale."""
     for (key, scale_key, scale_inv_key), dtype in zip(MOMENT_KEYS, formats):
         value = state.get(key)
         if value is None:
             continue
         scale_inv = state.get(scale_inv_key)
+        if scale_inv is not None and value.dtype not in _CODES:  # (check_moments refuses this in a load)
+            state.pop(scale_key, None)
+            del state[scale_inv_key]
+            scale_inv = None
         if isinstance(value, DTensor):
             _convert_sharded(state, (key, scale_key, scale_inv_key), dtype, where)
             continue
@@ -192,7 +198,7 @@ def check_moments(state: dict, where: str) -> None:
             continue
         if not value.is_floating_point():
             raise ValueError(f"{where}: state {key!r} is {value.dtype}; a moment is a floating-point tensor")
-        if scale_inv is not None and value.dtype not in (*_FP8_DTYPES, torch.float16):
+        if scale_inv is not None and value.dtype not in _CODES:
             raise ValueError(f"{where}: state {key!r} is {value.dtype} beside {scale_inv_key!r}; scaled moments are "
                              "E4M3, E5M2 or FP16 codes: load the state dict as the optimizer saved it")
         if scale_inv is None and (value.dtype in _FP8_DTYPES or (scaled and value.dtype == torch.float16)):
@@ -353,6 +359,8 @@ def moments_as_codes(state: dict) -> dict:
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: The dtypes of scaled moments' codes (O2's E4M3 exp_avg, FP16 exp_avg_sq; E5M2 loads too).
+_CODES = (*_FP8_DTYPES, torch.float16)
 
 
 def fp8_states_as_bytes(states: dict) -> defaultdict:

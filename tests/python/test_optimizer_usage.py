@@ -138,3 +138,25 @@ def test_state_dict_post_hooks_see_what_state_dict_returns(level):
     hooked = optimizer.state_dict()
     assert seen == {key: type(value) for key, value in plain["state"][0].items()}
     assert hooked["extra"] == 1
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_moments_replaced_by_hand_step_as_torch(level):
+    """A user's reset of the moments (``state["exp_avg"] = torch.zeros_like(p)``, as with
+    torch's AdamW) failed at O2 in the fused op ("fp8amp.adam_step: exp_avg_scales[0] must be
+    None: its exp_avg is float32"): the new tensor holds real values, and the state still held
+    the old moment's scales. It is now brought into the group's format at the next step."""
+    model, plain = _model(), _model()
+    optimizer = fp8amp.optim.AdamW(model.parameters(), lr=1e-2, state_dtypes=level)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for m, opt in ((model, optimizer), (plain, reference)):
+        _train(m, opt, 3)
+        for p in m.parameters():
+            opt.state[p]["exp_avg"] = torch.zeros_like(p)
+            opt.state[p]["exp_avg_sq"] = torch.full_like(p, 1e-6)
+        _train(m, opt, 3, seed=2)
+    m_dtype, v_dtype = fp8amp.optim.STATE_DTYPES[level]
+    for p, q in zip(model.parameters(), plain.parameters()):
+        state = optimizer.state[p]
+        assert (state["exp_avg"].dtype, state["exp_avg_sq"].dtype, float(state["step"])) == (m_dtype, v_dtype, 6.0)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0.02 * float(q.detach().abs().max()))
