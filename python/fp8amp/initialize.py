@@ -26,6 +26,7 @@ and their optimizer states follow the level (their m and v take the same formats
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import warnings
@@ -130,15 +131,34 @@ def initialize(
     if weight_grad == "fp32":
         _warn_16_bit_weight_grads(model)
     terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
-    for module in model.modules():
-        if isinstance(module, Fp8Linear) and isinstance(module.weight, ScaledTensor):
-            module.use_master(terms)
+    _use_masters(model, terms)
     if optimizer is None:
         return model, None
     new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level)
     retire(optimizer, "initialize", "fp8amp optimizer",
            "model, optimizer = fp8amp.initialize(model, optimizer, ...)")
     return model, new_optimizer
+
+
+def _use_masters(model: nn.Module, terms: MasterPolicy) -> None:
+    """Gives each master layer ``terms``; those an earlier initialize made keep its weight_grad (as
+    convert keeps an earlier recipe: a second call, say for a layer added later, switched their
+    weight gradients silently), and count an optimizer built by either call."""
+    kept = 0
+    for module in model.modules():
+        if not (isinstance(module, Fp8Linear) and isinstance(module.weight, ScaledTensor)):
+            continue
+        earlier = module.master
+        if earlier is None:
+            module.use_master(terms)
+            continue
+        kept += earlier.fp8_weight_grad != terms.fp8_weight_grad
+        module.use_master(replace(earlier, optimizer_built=earlier.optimizer_built or terms.optimizer_built))
+    if kept:
+        given, other = ("fp8", "fp32") if terms.fp8_weight_grad else ("fp32", "fp8")
+        warnings.warn(f"initialize: {kept} layer(s) made O1/O2 masters by an earlier fp8amp.initialize keep its "
+                      f"weight_grad={other!r}: weight_grad={given!r} applies only to the layers this call makes "
+                      "masters (fp8amp.unconvert(model) first to make them all again)", UserWarning, stacklevel=3)
 
 
 def _warn_16_bit_weight_grads(model: nn.Module) -> None:
