@@ -117,6 +117,23 @@ def test_a_second_initialize_keeps_the_weight_grad_of_the_layers_an_earlier_one_
         fp8amp.initialize(same, None, level, policy="all", weight_grad="fp32")  # the same: nothing to say
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_tying_a_master_to_an_embedding_after_initialize_names_the_order(level):
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.lm_head = nn.Embedding(64, 32), nn.Linear(32, 64, bias=False)
+
+        def forward(self, tokens):
+            return self.lm_head(self.embed(tokens))
+
+    model = LM()
+    model, _ = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), level, policy="all")
+    model.lm_head.weight = model.embed.weight
+    with pytest.raises(RuntimeError, match="tie weights before fp8amp.initialize"):
+        model(torch.randint(0, 64, (2, 8)))
+
+
 @pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
 def test_moves_and_a_saved_model_continue_training(level):
     model = _mlp()
