@@ -39,7 +39,7 @@ from .convert import ModuleFilter, check_options, conversion_report, convert, re
 from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
-from .scaling_hooks import carry_hooks, release_scaling
+from .scaling_hooks import carry_hooks, registered_optimizers, release_scaling
 from .scaled_tensor import ScaledTensor
 from .user_hooks import carry_tensor_attributes, carry_tensor_hooks
 
@@ -128,6 +128,7 @@ def initialize(
                     compiled=compiled)
     _note_level_below_crossover(model, opt_level)
     masters = _make_masters(model)
+    _warn_optimizers_holding_replaced(model, masters, optimizer)
     if weight_grad == "fp32":
         _warn_16_bit_weight_grads(model)
     terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
@@ -159,6 +160,26 @@ def _use_masters(model: nn.Module, terms: MasterPolicy) -> None:
         warnings.warn(f"initialize: {kept} layer(s) made O1/O2 masters by an earlier fp8amp.initialize keep its "
                       f"weight_grad={other!r}: weight_grad={given!r} applies only to the layers this call makes "
                       "masters (fp8amp.unconvert(model) first to make them all again)", UserWarning, stacklevel=3)
+
+
+def _warn_optimizers_holding_replaced(model: nn.Module, masters: dict,
+                                      rebuilt: Optional[torch.optim.Optimizer]) -> None:
+    """An optimizer registered for the model (an earlier initialize's) that holds weights this call
+    replaced by masters (a new layer's group added before this call) would step the old tensors, and
+    those layers would not train, silently. (``rebuilt``, the one passed in, is replaced.)"""
+    others = [opt for opt in registered_optimizers(model) if opt is not rebuilt] if masters else []
+    names = {id(p): name for name, p in model.named_parameters()} if others else {}
+    for optimizer in others:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        stale = [names[id(master)] for old, master in masters.items() if id(old) in held]
+        if stale:
+            shown = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
+            warnings.warn(f"initialize: the {type(optimizer).__name__} registered for this model holds {len(stale)} "
+                          f"Linear weight(s) that this call replaced by FP16 masters ({shown}): it would step the old "
+                          "tensors and those layers would not train. Add a new layer's parameters to an optimizer, or "
+                          "build one (fp8amp.initialize_optimizer), after fp8amp.initialize; or add the masters to "
+                          "this one: optimizer.add_param_group({'params': "
+                          f"[model.get_parameter({stale[0]!r}), ...]}}) (the old tensors get no gradient)", UserWarning, stacklevel=3)
 
 
 def _warn_16_bit_weight_grads(model: nn.Module) -> None:

@@ -158,3 +158,19 @@ def test_moves_and_a_saved_model_continue_training(level):
         assert _step(model, opt, x) == _step(copy_, copy_opt, x)
     assert all(torch.equal(_real(a), _real(b)) for a, b in zip(model.parameters(), copy_.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), copy_.buffers()))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_layer_added_to_the_optimizer_before_its_initialize_is_warned_about(level):
+    """A head appended, added to the optimizer, then made a master by initialize(model, None): the
+    optimizer held the replaced weight, and the head never trained, silently."""
+    model = _mlp()
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, policy="all")
+    model.append(nn.Linear(16, 32))
+    opt.add_param_group({"params": list(model[5].parameters())})
+    with pytest.warns(UserWarning, match=r"holds 1 Linear weight\(s\) .*\(5\.weight\).*add_param_group"):
+        fp8amp.initialize(model, None, level, policy="all")
+    opt.add_param_group({"params": [model[5].weight]})  # what the warning says
+    before = _real(model[5].weight).clone()
+    _step(model, opt, torch.randn(16, 32))
+    assert not torch.equal(_real(model[5].weight), before)
