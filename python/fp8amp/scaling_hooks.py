@@ -4,7 +4,9 @@
 - Each scaling state is updated by the hooks of one optimizer: the first registered for it that
   is still alive. A model stepped by several optimizers (say Muon for its matrices and AdamW for
   the rest) rolls each amax history once per step of that optimizer, not once per optimizer;
-  when that optimizer is gone, the next registered one takes its states over.
+  when that optimizer is gone, the next registered one takes its states over. One registered
+  later that holds all of its parameters replaces it (a new optimizer over the whole model after
+  a phase that trained the head alone) and takes its states over at once.
 - A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``)
   is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
@@ -124,7 +126,8 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     Each scaling state is updated once a step, since a second update would roll its amax history
     twice: registering a model again on the same optimizer (or a module inside one registered)
     changes nothing, and of several optimizers registered for the same states, the first one
-    registered (and still alive) updates them. A copy of ``optimizer`` (``copy.deepcopy``,
+    registered (and still alive) updates them, unless a later one holds all of its parameters
+    (it replaces that one, which may still be held but no longer steps). A copy of ``optimizer`` (``copy.deepcopy``,
     ``pickle``) registers the copy of ``model`` made with it (``copy.deepcopy((model, optimizer))``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
@@ -141,7 +144,30 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
         optimizer.__dict__["__reduce_ex__"] = functools.partial(_reduce_registered, hooks.optimizer)
     if not any(m is model for m in hooks.models):
         hooks.add(model)
+        _replace_superseded(hooks.optimizer, delayed_states(model))
     _WATCHED.pop(model, None)
+
+
+def _replace_superseded(me: weakref.ref, states: list[ScalingState]) -> None:
+    """Puts the optimizer ``me`` before each optimizer registered earlier for ``states`` all of whose
+    parameters it holds: one it replaces (a new optimizer over the whole model after a phase that
+    trained the head alone), which, still held but no longer stepped, kept the states' scales frozen.
+    Optimizers over parts of a model (Muon and AdamW, a GAN's two) keep their order."""
+    held = {id(p) for group in me().param_groups for p in group["params"]}
+    superseded: dict[int, bool] = {}
+    for state in states:
+        refs = _REGISTERED[state]
+        mine = next(i for i, r in enumerate(refs) if r is me)
+        for i, ref in enumerate(refs[:mine]):
+            other = ref()
+            if other is None:
+                continue
+            if id(other) not in superseded:
+                superseded[id(other)] = all(id(p) in held for group in other.param_groups for p in group["params"])
+            if superseded[id(other)]:
+                refs.insert(i, refs.pop(mine))
+                _ownership_changed()
+                break
 
 
 def registered_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:

@@ -174,3 +174,33 @@ def test_a_layer_added_to_the_optimizer_before_its_initialize_is_warned_about(le
     before = _real(model[5].weight).clone()
     _step(model, opt, torch.randn(16, 32))
     assert not torch.equal(_real(model[5].weight), before)
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+def test_an_optimizer_over_the_whole_model_after_a_head_only_phase_updates_the_scaling(level):
+    """Phase 1 trains the head with one optimizer, phase 2 everything with a new one while the
+    first is still held: the first, registered first, kept every scaling state, and no scale moved
+    in phase 2 (inputs 40x larger saturated at the phase-1 scale)."""
+    model = _mlp()
+    if level == "fp8":
+        fp8amp.convert(model, policy="all")
+    else:
+        fp8amp.initialize(model, None, level, policy="all")
+    phases = []
+    for params in (model[4].parameters(), model.parameters()):
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        if level == "fp8":
+            fp8amp.register_scaling_hooks(model, opt)
+        else:
+            opt = fp8amp.initialize_optimizer(model, opt, level)
+        phases.append(opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(18):  # past the warm-up (history_len 16): delayed scales
+        _step(model, phases[0], torch.randn(16, 32, generator=gen))
+    x = 40 * torch.randn(16, 32, generator=gen)
+    for _ in range(3):
+        _step(model, phases[1], x)
+    assert model[0].input_scaling.amax_history[0, 1].item() == pytest.approx(x.abs().max().item())
+    plain = fp8amp.unconvert(copy.deepcopy(model))
+    with torch.no_grad():
+        assert _rel(model[0](x), plain[0](x)) < 0.1
