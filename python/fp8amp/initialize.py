@@ -179,7 +179,8 @@ def _warn_optimizers_holding_replaced(model: nn.Module, masters: dict,
                           "tensors and those layers would not train. Add a new layer's parameters to an optimizer, or "
                           "build one (fp8amp.initialize_optimizer), after fp8amp.initialize; or add the masters to "
                           "this one: optimizer.add_param_group({'params': "
-                          f"[model.get_parameter({stale[0]!r}), ...]}}) (the old tensors get no gradient)", UserWarning, stacklevel=3)
+                          f"[model.get_parameter({stale[0]!r}), ...]}}) (the old tensors get no gradient)",
+                          UserWarning, stacklevel=3)
 
 
 def _warn_16_bit_weight_grads(model: nn.Module) -> None:

@@ -127,8 +127,9 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     twice: registering a model again on the same optimizer (or a module inside one registered)
     changes nothing, and of several optimizers registered for the same states, the first one
     registered (and still alive) updates them, unless a later one holds all of its parameters
-    (it replaces that one, which may still be held but no longer steps). A copy of ``optimizer`` (``copy.deepcopy``,
-    ``pickle``) registers the copy of ``model`` made with it (``copy.deepcopy((model, optimizer))``)."""
+    (it replaces that one, which may still be held but no longer steps). A copy of ``optimizer``
+    (``copy.deepcopy``, ``pickle``) registers the copy of ``model`` made with it
+    (``copy.deepcopy((model, optimizer))``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
