@@ -57,8 +57,9 @@ Limits: double backward (``create_graph=True``) through stored tensors raises; i
 to a saved tensor after its save are not detected (with any saved-tensor hooks), and the backward
 uses the values at save time. Entering the context sets torch's
 ``torch._functorch.config.saved_tensors_hooks_filtering_mode`` to "no_static" until it exits (a
-process-wide setting), and a graph compiled inside it is compiled anew outside it (Dynamo guards
-on the hooks).
+setting of the thread from torch 2.12, of the process before: there, contexts on several threads
+at once may restore it while one is still entered), and a graph compiled inside it is compiled
+anew outside it (Dynamo guards on the hooks).
 """
 
 from __future__ import annotations
@@ -144,7 +145,15 @@ def _is_hook_caller(module_name: str) -> bool:
 
 # ------------------------------------------------------------------------------ eager (hooks in Python)
 
-_active = threading.local()  # the contexts entered on this thread, innermost last
+_active = threading.local()  # the contexts entered on this thread and their filtering-mode patches
+
+
+def _filtering_patches() -> list:
+    """The filtering-mode patches of the contexts entered on this thread, innermost last."""
+    patches = getattr(_active, "filtering_patches", None)
+    if patches is None:
+        patches = _active.filtering_patches = []
+    return patches
 
 
 def _innermost() -> "save_activations_in_fp8 | None":
@@ -261,7 +270,6 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
         #: Whether compiled graphs store their activations too (compiled_graphs and this torch allows).
         self.in_compiled_graphs = compiled_graphs and _graph_hooks_supported()
         self._reset_counts()
-        self._config_patch = None
         if self.in_compiled_graphs:
             super().__init__(*_graph_hooks(self.fmt, min_numel))
         else:
@@ -275,14 +283,15 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self) -> "save_activations_in_fp8":
         self._reset_counts()
-        if self.in_compiled_graphs:
-            self._config_patch = torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=_FILTERING_MODE)
-            self._config_patch.__enter__()
-        super().__enter__()
+        super().__enter__()  # first: where torch refuses the hooks, nothing else has changed
         stack = getattr(_active, "stack", None)
         if stack is None:
             stack = _active.stack = []
         stack.append(self)
+        if self.in_compiled_graphs:
+            patch = torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=_FILTERING_MODE)
+            patch.__enter__()
+            _filtering_patches().append(patch)
         return self
 
     def __exit__(self, *args: object) -> None:
@@ -290,9 +299,11 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
         if stack and stack[-1] is self:
             stack.pop()
         super().__exit__(*args)
-        if self._config_patch is not None:
-            self._config_patch.__exit__(None, None, None)
-            self._config_patch = None
+        if self.in_compiled_graphs:
+            # the innermost patch of this thread, whichever context entered it: each restores the
+            # mode it found, so the mode is back where it was once the last context exits (nested,
+            # one object re-entered, exited out of order), and torch >= 2.12 keeps it per thread
+            _filtering_patches().pop().__exit__(None, None, None)
 
     def _warn_compiled(self) -> None:
         self._warned_compiled = True
