@@ -38,10 +38,11 @@ supports it (torch 2.11 does; checked at run time, see saved_activations_graph.p
 save) and backward (dequantize before the use), which Inductor fuses with the code around them.
 There the tensors arrive as graph nodes, without grad, so the same rules are applied to the
 graph instead: stored are the graph's inputs that get a gradient (each compiled block's input,
-the residual stream; parameters and buffers never reach the hook) and its intermediates, except
-statistics (the non-first outputs of multi-output ops: LayerNorm's mean and rstd, attention's
-logsumexp, but not the items of a view op such as unbind's k and v; rsqrt, reciprocal, max, min,
-log-sum-exp, var; tensors whose last dimension is 1; products of statistics and graph inputs: the
+the residual stream; parameters and buffers never reach the hook) and its intermediates computed
+from those or from parameters (the graph's requires_grad: not an attention mask or rotary angles
+made from positions and buffers), except statistics (the non-first outputs of multi-output ops:
+LayerNorm's mean and rstd, attention's logsumexp, but not the items of a view op such as unbind's
+k and v; rsqrt, reciprocal, max, min, log-sum-exp, var; tensors whose last dimension is 1; products of statistics and graph inputs: the
 tiled recipes' O1/O2 weight scales),
 outputs of exp, log, tanh, sigmoid and log_softmax, tensors the backward exponentiates (logits
 kept for a recomputed log_softmax), dtype casts of graph inputs (autocast's weight copies),

@@ -198,9 +198,28 @@ def _is_graph_activation(x: torch.Tensor, min_numel: int, state: dict) -> bool:
             return False
         return _input_gets_gradient(source, fw_graph, bw_graph)
     if (_is_statistic(node) or _is_statistic(source) or _scales_a_statistic(source)
-            or source in _graph_outputs(fw_graph, bw_graph)):
+            or source in _graph_outputs(fw_graph, bw_graph) or source not in _requires_grad(fw_graph, bw_graph)):
         return False
     return not _backward_exponentiates(node.name, bw_graph)
+
+
+def _requires_grad(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> frozenset:
+    """The forward's nodes computed from an input that gets a gradient (a parameter, an activation
+    from the code before the graph), as requires_grad tells the eager hooks; cached as
+    _graph_outputs is. The others (an attention mask or rotary angles built from positions and
+    buffers) are kept as eager keeps them: a mask's -inf would come back NaN, and a rounded angle is
+    a phase error in the cos and sin the backward recomputes from it."""
+    cached = getattr(fw_graph, "_fp8amp_requires_grad", None)
+    if cached is not None:
+        return cached
+    nodes: set[torch.fx.Node] = set()
+    for n in fw_graph.nodes:
+        if (_input_gets_gradient(n, fw_graph, bw_graph) if n.op == "placeholder"
+                else any(a in nodes for a in n.all_input_nodes)):
+            nodes.add(n)
+    result = frozenset(nodes)
+    fw_graph._fp8amp_requires_grad = result
+    return result
 
 
 def _input_gets_gradient(placeholder: torch.fx.Node, fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> bool:
