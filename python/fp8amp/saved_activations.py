@@ -42,15 +42,15 @@ the residual stream; parameters and buffers never reach the hook) and its interm
 from those or from parameters (the graph's requires_grad: not an attention mask or rotary angles
 made from positions and buffers), except statistics (the non-first outputs of multi-output ops:
 LayerNorm's mean and rstd, attention's logsumexp, but not the items of a view op such as unbind's
-k and v; rsqrt, reciprocal, max, min, log-sum-exp, var; tensors whose last dimension is 1; products of statistics and graph inputs: the
-tiled recipes' O1/O2 weight scales),
-outputs of exp, log, tanh, sigmoid and log_softmax, tensors the backward exponentiates (logits
-kept for a recomputed log_softmax), dtype casts of graph inputs (autocast's weight copies),
-tensors that share memory with the graph's outputs, and broadcasts. A tensor both paths save gets
-the codes of the eager path bit for bit, but Inductor's partitioner may save other tensors than
-eager autograd does (a LayerNorm's normalized output, a GELU intermediate, recomputing from them),
-so compiled gradients agree with eager ones within FP8 rounding, not bit for bit. Where torch lacks that machinery (or ``compiled_graphs=False``) the
-hooks are plain functions that see a compiled graph's saves at run time, its intermediates as
+k and v; rsqrt, reciprocal, max, min, log-sum-exp, var; tensors whose last dimension is 1;
+products of statistics and graph inputs: the tiled recipes' O1/O2 weight scales), outputs of exp,
+log, tanh, sigmoid and log_softmax, tensors the backward exponentiates (logits kept for a
+recomputed log_softmax), dtype casts of graph inputs (autocast's weight copies), tensors that
+share memory with the graph's outputs, and broadcasts. A tensor both paths save gets the codes of
+the eager path bit for bit, but Inductor's partitioner may save other tensors than eager autograd
+does (a LayerNorm's normalized output, a GELU intermediate, recomputing from them), so compiled
+gradients agree with eager ones within FP8 rounding, not bit for bit. Where torch lacks that
+machinery (or ``compiled_graphs=False``) the hooks are plain functions that see a compiled graph's saves at run time, its intermediates as
 tensors that do not require grad: it keeps them, stores only the graph's inputs that are
 activations, and warns once.
 

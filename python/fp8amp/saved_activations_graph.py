@@ -198,7 +198,8 @@ def _is_graph_activation(x: torch.Tensor, min_numel: int, state: dict) -> bool:
             return False
         return _input_gets_gradient(source, fw_graph, bw_graph)
     if (_is_statistic(node) or _is_statistic(source) or _scales_a_statistic(source)
-            or source in _graph_outputs(fw_graph, bw_graph) or source not in _requires_grad(fw_graph, bw_graph)):
+            or source in _graph_outputs(fw_graph, bw_graph)
+            or source not in _requires_grad(fw_graph, bw_graph)):
         return False
     return not _backward_exponentiates(node.name, bw_graph)
 
