@@ -78,6 +78,7 @@ from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
                           load_hooks_outside, one_per_shard, real_sharded_moments, state_dict_hooks_outside)
 from .block_scaled_tensor import BlockScaledTensor
+from .dequantized_view import DequantizedView
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -164,6 +165,14 @@ class Adam(torch.optim.Optimizer):
                 raise ValueError(f"{self._name}: param {i} of group {k} is param {j} of the same group; list each "
                                  "param once (torch.optim warns that a duplicate will be an error)")
         for i, p in enumerate(map(_local, group["params"])):
+            if isinstance(p, DequantizedView) and isinstance(p._viewed, MasterWeight):
+                # fully_shard along a dim other than 0: the shard is a view, stepped as a plain param
+                # while the forward gathers plain values the master check refuses.
+                dims = [place.dim for place in group["params"][i].placements if place.is_shard()]
+                raise ValueError(
+                    f"{self._name}: param {i} of group {k} is a shard of an FP16 master along dim "
+                    f"{', '.join(map(str, dims))} (fully_shard's shard_placement_fn): O1/O2 masters shard by rows "
+                    "only; return Shard(0) (or None) from shard_placement_fn for the masters")
             if isinstance(p, ScaledTensor):
                 if p.storage_format != FP16:
                     raise ValueError(
