@@ -392,8 +392,8 @@ class Fp8Linear(nn.Linear):
                 "after the model's weights are materialized, tie weights before fp8amp.initialize (a weight shared "
                 "with another module stays plain), remove a parametrization with leave_parametrized=False and copy_ "
                 "the weight it made into the master under torch.no_grad(), return Shard(0) (or None) from "
-                "shard_placement_fn for the masters (they shard by rows only), and give functional_call the model's own "
-                "parameters (named_parameters(): the masters) or call it on fp8amp.unconvert(model)")
+                "shard_placement_fn for the masters (they shard by rows only), and give functional_call the model's "
+                "own parameters (named_parameters(): the masters) or call it on fp8amp.unconvert(model)")
         if not isinstance(weight, MasterWeight) and master.optimizer_built:  # gathered by FSDP2
             raise RuntimeError(
                 "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "
