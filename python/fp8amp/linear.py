@@ -381,19 +381,18 @@ class Fp8Linear(nn.Linear):
             return
         if not isinstance(weight, (ScaledTensor, BlockScaledTensor)):
             raise RuntimeError(
-                f"Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
+                "Fp8Linear: fp8amp.initialize made this layer's weight an FP16 master (O1/O2), but the weight is "
                 f"now a {type(weight).__name__} of {weight.dtype}: something replaced the parameter (e.g. "
                 "load_state_dict(..., assign=True), module.to_empty() of a model initialized on the meta device, "
-                "torch.nn.utils.parametrize.remove_parametrizations(..., leave_parametrized=True), which swaps the "
-                "master for a plain tensor, torch.func.functional_call given a plain tensor for it, a tie after "
-                "initialize: lm_head.weight = embed.weight, or fully_shard with a shard_placement_fn that shards it "
-                "along a dim other than 0). The optimizer that initialize returned would not update "
-                "it as a master and this layer would not train; load without assign=True, call fp8amp.initialize "
-                "after the model's weights are materialized, tie weights before fp8amp.initialize (a weight shared "
-                "with another module stays plain), remove a parametrization with leave_parametrized=False and copy_ "
-                "the weight it made into the master under torch.no_grad(), return Shard(0) (or None) from "
-                "shard_placement_fn for the masters (they shard by rows only), and give functional_call the model's "
-                "own parameters (named_parameters(): the masters) or call it on fp8amp.unconvert(model)")
+                "torch.nn.utils.parametrize.remove_parametrizations(..., leave_parametrized=True), "
+                "torch.func.functional_call given a plain tensor for it, a tie after initialize: lm_head.weight = "
+                "embed.weight, or fully_shard with a shard_placement_fn that shards it along a dim other than 0). "
+                "The optimizer that initialize returned would not update it as a master and this layer would not "
+                "train; load without assign=True, call fp8amp.initialize after the model's weights are "
+                "materialized, tie weights before fp8amp.initialize, remove a parametrization with "
+                "leave_parametrized=False and copy_ the weight it made into the master under torch.no_grad(), "
+                "return Shard(0) (or None) from shard_placement_fn for the masters, and give functional_call the "
+                "model's own parameters (named_parameters(): the masters) or call it on fp8amp.unconvert(model)")
         if not isinstance(weight, MasterWeight) and master.optimizer_built:  # gathered by FSDP2
             raise RuntimeError(
                 "Fp8Linear: fully_shard (FSDP2) sharded this layer's FP16 master after fp8amp.initialize built the "

@@ -70,15 +70,15 @@ try:
 except ImportError:  # a torch built without distributed: no DTensor params
     DTensor = ()
 
-from .formats import E4M3, FP16, HIGH_PRECISION_DTYPES
+from .formats import E4M3, FP16
 from .master_weight import MasterWeight
 from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, nonfinite_flag,
                           or_empty as _or_empty)
+from .optim_params import check_params
 from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
                           load_hooks_outside, one_per_shard, real_sharded_moments, state_dict_hooks_outside)
 from .block_scaled_tensor import BlockScaledTensor
-from .dequantized_view import DequantizedView
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
@@ -153,37 +153,7 @@ class Adam(torch.optim.Optimizer):
 
     def _check_group(self, group: dict, k: int) -> None:
         self._check_options(group)
-        first: dict[int, int] = {}
-        for i, p in enumerate(group["params"]):
-            if getattr(p, "_fp8amp_replaced_by_master", False):  # kept from before initialize
-                raise ValueError(
-                    f"{self._name}: param {i} of group {k} is a Linear weight that fp8amp.initialize replaced by an "
-                    "FP16 master: stepping it would not train the model's layer; pass the model's parameters as "
-                    "they are after initialize (model.parameters(), or the layer's)")
-            j = first.setdefault(id(p), i)
-            if j != i:  # (the fused op refused it at the first step, naming its own lists)
-                raise ValueError(f"{self._name}: param {i} of group {k} is param {j} of the same group; list each "
-                                 "param once (torch.optim warns that a duplicate will be an error)")
-        for i, p in enumerate(map(_local, group["params"])):
-            if isinstance(p, DequantizedView) and isinstance(p._viewed, MasterWeight):
-                # fully_shard along a dim other than 0: the shard is a view, stepped as a plain param
-                # while the forward gathers plain values the master check refuses.
-                dims = [place.dim for place in group["params"][i].placements if place.is_shard()]
-                raise ValueError(
-                    f"{self._name}: param {i} of group {k} is a shard of an FP16 master along dim "
-                    f"{', '.join(map(str, dims))} (fully_shard's shard_placement_fn): O1/O2 masters shard by rows "
-                    "only; return Shard(0) (or None) from shard_placement_fn for the masters")
-            if isinstance(p, ScaledTensor):
-                if p.storage_format != FP16:
-                    raise ValueError(
-                        f"{self._name}: a ScaledTensor param must hold float16 codes (the O1/O2 master); "
-                        f"param {i} of group {k} holds {p.storage_format}")
-                if isinstance(p, MasterWeight):
-                    p.kept_amax()  # made now: a step Dynamo traces can use but not make it
-            elif p.dtype not in HIGH_PRECISION_DTYPES:  # (bfloat16/float16 ones step in float32)
-                raise ValueError(
-                    f"{self._name}: params must be float32, bfloat16 or float16 tensors or FP16 ScaledTensors (the "
-                    f"master weights); param {i} of group {k} is {p.dtype}")
+        check_params(self._name, group["params"], k)
 
     def _check_options(self, group: dict) -> None:
         for flag in ("amsgrad", "differentiable"):
