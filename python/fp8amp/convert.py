@@ -197,8 +197,8 @@ def _filter_accepts(module_filter_fn: ModuleFilter, linear: nn.Module, fqn: str)
     try:
         return bool(answer)
     except (TypeError, ValueError, RuntimeError):  # a tensor or array of several values
-        raise TypeError(f"module_filter_fn (of fp8amp.convert / fp8amp.initialize) must return a bool; for {fqn!r} it returned "
-                        f"{type(answer).__name__} {answer!r}, which has no truth value") from None
+        raise TypeError(f"module_filter_fn (of fp8amp.convert / fp8amp.initialize) must return a bool; for {fqn!r} "
+                        f"it returned {type(answer).__name__} {answer!r}, which has no truth value") from None
 
 
 def convert(
@@ -326,7 +326,8 @@ def convert(
             decisions[id(linear)] = _decision(fqn, linear, False, why)
         elif (why := recipe.unsupported_reason(linear.in_features, linear.out_features, linear.weight.dtype)) is not None:
             decisions[id(linear)] = _decision(fqn, linear, False, why)
-        elif module_filter_fn is not None and not _filter_accepts(module_filter_fn, getattr(linear, "conv", linear), fqn):
+        elif (module_filter_fn is not None
+              and not _filter_accepts(module_filter_fn, getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")
         elif policy == "all":
             decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'" + _recipe_note(recipe))

@@ -173,12 +173,11 @@ def _warn_optimizers_holding_replaced(model: nn.Module, masters: dict,
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         stale = [names[id(master)] for old, master in masters.items() if id(old) in held]
         if stale:
-            shown = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
             warnings.warn(f"initialize: the {type(optimizer).__name__} registered for this model holds {len(stale)} "
-                          f"Linear weight(s) that this call replaced by FP16 masters ({shown}): it would step the old "
-                          "tensors and those layers would not train. Add a new layer's parameters to an optimizer, or "
-                          "build one (fp8amp.initialize_optimizer), after fp8amp.initialize; or add the masters to "
-                          "this one: optimizer.add_param_group({'params': "
+                          f"Linear weight(s) that this call replaced by FP16 masters ({_first_names(stale)}): it "
+                          "would step the old tensors and those layers would not train. Add a new layer's parameters "
+                          "to an optimizer, or build one (fp8amp.initialize_optimizer), after fp8amp.initialize; or "
+                          "add the masters to this one: optimizer.add_param_group({'params': "
                           f"[model.get_parameter({stale[0]!r}), ...]}}) (the old tensors get no gradient)",
                           UserWarning, stacklevel=3)
 
@@ -191,11 +190,15 @@ def _warn_16_bit_weight_grads(model: nn.Module) -> None:
         if isinstance(p, MasterWeight) and p.dtype != torch.float32:
             low.setdefault(p.dtype, []).append(name)
     for dtype, names in low.items():
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         warnings.warn(f"initialize: weight_grad='fp32' keeps plain weight gradients, in their weight's dtype, and "
-                      f"{len(names)} Linear weights are {dtype} ({shown}): their gradients are {dtype}, not float32 "
-                      "(autograd gives a gradient its parameter's dtype). For float32 gradients keep the model in "
-                      "float32 (torch.autocast chooses the compute dtype)", UserWarning, stacklevel=3)
+                      f"{len(names)} Linear weights are {dtype} ({_first_names(names)}): their gradients are "
+                      f"{dtype}, not float32 (autograd gives a gradient its parameter's dtype). For float32 gradients "
+                      "keep the model in float32 (torch.autocast chooses the compute dtype)", UserWarning, stacklevel=3)
+
+
+def _first_names(names: list[str]) -> str:
+    """The first three names of a warning's list, "..." after them if there are more."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _note_level_below_crossover(model: nn.Module, opt_level: str) -> None:
