@@ -50,9 +50,9 @@ share memory with the graph's outputs, and broadcasts. A tensor both paths save 
 the eager path bit for bit, but Inductor's partitioner may save other tensors than eager autograd
 does (a LayerNorm's normalized output, a GELU intermediate, recomputing from them), so compiled
 gradients agree with eager ones within FP8 rounding, not bit for bit. Where torch lacks that
-machinery (or ``compiled_graphs=False``) the hooks are plain functions that see a compiled graph's saves at run time, its intermediates as
-tensors that do not require grad: it keeps them, stores only the graph's inputs that are
-activations, and warns once.
+machinery (or ``compiled_graphs=False``) the hooks are plain functions that see a compiled graph's
+saves at run time, its intermediates as tensors that do not require grad: it keeps them, stores
+only the graph's inputs that are activations, and warns once.
 
 Limits: double backward (``create_graph=True``) through stored tensors raises; in-place changes
 to a saved tensor after its save are not detected (with any saved-tensor hooks), and the backward
@@ -149,12 +149,14 @@ def _is_hook_caller(module_name: str) -> bool:
 _active = threading.local()  # the contexts entered on this thread and their filtering-mode patches
 
 
-def _filtering_patches() -> list:
-    """The filtering-mode patches of the contexts entered on this thread, innermost last."""
-    patches = getattr(_active, "filtering_patches", None)
-    if patches is None:
-        patches = _active.filtering_patches = []
-    return patches
+def _thread_list(name: str) -> list:
+    """This thread's list ``name`` of ``_active`` (``stack``: the contexts entered, innermost last;
+    ``filtering_patches``: their filtering-mode patches, innermost last), made on first use."""
+    items = getattr(_active, name, None)
+    if items is None:
+        items = []
+        setattr(_active, name, items)
+    return items
 
 
 def _innermost() -> "save_activations_in_fp8 | None":
@@ -285,14 +287,11 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
     def __enter__(self) -> "save_activations_in_fp8":
         self._reset_counts()
         super().__enter__()  # first: where torch refuses the hooks, nothing else has changed
-        stack = getattr(_active, "stack", None)
-        if stack is None:
-            stack = _active.stack = []
-        stack.append(self)
+        _thread_list("stack").append(self)
         if self.in_compiled_graphs:
             patch = torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=_FILTERING_MODE)
             patch.__enter__()
-            _filtering_patches().append(patch)
+            _thread_list("filtering_patches").append(patch)
         return self
 
     def __exit__(self, *args: object) -> None:
@@ -304,7 +303,7 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
             # the innermost patch of this thread, whichever context entered it: each restores the
             # mode it found, so the mode is back where it was once the last context exits (nested,
             # one object re-entered, exited out of order), and torch >= 2.12 keeps it per thread
-            _filtering_patches().pop().__exit__(None, None, None)
+            _thread_list("filtering_patches").pop().__exit__(None, None, None)
 
     def _warn_compiled(self) -> None:
         self._warned_compiled = True
