@@ -103,20 +103,36 @@ FP8AMP_HD AdamBoundConstants adam_bound_constants(const AdamConstants& c) {
   return b;
 }
 
-// w, the bound on |q| (Lemma 0). Approx: sqrt(x) and rcp(x) with the properties assumed above (on
-// the device, the ftz approximate instructions; in the CPU test, an adversarial emulation of them).
+// t of one element (above). Approx: sqrt(x) and rcp(x) with the properties assumed above (on the
+// device, the ftz approximate instructions; in the CPU test, an adversarial emulation of them).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Approx>
+FP8AMP_HD float update_ratio(const AdamMoments& mo, const AdamConstants& c, const Approx& approx) {
+  // One unsigned min: every negative v' (sign bit set) becomes the NaN 0x7FC00000.
+  const uint32_t v_bits = numerics::float_bits(mo.exp_avg_sq);
+  const float z = numerics::bits_float(v_bits < 0x7FC00000u ? v_bits : 0x7FC00000u);
+  const float den = rn::fma(approx.sqrt(z), c.inv_bc2_sqrt, c.eps);
+  return rn::mul(mo.step, approx.rcp(den));
+}
+
+// w from |t|. Monotonic in |t| (an fma with R >= 1), so that for a group of elements the w of their
+// largest |t| (max_nan: NaN if any is NaN) serves as their largest w, W below: it is at least every
+// element's w when R is finite; when R = +inf it is +inf or NaN, like every w, and makes the
+// group's upper bound non-finite and its lower bound NaN or -inf, which the skip rule treats alike.
+FP8AMP_HD float ratio_bound(float t_magnitude, const AdamBoundConstants& b) {
+  return rn::fma(t_magnitude, b.rel, 0x1p-149f);
+}
+
+// w, the bound on |q| (Lemma 0).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <class Approx>
 FP8AMP_HD float update_bound(const AdamMoments& mo, const AdamConstants& c, const AdamBoundConstants& b,
                              const Approx& approx) {
-  // One unsigned min: every negative v' (sign bit set) becomes the NaN 0x7FC00000.
-  const uint32_t v_bits = numerics::float_bits(mo.exp_avg_sq);
-  const float z = numerics::bits_float(v_bits < 0x7FC00000u ? v_bits : 0x7FC00000u);
-  const float den = rn::fma(approx.sqrt(z), c.inv_bc2_sqrt, c.eps);
-  const float t = rn::mul(mo.step, approx.rcp(den));
-  return rn::fma(fabsf(t), b.rel, 0x1p-149f);
+  return ratio_bound(fabsf(update_ratio(mo, c, approx)), b);
 }
 
 // lower <= |p'| <= upper under the conditions of Lemmas 1 and 2.
@@ -125,9 +141,10 @@ struct ParamBounds {
 };
 
 // The bounds of one element from |p_d| and w; or of a group of elements from P, the largest of
-// their |p_d|, and W, the largest of their w (both NaN if any is NaN): every upper bound in the
-// group is at most rn(P + W), and rn(P - W) is at most the lower bound of the element with |p_d| =
-// P (its w <= W), so that Lemmas 1 and 2 hold for the group's pair too.
+// their |p_d|, and W, the largest of their w or ratio_bound of their largest |t| (both NaN if any
+// is NaN): every upper bound in the group is at most rn(P + W), and rn(P - W) is at most the lower
+// bound of the element with |p_d| = P (its w <= W), so that Lemmas 1 and 2 hold for the group's
+// pair too.
 FP8AMP_HD ParamBounds param_bounds(float p_magnitude, float w) {
   return {rn::sub(p_magnitude, w), rn::add(p_magnitude, w)};
 }

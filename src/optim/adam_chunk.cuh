@@ -176,10 +176,17 @@ struct Chunk {
 
   // The dequantized inputs of the pack's valid elements (g negated for maximize), and 0.0f after
   // them (whatever the scales), so that the amax pass can fold a whole pack into the g, m', v'
-  // maxima: zero inputs give g = m' = v' = 0.
+  // maxima: zero inputs give g = m' = v' = 0. Without kParam the params are 0 (pass 1 with a kept
+  // amax, which does not read them).
+  template <bool kParam = true>
   __device__ void decode(const Pack& w, float (&g)[N], float (&p)[N], float (&m)[N], float (&v)[N]) const {
     decode_array<G>(w.g, kIsFp8<G> || g_si < 0.0f, kBlocks ? w.g_si : g_si, g);
-    decode_array<P>(w.p, !std::is_same_v<P, float>, p_si, p);
+    if constexpr (kParam) {
+      decode_array<P>(w.p, !std::is_same_v<P, float>, p_si, p);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) p[k] = 0.0f;
+    }
     decode_array<M>(w.m, !std::is_same_v<M, float>, m_si, m);
     decode_array<V>(w.v, !std::is_same_v<V, float>, v_si, v);
     if (w.valid < N) {

@@ -99,48 +99,59 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   constexpr int kColumns = kAdamAmaxNewParam;  // the columns pass 1 folds (pass 2 the last one)
   float amax[kColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'| (or its bound)
   float lower = 0.0f;                 // the largest lower bound of |p'| this lane has seen
-  for (int u = 0; u < kPacks; ++u, pack = next) {
-    // The warp goes through its packs together: the warp-wide votes below need every lane.
-    const int warp_i = u * kThreads * N + warp_first;
-    if (warp_i >= chunk.length) break;
-    if (u + 1 < kPacks && warp_i + kThreads * N < chunk.length) chunk.fetch(warp_i + (kThreads + lane) * N, next);
-    const int valid = pack.valid;
-    float g[N], p[N], m[N], v[N];
-    chunk.decode(pack, g, p, m, v);
+  // The loop, compiled twice: with a kept amax (kKept) every |p_d| is A_d, so that the master is
+  // neither decoded nor folded, and the exact path folds scale_grid_top of the bound moments' p'.
+  const auto fold_packs = [&](auto kept_known) {
+    constexpr bool kKept = decltype(kept_known)::value;
+    for (int u = 0; u < kPacks; ++u, pack = next) {
+      // The warp goes through its packs together: the warp-wide votes below need every lane.
+      const int warp_i = u * kThreads * N + warp_first;
+      if (warp_i >= chunk.length) break;
+      if (u + 1 < kPacks && warp_i + kThreads * N < chunk.length) chunk.fetch(warp_i + (kThreads + lane) * N, next);
+      const int valid = pack.valid;
+      float g[N], p[N], m[N], v[N];
+      chunk.template decode<!kKept>(pack, g, p, m, v);
 
-    AdamMoments mo[N];
-    float p_max = 0.0f, w_max = 0.0f;  // the pack's largest |p_d| and w, NaN if any is NaN
-    with_known_lerp(c, [&](const AdamConstants& ck) {
+      AdamMoments mo[N];
+      // The pack's largest |p_d| and |t| (adam_bound.h), NaN if any is NaN.
+      float p_max = kKept ? kept : 0.0f, t_max = 0.0f;
+      with_known_lerp(c, [&](const AdamConstants& ck) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        mo[k] = adam_moments(p[k], g[k], m[k], v[k], ck);
-        if (kept >= 0.0f) mo[k] = bound_moments(mo[k], kept);
-        // Elements past the end (zeros) add 0 to these four and a w of 2^-149, or NaN when eps is
-        // 0 (0/0), which sends the pack to the exact path below; they are never evaluated there.
-        amax[kAdamAmaxGrad] = fold_magnitude(amax[kAdamAmaxGrad], g[k]);
-        amax[kAdamAmaxExpAvg] = fold_magnitude(amax[kAdamAmaxExpAvg], mo[k].exp_avg);
-        amax[kAdamAmaxExpAvgSq] = fold_magnitude(amax[kAdamAmaxExpAvgSq], mo[k].exp_avg_sq);
-        p_max = fold_magnitude(p_max, mo[k].param);
-        w_max = max_nan(w_max, update_bound(mo[k], c, bound, HardwareApprox{}));
-      }
-    });
-    const ParamBounds pack_bounds = param_bounds(p_max, w_max);
-    lower = fmaxf(lower, pack_bounds.lower);
-    // T as bits: non-negative floats order like signed ints; the NaN key + 1 is INT_MIN.
-    const int32_t mine = max(static_cast<int32_t>(numerics::float_bits(lower)),
-                             static_cast<int32_t>(canonical_key(amax[kAdamAmaxParam]) + 1u));
-    const float threshold =
-        numerics::bits_float(static_cast<uint32_t>(max(known, __reduce_max_sync(0xFFFFFFFFu, mine))));
-    if (__any_sync(0xFFFFFFFFu, !(pack_bounds.upper < threshold))) {  // rare: adam_bound.h, "The skip rule"
+        for (int k = 0; k < N; ++k) {
+          mo[k] = adam_moments(p[k], g[k], m[k], v[k], ck);
+          // Elements past the end (zeros) add 0 to these four and a t of 0, or NaN when eps is 0
+          // (0/0), which sends the pack to the exact path below; they are never evaluated there.
+          amax[kAdamAmaxGrad] = fold_magnitude(amax[kAdamAmaxGrad], g[k]);
+          amax[kAdamAmaxExpAvg] = fold_magnitude(amax[kAdamAmaxExpAvg], mo[k].exp_avg);
+          amax[kAdamAmaxExpAvgSq] = fold_magnitude(amax[kAdamAmaxExpAvgSq], mo[k].exp_avg_sq);
+          if constexpr (!kKept) p_max = fold_magnitude(p_max, mo[k].param);
+          t_max = fold_magnitude(t_max, update_ratio(mo[k], c, HardwareApprox{}));
+        }
+      });
+      const ParamBounds pack_bounds = param_bounds(p_max, ratio_bound(t_max, bound));
+      lower = fmaxf(lower, pack_bounds.lower);
+      // T as bits: non-negative floats order like signed ints; the NaN key + 1 is INT_MIN.
+      const int32_t mine = max(static_cast<int32_t>(numerics::float_bits(lower)),
+                               static_cast<int32_t>(canonical_key(amax[kAdamAmaxParam]) + 1u));
+      const float threshold =
+          numerics::bits_float(static_cast<uint32_t>(max(known, __reduce_max_sync(0xFFFFFFFFu, mine))));
+      if (__any_sync(0xFFFFFFFFu, !(pack_bounds.upper < threshold))) {  // rare: adam_bound.h, "The skip rule"
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const float w = update_bound(mo[k], c, bound, HardwareApprox{});
-        if (k < valid && !(param_bounds(fabsf(mo[k].param), w).upper < threshold)) {
-          const float param = adam_param(mo[k], c);
-          amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], kept >= 0.0f ? scale_grid_top(param) : param);
+        for (int k = 0; k < N; ++k) {
+          if constexpr (kKept) mo[k] = bound_moments(mo[k], kept);
+          const float w = update_bound(mo[k], c, bound, HardwareApprox{});
+          if (k < valid && !(param_bounds(fabsf(mo[k].param), w).upper < threshold)) {
+            const float param = adam_param(mo[k], c);
+            amax[kAdamAmaxParam] = fold_magnitude(amax[kAdamAmaxParam], kKept ? scale_grid_top(param) : param);
+          }
         }
       }
     }
+  };
+  if (kept >= 0.0f) {
+    fold_packs(std::true_type{});
+  } else {
+    fold_packs(std::false_type{});
   }
 
   // Block max of the four keys, then one atomic max per column (the row was zeroed by this call

@@ -214,11 +214,11 @@ TEST(AdamBound, CornersOfTheProof) {
 // ------------------------------------------------------------------------------------------------
 // The skip rule over whole tensors, as the kernel applies it: packs of 8 elements for each of 32
 // lanes, elements past the end being zeros; a pack's bounds are param_bounds of its largest |p_d|
-// and w; per pack the threshold is the largest of the warp's pack lower bounds so far, nextup of
-// each lane's exact maximum so far and nextup of a "known" value (an exact |p'| of an element
-// evaluated elsewhere, as the amax row holds). When some lane's pack upper bound is not below it,
-// the elements whose own upper bound is not below it are evaluated. The maximum key found must
-// equal the reference's.
+// and ratio_bound of its largest |t|; per pack the threshold is the largest of the warp's pack
+// lower bounds so far, nextup of each lane's exact maximum so far and nextup of a "known" value (an
+// exact |p'| of an element evaluated elsewhere, as the amax row holds). When some lane's pack upper
+// bound is not below it, the elements whose own upper bound is not below it are evaluated. The
+// maximum key found must equal the reference's.
 
 uint32_t skip_rule_max(const std::vector<AdamMoments>& mo, const AdamConstants& c, const AdamBoundConstants& b,
                        const EmulatedApprox& approx, uint32_t known, int64_t* evaluated) {
@@ -233,14 +233,14 @@ uint32_t skip_rule_max(const std::vector<AdamMoments>& mo, const AdamConstants& 
       int32_t t = nextup(known);
       std::vector<float> lane_upper(kLanes);
       for (int lane = 0; lane < kLanes; ++lane) {
-        float p_max = 0.0f, w_max = 0.0f;
+        float p_max = 0.0f, t_max = 0.0f;
         for (int k = 0; k < kPack; ++k) {
           const size_t j = pack + lane * kPack + k;
           const AdamMoments& x = j < mo.size() ? mo[j] : zero;
           p_max = max_nan(p_max, std::fabs(x.param));
-          w_max = max_nan(w_max, update_bound(x, c, b, approx));
+          t_max = max_nan(t_max, std::fabs(update_ratio(x, c, approx)));
         }
-        const ParamBounds bounds = param_bounds(p_max, w_max);
+        const ParamBounds bounds = param_bounds(p_max, ratio_bound(t_max, b));
         lane_lower[lane] = fmaxf(lane_lower[lane], bounds.lower);
         lane_upper[lane] = bounds.upper;
         t = std::max({t, static_cast<int32_t>(float_bits(lane_lower[lane])), nextup(lane_max[lane])});
