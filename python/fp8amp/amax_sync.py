@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from .formats import type_name
 from .linear import Fp8Linear
 from .scaling import ScalingState
 
@@ -57,7 +58,7 @@ def set_amax_reduction(model: nn.Module, process_group: Optional[dist.ProcessGro
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(enabled, bool):
-        raise TypeError(f"{where}: enabled must be a bool, got {type(enabled).__name__}")
+        raise TypeError(f"{where}: enabled must be a bool, got {type_name(enabled)}")
     if process_group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(f"{where}: this rank ({dist.get_rank()}) is not a member of process_group (dist.new_group "
                          "returned GroupMember.NON_GROUP_MEMBER): pass the data-parallel group this rank belongs to")
@@ -220,7 +221,7 @@ def start_amax_reduction(states: Iterable[ScalingState], *, step_bound: bool = F
     collectives issued. A TypeError refuses ``states`` that are not ScalingStates."""
     if not isinstance(step_bound, bool):
         raise TypeError(f"fp8amp.amax_sync.start_amax_reduction: step_bound must be a bool, got "
-                        f"{type(step_bound).__name__}")
+                        f"{type_name(step_bound)}")
     return _start_amax_reduction(_checked(states, "start_amax_reduction"), step_bound)
 
 

@@ -24,6 +24,13 @@ SCALED_FORMATS: dict[torch.dtype, float] = {E4M3: E4M3_MAX, E5M2: E5M2_MAX, FP16
 HIGH_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def type_name(value: object) -> str:
+    """The name of ``value``'s type for error messages, qualified outside the builtins: numpy's
+    bool is also named "bool", and "must be a bool, got bool" would say nothing."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
 def check_dtype(dtype: object, accepted, arg: str, where: str) -> torch.dtype:
     """Returns ``dtype`` if it is one of ``accepted``.
 

@@ -72,7 +72,7 @@ import warnings
 
 import torch
 
-from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, check_dtype
+from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, check_dtype, type_name
 from .saved_activations_graph import (
     _DEVICES,
     _FILTERING_MODE,
@@ -269,7 +269,7 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"{_WHERE}: min_numel must be a positive int (1 or more), got {min_numel}")
         self.min_numel = min_numel
         if not isinstance(compiled_graphs, bool):
-            raise TypeError(f"{_WHERE}: compiled_graphs must be a bool, got {type(compiled_graphs).__name__}")
+            raise TypeError(f"{_WHERE}: compiled_graphs must be a bool, got {type_name(compiled_graphs)}")
         #: Whether compiled graphs store their activations too (compiled_graphs and this torch allows).
         self.in_compiled_graphs = compiled_graphs and _graph_hooks_supported()
         self._reset_counts()

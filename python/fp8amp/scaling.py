@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .formats import E4M3, SCALED_FORMATS, check_dtype
+from .formats import E4M3, SCALED_FORMATS, check_dtype, type_name
 from .ops import fast
 from .ops._args import _input
 
@@ -51,20 +51,14 @@ class ScalingRecipe:
         for name in ("history_len", "margin"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"ScalingRecipe: {name} must be a Python int (int(x) converts), got {_type_name(value)}")
+                raise TypeError(f"ScalingRecipe: {name} must be a Python int (int(x) converts), got {type_name(value)}")
         if self.history_len < 1:
             raise ValueError(f"ScalingRecipe: history_len must be >= 1, got {self.history_len}")
         if not 0 <= self.margin <= _MAX_MARGIN:
             raise ValueError(f"ScalingRecipe: margin must be in [0, {_MAX_MARGIN}], got {self.margin}")
         if not isinstance(self.pow2_scale, bool):
             raise TypeError(f"ScalingRecipe: pow2_scale must be a Python bool (True or False), got "
-                            f"{_type_name(self.pow2_scale)}")
-
-
-def _type_name(value) -> str:
-    """The type's name, qualified outside the builtins: numpy's bool is also named "bool"."""
-    kind = type(value)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+                            f"{type_name(self.pow2_scale)}")
 
 
 class ScalingState(torch.nn.Module):

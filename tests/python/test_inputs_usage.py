@@ -229,3 +229,15 @@ def test_a_nested_tensor_is_refused_naming_what_works(level, layout):
     if layout == torch.jagged:
         y = torch.nested.nested_tensor_from_jagged(model(x.values()), x.offsets())
         assert rel(y.values(), nn.functional.linear(x.values(), real(model.weight), model.bias)) < 0.1
+
+
+def test_numpy_bool_flags_are_refused_naming_numpys_type():
+    # The messages said "must be a bool, got bool": numpy's bool is named "bool" too.
+    import numpy as np
+
+    model = fp8amp.convert(nn.Sequential(nn.Linear(32, 32)))
+    with pytest.raises(TypeError, match=r"enabled must be a bool, got numpy\.bool"):
+        fp8amp.amax_sync.set_amax_reduction(model, enabled=np.bool_(True))
+    with pytest.raises(TypeError, match=r"compiled_graphs must be a bool, got numpy\.bool"):
+        with fp8amp.save_activations_in_fp8(compiled_graphs=np.bool_(True)):
+            pass
