@@ -6,7 +6,9 @@
   the rest) rolls each amax history once per step of that optimizer, not once per optimizer;
   when that optimizer is gone, the next registered one takes its states over. One registered
   later that holds all of its parameters replaces it (a new optimizer over the whole model after
-  a phase that trained the head alone) and takes its states over at once.
+  a phase that trained the head alone) and takes its states over at once; any other takes them
+  over when that optimizer has not stepped between two of its steps (kept but no longer stepped;
+  an optimizer per parameter stepped in backward whose parameter got no gradient).
 - A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``)
   is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
@@ -57,6 +59,9 @@ class _StepHooks:
         self.found: list[ScalingState] | None = None  # the pre-hook's states, for the post-hook
         self.walked: list[ScalingState] | None = None  # the models' states at the last sorting ...
         self.owned: list[ScalingState] = []  # ... and those of them this optimizer updates
+        self.owners: list[weakref.ref] = []  # the optimizers that update the others
+        self.owner_steps: dict[int, int] = {}  # their step counts at this one's previous step, by id
+        self.steps = 0  # eager steps taken, which the optimizers registered after it read
         self.generation = -1
 
     def add(self, model: nn.Module) -> None:
@@ -87,14 +92,38 @@ class _StepHooks:
                   else list({id(s): s for m in models for s in delayed_states(m)}.values()))
         if walked != self.walked or self.generation != _generation:
             self.claim(walked)  # states that appeared since the registration (layers converted later)
-            owned = []
+            owned, owners = [], {}
             for state in walked:
                 refs = _REGISTERED[state]
                 refs[:] = [r for r in refs if r() is not None]
                 if refs[0] is self.optimizer:
                     owned.append(state)
-            self.walked, self.owned, self.generation = walked, owned, _generation
+                else:
+                    owners[id(refs[0])] = refs[0]
+            self.walked, self.owned, self.owners, self.generation = walked, owned, list(owners.values()), _generation
         return self.owned
+
+    def take_over_idle(self) -> bool:
+        """Takes over the states of each optimizer that updates them and has not stepped since this
+        one's previous step: one kept but no longer stepped, or one stepped in backward (torchtune's
+        optimizer per parameter) whose parameter got no gradient (unused, frozen), which left every
+        history unrolled, silently. Returns whether it took any."""
+        counts = {}
+        for ref in self.owners:
+            hooks = getattr(ref(), "__dict__", {}).get("_fp8amp_step_hooks")
+            if hooks is not None:
+                counts[id(ref)] = hooks.steps
+        idle = {key for key, steps in counts.items() if self.owner_steps.get(key) == steps}
+        self.owner_steps = counts
+        if not idle:
+            return False
+        for state in self.walked:
+            refs = _REGISTERED[state]
+            if id(refs[0]) in idle:
+                refs.remove(self.optimizer)
+                refs.insert(0, self.optimizer)
+        _ownership_changed()
+        return True
 
     def start(self, _, args, kwargs) -> None:  # a pre-hook returns None (or new arguments for step)
         states = self.found = self.states()
@@ -106,6 +135,10 @@ class _StepHooks:
 
     def finish(self, *_) -> None:  # not run when the step raises: its reduction is then discarded
         states, self.found = self.found, None
+        if not torch.compiler.is_compiling():
+            self.steps += 1
+            if self.owners and self.take_over_idle():
+                states = None
         states = self.states() if states is None else states
         if states:
             _end_step(states)
@@ -127,7 +160,8 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     twice: registering a model again on the same optimizer (or a module inside one registered)
     changes nothing, and of several optimizers registered for the same states, the first one
     registered (and still alive) updates them, unless a later one holds all of its parameters
-    (it replaces that one, which may still be held but no longer steps). A copy of ``optimizer``
+    (it replaces that one, which may still be held but no longer steps), or steps twice while
+    that one does not (it takes the states over). A copy of ``optimizer``
     (``copy.deepcopy``, ``pickle``) registers the copy of ``model`` made with it
     (``copy.deepcopy((model, optimizer))``)."""
     if not isinstance(model, nn.Module):
