@@ -176,9 +176,9 @@ class Adam(torch.optim.Optimizer):
             if not value >= 0.0:
                 raise ValueError(f"{self._name}: invalid {key}: {value} (must be >= 0)")
         betas = group["betas"]
-        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
-            raise ValueError(f"{self._name}: betas must be two Python floats, got {betas!r}")
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2  # (numpy scalars too, as for lr)
+                or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas)):
+            raise ValueError(f"{self._name}: betas must be two real numbers (Python or numpy floats), got {betas!r}")
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"{self._name}: invalid betas[{i}]: {b} (must be in [0, 1))")

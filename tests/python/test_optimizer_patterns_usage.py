@@ -147,3 +147,23 @@ def test_a_head_only_phase_after_a_whole_model_phase_updates_the_scaling(level):
     _train(model, head, _batches(10))
     assert fp8amp.ScalingState.updates_run - updates == 9
     assert whole is not None  # (held)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_betas_from_a_numpy_schedule_are_taken_as_torch_takes_them(level):
+    """A momentum schedule computed with numpy float32 (torch's AdamW takes it) stopped the run at
+    the next step ("betas must be two Python floats"), as a numpy lr did before."""
+    np = pytest.importorskip("numpy")
+    plain, model = _model(), _model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    for i, (x, y) in enumerate(_batches(10)):
+        for m, o in ((plain, plain_opt), (model, opt)):
+            o.param_groups[0]["betas"] = (np.float32(0.85 + 0.01 * i), np.float64(0.99))
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    _assert_close(model, plain)
+    with pytest.raises(ValueError, match="betas must be two real numbers"):
+        opt.param_groups[0]["betas"] = (True, 0.99)
+        _train(model, opt, _batches(1))
