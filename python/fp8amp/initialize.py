@@ -112,6 +112,10 @@ def initialize(
         raise ValueError("initialize: model is a DistributedDataParallel; call fp8amp.initialize(model, ...) before "
                          "wrapping it, then DistributedDataParallel(model) (docs/distributed.md)")
     check_level(opt_level, weight_grad)
+    if isinstance(optimizer, (list, tuple, dict)):  # (torchtune's optimizer in backward: one per parameter)
+        raise ValueError(f"initialize: optimizer must be one optimizer, got a {type(optimizer).__name__}; for several "
+                         f"(say one per parameter, stepped in backward): fp8amp.initialize(model, None, {opt_level!r}), "
+                         f"then fp8amp.initialize_optimizer(model, optimizer, {opt_level!r}) for each")
     if optimizer is not None:
         _check_optimizer(optimizer)
         _check_optimizer_of(model, optimizer)

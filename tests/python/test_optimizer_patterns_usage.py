@@ -167,3 +167,16 @@ def test_betas_from_a_numpy_schedule_are_taken_as_torch_takes_them(level):
     with pytest.raises(ValueError, match="betas must be two real numbers"):
         opt.param_groups[0]["betas"] = (True, 0.99)
         _train(model, opt, _batches(1))
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_initialize_given_several_optimizers_names_the_calls_that_take_them(container):
+    """A set of optimizers (one per parameter, for optimizer in backward) was refused with only
+    the accepted types, which says nothing of how to give several; the model is left unchanged."""
+    model = _model()
+    optimizers = [torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()]
+    given = dict(enumerate(optimizers)) if container is dict else container(optimizers)
+    with pytest.raises(ValueError, match=r"initialize\(model, None, 'O2'\).*initialize_optimizer\(model, optimizer, "
+                                         r"'O2'\) for each"):
+        fp8amp.initialize(model, given, "O2")
+    assert all(type(m) in (nn.Linear, nn.GELU) for m in model)
