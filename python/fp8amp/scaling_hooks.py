@@ -110,9 +110,9 @@ class _StepHooks:
         history unrolled, silently. Returns whether it took any."""
         counts = {}
         for ref in self.owners:
-            hooks = getattr(ref(), "__dict__", {}).get("_fp8amp_step_hooks")
-            if hooks is not None:
-                counts[id(ref)] = hooks.steps
+            owner = ref()
+            if owner is not None:  # (one gone hands its states on at the next sorting)
+                counts[id(ref)] = owner.__dict__["_fp8amp_step_hooks"].steps
         idle = {key for key, steps in counts.items() if self.owner_steps.get(key) == steps}
         self.owner_steps = counts
         if not idle:
