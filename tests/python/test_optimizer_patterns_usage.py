@@ -180,3 +180,177 @@ def test_initialize_given_several_optimizers_names_the_calls_that_take_them(cont
                                          r"'O2'\) for each"):
         fp8amp.initialize(model, given, "O2")
     assert all(type(m) in (nn.Linear, nn.GELU) for m in model)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_torch_apply_optimizer_in_backward_with_fp8amp_optimizers(level):
+    """torch.distributed.optim._apply_optimizer_in_backward (no process group needed) builds the
+    optimizers itself; registering each for the model's scaling trains as one optimizer does."""
+    in_backward = pytest.importorskip("torch.distributed.optim")._apply_optimizer_in_backward
+    model, _ = fp8amp.initialize(_model(), None, level)
+    in_backward(fp8amp.optim.AdamW, model.parameters(), {"lr": 1e-2, "state_dtypes": level})
+    for p in model.parameters():
+        for optimizer in p._in_backward_optimizers:
+            fp8amp.register_scaling_hooks(model, optimizer)
+    updates = fp8amp.ScalingState.updates_run
+    _backward_only(model, _batches(12))
+    assert fp8amp.ScalingState.updates_run - updates == 12
+    one = _model()
+    one, optimizer = fp8amp.initialize(one, torch.optim.AdamW(one.parameters(), lr=1e-2), level)
+    _train(one, optimizer, _batches(12))
+    for p, q in zip(model.parameters(), one.parameters()):
+        assert torch.equal(_real(p), _real(q))
+
+
+def _groups(model):
+    params = list(model.parameters())
+    return [{"params": params[:4]}, {"params": params[4:], "lr": 5e-3, "weight_decay": 0.0}]
+
+
+_SCHEDULERS = {
+    "OneCycleLR": lambda o: lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 5e-3], total_steps=16),
+    "CosineAnnealingWarmRestarts": lambda o: lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3, T_mult=2, eta_min=1e-4),
+    "LambdaLR": lambda o: lr_scheduler.LambdaLR(o, [lambda s: 0.9 ** s, lambda s: 1 / (1 + s)]),
+    "SequentialLR": lambda o: lr_scheduler.SequentialLR(
+        o, [lr_scheduler.LinearLR(o, 0.1, 1.0, 4), lr_scheduler.CosineAnnealingLR(o, 12)], [4]),
+    "ReduceLROnPlateau": lambda o: lr_scheduler.ReduceLROnPlateau(o, patience=1, factor=0.5),
+}
+
+
+def _scheduled(model, optimizer, scheduler, batches, seen):
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step(1.0) if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) else scheduler.step()
+        seen.append([(g["lr"], tuple(g["betas"]), g["weight_decay"]) for g in optimizer.param_groups])
+
+
+@pytest.mark.parametrize("name", list(_SCHEDULERS))
+@pytest.mark.parametrize("level", LEVELS)
+def test_schedulers_and_their_state_dicts_resume_as_torchs(level, name):
+    """Every lr, beta (OneCycleLR cycles them) and weight decay equal torch's at each step, across
+    a save of the model, the optimizer and the scheduler halfway and a load into new ones."""
+    batches = _batches(16)
+    plain = _model()
+    plain_opt = torch.optim.AdamW(_groups(plain), lr=1e-2)
+    want = []
+    _scheduled(plain, plain_opt, _SCHEDULERS[name](plain_opt), batches, want)
+
+    def built():
+        model = _model()
+        return fp8amp.initialize(model, torch.optim.AdamW(_groups(model), lr=1e-2), level)
+
+    model, optimizer = built()
+    scheduler, got = _SCHEDULERS[name](optimizer), []
+    _scheduled(model, optimizer, scheduler, batches[:8], got)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+               buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    model, optimizer = built()
+    scheduler = _SCHEDULERS[name](optimizer)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    _scheduled(model, optimizer, scheduler, batches[8:], got)
+    assert got == want
+    assert [float(s["step"]) for s in optimizer.state.values()] == [16.0] * 6
+    _assert_close(model, plain)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_hyperparameters_changed_mid_run_and_zero_grad_keeping_tensors(level):
+    """betas, weight_decay, eps and maximize set in param_groups mid-run, gradients accumulated
+    over four micro-batches into tensors zero_grad(set_to_none=False) keeps."""
+    def run(model, optimizer):
+        for i, (x, y) in enumerate(_batches(12)):
+            for k in range(4):
+                nn.functional.mse_loss(model(x[k::4]), y[k::4]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            for group in optimizer.param_groups:
+                if i == 3:
+                    group.update(betas=(0.5, 0.9), weight_decay=0.3, eps=1e-4)
+                if i == 7:
+                    group.update(betas=[0.95, 0.99], weight_decay=0.0, eps=1e-8, maximize=True)
+
+    plain = _model()
+    run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model = _model()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    run(model, optimizer)
+    _assert_close(model, plain, rel=0.15)
+
+
+@pytest.mark.parametrize("edit", ["post-accumulate clip", "tensor hook", "pre-hook divide", "clip per param"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_gradients_edited_in_hooks_match_torchs(level, edit):
+    """Gradients (FP8 at O1/O2) edited where users edit them, compared after the edit."""
+    def clip(p):
+        torch.nn.utils.clip_grad_norm_([p], 1e-3)
+
+    def hooked(model, optimizer):
+        for p in model.parameters():
+            if edit == "post-accumulate clip":
+                p.register_post_accumulate_grad_hook(clip)
+            elif edit == "tensor hook":
+                p.register_hook(lambda g: g * 0.25)
+        if edit == "pre-hook divide":  # the accumulation count, divided where the step starts
+            def divide(optimizer, args, kwargs):
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad.div_(4)
+            optimizer.register_step_pre_hook(divide)
+        return model, optimizer
+
+    def grads(model, optimizer):
+        x, y = _batches(1)[0]
+        for k in range(4):
+            nn.functional.mse_loss(model(x[k::4]), y[k::4]).backward()
+        if edit == "clip per param":
+            for p in model.parameters():
+                torch.nn.utils.clip_grad_norm_([p], 1e-3)
+        optimizer.step()  # (the pre-hook's edit happens here; the grads are kept)
+        return [_real(p.grad) for p in model.parameters()]
+
+    plain = _model()
+    want = grads(*hooked(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2)))
+    model = _model()
+    got = grads(*hooked(*fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)))
+    for g, w in zip(got, want):
+        assert float((g - w).norm()) <= 0.15 * float(w.norm()) + 1e-6
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_swa_and_add_param_group_state_dict_as_torchs(level):
+    """SWALR's lrs, AveragedModel's average and count; a head added by add_param_group after three
+    steps: the state dict's groups, param ids, state keys and step counts are torch's."""
+    def run(model, optimizer, params):
+        swa = AveragedModel(model)
+        for i, (x, y) in enumerate(_batches(12)):
+            if i == 3:
+                optimizer.add_param_group({"params": params[4:], "lr": 1e-3})
+                swalr = SWALR(optimizer, swa_lr=1e-3, anneal_epochs=3)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if i >= 6:
+                swa.update_parameters(model)
+                swalr.step()
+        return swa, optimizer.state_dict(), [g["lr"] for g in optimizer.param_groups]
+
+    plain = _model()
+    params = list(plain.parameters())
+    plain_swa, plain_saved, plain_lrs = run(plain, torch.optim.AdamW(params[:4], lr=1e-2), params)
+    model, _ = fp8amp.initialize(_model(), None, level)
+    params = list(model.parameters())
+    optimizer = fp8amp.initialize_optimizer(model, torch.optim.AdamW(params[:4], lr=1e-2), level)
+    swa, saved, lrs = run(model, optimizer, params)
+    assert lrs == plain_lrs
+    assert int(swa.n_averaged) == int(plain_swa.n_averaged) == 6
+    _assert_close(swa.module, plain_swa.module)
+    assert [g["params"] for g in saved["param_groups"]] == [g["params"] for g in plain_saved["param_groups"]]
+    assert {k: sorted(v) for k, v in saved["state"].items()} == {k: sorted(v) for k, v in plain_saved["state"].items()}
+    assert [float(v["step"]) for v in saved["state"].values()] == [12.0] * 4 + [9.0] * 2
