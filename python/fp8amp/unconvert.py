@@ -136,6 +136,11 @@ def _check_optimizer_masters(model: nn.Module, optimizer: torch.optim.Optimizer)
         for i, p in enumerate(group["params"]):
             if not isinstance(p, ScaledTensor):
                 continue
+            if not masters:  # (one of several optimizers, after unconvert took another)
+                raise ValueError(f"unconvert: param {i} of the optimizer's group {k} is an O1/O2 master weight, "
+                                 "but model holds none (never converted, or made plain by an earlier unconvert, "
+                                 "which converts one optimizer: build the others anew over the unconverted "
+                                 "model's parameters; their states do not carry over)")
             if id(p) not in masters:
                 raise ValueError(f"unconvert: param {i} of the optimizer's group {k} is an O1/O2 master weight "
                                  "that is not in model (the optimizer of another model, or of a model that holds "

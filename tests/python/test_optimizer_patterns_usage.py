@@ -354,3 +354,13 @@ def test_swa_and_add_param_group_state_dict_as_torchs(level):
     assert [g["params"] for g in saved["param_groups"]] == [g["params"] for g in plain_saved["param_groups"]]
     assert {k: sorted(v) for k, v in saved["state"].items()} == {k: sorted(v) for k, v in plain_saved["state"].items()}
     assert [float(v["step"]) for v in saved["state"].values()] == [12.0] * 4 + [9.0] * 2
+
+
+def test_unconvert_of_a_second_optimizer_says_it_takes_one():
+    # The second call said "the optimizer of another model, or of a model that holds this one".
+    model, _ = fp8amp.initialize(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), None, "O2")
+    optimizers = [fp8amp.initialize_optimizer(model, fp8amp.optim.AdamW([p], lr=1e-3), "O2")
+                  for p in model.parameters()]
+    plain, _ = fp8amp.unconvert(model, optimizers[0])
+    with pytest.raises(ValueError, match="made plain by an earlier unconvert, which converts one optimizer"):
+        fp8amp.unconvert(plain, optimizers[2])
