@@ -10,6 +10,7 @@ exact rules and numerics.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ._args import _dtype, _input, _int, _optional_input
 from ._library import lib
@@ -86,10 +87,14 @@ def split_bias(bias: torch.Tensor | None, out_dtype: torch.dtype, b: object,
 def add_bias(out: torch.Tensor, added_bias: torch.Tensor | None, op: str) -> torch.Tensor:
     """``out`` plus the float32 bias :func:`split_bias` kept for after the GEMM: in place, but out
     of place while traced (torch 2.11's Dynamo gives zero gradients to an autograd.Function whose
-    output is an in-place op's result, as a Linear's forward returning this would be)."""
+    output is an in-place op's result, as a Linear's forward returning this would be) and under a
+    TorchDispatchMode (selective activation checkpointing's caches the GEMM's output, which it
+    refuses to hand back once written)."""
     if added_bias is None:
         return out
     if added_bias.device != out.device:
         raise ValueError(f"fp8amp.ops.{op}: bias must be on the device of a ({out.device}), got "
                          f"{added_bias.device}")
-    return out + added_bias if torch.compiler.is_compiling() else out.add_(added_bias)
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return out + added_bias
+    return out.add_(added_bias)
