@@ -224,13 +224,29 @@ def _requires_grad(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> frozen
 
 
 def _input_gets_gradient(placeholder: torch.fx.Node, fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> bool:
-    """Whether the backward returns a gradient for this forward input (its outputs are the inputs'
-    gradients in order, None where there is none); True when that cannot be told."""
-    inputs = list(fw_graph.find_nodes(op="placeholder"))
-    grads = bw_graph.output_node().args[0]
-    if not isinstance(grads, (list, tuple)) or len(grads) != len(inputs):
+    """Whether the backward returns a gradient for this forward input; True when that cannot be
+    told. AOTAutograd's descriptors (the nodes' meta "desc") name the input each gradient is of: a
+    tensor subclass (an O1/O2 master) is several inputs (its inner tensors) and its gradient other
+    outputs, so positions pair them only without subclasses (the outputs are then the inputs'
+    gradients in order, None where there is none)."""
+    output = bw_graph.output_node()
+    grads = output.args[0]
+    if not isinstance(grads, (list, tuple)):
         return True
-    return grads[inputs.index(placeholder)] is not None
+    descs, desc = output.meta.get("desc"), placeholder.meta.get("desc")
+    if desc is not None and isinstance(descs, (list, tuple)) and len(descs) == len(grads):
+        differentiated = {_described(getattr(_described(d), "grad_of", None)) for g, d in zip(grads, descs)
+                          if g is not None}
+        return _described(desc) in differentiated
+    inputs = list(fw_graph.find_nodes(op="placeholder"))
+    return len(grads) != len(inputs) or grads[inputs.index(placeholder)] is not None
+
+
+def _described(desc: object) -> object:
+    """The input or output an AOTAutograd descriptor names, through a subclass's inner tensors."""
+    while hasattr(desc, "base"):  # SubclassGetAttrAOTInput / Output and its size and stride kin
+        desc = desc.base
+    return desc
 
 
 def _amax_in_graph(x: torch.Tensor) -> torch.Tensor:
