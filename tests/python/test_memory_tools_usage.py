@@ -58,7 +58,7 @@ def _rel(a, b):
 
 
 def _grads_match_plain(ref, model, x_ref, x, tol=0.15):
-    names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
+    names = dict(model.named_parameters())
     for name, p in ref.named_parameters():
         assert (names[name].grad is None) == (p.grad is None), name
         assert names[name].grad.shape == p.grad.shape, name
@@ -148,3 +148,69 @@ def test_compiled_hf_llama_at_o2_with_fp8_activations(gradient_checkpointing):
     grads = dict(model.named_parameters())
     for name, p in ref.named_parameters():
         assert _rel(grads[name].grad, p.grad) < 0.2, name
+
+
+class _OffloadById:
+    """An offloading pair as torchtune's OffloadActivations makes it: pack returns an id."""
+
+    def __init__(self):
+        self.stored, self.packed = {}, 0
+
+    def pack(self, t):
+        self.packed += 1
+        self.stored[self.packed] = t
+        return self.packed
+
+    def unpack(self, key):
+        return self.stored.pop(key)
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+@pytest.mark.parametrize("wrapper", ["checkpoint_wrapper", "reentrant_wrapper", "offload_wrapper", "offload_by_id"])
+def test_checkpoint_and_offload_wrappers_with_fp8_activations(level, wrapper):
+    # Checked and kept working: torch.distributed's wrappers and a user's offloading hooks inside
+    # save_activations_in_fp8 (the innermost hooks take the saves, as in torch; nothing is left).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, checkpoint_wrapper,
+                                                                             offload_wrapper)
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = _converted(copy.deepcopy(ref), level)
+    hooks = _OffloadById()
+    for net in (ref, model):
+        for i, block in enumerate(net.blocks):
+            if wrapper == "offload_wrapper":
+                net.blocks[i] = offload_wrapper(block)
+            elif wrapper != "offload_by_id":
+                impl = CheckpointImpl.REENTRANT if wrapper == "reentrant_wrapper" else CheckpointImpl.NO_REENTRANT
+                net.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=impl)
+    x = torch.randn(4, 32, 64)
+    x_ref, x_fp8 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(x_ref).square().mean().backward()
+    with fp8amp.save_activations_in_fp8(min_numel=1):
+        if wrapper == "offload_by_id":
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                loss = model(x_fp8).square().mean()
+        else:
+            loss = model(x_fp8).square().mean()
+    loss.backward()
+    _grads_match_plain(ref, model, x_ref, x_fp8)
+    assert hooks.stored == {} and (hooks.packed > 0) == (wrapper == "offload_by_id")
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_activation_memory_budget_recomputes_fp8amp_ops_as_eager_computes_them(level):
+    # Checked and kept working: under a budget of 0 (the partitioner recomputes what it can in the
+    # compiled backward) the gradients and scaling buffers are eager's bit for bit.
+    torch.manual_seed(0)
+    eager = _converted(Net(), level)
+    model = copy.deepcopy(eager)
+    x = torch.randn(4, 32, 64)
+    eager(x.clone().requires_grad_()).square().mean().backward()
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=0.0):
+        torch.compile(model, backend="aot_eager")(x.clone().requires_grad_()).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(_real(p.grad), _real(q.grad)), name
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+        assert torch.equal(b, c), name
