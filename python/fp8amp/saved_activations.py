@@ -262,6 +262,9 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, fmt: torch.dtype = E4M3, *, min_numel: int = 1 << 16, compiled_graphs: bool = True) -> None:
+        if torch.compiler.is_compiling():  # (torch 2.11 said only that it could not trace fx's Graph.__init__)
+            raise RuntimeError(f"{_WHERE}: enter it outside compiled code: torch.compile does not trace "
+                               "saved_tensors_hooks (compiled graphs inside it store their activations in FP8)")
         self.fmt = check_dtype(fmt, ACTIVATION_FORMATS, "fmt", _WHERE)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int):
             raise TypeError(f"{_WHERE}: min_numel must be an int, got {type(min_numel).__name__}")
