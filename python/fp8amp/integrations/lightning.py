@@ -212,6 +212,11 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
         carry_in_metadata(state, scaling)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # (before the optimizers' states load) BaseFinetuning's on_fit_start puts back the param groups
+        # of the run that saved the checkpoint, with that run's state_dtypes, or none (a run without fp8amp)
+        for optimizer in self._made:
+            for group in optimizer.param_groups:
+                group["state_dtypes"] = self.opt_level
         saved = checkpoint.get(_CHECKPOINT_KEY)
         if saved is None or self._module is None:
             return
