@@ -365,7 +365,8 @@ class Adam(torch.optim.Optimizer):
                 part[0].append(p)
                 part[1].append(state)
             calls += [(group, *part) for part in parts.values()]
-        if not calls and not torch.compiler.is_compiling():
+        # (a closure that returned None skipped its batch: Lightning's training_step returning None)
+        if not calls and not torch.compiler.is_compiling() and (closure is None or loss is not None):
             self._warn_no_grads()
 
         found_infs = self._found_infs(calls)

@@ -3,6 +3,8 @@ emulation): the Tuner, callbacks that change the optimizer or the weights, and r
 compared with the same LightningModule trained without the plugin. Each test names what was
 wrong before its fix."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -64,3 +66,28 @@ def test_finetuning_resume_keeps_the_plugins_level(tmp_path, saved_by, resumed_a
     assert [g["state_dtypes"] for g in optimizer.param_groups] == [resumed_at] * 2
     m_dtype = torch.float8_e4m3fn if resumed_at == "O2" else torch.float32
     assert {optimizer.state[p]["exp_avg"].dtype for p in module.parameters()} == {m_dtype}
+
+
+class SkipsABatch(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+        return None if batch_idx == 1 else loss  # Lightning's way to skip a batch
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_skipped_batch_steps_nothing_without_a_warning():
+    # A training_step that returns None makes Lightning's closure return None and step no grads:
+    # fp8amp's step warned that fully_shard or load_state_dict(assign=True) had replaced the
+    # parameters, as for an optimizer that holds tensors the model no longer uses.
+    module = SkipsABatch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer("O2", 1, enable_checkpointing=False).fit(module, loader())
+    assert not [w for w in caught if "has a gradient" in str(w.message)]
