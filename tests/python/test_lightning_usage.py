@@ -32,12 +32,17 @@ class Finetuned(L.LightningModule):
 
 
 class UnfreezeBackbone(BaseFinetuning):
+    def __init__(self, **group):
+        super().__init__()
+        self.group = group  # more keys of the backbone's param group
+
     def freeze_before_training(self, pl_module):
         self.freeze(pl_module.backbone)
 
     def finetune_function(self, pl_module, epoch, optimizer):
         if epoch == 1:
             self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=1e-3)
+            optimizer.param_groups[-1].update(self.group)
 
 
 def loader():
@@ -66,6 +71,18 @@ def test_finetuning_resume_keeps_the_plugins_level(tmp_path, saved_by, resumed_a
     assert [g["state_dtypes"] for g in optimizer.param_groups] == [resumed_at] * 2
     m_dtype = torch.float8_e4m3fn if resumed_at == "O2" else torch.float32
     assert {optimizer.state[p]["exp_avg"].dtype for p in module.parameters()} == {m_dtype}
+
+
+def test_finetuning_resume_keeps_a_groups_own_level(tmp_path):
+    # (the fix above sets the plugin's level on the groups at the saving run's level only)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    trainer("O2", 2, callbacks=[UnfreezeBackbone(state_dtypes="O1"), checkpoints]).fit(Finetuned(), loader())
+    module, resumed = Finetuned(), trainer("O2", 3, callbacks=[UnfreezeBackbone()], enable_checkpointing=False)
+    resumed.fit(module, loader(), ckpt_path=tmp_path / "epoch=1-step=8.ckpt")
+    optimizer = resumed.optimizers[0]
+    assert [g["state_dtypes"] for g in optimizer.param_groups] == ["O2", "O1"]
+    assert optimizer.state[module.backbone[0].weight]["exp_avg"].dtype == torch.float32
+    assert optimizer.state[module.head[1].weight]["exp_avg"].dtype == torch.float8_e4m3fn
 
 
 class SkipsABatch(L.LightningModule):

@@ -212,12 +212,15 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
         carry_in_metadata(state, scaling)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get(_CHECKPOINT_KEY)
         # (before the optimizers' states load) BaseFinetuning's on_fit_start puts back the param groups
-        # of the run that saved the checkpoint, with that run's state_dtypes, or none (a run without fp8amp)
+        # of the run that saved the checkpoint, at that run's level, or none (a run without fp8amp); a
+        # group given a level of its own keeps it
+        saved_level = saved.get("opt_level") if saved is not None else None
         for optimizer in self._made:
             for group in optimizer.param_groups:
-                group["state_dtypes"] = self.opt_level
-        saved = checkpoint.get(_CHECKPOINT_KEY)
+                if group.get("state_dtypes", saved_level) == saved_level:
+                    group["state_dtypes"] = self.opt_level
         if saved is None or self._module is None:
             return
         buffers = dict(self._module.named_buffers())
