@@ -14,18 +14,9 @@ from torch.optim.swa_utils import SWALR, AveragedModel
 
 import fp8amp
 from fp8amp.amax_sync import delayed_states
+from tiny_mlp import regression_batches, tiny_mlp
 
 LEVELS = ["O1", "O2"]
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
-
-
-def _batches(n):
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(n)]
 
 
 def _real(p):
@@ -72,22 +63,22 @@ def test_an_optimizer_per_parameter_stepped_in_backward_trains_as_one_optimizer(
     """initialize(model, None), then initialize_optimizer for each parameter's optimizer: every
     parameter is stepped once a step, the scaling updated once a step (by the first registered),
     and the model ends bit for bit where one fp8amp optimizer over all of it does."""
-    plain = _model()
+    plain = tiny_mlp()
     _in_backward(list(plain.parameters()), lambda p: torch.optim.AdamW([p], lr=1e-2))
-    _backward_only(plain, _batches(20))
+    _backward_only(plain, regression_batches(20))
 
-    model, _ = fp8amp.initialize(_model(), None, level)
+    model, _ = fp8amp.initialize(tiny_mlp(), None, level)
     optimizers = _in_backward(list(model.parameters()),
                               lambda p: fp8amp.initialize_optimizer(model, torch.optim.AdamW([p], lr=1e-2), level))
     updates = fp8amp.ScalingState.updates_run
-    _backward_only(model, _batches(20))
+    _backward_only(model, regression_batches(20))
     assert fp8amp.ScalingState.updates_run - updates == 20
     assert all(float(opt.state[p]["step"]) == 20 for p, opt in optimizers.items())
     assert all(s.counter.eq(16).all() for s in delayed_states(model) if s.amax_history.gt(0).any())
 
-    one = _model()
+    one = tiny_mlp()
     one, optimizer = fp8amp.initialize(one, torch.optim.AdamW(one.parameters(), lr=1e-2), level)
-    _train(one, optimizer, _batches(20))
+    _train(one, optimizer, regression_batches(20))
     for p, q in zip(model.parameters(), one.parameters()):
         assert torch.equal(_real(p), _real(q))
     _assert_close(model, plain)
@@ -101,7 +92,7 @@ class _WithFirst(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.first = nn.Linear(32, 32)
-        self.body = _model()
+        self.body = tiny_mlp()
         self.use_first = use_first
 
     def forward(self, x):
@@ -118,7 +109,7 @@ def test_the_scaling_is_updated_when_the_first_registered_optimizer_stops_steppi
     model, _ = fp8amp.initialize(_WithFirst(use_first=how != "unused"), None, level)
     _in_backward([p for p in model.parameters()],
                  lambda p: fp8amp.initialize_optimizer(model, torch.optim.AdamW([p], lr=1e-2), level))
-    batches = _batches(20)
+    batches = regression_batches(20)
     if how == "frozen later":
         _backward_only(model, batches[:5])
         model.first.requires_grad_(False)
@@ -137,14 +128,14 @@ def test_a_head_only_phase_after_a_whole_model_phase_updates_the_scaling(level):
     """A second phase that trains the head alone with a new optimizer, the first one still held (a
     Lightning module keeps it): the first registered kept every state and, no longer stepped,
     froze the scales (docs/hardening.md listed it as left). The head's optimizer takes them over."""
-    model = _model()
+    model = tiny_mlp()
     model, whole = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
-    _train(model, whole, _batches(4))
+    _train(model, whole, regression_batches(4))
     model[0].requires_grad_(False)
     model[2].requires_grad_(False)
     head = fp8amp.initialize_optimizer(model, torch.optim.AdamW(model[4].parameters(), lr=1e-2), level)
     updates = fp8amp.ScalingState.updates_run
-    _train(model, head, _batches(10))
+    _train(model, head, regression_batches(10))
     assert fp8amp.ScalingState.updates_run - updates == 9
     assert whole is not None  # (held)
 
@@ -154,10 +145,10 @@ def test_betas_from_a_numpy_schedule_are_taken_as_torch_takes_them(level):
     """A momentum schedule computed with numpy float32 (torch's AdamW takes it) stopped the run at
     the next step ("betas must be two Python floats"), as a numpy lr did before."""
     np = pytest.importorskip("numpy")
-    plain, model = _model(), _model()
+    plain, model = tiny_mlp(), tiny_mlp()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     model, opt = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
-    for i, (x, y) in enumerate(_batches(10)):
+    for i, (x, y) in enumerate(regression_batches(10)):
         for m, o in ((plain, plain_opt), (model, opt)):
             o.param_groups[0]["betas"] = (np.float32(0.85 + 0.01 * i), np.float64(0.99))
             nn.functional.mse_loss(m(x), y).backward()
@@ -166,14 +157,14 @@ def test_betas_from_a_numpy_schedule_are_taken_as_torch_takes_them(level):
     _assert_close(model, plain)
     with pytest.raises(ValueError, match="betas must be two real numbers"):
         opt.param_groups[0]["betas"] = (True, 0.99)
-        _train(model, opt, _batches(1))
+        _train(model, opt, regression_batches(1))
 
 
 @pytest.mark.parametrize("container", [list, tuple, dict])
 def test_initialize_given_several_optimizers_names_the_calls_that_take_them(container):
     """A set of optimizers (one per parameter, for optimizer in backward) was refused with only
     the accepted types, which says nothing of how to give several; the model is left unchanged."""
-    model = _model()
+    model = tiny_mlp()
     optimizers = [torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()]
     given = dict(enumerate(optimizers)) if container is dict else container(optimizers)
     with pytest.raises(ValueError, match=r"initialize\(model, None, 'O2'\).*initialize_optimizer\(model, optimizer, "
@@ -187,17 +178,17 @@ def test_torch_apply_optimizer_in_backward_with_fp8amp_optimizers(level):
     """torch.distributed.optim._apply_optimizer_in_backward (no process group needed) builds the
     optimizers itself; registering each for the model's scaling trains as one optimizer does."""
     in_backward = pytest.importorskip("torch.distributed.optim")._apply_optimizer_in_backward
-    model, _ = fp8amp.initialize(_model(), None, level)
+    model, _ = fp8amp.initialize(tiny_mlp(), None, level)
     in_backward(fp8amp.optim.AdamW, model.parameters(), {"lr": 1e-2, "state_dtypes": level})
     for p in model.parameters():
         for optimizer in p._in_backward_optimizers:
             fp8amp.register_scaling_hooks(model, optimizer)
     updates = fp8amp.ScalingState.updates_run
-    _backward_only(model, _batches(12))
+    _backward_only(model, regression_batches(12))
     assert fp8amp.ScalingState.updates_run - updates == 12
-    one = _model()
+    one = tiny_mlp()
     one, optimizer = fp8amp.initialize(one, torch.optim.AdamW(one.parameters(), lr=1e-2), level)
-    _train(one, optimizer, _batches(12))
+    _train(one, optimizer, regression_batches(12))
     for p, q in zip(model.parameters(), one.parameters()):
         assert torch.equal(_real(p), _real(q))
 
@@ -231,14 +222,14 @@ def _scheduled(model, optimizer, scheduler, batches, seen):
 def test_schedulers_and_their_state_dicts_resume_as_torchs(level, name):
     """Every lr, beta (OneCycleLR cycles them) and weight decay equal torch's at each step, across
     a save of the model, the optimizer and the scheduler halfway and a load into new ones."""
-    batches = _batches(16)
-    plain = _model()
+    batches = regression_batches(16)
+    plain = tiny_mlp()
     plain_opt = torch.optim.AdamW(_groups(plain), lr=1e-2)
     want = []
     _scheduled(plain, plain_opt, _SCHEDULERS[name](plain_opt), batches, want)
 
     def built():
-        model = _model()
+        model = tiny_mlp()
         return fp8amp.initialize(model, torch.optim.AdamW(_groups(model), lr=1e-2), level)
 
     model, optimizer = built()
@@ -265,7 +256,7 @@ def test_hyperparameters_changed_mid_run_and_zero_grad_keeping_tensors(level):
     """betas, weight_decay, eps and maximize set in param_groups mid-run, gradients accumulated
     over four micro-batches into tensors zero_grad(set_to_none=False) keeps."""
     def run(model, optimizer):
-        for i, (x, y) in enumerate(_batches(12)):
+        for i, (x, y) in enumerate(regression_batches(12)):
             for k in range(4):
                 nn.functional.mse_loss(model(x[k::4]), y[k::4]).backward()
             optimizer.step()
@@ -276,9 +267,9 @@ def test_hyperparameters_changed_mid_run_and_zero_grad_keeping_tensors(level):
                 if i == 7:
                     group.update(betas=[0.95, 0.99], weight_decay=0.0, eps=1e-8, maximize=True)
 
-    plain = _model()
+    plain = tiny_mlp()
     run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
-    model = _model()
+    model = tiny_mlp()
     model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
     run(model, optimizer)
     _assert_close(model, plain, rel=0.15)
@@ -306,7 +297,7 @@ def test_gradients_edited_in_hooks_match_torchs(level, edit):
         return model, optimizer
 
     def grads(model, optimizer):
-        x, y = _batches(1)[0]
+        x, y = regression_batches(1)[0]
         for k in range(4):
             nn.functional.mse_loss(model(x[k::4]), y[k::4]).backward()
         if edit == "clip per param":
@@ -315,9 +306,9 @@ def test_gradients_edited_in_hooks_match_torchs(level, edit):
         optimizer.step()  # (the pre-hook's edit happens here; the grads are kept)
         return [_real(p.grad) for p in model.parameters()]
 
-    plain = _model()
+    plain = tiny_mlp()
     want = grads(*hooked(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2)))
-    model = _model()
+    model = tiny_mlp()
     got = grads(*hooked(*fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)))
     for g, w in zip(got, want):
         assert float((g - w).norm()) <= 0.15 * float(w.norm()) + 1e-6
@@ -329,7 +320,7 @@ def test_swa_and_add_param_group_state_dict_as_torchs(level):
     steps: the state dict's groups, param ids, state keys and step counts are torch's."""
     def run(model, optimizer, params):
         swa = AveragedModel(model)
-        for i, (x, y) in enumerate(_batches(12)):
+        for i, (x, y) in enumerate(regression_batches(12)):
             if i == 3:
                 optimizer.add_param_group({"params": params[4:], "lr": 1e-3})
                 swalr = SWALR(optimizer, swa_lr=1e-3, anneal_epochs=3)
@@ -341,10 +332,10 @@ def test_swa_and_add_param_group_state_dict_as_torchs(level):
                 swalr.step()
         return swa, optimizer.state_dict(), [g["lr"] for g in optimizer.param_groups]
 
-    plain = _model()
+    plain = tiny_mlp()
     params = list(plain.parameters())
     plain_swa, plain_saved, plain_lrs = run(plain, torch.optim.AdamW(params[:4], lr=1e-2), params)
-    model, _ = fp8amp.initialize(_model(), None, level)
+    model, _ = fp8amp.initialize(tiny_mlp(), None, level)
     params = list(model.parameters())
     optimizer = fp8amp.initialize_optimizer(model, torch.optim.AdamW(params[:4], lr=1e-2), level)
     swa, saved, lrs = run(model, optimizer, params)

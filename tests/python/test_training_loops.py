@@ -9,16 +9,7 @@ import torch
 from torch import nn
 
 import fp8amp
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
-
-
-def _batches(n):
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(n)]
+from tiny_mlp import regression_batches, tiny_mlp
 
 
 def _assert_close(model, plain, rel=0.05, atol=0.01):
@@ -41,7 +32,7 @@ def test_a_weight_replaced_by_its_master_is_refused_by_the_optimizer(how):
     """Parameters collected before initialize (progressive unfreezing: the head's, to add later)
     hold the Linear weights that the FP16 masters replaced: stepping them trains nothing. They were
     taken silently, and the head never trained."""
-    model = _model()
+    model = tiny_mlp()
     head = list(model[4].parameters())
     optimizer = torch.optim.AdamW(list(model[0].parameters()) + list(model[2].parameters()), lr=1e-2)
     model, optimizer = fp8amp.initialize(model, optimizer, "O2")
@@ -53,7 +44,7 @@ def test_a_weight_replaced_by_its_master_is_refused_by_the_optimizer(how):
     assert len(optimizer.param_groups) == 1
     optimizer.add_param_group({"params": list(model[4].parameters()), "lr": 1e-3})  # the model's own: trains
     before = model[4].weight.dequantize()
-    _train(model, optimizer, _batches(2))
+    _train(model, optimizer, regression_batches(2))
     assert not torch.equal(before, model[4].weight.dequantize())
 
 
@@ -64,7 +55,7 @@ def test_a_refused_param_group_is_not_added(group):
     """add_param_group raised, but kept the group: every later step then failed inside an op
     (``fp8amp.multi_amax: xs[0] has unsupported dtype Double``), or stepped a group with options
     the optimizer refuses."""
-    model = _model()
+    model = tiny_mlp()
     model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
     with pytest.raises(ValueError, match="fp8amp.optim.AdamW"):
         optimizer.add_param_group(group)
@@ -72,7 +63,7 @@ def test_a_refused_param_group_is_not_added(group):
     for p in group["params"]:
         p.grad = torch.ones_like(p)
     before = model[0].weight.dequantize()
-    _train(model, optimizer, _batches(1))
+    _train(model, optimizer, regression_batches(1))
     assert not torch.equal(before, model[0].weight.dequantize())
 
 
@@ -82,14 +73,14 @@ def test_numpy_hyperparameters_step_as_with_torch():
     Python float, got float32"), and initialize refused such an lr."""
     np = pytest.importorskip("numpy")
     schedule = np.cos(np.linspace(0, np.pi / 2, 4, dtype=np.float32))
-    model = _model()
+    model = tiny_mlp()
     plain = copy.deepcopy(model)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=np.float32(1e-3))
                   for m in (model, plain)]
     model, optimizers[0] = fp8amp.initialize(model, optimizers[0], "O2")
     for m, optimizer in zip((model, plain), optimizers):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule[i])
-        for batch in _batches(3):
+        for batch in regression_batches(3):
             _train(m, optimizer, [batch])
             scheduler.step()
     assert optimizers[0].param_groups[0]["lr"] == optimizers[1].param_groups[0]["lr"]
@@ -104,7 +95,7 @@ def _real(t):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_grad_scaler_with_float16_autocast_skips_an_inf_step_and_halves_its_scale(level):
-    model = _model()
+    model = tiny_mlp()
     model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
 
@@ -119,7 +110,7 @@ def test_grad_scaler_with_float16_autocast_skips_an_inf_step_and_halves_its_scal
         optimizer.zero_grad()
         return norm
 
-    batches = _batches(3)
+    batches = regression_batches(3)
     assert all(torch.isfinite(step(x, y)) for x, y in batches[:2])
     params = [_real(p).clone() for p in model.parameters()]
     state = copy.deepcopy(optimizer.state_dict())
@@ -134,9 +125,9 @@ def test_grad_scaler_with_float16_autocast_skips_an_inf_step_and_halves_its_scal
 
 
 def test_clipping_fp8_gradients_equals_clipping_their_real_values():
-    model = _model()
+    model = tiny_mlp()
     model, _ = fp8amp.initialize(model, None, "O2")
-    x, y = _batches(1)[0]
+    x, y = regression_batches(1)[0]
     nn.functional.mse_loss(model(x), y).backward()
     saved = [p.grad.detach().clone() for p in model.parameters()]
     assert isinstance(saved[0], fp8amp.ScaledTensor)
@@ -180,7 +171,7 @@ def test_params_without_a_gradient_in_some_steps_step_as_torch(set_to_none):
     plain = copy.deepcopy(model)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
     model, optimizers[0] = fp8amp.initialize(model, optimizers[0], "O2")
-    for i, (x, y) in enumerate(_batches(6)):
+    for i, (x, y) in enumerate(regression_batches(6)):
         for m, optimizer in zip((model, plain), optimizers):
             nn.functional.mse_loss(m(x, i % 3 != 0), y).backward()
             optimizer.step()
@@ -192,7 +183,7 @@ def test_params_without_a_gradient_in_some_steps_step_as_torch(set_to_none):
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_frozen_linear_layers_stay_as_they_are(when):
-    model = _model()
+    model = tiny_mlp()
     freeze = lambda m: (m[0].requires_grad_(False), m[2].weight.requires_grad_(False))  # noqa: E731
     if when == "before":
         freeze(model)
@@ -203,7 +194,7 @@ def test_frozen_linear_layers_stay_as_they_are(when):
         freeze(model), freeze(plain)
     frozen = {name: _real(p).clone() for name, p in model.named_parameters() if not p.requires_grad}
     for m, optimizer in zip((model, plain), optimizers):
-        _train(m, optimizer, _batches(3))
+        _train(m, optimizer, regression_batches(3))
     assert sorted(frozen) == ["0.bias", "0.weight", "2.weight"]
     assert all(torch.equal(value, _real(model.get_parameter(name))) for name, value in frozen.items())
     _assert_close(model, plain)
@@ -237,7 +228,7 @@ def test_resume_mid_run_continues_bit_for_bit(level, tmp_path):
             losses.append(loss.item())
         return losses
 
-    batches = _batches(8)
+    batches = regression_batches(8)
     straight = build()
     run(*straight, batches[:4], 0)
     torch.save({"model": straight[0].state_dict(), **{k: o.state_dict() for k, o in zip("osg", straight[1:])}},
@@ -259,13 +250,13 @@ def test_initialize_after_convert_with_the_same_optimizer_updates_the_scaling():
     that optimizer: the retired optimizer, while something held it, stayed registered first for
     every scaling state, so it kept them, and as it never steps again no history rolled (every
     counter stayed 0)."""
-    model, direct = _model(), _model()
+    model, direct = tiny_mlp(), tiny_mlp()
     passed = torch.optim.AdamW(model.parameters(), lr=1e-3)  # still held (freed, it lost its states)
     model = fp8amp.convert(model, optimizer=passed)
     model, optimizer = fp8amp.initialize(model, passed, "O2")
     direct, direct_optimizer = fp8amp.initialize(direct, torch.optim.AdamW(direct.parameters(), lr=1e-3), "O2")
-    _train(model, optimizer, _batches(3))
-    _train(direct, direct_optimizer, _batches(3))
+    _train(model, optimizer, regression_batches(3))
+    _train(direct, direct_optimizer, regression_batches(3))
     assert int(model[0].input_scaling.counter) == 3
     for (name, a), b in zip(model.state_dict().items(), direct.state_dict().values()):
         assert torch.equal(a, b), name
@@ -277,7 +268,7 @@ def test_hooks_registered_on_the_optimizer_passed_in_run_on_the_returned_one(how
     """Step and state-dict hooks registered on the torch optimizer (an EMA update or a weight
     renormalization after each step, in configure_optimizers under Lightning, whose plugin calls
     initialize_optimizer) were dropped without a word when fp8amp rebuilt the optimizer."""
-    model = _model()
+    model = tiny_mlp()
     passed = torch.optim.AdamW(model.parameters(), lr=1e-3)
     calls = []
     post = passed.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
@@ -289,11 +280,11 @@ def test_hooks_registered_on_the_optimizer_passed_in_run_on_the_returned_one(how
         model, _ = fp8amp.initialize(model, None, "O2")
         passed.param_groups[0]["params"] = list(model.parameters())  # (what the Lightning plugin does)
         optimizer = fp8amp.initialize_optimizer(model, passed, "O2")
-    _train(model, optimizer, _batches(1))
+    _train(model, optimizer, regression_batches(1))
     optimizer.state_dict()
     assert calls == [("pre", optimizer), ("post", optimizer), ("state_dict", optimizer)]
     post.remove()  # the handles still work
-    _train(model, optimizer, _batches(1))
+    _train(model, optimizer, regression_batches(1))
     assert [c for c, _ in calls[3:]] == ["pre"]
     assert int(model[0].input_scaling.counter) == 2  # fp8amp's own hooks: once a step
 
@@ -405,10 +396,10 @@ def test_accelerate_accumulation_clipping_and_state_round_trip(tmp_path):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
-        model = _model()
+        model = tiny_mlp()
         model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
-        data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*_batches(4))))
+        data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*regression_batches(4))))
         model, optimizer, loader, scheduler = accelerator.prepare(
             model, optimizer, torch.utils.data.DataLoader(data, batch_size=8), scheduler)
         if load:
