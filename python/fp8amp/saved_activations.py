@@ -259,10 +259,11 @@ class save_activations_in_fp8(torch.autograd.graph.saved_tensors_hooks):
         TypeError: ``fmt`` is not a torch.dtype, ``min_numel`` not an int, ``compiled_graphs`` not
             a bool.
         ValueError: ``fmt`` is not E4M3 or E5M2, ``min_numel`` is below 1.
+        RuntimeError: made inside code torch.compile traces (enter it around the compiled call).
     """
 
     def __init__(self, fmt: torch.dtype = E4M3, *, min_numel: int = 1 << 16, compiled_graphs: bool = True) -> None:
-        if torch.compiler.is_compiling():  # (torch 2.11 said only that it could not trace fx's Graph.__init__)
+        if torch.compiler.is_compiling():  # (else Dynamo's error names only the fx internals it cannot trace)
             raise RuntimeError(f"{_WHERE}: enter it outside compiled code: torch.compile does not trace "
                                "saved_tensors_hooks (compiled graphs inside it store their activations in FP8)")
         self.fmt = check_dtype(fmt, ACTIVATION_FORMATS, "fmt", _WHERE)
