@@ -35,6 +35,9 @@
 //   m' = small ? fma(w1, d1, m) : fma(w1m1, d1, g)                        torch: exp_avg.lerp_(grad, 1-beta1)
 //   v' = fma(w2 * g, g, v * b2)                                           torch: exp_avg_sq.mul_(beta2)
 //                                                                                .addcmul_(grad, grad, 1-beta2)
+//        where v * b2 of a float16 v is code * f32(exp_avg_sq_scale_inv * b2), one product: the
+//        same value as (code * scale_inv) * b2 for a power-of-two scale_inv (fp8amp's scales) whose
+//        products stay normal, and one multiply an element less in the passes
 //   den = fma(sqrt(v'), inv_bc2_sqrt, eps32)                              torch: (v.sqrt() / bc2_sqrt).add_(eps)
 //   p' = p + (neg_step * m') / den                                        torch: param.addcdiv_(m, den, -step_size)
 // (= docs/o1_o2.md#optimizer's m' = β1·m + (1−β1)·g, v' = β2·v + (1−β2)·g², p' = p·(1 − lr·wd) − lr/bc1 · m' /
@@ -43,8 +46,9 @@
 // stored (rounded) forms, as MS-AMP does.
 //
 // Dequantization (the inputs): float32/bf16/fp16 grads convert exactly; an FP8 grad is
-// code * grad_scale_inv, with one scale_inv or one per 128 x 128 block; a float16 master is code * param_scale_inv; an FP8 m is code *
-// exp_avg_scale_inv; a float16 v is code * exp_avg_sq_scale_inv (one float32 product each).
+// code * grad_scale_inv, with one scale_inv or one per 128 x 128 block; a float16 master is code *
+// param_scale_inv; an FP8 m is code * exp_avg_scale_inv (one float32 product each); v enters only
+// as v * b2 (above).
 //
 // ------------------------------------------------------------------------------------------------
 // New scales (docs/numerics.md#numerics). Each low-precision output gets a power-of-two scale from the amax of its

@@ -93,7 +93,8 @@ struct Chunk {
   float* amax_row;
   int64_t begin;  // the chunk's first element in the tensor
   int length;     // its elements: kChunk, fewer in the tensor's last chunk
-  float g_si, p_si, m_si, v_si;  // g_si negative for maximize: decode returns -g (exactly); +-1 with kBlocks
+  float g_si, p_si, m_si;  // g_si negative for maximize: decode returns -g (exactly); +-1 with kBlocks
+  float v_factor;  // exp_avg_sq_factor: decode returns v * b2
   bool vector_ok;  // every array aligned for one access per pack
   bool read_param;  // false: the param is not loaded (its words stay 0)
 
@@ -106,7 +107,7 @@ struct Chunk {
         g_si(signed_grad_scale_inv<G>(kBlocks ? nullptr : tp.grad_scale_inv, args.hyper.maximize)),
         p_si(scale_inv_or_1(tp.param_scale_inv)),
         m_si(scale_inv_or_1(tp.exp_avg_scale_inv)),
-        v_si(scale_inv_or_1(tp.exp_avg_sq_scale_inv)),
+        v_factor(exp_avg_sq_factor(scale_inv_or_1(tp.exp_avg_sq_scale_inv), rn::to_float(args.hyper.beta2))),
         // kChunk is a multiple of N: the chunk's packs are aligned iff the tensor's start is.
         vector_ok(is_aligned(tp.grad, N * sizeof(G)) && is_aligned(tp.param, N * sizeof(P)) &&
                   is_aligned(tp.exp_avg, N * sizeof(M)) && is_aligned(tp.exp_avg_sq, N * sizeof(V)) &&
@@ -174,9 +175,9 @@ struct Chunk {
     if (read_param) load_pack<N>(param(i), w.valid, vector_ok, w.p);
   }
 
-  // The dequantized inputs of the pack's valid elements (g negated for maximize), and 0.0f after
-  // them (whatever the scales), so that the amax pass can fold a whole pack into the g, m', v'
-  // maxima: zero inputs give g = m' = v' = 0. Without kParam the params are 0 (pass 1 with a kept
+  // The dequantized inputs of the pack's valid elements (g negated for maximize, v as v * b2), and
+  // 0.0f after them (whatever the scales), so that the amax pass can fold a whole pack into the g,
+  // m', v' maxima: zero inputs give g = m' = v' = 0. Without kParam the params are 0 (pass 1 with a kept
   // amax, which does not read them).
   template <bool kParam = true>
   __device__ void decode(const Pack& w, float (&g)[N], float (&p)[N], float (&m)[N], float (&v)[N]) const {
@@ -188,7 +189,7 @@ struct Chunk {
       for (int k = 0; k < N; ++k) p[k] = 0.0f;
     }
     decode_array<M>(w.m, !std::is_same_v<M, float>, m_si, m);
-    decode_array<V>(w.v, !std::is_same_v<V, float>, v_si, v);
+    decode_array<V>(w.v, true, v_factor, v);
     if (w.valid < N) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {

@@ -25,6 +25,13 @@ float dequantize(T x, const float* scale_inv) {
   return scale_inv != nullptr ? rn::mul(f, *scale_inv) : f;
 }
 
+// v * b2 of element j of tensor t (optim.h): the stored v times exp_avg_sq_factor.
+template <class V>
+float decayed_exp_avg_sq(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c) {
+  const float scale_inv = t.exp_avg_sq_scale_inv != nullptr ? *t.exp_avg_sq_scale_inv : 1.0f;
+  return rn::mul(to_float(static_cast<const V*>(t.exp_avg_sq)[j]), exp_avg_sq_factor(scale_inv, c.beta2));
+}
+
 // The stored form of x: itself in float32, else quantize(x * scale) (saturating, RNE).
 template <class T>
 T store(float x, float scale) {
@@ -48,7 +55,7 @@ AdamUpdate element(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c, f
   *grad = dequantize(static_cast<const G*>(t.grad)[j], grad_scale_inv(t, j));
   return adam_update(dequantize(static_cast<const P*>(t.param)[j], t.param_scale_inv), *grad,
                      dequantize(static_cast<const M*>(t.exp_avg)[j], t.exp_avg_scale_inv),
-                     dequantize(static_cast<const V*>(t.exp_avg_sq)[j], t.exp_avg_sq_scale_inv), c);
+                     decayed_exp_avg_sq<V>(t, j, c), c);
 }
 
 // Pass 1: the amaxes of tensor t's new values, into its row; with a kept master amax
@@ -62,7 +69,7 @@ void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
     const float g = dequantize(static_cast<const G*>(t.grad)[j], grad_scale_inv(t, j));
     const float p = a_d >= 0.0f ? 0.0f : dequantize(static_cast<const P*>(t.param)[j], t.param_scale_inv);
     AdamMoments mo = adam_moments(p, g, dequantize(static_cast<const M*>(t.exp_avg)[j], t.exp_avg_scale_inv),
-                                  dequantize(static_cast<const V*>(t.exp_avg_sq)[j], t.exp_avg_sq_scale_inv), c);
+                                  decayed_exp_avg_sq<V>(t, j, c), c);
     if (a_d >= 0.0f) mo = bound_moments(mo, a_d);
     keys[kAdamAmaxGrad] = std::max(keys[kAdamAmaxGrad], amax_key(g));
     keys[kAdamAmaxExpAvg] = std::max(keys[kAdamAmaxExpAvg], amax_key(mo.exp_avg));

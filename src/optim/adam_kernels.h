@@ -94,7 +94,11 @@ struct AdamMoments {
   float step;        // neg_step * m': the numerator of the update
 };
 
-FP8AMP_HD AdamMoments adam_moments(float p, float g, float m, float v, const AdamConstants& c) {
+// What a stored v is multiplied by to give v * b2 (optim.h): its scale_inv (1 unscaled) times b2.
+FP8AMP_HD float exp_avg_sq_factor(float exp_avg_sq_scale_inv, float b2) { return rn::mul(exp_avg_sq_scale_inv, b2); }
+
+// v_b2: v * b2, the stored v times exp_avg_sq_factor.
+FP8AMP_HD AdamMoments adam_moments(float p, float g, float m, float v_b2, const AdamConstants& c) {
   if (c.maximize) g = -g;
   if (c.decays) {
     if (c.adamw) {
@@ -107,7 +111,7 @@ FP8AMP_HD AdamMoments adam_moments(float p, float g, float m, float v, const Ada
   AdamMoments r;
   r.param = p;
   r.exp_avg = c.lerp_small ? rn::fma(c.w1, d1, m) : rn::fma(c.w1m1, d1, g);
-  r.exp_avg_sq = rn::fma(rn::mul(c.w2, g), g, rn::mul(v, c.beta2));
+  r.exp_avg_sq = rn::fma(rn::mul(c.w2, g), g, v_b2);
   r.step = rn::mul(c.neg_step, r.exp_avg);
   return r;
 }
@@ -118,8 +122,8 @@ FP8AMP_HD float adam_param(const AdamMoments& mo, const AdamConstants& c) {
   return rn::add(mo.param, rn::div(mo.step, den));
 }
 
-FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v, const AdamConstants& c) {
-  const AdamMoments mo = adam_moments(p, g, m, v, c);
+FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v_b2, const AdamConstants& c) {
+  const AdamMoments mo = adam_moments(p, g, m, v_b2, c);
   return {mo.exp_avg, mo.exp_avg_sq, adam_param(mo, c)};
 }
 

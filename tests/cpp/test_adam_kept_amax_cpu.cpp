@@ -103,7 +103,7 @@ TEST(AdamKeptAmax, ScaleGridTop) {
   EXPECT_EQ(scale_grid_top(0x1.ffcp-101f), 0x1.ffcp-101f);  // below 2^-100: itself
   EXPECT_EQ(scale_grid_top(0.0f), 0.0f);
   EXPECT_EQ(scale_grid_top(65504.0f * 0x1p112f), 65504.0f * 0x1p112f);
-  EXPECT_TRUE(std::isinf(scale_grid_top(std::nextafter(65504.0f * 0x1p112f, 1e39f))));
+  EXPECT_TRUE(std::isinf(scale_grid_top(std::nextafter(65504.0f * 0x1p112f, INFINITY))));
   EXPECT_TRUE(std::isnan(scale_grid_top(std::nanf(""))));
   // Both scales from the top are those from x.
   std::mt19937 rng(3);

@@ -103,6 +103,40 @@ TEST(AdamLowPrecision, ScalesFromNewAmaxesAndValuesWithinFormatPrecision) {
   }
 }
 
+TEST(AdamLowPrecision, Float16VEntersAsCodeTimesScaleInvTimesBeta2) {
+  // v * b2 is code * f32(scale_inv * b2) (optim.h): one product, which for the power-of-two
+  // scale_invs of the test above is (code * scale_inv) * b2 exactly. With a scale_inv of 1/3 the
+  // two forms differ for some codes, and the step follows the documented one.
+  const int64_t n = 512;
+  const AdamHyper h = hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, true);
+  Param x(n, DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat16, false);
+  x.v.set_scale(3.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    x.p.set_real(j, 1.0f);
+    x.g.set_real(j, 1e-3f * static_cast<float>(j % 7 + 1));
+    x.v.set_code(j, encode_as(DType::kFloat16, 0.25f + static_cast<float>(j) / 64.0f));
+  }
+  const float factor = x.v.scale_inv[0] * static_cast<float>(h.beta2);
+  const float w2 = static_cast<float>(1.0 - h.beta2);
+  std::vector<float> expected(n);
+  int two_forms_differ = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float code = decode_as(DType::kFloat16, x.v.code(j)), g = x.g.real(j);
+    expected[j] = std::fma(w2 * g, g, code * factor);
+    two_forms_differ += expected[j] != std::fma(w2 * g, g, x.v.real(j) * static_cast<float>(h.beta2));
+  }
+  ASSERT_GT(two_forms_differ, 0);
+  Step s;
+  s.hyper = h;
+  s.run({&x});
+  float amax = 0.0f;
+  for (const float v : expected) amax = std::max(amax, v);
+  EXPECT_EQ(s.amax[kAdamAmaxExpAvgSq], amax);
+  for (int64_t j = 0; j < n; ++j) {
+    EXPECT_EQ(x.v.code(j), encode_as(DType::kFloat16, expected[j] * x.v.scale[0])) << j;
+  }
+}
+
 TEST(AdamLowPrecision, ZeroStateKeepsPreviousScale) {
   // grad 0, m 0, v 0: m' = v' = 0, so their scales stay as they were (amax 0 keeps the pair).
   Param x(4, DType::kFloat32, DType::kFloat32, DType::kFloat8E4M3, DType::kFloat16, false);
