@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const C chunk(batch, args, t, !uses_kept_amax(batch.tensors[t], args.hyper.adamw, args.hyper.weight_decay != 0.0));
   const int lane = static_cast<int>(threadIdx.x) % 32;
   constexpr int kPacks = kElementsPerThread / N;
-  typename C::Pack pack{}, next{};
+  typename C::Pack pack{};
   const int warp_first = (static_cast<int>(threadIdx.x) - lane) * N;  // the warp's first element
   const bool has_first = warp_first < chunk.length;
   if (has_first) chunk.fetch_arrays(warp_first + lane * N, pack);
@@ -103,14 +103,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   // neither decoded nor folded, and the exact path folds scale_grid_top of the bound moments' p'.
   const auto fold_packs = [&](auto kept_known) {
     constexpr bool kKept = decltype(kept_known)::value;
-    for (int u = 0; u < kPacks; ++u, pack = next) {
+    for (int u = 0; u < kPacks; ++u) {
       // The warp goes through its packs together: the warp-wide votes below need every lane.
       const int warp_i = u * kThreads * N + warp_first;
       if (warp_i >= chunk.length) break;
-      if (u + 1 < kPacks && warp_i + kThreads * N < chunk.length) chunk.fetch(warp_i + (kThreads + lane) * N, next);
       const int valid = pack.valid;
       float g[N], p[N], m[N], v[N];
       chunk.template decode<!kKept>(pack, g, p, m, v);
+      // The next pack goes into the registers just decoded (a second buffer costs a copy a pack);
+      // its load still overlaps this pack's compute.
+      if (u + 1 < kPacks && warp_i + kThreads * N < chunk.length) chunk.fetch(warp_i + (kThreads + lane) * N, pack);
 
       AdamMoments mo[N];
       // The pack's largest |p_d| and |t| (adam_bound.h), NaN if any is NaN.
