@@ -64,7 +64,9 @@
 //   1. zero `amax` (a memset);
 //   2. pass 1, one launch per up to 128 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
 //      |p'| into amax[i, 0..3]; nothing is stored. A block that meets a non-finite value sets
-//      found_inf = 1;
+//      found_inf = 1. An FP8 grad with one scale_inv folds its codes: its |g| column is
+//      max |code| * |scale_inv|, which is the largest |g| for every finite scale_inv (rounding is
+//      monotonic) and inf, not NaN, where an infinite one meets a zero code (the step is skipped);
 //   3. pass 2 (same batching): if found_inf != 0 nothing happens; else each block derives the new
 //      scales from amax[i] and the old scales, recomputes the same values, stores m, v, p and
 //      the FP8 weight copy, and folds |p'| into amax[i, new_param];

@@ -49,7 +49,7 @@ void sum_shards(const std::vector<int64_t>& bounds, const ShardPtrs& p) {
   for (size_t piece = 0; piece + 1 < bounds.size(); ++piece) {
     const int64_t begin = bounds[piece], end = bounds[piece + 1];
     const int64_t i = static_cast<int64_t>(piece);
-    if constexpr (std::is_same_v<Out, numerics::fp8_e4m3> || std::is_same_v<Out, numerics::fp8_e5m2>) {
+    if constexpr (numerics::kIsFp8<Out>) {
       uint32_t key = 0;
       for (int64_t c = begin; c < end; ++c) key = std::max(key, numerics::amax_key(value(i, c)));
       const float amax = numerics::amax_from_key(key);

@@ -46,8 +46,7 @@ constexpr bool kHardwareConvert = true;
 constexpr bool kHardwareConvert = false;
 #endif
 
-template <class T>
-constexpr bool kIsFp8 = std::is_same_v<T, numerics::fp8_e4m3> || std::is_same_v<T, numerics::fp8_e5m2>;
+using numerics::kIsFp8;
 
 // The bits of one element (float, or a storage type of numerics.h), and back.
 template <class T>

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "fp8amp/dtype.h"
 
@@ -208,6 +209,9 @@ struct bf16 { uint16_t bits; };
 struct fp16 { uint16_t bits; };
 struct fp8_e4m3 { uint8_t bits; };
 struct fp8_e5m2 { uint8_t bits; };
+
+template <class T>
+constexpr bool kIsFp8 = std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
 
 FP8AMP_HD float to_float(float x) { return x; }
 FP8AMP_HD float to_float(bf16 x) { return bf16_to_float(x.bits); }

@@ -101,6 +101,37 @@ __device__ __forceinline__ void fp16x2_to_float(uint32_t word, float& lo, float&
       : "r"(word));
 }
 
+// The four FP8 codes of a word as two fp16 pairs (exact), the low byte the low half of h01.
+template <class T>
+__device__ __forceinline__ void fp8x4_to_fp16x2(uint32_t word, uint32_t& h01, uint32_t& h23) {
+  if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+        : "=r"(h01), "=r"(h23)
+        : "r"(word));
+  } else {
+    static_assert(std::is_same_v<T, numerics::fp8_e5m2>, "FP8 codes: E4M3 or E5M2");
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}"
+        : "=r"(h01), "=r"(h23)
+        : "r"(word));
+  }
+}
+
+// Per half, max(acc, |x|) over the fp16 pairs of a pack of FP8 codes, NaN if any is NaN (two
+// 3-input VHMNMX.NAN with |.| operands for eight codes). The decoded magnitudes' maximum is the
+// larger half, exactly.
+template <class T, int N>
+__device__ __forceinline__ uint32_t fold_code_magnitudes(const uint32_t (&w)[kWords<T, N>], uint32_t acc) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    uint32_t h01, h23;
+    fp8x4_to_fp16x2<T>(w[i], h01, h23);
+    asm("{.reg .b32 a, b;\n abs.f16x2 a, %1;\n abs.f16x2 b, %2;\n max.NaN.f16x2 %0, %0, a;\n max.NaN.f16x2 %0, %0, b;\n}"
+        : "+r"(acc)
+        : "r"(h01), "r"(h23));
+  }
+  return acc;
+}
+
 // numerics::to_float of each element, except that a NaN may keep its payload: callers multiply
 // (the GPU's arithmetic returns the canonical NaN, numerics' kCanonicalNanBits), store a code (every
 // NaN encodes alike) or take amax keys (canonical).
@@ -119,20 +150,10 @@ __device__ void decode_pack(const uint32_t (&w)[kWords<T, N>], float (&x)[N]) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) fp16x2_to_float(w[i], x[2 * i], x[2 * i + 1]);
   } else if constexpr (kHardwareConvert) {
-    // Two FP8 codes (a 16-bit half of the word) become an fp16 pair, the low byte the low half.
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
       uint32_t h01, h23;
-      if constexpr (std::is_same_v<T, numerics::fp8_e4m3>) {
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
-            : "=r"(h01), "=r"(h23)
-            : "r"(w[i]));
-      } else {
-        static_assert(std::is_same_v<T, numerics::fp8_e5m2>, "inputs: float32, bf16, fp16, E4M3, E5M2");
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}"
-            : "=r"(h01), "=r"(h23)
-            : "r"(w[i]));
-      }
+      fp8x4_to_fp16x2<T>(w[i], h01, h23);
       fp16x2_to_float(h01, x[4 * i], x[4 * i + 1]);
       fp16x2_to_float(h23, x[4 * i + 2], x[4 * i + 3]);
     }

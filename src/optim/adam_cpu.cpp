@@ -64,20 +64,24 @@ AdamUpdate element(const AdamTensorPtrs& t, int64_t j, const AdamConstants& c, f
 template <class G, class P, class M, class V>
 void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
   const float a_d = kept_param_bound(t, c);
+  // An FP8 grad with one scale_inv: its column is the largest |code| times |scale_inv| (optim.h).
+  const bool grad_from_codes = numerics::kIsFp8<G> && t.grad_blocks_per_row == 0;
   uint32_t keys[kAdamAmaxColumns] = {};
   for (int64_t j = 0; j < t.numel; ++j) {
-    const float g = dequantize(static_cast<const G*>(t.grad)[j], grad_scale_inv(t, j));
+    const G code = static_cast<const G*>(t.grad)[j];
+    const float g = dequantize(code, grad_scale_inv(t, j));
     const float p = a_d >= 0.0f ? 0.0f : dequantize(static_cast<const P*>(t.param)[j], t.param_scale_inv);
     AdamMoments mo = adam_moments(p, g, dequantize(static_cast<const M*>(t.exp_avg)[j], t.exp_avg_scale_inv),
                                   decayed_exp_avg_sq<V>(t, j, c), c);
     if (a_d >= 0.0f) mo = bound_moments(mo, a_d);
-    keys[kAdamAmaxGrad] = std::max(keys[kAdamAmaxGrad], amax_key(g));
+    keys[kAdamAmaxGrad] = std::max(keys[kAdamAmaxGrad], amax_key(grad_from_codes ? to_float(code) : g));
     keys[kAdamAmaxExpAvg] = std::max(keys[kAdamAmaxExpAvg], amax_key(mo.exp_avg));
     keys[kAdamAmaxExpAvgSq] = std::max(keys[kAdamAmaxExpAvgSq], amax_key(mo.exp_avg_sq));
     const float param = adam_param(mo, c);
     keys[kAdamAmaxParam] = std::max(keys[kAdamAmaxParam], amax_key(a_d >= 0.0f ? scale_grid_top(param) : param));
   }
   for (int col = 0; col < kAdamAmaxColumns; ++col) row[col] = amax_from_key(keys[col]);
+  if (grad_from_codes) row[kAdamAmaxGrad] = rn::mul(row[kAdamAmaxGrad], std::fabs(*t.grad_scale_inv));
 }
 
 // Pass 2: recompute and store tensor t with its new scales; the exact |p'| into row's new_param.

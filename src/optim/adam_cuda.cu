@@ -99,6 +99,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   constexpr int kColumns = kAdamAmaxNewParam;  // the columns pass 1 folds (pass 2 the last one)
   float amax[kColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'| (or its bound)
   float lower = 0.0f;                 // the largest lower bound of |p'| this lane has seen
+  // An FP8 grad with one scale_inv: |g| is folded from the codes (their fp16 pairs, two
+  // instructions a pack) and scaled once at the end, which rounds as scaling each would.
+  constexpr bool kGradFromCodes = kIsFp8<G> && !kBlocks;
+  uint32_t grad_codes = 0;  // the fp16 pair of this lane's largest code magnitudes
   // The loop, compiled twice: with a kept amax (kKept) every |p_d| is A_d, so that the master is
   // neither decoded nor folded, and the exact path folds scale_grid_top of the bound moments' p'.
   const auto fold_packs = [&](auto kept_known) {
@@ -110,6 +114,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       const int valid = pack.valid;
       float g[N], p[N], m[N], v[N];
       chunk.template decode<!kKept>(pack, g, p, m, v);
+      if constexpr (kGradFromCodes) grad_codes = fold_code_magnitudes<G, N>(pack.g, grad_codes);
       // The next pack goes into the registers just decoded (a second buffer costs a copy a pack);
       // its load still overlaps this pack's compute.
       if (u + 1 < kPacks && warp_i + kThreads * N < chunk.length) chunk.fetch(warp_i + (kThreads + lane) * N, pack);
@@ -117,13 +122,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       AdamMoments mo[N];
       // The pack's largest |p_d| and |t| (adam_bound.h), NaN if any is NaN.
       float p_max = kKept ? kept : 0.0f, t_max = 0.0f;
-      with_known_lerp(c, [&](const AdamConstants& ck) {
+      // With a kept amax the step is AdamW's or undecayed (uses_kept_amax), and p_d is A_d
+      // (bound_moments): the decay's branches and product can go.
+      AdamConstants moment_constants = c;
+      if constexpr (kKept) moment_constants.decays = false;
+      with_known_lerp(moment_constants, [&](const AdamConstants& ck) {
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           mo[k] = adam_moments(p[k], g[k], m[k], v[k], ck);
           // Elements past the end (zeros) add 0 to these four and a t of 0, or NaN when eps is 0
           // (0/0), which sends the pack to the exact path below; they are never evaluated there.
-          amax[kAdamAmaxGrad] = fold_magnitude(amax[kAdamAmaxGrad], g[k]);
+          if constexpr (!kGradFromCodes) amax[kAdamAmaxGrad] = fold_magnitude(amax[kAdamAmaxGrad], g[k]);
           amax[kAdamAmaxExpAvg] = fold_magnitude(amax[kAdamAmaxExpAvg], mo[k].exp_avg);
           amax[kAdamAmaxExpAvgSq] = fold_magnitude(amax[kAdamAmaxExpAvgSq], mo[k].exp_avg_sq);
           if constexpr (!kKept) p_max = fold_magnitude(p_max, mo[k].param);
@@ -154,6 +163,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     fold_packs(std::true_type{});
   } else {
     fold_packs(std::false_type{});
+  }
+  if constexpr (kGradFromCodes) {
+    float low, high;
+    fp16x2_to_float(grad_codes, low, high);
+    amax[kAdamAmaxGrad] = rn::mul(max_nan(low, high), fabsf(chunk.g_si));
   }
 
   // Block max of the four keys, then one atomic max per column (the row was zeroed by this call

@@ -250,6 +250,19 @@ TEST(AdamCuda, NonFiniteGradSkipsLikeTheCpu) {
   call.params[1]->g->set_bits(12345, 0x00);
   call.found_inf.set_float(0, 1.0f);
   call.step_and_compare("found_inf set on entry");
+  // The grad column is max |code| * |scale_inv| (optim.h): with an infinite scale_inv and zero
+  // codes beside others, inf (not the NaN of 0 * inf), on both; a negative scale_inv's magnitude.
+  call.found_inf.set_float(0, 0.0f);
+  call.params[1]->g->set_bits(7, 0x00);
+  call.params[1]->g_si->set_float(0, INFINITY);
+  call.step_and_compare("an infinite grad scale_inv");
+  call.found_inf.set_float(0, 0.0f);
+  call.params[1]->g_si->set_float(0, -1.0f / 4096.0f);
+  call.step_and_compare("a negative grad scale_inv");
+  // v * b2 is code * f32(scale_inv * b2), which a scale_inv of 1/3 rounds unlike (code * scale_inv) * b2.
+  call.params[1]->g_si->set_float(0, 1.0f / 4096.0f);
+  call.params[2]->v_si->set_float(0, 1.0f / 3.0f);
+  call.step_and_compare("a float16 v with a scale_inv of 1/3");
 }
 
 // ------------------------------------------------------------------------------------------------

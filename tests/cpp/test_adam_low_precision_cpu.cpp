@@ -137,6 +137,25 @@ TEST(AdamLowPrecision, Float16VEntersAsCodeTimesScaleInvTimesBeta2) {
   }
 }
 
+TEST(AdamLowPrecision, Fp8GradColumnIsTheLargestCodeTimesTheScaleInv) {
+  // max |code| * |scale_inv|: the largest |g| for a finite scale_inv (rounding is monotonic); with
+  // an infinite one, inf even beside zero codes (whose g, 0 * inf, is NaN), and the step is skipped.
+  for (const float scale_inv : {-0.25f, 0.25f, INFINITY}) {
+    Param x(3, DType::kFloat32, DType::kFloat8E4M3, DType::kFloat32, DType::kFloat32, false);
+    x.g.set_code(0, encode_as(DType::kFloat8E4M3, 0.0f));
+    x.g.set_code(1, encode_as(DType::kFloat8E4M3, -3.0f));
+    x.g.set_code(2, encode_as(DType::kFloat8E4M3, 1.5f));
+    x.g.scale_inv[0] = scale_inv;
+    const std::vector<uint8_t> before = x.snapshot();
+    Step s;
+    s.hyper = hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, true);
+    s.run({&x});
+    EXPECT_EQ(s.amax[kAdamAmaxGrad], 3.0f * std::fabs(scale_inv)) << scale_inv;
+    EXPECT_EQ(s.found_inf[0], std::isinf(scale_inv) ? 1.0f : 0.0f) << scale_inv;
+    if (std::isinf(scale_inv)) EXPECT_EQ(x.snapshot(), before);
+  }
+}
+
 TEST(AdamLowPrecision, ZeroStateKeepsPreviousScale) {
   // grad 0, m 0, v 0: m' = v' = 0, so their scales stay as they were (amax 0 keeps the pair).
   Param x(4, DType::kFloat32, DType::kFloat32, DType::kFloat8E4M3, DType::kFloat16, false);
