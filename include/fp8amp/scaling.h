@@ -39,7 +39,8 @@ void compute_scale(const TensorView& amax, const TensorView& scale, const Tensor
                    float fmax, const ScalingRecipe& recipe, Stream stream);
 
 // Delayed scaling, after an optimizer step, for n tensors with amax histories [n, H]:
-//   a non-finite amax[i, 0] is zeroed and resets counter[i] to 0, else counter[i] += 1 (capped at H);
+//   a non-finite amax[i, 0] is zeroed and resets counter[i] to 0, else counter[i] += 1 (capped at H)
+//   if amax[i, 0] > 0 (an amax of 0, nothing recorded this step, leaves the warm-up where it is);
 //   scale[i] = rule(max_j amax[i, j]) (previous kept if that max is 0);
 //   the history rolls: amax[i, j] = amax[i, j - 1], amax[i, 0] = 0.
 // All four are written: no two may share memory (a ValueError names both), here and in

@@ -7,8 +7,8 @@ scale pair and a warm-up counter, all as registered buffers: they are saved in t
 Per training step: quantize each tensor through the state (its amax is recorded in the same
 pass), then, after the optimizer step, call :meth:`ScalingState.update` once. A tensor uses
 current scaling (the scale from this step's own amax) while its counter is below the history
-length H, that is for its first H steps and again for H steps after a non-finite amax; after
-that it uses the delayed scale, made from the max of its last H amaxes.
+length H, that is for its first H steps that record an amax and again for H such steps after a
+non-finite amax; after that it uses the delayed scale, made from the max of its last H amaxes.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class ScalingState(torch.nn.Module):
     - ``amax_history`` ``[n, H]``: row i holds tensor i's amaxes, this step's in column 0.
     - ``scale`` ``[n]`` (init 1): the delayed scale, multiplying high precision into ``dtype``.
     - ``scale_inv`` ``[n]`` (init 1): ``1 / scale``.
-    - ``counter`` int32 ``[n]`` (init 0): steps since the start or the last non-finite amax,
-      capped at H; tensor i warms up (current scaling) while ``counter[i] < H``.
+    - ``counter`` int32 ``[n]`` (init 0): steps that recorded an amax (> 0) since the start or the
+      last non-finite amax, capped at H; tensor i warms up (current scaling) while ``counter[i] < H``.
 
     With several data-parallel ranks :func:`fp8amp.update_scaling` MAX-reduces this step's amaxes
     over a process group before the update (:mod:`fp8amp.amax_sync`); :meth:`update` alone does not.

@@ -73,6 +73,7 @@ struct DelayedScalingSlice {
 FP8AMP_HD void update_delayed_row(float* h, int64_t history_len, float* scale, float* scale_inv, int32_t* counter,
                                   float fmax, int margin, bool pow2_scale) {
   const bool bad = !numerics::is_finite(h[0]);
+  const bool recorded = h[0] > 0.0f;
   if (bad) h[0] = 0.0f;
   float window_max = 0.0f;
   // std::max's rule: an older NaN entry never wins.
@@ -83,7 +84,9 @@ FP8AMP_HD void update_delayed_row(float* h, int64_t history_len, float* scale, f
   *scale_inv = pair.scale_inv;
   for (int64_t j = history_len - 1; j > 0; --j) h[j] = h[j - 1];
   h[0] = 0.0f;
-  const int64_t next = static_cast<int64_t>(*counter) + 1;
+  // The warm-up counts steps that recorded an amax: a tensor no training forward cast (an expert
+  // routed no tokens, a layer skipped, run only in eval or without grad) would end it at scale 1.
+  const int64_t next = static_cast<int64_t>(*counter) + (recorded ? 1 : 0);
   *counter = bad ? 0 : static_cast<int32_t>(next < history_len ? next : history_len);
 }
 

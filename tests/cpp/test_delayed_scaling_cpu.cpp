@@ -101,7 +101,11 @@ TEST(DelayedScaling, HistoryRollCounterAndNonFinite) {
   step();
   step();  // 1e4 has left the window, everything is 0: previous scale kept
   EXPECT_EQ(scale[0], 1.0f / 32.0f);
-  for (int i = 0; i < 5; ++i) step();
+  EXPECT_EQ(counter[0], 0);  // steps that recorded no amax (a layer not cast) do not end the warm-up
+  for (int i = 0; i < 5; ++i) {
+    hist[0] = 1.0f;
+    step();
+  }
   EXPECT_EQ(counter[0], 3);  // capped at the history length
 }
 

@@ -131,7 +131,7 @@ def test_compiled_cast_transpose_dbias_equals_eager():
             assert_bits_equal(b, a)
         for name, value in eager_state.named_buffers():
             assert_bits_equal(getattr(compiled_state, name), value)
-    assert eager_state.counter.tolist() == [2, 2]
+    assert eager_state.counter.tolist() == [0, 2]  # row 0 casts nothing: it stays in its warm-up
 
 
 def test_compiled_cast_transpose_dbias_with_changing_shapes():

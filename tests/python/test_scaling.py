@@ -74,13 +74,14 @@ class DelayedScalingModel:
     def update(self):
         for i, row in enumerate(self.history):
             bad = not np.isfinite(row[0])
+            recorded = row[0] > 0  # an amax of 0 (nothing recorded this step) leaves the warm-up
             if bad:
                 row[0] = F32(0)
             self.scale[i], self.scale_inv[i] = model_scale(
                 max(row), self.fmax, self.margin, self.pow2, (self.scale[i], self.scale_inv[i])
             )
             self.history[i] = [F32(0)] + row[:-1]
-            self.counter[i] = 0 if bad else min(self.counter[i] + 1, self.h)
+            self.counter[i] = 0 if bad else min(self.counter[i] + int(recorded), self.h)
 
     def assert_matches(self, state: fp8amp.ScalingState):
         assert_same_float(state.amax_history, torch.tensor(np.array(self.history, dtype=np.float32)))
@@ -296,7 +297,7 @@ def continue_run(state, first_step, last_step):
 def test_state_dict_round_trip_resumes_warm_up_and_history():
     model = TinyModel()
     run_sequence(model.scaling, steps=5)
-    assert model.scaling.counter.tolist() == [5, 5]  # still warming up (H = 8)
+    assert model.scaling.counter.tolist() == [4, 3]  # still warming up (H = 8; steps of amax 0 do not count)
     keys = set(model.state_dict())
     assert {"scaling.amax_history", "scaling.scale", "scaling.scale_inv", "scaling.counter"} <= keys
 

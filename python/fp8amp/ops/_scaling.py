@@ -61,7 +61,8 @@ def update_delayed_scaling(
 
     With ``amax_history`` float32 ``[n, H]``, ``scale`` / ``scale_inv`` float32 ``[n]`` and
     ``counter`` int32 ``[n]``, for each i: a non-finite ``amax_history[i, 0]`` is zeroed and sets
-    ``counter[i] = 0``, otherwise ``counter[i] += 1`` (at most H); the scale pair is recomputed as
+    ``counter[i] = 0``, otherwise ``counter[i] += 1`` (at most H) if it is > 0 (an amax of 0, nothing
+    recorded, leaves the warm-up where it is); the scale pair is recomputed as
     in :func:`compute_scale` from the max of the row (kept if that max is 0); then the row rolls
     by one and ``amax_history[i, 0] = 0``.
     """
