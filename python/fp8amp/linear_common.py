@@ -1,7 +1,7 @@
 """What both of Fp8Linear's autograd Functions share (per-tensor scaling in linear.py, tile
 scaling in tiled_linear.py): the output dtype, the padding of the token rows and the output made
 from the GEMM's padded rows, the E4M3 weight gradient of O1/O2, and the refusals of double
-backward and of functorch's transforms."""
+backward, of functorch's transforms and of forward-mode AD."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import functools
 import math
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from .formats import E4M3
@@ -16,7 +17,7 @@ from .ops import fast
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad", "first_order_backward",
-           "functorch_active", "NO_FUNCTORCH"]
+           "functorch_active", "NO_FUNCTORCH", "refuse_dual_tensors"]
 
 _unsafe_view = torch.ops.aten._unsafe_view.default  # the overload itself: no packet lookup a call
 
@@ -43,6 +44,20 @@ NO_FUNCTORCH = (
     "scaling buffers in place inside a custom autograd Function, which functorch can neither batch nor "
     "differentiate. Use torch.autograd.functional.jacobian / vjp with vectorize=False (the default), a loop "
     "over samples, or " + _HIGH_PRECISION_INSTEAD)
+
+
+_NO_FORWARD_AD = (
+    "Fp8Linear: forward-mode AD (torch.autograd.forward_ad's dual tensors) is not supported: the layer's FP8 "
+    "GEMMs run in a custom autograd Function with no jvp. Use reverse mode (loss.backward(), "
+    "torch.autograd.grad, torch.autograd.functional.jacobian), or " + _HIGH_PRECISION_INSTEAD)
+
+
+def refuse_dual_tensors(*tensors) -> None:
+    """Refuses tensors that carry a forward-mode tangent (torch's error named only the Function's
+    missing jvp). Outside a dual level, one read of a module global."""
+    if forward_ad._current_level >= 0 and any(t is not None and forward_ad.unpack_dual(t).tangent is not None
+                                              for t in tensors):
+        raise NotImplementedError(_NO_FORWARD_AD)
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

@@ -132,3 +132,26 @@ def test_frozen_backbone_run_without_grad_in_training_matches_plain_torch(level)
             o.step()
             o.zero_grad()
         assert _rel(y, ref(x)) < 0.1
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_forward_mode_ad_is_refused_naming_what_works(level, recipe):
+    """Dual tensors of torch.autograd.forward_ad raised torch's "You must implement the jvp function
+    for custom autograd.Function", naming neither the layer nor what works; a forward inside a dual
+    level without a tangent runs as before."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, 16))
+    opt = torch.optim.AdamW(model.parameters())
+    if level == "fp8":
+        fp8amp.convert(model, optimizer=opt, policy="all", recipe=recipe)
+    else:
+        model, opt = fp8amp.initialize(model, opt, level, policy="all", recipe=recipe)
+    x = torch.randn(4, D)
+    with fwAD.dual_level():
+        assert model(x).shape == (4, 16)
+        with pytest.raises(NotImplementedError, match="forward-mode AD.*torch.autograd.grad.*module_filter_fn"):
+            model(fwAD.make_dual(x, torch.randn(4, D)))
+    model(x).sum().backward()  # and the model trains on
