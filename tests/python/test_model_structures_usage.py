@@ -155,3 +155,123 @@ def test_forward_mode_ad_is_refused_naming_what_works(level, recipe):
         with pytest.raises(NotImplementedError, match="forward-mode AD.*torch.autograd.grad.*module_filter_fn"):
             model(fwAD.make_dual(x, torch.randn(4, D)))
     model(x).sum().backward()  # and the model trains on
+
+
+class _TopKMoE(nn.Module):
+    """Top-2 of 4 experts by index_select / index_add; expert 3 is not called on even steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, 4, bias=False)  # (4 outputs: kept in high precision)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x, step):
+        top_w, top_i = self.gate(x).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            if i == 3 and step % 2 == 0:
+                continue
+            idx = (top_i == i).any(-1).nonzero().squeeze(-1)
+            weight = torch.where(top_i[idx] == i, top_w[idx], 0).sum(-1, keepdim=True)
+            out = out.index_add(0, idx, expert(x.index_select(0, idx)) * weight)
+        return out
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_top_k_moe_trains_as_torch_eager_and_compiled(level):
+    """Experts skipped in some steps (no gradient: AdamW skips them, as torch's) and experts given
+    no tokens (empty batches), eager and under torch.compile (aot_eager, bit for bit as eager)."""
+    ref, ref_opt, model, opt = _pair(level, _TopKMoE, lr=1e-2)
+    *_, twin, twin_opt = _pair(level, _TopKMoE, lr=1e-2)
+    compiled = torch.compile(twin, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = torch.randn(20, D, generator=gen)
+        if step == 4:
+            x[:, :] = x[:1]  # every token routed alike: two experts get none
+        for m, o in ((ref, ref_opt), (model, opt), (compiled, twin_opt)):
+            o.zero_grad()
+            (m(x, step) - 1).square().mean().backward()
+            o.step()
+    for p, q, r in zip(model.parameters(), twin.parameters(), ref.parameters()):
+        assert torch.equal(_real(p), _real(q))
+        assert _rel(p, r) < 0.1
+    assert model.experts[3].weight.grad is None and ref.experts[3].weight.grad is None
+    steps = {k: int(s["step"]) for k, s in opt.state_dict()["state"].items()}
+    assert steps == {k: int(s["step"]) for k, s in ref_opt.state_dict()["state"].items()}
+
+
+@pytest.mark.parametrize("level", ["fp8", "O1", "O2"])
+def test_one_linear_called_several_times_a_forward(level):
+    """The same module at several places (ALBERT's sharing) and in an unrolled loop, on batches of
+    other sizes and dtypes: gradients summed over the calls as in torch, and the recorded amax the
+    max over every call's input."""
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.Linear(D, D)
+            self.layers = nn.ModuleList([layer] * 3)
+            self.out = nn.Linear(D, 16)
+
+        def forward(self, x):
+            h = x
+            for layer in self.layers:
+                h = torch.tanh(layer(h)) + x
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                side = self.layers[0](x[:3] * 4)  # 3 rows, another dtype
+            return self.out(h).square().mean() + side.float().square().mean()
+
+    ref, ref_opt, model, opt = _pair(level, Shared, lr=1e-2)
+    assert model.layers[0] is model.layers[2] and len(list(model.parameters())) == 4
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].abs().max().float()))
+    for step in range(4):
+        x = torch.randn(8, D)
+        seen.clear()
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).backward()
+        assert len(seen) == 4
+        assert model.layers[0].input_scaling.amax_history[0, 0] == max(seen)
+        assert _rel(model.layers[0].weight.grad, ref.layers[0].weight.grad) < 0.15
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    assert _rel(model.layers[0].weight, ref.layers[0].weight) < 0.1
+
+
+@pytest.mark.parametrize("level", ["fp8", "O2"])
+def test_two_losses_detached_and_unused_outputs_match_torch(level):
+    """Two losses backpropagated separately (retain_graph) and a second micro-batch, a head on a
+    detached trunk, a Linear whose output the loss ignores and a layer dropped on every third step:
+    which params get gradients and optimizer state, and their step counts, are torch's."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk, self.drop = nn.Linear(D, D), nn.Linear(D, D)
+            self.h1, self.h2, self.unused = nn.Linear(D, 16), nn.Linear(D, 16), nn.Linear(D, 16)
+
+        def forward(self, x, step):
+            t = torch.relu(self.trunk(x))
+            if step % 3:
+                t = t + self.drop(t)
+            self.unused(t)
+            return self.h1(t), self.h2(t.detach())
+
+    ref, ref_opt, model, opt = _pair(level, Net, lr=1e-2)
+    for step in range(6):
+        x = torch.randn(16, D)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            a, b = m(x, step)
+            a.square().mean().backward(retain_graph=True)
+            (b - 1).square().mean().backward()
+            sum(y.square().mean() for y in m(x / 2, step)).backward()
+            o.step()
+            o.zero_grad(set_to_none=step % 2 == 0)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (r.grad is None), name
+        assert _rel(p, r) < 0.1 if name.split(".")[0] != "unused" else _rel(p, r) < 1e-3, name
+    steps = {k: int(s["step"]) for k, s in opt.state_dict()["state"].items()}
+    assert steps == {k: int(s["step"]) for k, s in ref_opt.state_dict()["state"].items()}
+    assert 8 not in steps and 9 not in steps  # the unused Linear's: no state, as in torch
