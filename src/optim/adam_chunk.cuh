@@ -19,8 +19,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kElementsPerThread = 64;  // per block: a chunk of kThreads * 64 elements of one tensor
-constexpr int64_t kChunk = int64_t{kThreads} * kElementsPerThread;
+// The elements a thread takes in each pass; a block takes a chunk of kThreads times that, of one
+// tensor. Pass 1, bound by its instructions, spreads each block's fixed work (the step's
+// constants, the reductions, the exact evaluations of its first packs) over more elements; pass 2,
+// bound by memory, ran slower with longer chunks (docs/benchmarks.md#optimizer-step).
+constexpr int kAmaxElementsPerThread = 512;
+constexpr int kStoreElementsPerThread = 64;
 
 // Tensors per launch: the batch travels in the kernel parameters, which may take 32,764 bytes
 // since CUDA 12.1 (on Volta and later; fp8amp needs CUDA 13). 128 covers the params of a typical
@@ -86,13 +90,15 @@ __shared__ FastDivisor shared_blocks_per_row;
 // The kernels index the chunk's elements with 32-bit offsets. With kBlocks (an FP8 grad with 128 x
 // 128 block scales) each pack reads its block's grad scale_inv: a pack lies in one block, as the
 // grad's cols are a multiple of 128 and of the pack size.
-template <class G, class P, class M, class V, bool kBlocks>
+template <class G, class P, class M, class V, bool kBlocks, int kPerThread>
 struct Chunk {
   static constexpr int N = kPackSize<G, P, M, V>;
+  static constexpr int kPacks = kPerThread / N;  // a thread's packs
+  static constexpr int64_t kSize = int64_t{kThreads} * kPerThread;  // a block's elements
   const AdamTensorPtrs& tp;
   float* amax_row;
   int64_t begin;  // the chunk's first element in the tensor
-  int length;     // its elements: kChunk, fewer in the tensor's last chunk
+  int length;     // its elements: kSize, fewer in the tensor's last chunk
   float g_si, p_si, m_si;  // g_si negative for maximize: decode returns -g (exactly); +-1 with kBlocks
   float v_factor;  // exp_avg_sq_factor: decode returns v * b2
   bool vector_ok;  // every array aligned for one access per pack
@@ -102,13 +108,13 @@ struct Chunk {
   __device__ Chunk(const AdamBatch& batch, const AdamArgs& args, int t, bool read_param)
       : tp(batch.tensors[t]),
         amax_row(args.amax + static_cast<int64_t>(batch.index[t]) * kAdamAmaxColumns),
-        begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kChunk),
-        length(static_cast<int>(min(tp.numel - begin, kChunk))),
+        begin(static_cast<int64_t>(static_cast<int>(blockIdx.x) - batch.block_begin[t]) * kSize),
+        length(static_cast<int>(min(tp.numel - begin, kSize))),
         g_si(signed_grad_scale_inv<G>(kBlocks ? nullptr : tp.grad_scale_inv, args.hyper.maximize)),
         p_si(scale_inv_or_1(tp.param_scale_inv)),
         m_si(scale_inv_or_1(tp.exp_avg_scale_inv)),
         v_factor(exp_avg_sq_factor(scale_inv_or_1(tp.exp_avg_sq_scale_inv), rn::to_float(args.hyper.beta2))),
-        // kChunk is a multiple of N: the chunk's packs are aligned iff the tensor's start is.
+        // kSize is a multiple of N: the chunk's packs are aligned iff the tensor's start is.
         vector_ok(is_aligned(tp.grad, N * sizeof(G)) && is_aligned(tp.param, N * sizeof(P)) &&
                   is_aligned(tp.exp_avg, N * sizeof(M)) && is_aligned(tp.exp_avg_sq, N * sizeof(V)) &&
                   is_aligned(tp.weight_fp8, N)),

@@ -5,9 +5,9 @@
 //   every tensor -> commit_kernel for every tensor.
 // Passes are multi-tensor launches, like cast_cuda.cu's: a launch covers up to kMaxTensors
 // tensors of one dtype combination, whose pointers travel in the kernel parameters; tensor t owns
-// blocks [block_begin[t], block_begin[t + 1]), a block one chunk of kChunk elements. Every
-// thread handles packs of N consecutive elements, each array moved as one access of N * its
-// element size bytes (4, 8 or 16) where the tensor's arrays are aligned for it.
+// blocks [block_begin[t], block_begin[t + 1]), a block one chunk of Chunk::kSize elements (the
+// pass's own size). Every thread handles packs of N consecutive elements, each array moved as one
+// access of N * its element size bytes (4, 8 or 16) where the tensor's arrays are aligned for it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -65,7 +65,7 @@ __device__ uint32_t canonical_key(float amax) {
 template <class G, class P, class M, class V, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     adam_amax_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
-  using C = Chunk<G, P, M, V, kBlocks>;
+  using C = Chunk<G, P, M, V, kBlocks, kAmaxElementsPerThread>;
   constexpr int N = C::N;
   __shared__ AdamConstants shared_constants;
   __shared__ AdamBoundConstants shared_bound;
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int t = owning_tensor(batch);
   const C chunk(batch, args, t, !uses_kept_amax(batch.tensors[t], args.hyper.adamw, args.hyper.weight_decay != 0.0));
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  constexpr int kPacks = kElementsPerThread / N;
+  constexpr int kPacks = C::kPacks;
   typename C::Pack pack{};
   const int warp_first = (static_cast<int>(threadIdx.x) - lane) * N;  // the warp's first element
   const bool has_first = warp_first < chunk.length;
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 template <class G, class P, class M, class V, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     adam_store_kernel(const __grid_constant__ AdamBatch batch, const __grid_constant__ AdamArgs args) {
-  using C = Chunk<G, P, M, V, kBlocks>;
+  using C = Chunk<G, P, M, V, kBlocks, kStoreElementsPerThread>;
   constexpr int N = C::N;
   constexpr bool kScaledParam = !std::is_same_v<P, float>;
   constexpr bool kScaledExpAvg = !std::is_same_v<M, float>;
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ uint32_t warp_keys[kWarps];
 
   const C chunk(batch, args, owning_tensor(batch), true);
-  constexpr int kPacks = kElementsPerThread / N;
+  constexpr int kPacks = C::kPacks;
   typename C::Pack pack{}, next{};
   const int first = static_cast<int>(threadIdx.x) * N;
   if (first < chunk.length) chunk.fetch_arrays(first, pack);
@@ -310,7 +310,8 @@ void launch_pass(const std::vector<AdamTensorPtrs>& tensors, const std::vector<i
     blocks = 0;
   };
   for (const int32_t i : indices) {
-    const int64_t need = ceil_div(tensors[i].numel, kChunk);
+    const int64_t chunk = int64_t{kThreads} * (store ? kStoreElementsPerThread : kAmaxElementsPerThread);
+    const int64_t need = ceil_div(tensors[i].numel, chunk);
     if (need == 0) continue;
     if (batch.count == kMaxTensors || (batch.count > 0 && blocks + need > INT_MAX)) launch();
     batch.tensors[batch.count] = tensors[i];

@@ -176,7 +176,7 @@ TEST(AdamCuda, EveryFormatCombinationManySizesBitExact) {
   REQUIRE_GPU();
   std::mt19937 rng(5);
   const std::vector<Formats> formats = all_formats();
-  const int64_t sizes[] = {1, 7, 8, 9, 255, 8191, 8192, 8193, 16383, 16384, 16385, 100003};
+  const int64_t sizes[] = {1, 7, 8, 9, 255, 8191, 8192, 8193, 16383, 16384, 16385, 100003, 131073, 262144};
   Call call(formats.size() * 2);
   for (size_t i = 0; i < formats.size() * 2; ++i) {
     const int64_t n = sizes[i % (sizeof(sizes) / sizeof(sizes[0]))];
@@ -303,7 +303,7 @@ TEST(AdamCuda, AmaxPassSkipsNothingThatMatters) {
   std::normal_distribution<float> normal;
   const Formats o2{DType::kFloat16, DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat16, true};
   const Formats f32{DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat32, true};
-  const int64_t n = 300001;  // 19 blocks of 16384 (a chunk), the last pack partial
+  const int64_t n = 300001;  // 3 blocks of pass 1 (131072 each), 19 of pass 2 (16384), the last pack partial
   Call call(2);
   call.params.push_back(std::make_unique<Param>(n, o2, 0, rng));
   call.params.push_back(std::make_unique<Param>(n, f32, 0, rng));
@@ -319,7 +319,8 @@ TEST(AdamCuda, AmaxPassSkipsNothingThatMatters) {
 
   // Small weights with small updates (a large v), and at `at` a zero weight with a zero state: its
   // update is lr, the largest |p'|, made of a small p and a large step.
-  for (const int64_t at : {int64_t{0}, int64_t{5}, int64_t{8192}, int64_t{16384}, int64_t{16384 * 9 + 2049}, n - 1}) {
+  for (const int64_t at : {int64_t{0}, int64_t{5}, int64_t{8192}, int64_t{16384}, int64_t{16384 * 9 + 2049},
+                           int64_t{131072}, int64_t{131072 * 2 + 2049}, n - 1}) {
     start(1e-3, 1e-8);
     std::vector<float> ps(n), gs(n);
     for (int64_t j = 0; j < n; ++j) ps[j] = 1e-4f * normal(rng), gs[j] = 0x1p-10f * normal(rng);
