@@ -100,8 +100,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   float amax[kColumns] = {};  // this lane's maxima of |g|, |m'|, |v'| and the exact |p'| (or its bound)
   float lower = 0.0f;                 // the largest lower bound of |p'| this lane has seen
   // An FP8 grad with one scale_inv: |g| is folded from the codes (their fp16 pairs, two
-  // instructions a pack) and scaled once at the end, which rounds as scaling each would.
-  constexpr bool kGradFromCodes = kIsFp8<G> && !kBlocks;
+  // instructions a pack) and scaled once at the end, which rounds as scaling each would. The
+  // pairs come from sm_89's FP8 conversions, which fp8amp's GPUs all have.
+  constexpr bool kGradFromCodes = kIsFp8<G> && !kBlocks && kHardwareConvert;
   uint32_t grad_codes = 0;  // the fp16 pair of this lane's largest code magnitudes
   // The loop, compiled twice: with a kept amax (kKept) every |p_d| is A_d, so that the master is
   // neither decoded nor folded, and the exact path folds scale_grid_top of the bound moments' p'.
