@@ -169,6 +169,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).
         ctx.fp8_weight_grad = isinstance(weight, MasterWeight) and fp8_weight_grad
         ctx.grad_output_scaling = grad_output_scaling
+        ctx.record_amax = record_amax
         ctx.rows = rows
         ctx.input_dtype = x.dtype
         ctx.output_dtype = out_dtype
@@ -189,12 +190,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         padded = ctx.rows % _ALIGN != 0
         dy_in = pad_rows(dy2d, _ALIGN) if padded else dy2d
         grad_x = grad_weight = grad_bias = None
+        record = ctx.record_amax  # as its forward: an eval() forward's backward (an input gradient) records nothing
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # The bias gradient from the same pass over dY (padding rows are zeros: they add nothing).
-            dy_fp8, dy_fp8_t, dy_scale_inv, dbias = ctx.grad_output_scaling.cast_transpose_dbias(dy_in)
+            dy_fp8, dy_fp8_t, dy_scale_inv, dbias = ctx.grad_output_scaling.cast_transpose_dbias(dy_in, record=record)
             grad_bias = dbias.to(ctx.weight_dtype)
         else:
-            dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(dy_in)
+            dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_output_scaling.cast_transpose(dy_in, record=record)
         recording = cast_recorder.recording()
         if recording:
             cast_recorder.record(ctx.grad_output_scaling, "grad_output", dy2d, dy_fp8[: ctx.rows], dy_scale_inv)
@@ -290,7 +292,8 @@ class Fp8Linear(nn.Linear):
         apply_inductor_config()
 
     #: Whether forwards in ``eval()`` or without grad (validation, generation) record their input's
-    #: amax into the delayed-scaling history. Off: only training forwards shape the training scales;
+    #: amax (and their backwards the output gradient's) into the delayed-scaling histories. Off: only
+    #: training forwards and their backwards shape the training scales;
     #: such a forward still casts with the delayed scale (during the warm-up, with its own amax's).
     record_amax_outside_training: bool = False
 
