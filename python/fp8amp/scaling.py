@@ -237,6 +237,7 @@ class ScalingState(torch.nn.Module):
                 with torch.no_grad():
                     for name, value in carried.items():
                         self._buffers[name].copy_(value)
+                self._restart_saturating()
                 return
             if _fresh_if_missing.get():
                 self.reset()
@@ -249,11 +250,24 @@ class ScalingState(torch.nn.Module):
             # counter beside scale 1); the warm-up's current scaling is right whatever they hold.
             with torch.no_grad():
                 self.counter.zero_()
+        self._restart_saturating()
         buffers = self._buffers
         if buffers["_always_current"].is_meta and not buffers["scale"].is_meta:
             # load_state_dict(..., assign=True) into a state made on the meta device: the checkpoint
             # brought the persistent buffers; the non-persistent constant is made where they are.
             buffers["_always_current"] = torch.zeros(1, dtype=torch.int32, device=buffers["scale"].device)
+
+    def _restart_saturating(self) -> None:
+        """Restarts the warm-up of each loaded tensor whose scale would saturate amaxes of its own
+        history: one made for a format of a larger range (a checkpoint whose output gradients were
+        E5M2 loaded under an E4M3 ``grad_format``, 128x too large), which the first delayed cast
+        would have clipped. A run's own scale never does: it came from a window holding columns 1:.
+        (Factor 2: a ``pow2_scale=False`` quotient may round up.)"""
+        history = self._buffers["amax_history"]
+        if history.shape[1] > 1:
+            with torch.no_grad():
+                over = self._buffers["scale"] * history[:, 1:].amax(1) > 2 * self.fmax
+                self._buffers["counter"].masked_fill_(over, 0)
 
     def check_saved(self, saved: dict, prefix: str = "") -> None:
         """Refuses buffers of a checkpoint (``saved``: buffer name -> tensor) that no run of this state

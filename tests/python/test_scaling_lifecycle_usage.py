@@ -130,11 +130,11 @@ def test_changing_shapes_and_empty_batches(level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("at", [1, 3])
-def test_resume_mid_warm_up_is_bit_for_bit(level, at):
-    """A checkpoint from step 1 or 3 (mid warm-up) loaded into a fresh model of another seed continues
-    bit for bit as the uninterrupted run."""
-    batches = _batches(20)
+@pytest.mark.parametrize("at", [1, 3, 18])
+def test_resume_is_bit_for_bit(level, at):
+    """A checkpoint from step 1 or 3 (mid warm-up) or 18 (delayed scales in use) loaded into a fresh
+    model of another seed continues bit for bit as the uninterrupted run."""
+    batches = _batches(22)
     whole, whole_opt = _setup(level)
     for x, y in batches:
         _step(whole, whole_opt, x, y)
@@ -176,3 +176,31 @@ def test_reset_by_hand_is_a_fresh_warm_up(level):
         _step(model, optimizer, x, y)
         _step(fresh, fresh_opt, x, y)
     _assert_same(_state(model), _state(fresh))
+
+
+def _weight_grad_errors(model, reference, x, y):
+    for m in (model, reference):
+        m.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+    return [((p.grad.float() - q.grad).norm() / q.grad.norm()).item()
+            for p, q in zip(model.parameters(), reference.parameters())]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_checkpoint_of_another_grad_format(level):
+    """A warmed-up checkpoint whose output gradients were E5M2 (the default) loaded into a model whose
+    recipe makes them E4M3: its scales are 128x too large for E4M3's range, and the next backward
+    saturated nearly every output gradient (weight gradients 98 % off plain torch's). Such a state
+    restarts its warm-up (current scaling), so that step's gradients are as close as FP8 makes them."""
+    batches = _batches(20)
+    e5m2, e5m2_opt = _setup(level)
+    for x, y in batches[:18]:
+        _step(e5m2, e5m2_opt, x, y)
+    saved = _state(e5m2)
+    e4m3, _ = _setup(level, seed=5, recipe=fp8amp.Recipe(grad_format=fp8amp.E4M3))
+    e4m3.load_state_dict(saved)
+    reference = _model()
+    reference.load_state_dict({k: v.float() for k, v in saved.items() if "_scaling." not in k})
+    assert max(_weight_grad_errors(e4m3, reference, *batches[18])) < 0.2  # (an E5M2 resume: about 0.14)
+    assert e4m3[2].grad_output_scaling.counter.item() == 0
+    assert e4m3[0].input_scaling.counter.item() == 16  # (same format: kept)
