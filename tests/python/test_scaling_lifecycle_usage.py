@@ -204,3 +204,28 @@ def test_checkpoint_of_another_grad_format(level):
     assert max(_weight_grad_errors(e4m3, reference, *batches[18])) < 0.2  # (an E5M2 resume: about 0.14)
     assert e4m3[2].grad_output_scaling.counter.item() == 0
     assert e4m3[0].input_scaling.counter.item() == 16  # (same format: kept)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_skipped_step_folds_into_the_next(level):
+    """Gradient accumulation over 1 to 4 micro-batches, and an iteration whose optimizer.step() the
+    user skips: the history rolls once per optimizer step, each column holding the max over the
+    step's micro-batches (a skipped iteration's amaxes go to the next step, as its gradients do),
+    and the counter counts optimizer steps."""
+    model, optimizer = _setup(level)
+    gen = torch.Generator().manual_seed(0)
+    expected, pending = [], 0.0
+    for i, micro in enumerate([1, 3, 2, 4, 1, 2]):
+        if pending == 0.0:  # (after a skipped step the gradients accumulate on, as the amaxes do)
+            optimizer.zero_grad()
+        for j in range(micro):
+            x = torch.randn(4 + j, 32, generator=gen) * (i + 1 + j)
+            (nn.functional.mse_loss(model(x), torch.zeros(4 + j, 16)) / micro).backward()
+            pending = max(pending, x.abs().max().item())
+        if i != 2:  # iteration 2 skips its step
+            optimizer.step()
+            expected.append(pending)
+            pending = 0.0
+    state = model[0].input_scaling
+    assert state.counter.item() == 5
+    assert state.amax_history[0, 1:6].flip(0).tolist() == expected
