@@ -226,13 +226,13 @@ _NO_TORCHSCRIPT = (
     "torch.compile to compile, torch.export to export (docs/compile.md)")
 
 
-def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module) -> None:
     """TorchScript tracing, forward-mode AD, sparse and nested inputs, inputs or weights of a dtype the casts do
     not take (named by the layer, not by the cast op that would refuse them) and an input on another device than
     the weights (a meta input gave autocast's "unknown device type"), refused with what works; Dynamo folds them."""
     if torch.jit.is_tracing():
         raise NotImplementedError(_NO_TORCHSCRIPT)
-    refuse_dual_tensors(x, weight, bias)
+    refuse_dual_tensors(x, layer)
     if weight.dtype not in HIGH_PRECISION_DTYPES:  # model.double() after convert
         raise ValueError(f"Fp8Linear: the weight is {weight.dtype}, which the FP8 casts do not read; keep the model "
                          "in float32, bfloat16 or float16 (torch.autocast chooses the compute dtype), or run it in "
@@ -352,7 +352,7 @@ class Fp8Linear(nn.Linear):
         if functorch_active():  # first: a transform's wrapped weight would fail the O1/O2 master check
             raise NotImplementedError(NO_FUNCTORCH)
         weight = self.weight  # one lookup (nn.Module.__getattr__) a forward, not three
-        _refuse_unsupported_input(x, weight, self.bias)
+        _refuse_unsupported_input(x, weight, self)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"

@@ -52,11 +52,14 @@ _NO_FORWARD_AD = (
     "torch.autograd.grad, torch.autograd.functional.jacobian), or " + _HIGH_PRECISION_INSTEAD)
 
 
-def refuse_dual_tensors(*tensors) -> None:
-    """Refuses tensors that carry a forward-mode tangent (torch's error named only the Function's
-    missing jvp). Outside a dual level, one read of a module global."""
-    if forward_ad._current_level >= 0 and any(t is not None and forward_ad.unpack_dual(t).tangent is not None
-                                              for t in tensors):
+def refuse_dual_tensors(x: torch.Tensor, layer: torch.nn.Module) -> None:
+    """Refuses an input or a parameter of ``layer`` that carries a forward-mode tangent (torch's error
+    named only the Function's missing jvp). Outside a dual level, one read of a module global and
+    no parameter access: torch.compile lifts parameters in the order a forward first reads them,
+    and an early read of the bias moved it after an O1/O2 master, where torch 2.15's static-input
+    flags misplace it (docs/hardening.md)."""
+    if forward_ad._current_level >= 0 and any(
+            t is not None and forward_ad.unpack_dual(t).tangent is not None for t in (x, layer.weight, layer.bias)):
         raise NotImplementedError(_NO_FORWARD_AD)
 
 
