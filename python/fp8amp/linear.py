@@ -168,8 +168,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.weight_version = (weight, weight._version) if eager_master else None
         # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).
         ctx.fp8_weight_grad = isinstance(weight, MasterWeight) and fp8_weight_grad
-        ctx.grad_output_scaling = grad_output_scaling
-        ctx.record_amax = record_amax
+        ctx.grad_output_scaling, ctx.record_amax = grad_output_scaling, record_amax
         ctx.rows = rows
         ctx.input_dtype = x.dtype
         ctx.output_dtype = out_dtype
@@ -190,9 +189,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         padded = ctx.rows % _ALIGN != 0
         dy_in = pad_rows(dy2d, _ALIGN) if padded else dy2d
         grad_x = grad_weight = grad_bias = None
-        record = ctx.record_amax  # as its forward: an eval() forward's backward (an input gradient) records nothing
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            # The bias gradient from the same pass over dY (padding rows are zeros: they add nothing).
+        record = ctx.record_amax  # as its forward did: an eval() forward's input gradient records nothing
+        if ctx.has_bias and ctx.needs_input_grad[2]:  # the bias gradient from the same pass over dY
             dy_fp8, dy_fp8_t, dy_scale_inv, dbias = ctx.grad_output_scaling.cast_transpose_dbias(dy_in, record=record)
             grad_bias = dbias.to(ctx.weight_dtype)
         else:
@@ -291,10 +289,9 @@ class Fp8Linear(nn.Linear):
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
 
-    #: Whether forwards in ``eval()`` or without grad (validation, generation) record their input's
-    #: amax (and their backwards the output gradient's) into the delayed-scaling histories. Off: only
-    #: training forwards and their backwards shape the training scales;
-    #: such a forward still casts with the delayed scale (during the warm-up, with its own amax's).
+    #: Whether forwards in ``eval()`` or without grad (validation, generation) record their input's amax (and
+    #: their backwards the output gradient's) into the delayed-scaling histories. Off: only training shapes
+    #: the training scales; such a forward still casts with the delayed scale (in the warm-up, its own amax's).
     record_amax_outside_training: bool = False
 
     #: Set by :meth:`use_master` (fp8amp.initialize at O1/O2); None for FP8 compute alone.
