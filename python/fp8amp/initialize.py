@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+import math
 import warnings
 
 import torch
@@ -140,6 +141,7 @@ def initialize(
     if optimizer is None:
         return model, None
     new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level)
+    _warn_updates_below_master_units(model, new_optimizer, "initialize")
     retire(optimizer, "initialize", "fp8amp optimizer",
            "model, optimizer = fp8amp.initialize(model, optimizer, ...)")
     return model, new_optimizer
@@ -200,6 +202,44 @@ def _warn_16_bit_weight_grads(model: nn.Module) -> None:
                       "keep the model in float32 (torch.autocast chooses the compute dtype)", UserWarning, stacklevel=3)
 
 
+#: The share of a master's elements out of an update's reach at which initialize warns.
+FROZEN_SHARE = 0.01
+
+
+def _warn_updates_below_master_units(model: nn.Module, optimizer: fp8_optim.Adam, caller: str) -> None:
+    """A master stores FP16 codes rounded to nearest, without stochastic rounding: an update below
+    half an FP16 unit of an element is lost. Adam's updates are about lr or smaller, and half a unit
+    exceeds lr wherever ``|w| >= 2^(floor(log2 lr) + 12)``: a master with many such elements (a
+    fine-tuning lr, weights near 1) does not train there, silently. Counted from each group's lr
+    here (a scheduler built later starts from it), with one host read."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    found, counts = [], []  # (name, lr, bound, numel); elements at or above the bound
+    for group in optimizer.param_groups:
+        lr = float(group["lr"])
+        if not lr > 0:  # (an lr of 0 changes nothing by intent)
+            continue
+        bound = 2.0 ** (math.floor(math.log2(lr)) + 12)
+        for p in group["params"]:
+            if isinstance(p, MasterWeight) and not p.is_meta and p.numel():
+                counts.append(torch.count_nonzero(p.codes.abs() >= bound / p.scale_inv))
+                found.append((names.get(id(p), "?"), lr, bound, p.numel()))
+    if not counts:
+        return
+    frozen = [(name, lr, bound, n / numel) for (name, lr, bound, numel), n
+              in zip(found, torch.stack([c.to(counts[0].device) for c in counts]).tolist())
+              if n / numel >= FROZEN_SHARE]
+    if frozen:
+        listed = [f"{name} ({share:.0%} of its elements at |w| >= {bound:g}, lr={lr:g})"
+                  for name, lr, bound, share in frozen]
+        warnings.warn(f"{caller}: {len(frozen)} Linear master(s) hold weights that Adam's updates cannot change: "
+                      f"{_first_names(listed)}. An FP16 master rounds each update to nearest, and where |w| >= "
+                      "2^(floor(log2 lr) + 12) half an FP16 unit is above lr, the most an Adam update usually is, so "
+                      "those weights stay as they are (at O1 and O2 alike). To train them: keep these layers in high "
+                      "precision (module_filter_fn), or use FP8 compute over float32 weights (fp8amp.convert(model, "
+                      "optimizer=optimizer) with torch's AdamW), or a larger lr (docs/o1_o2.md#limits-today)",
+                      UserWarning, stacklevel=3)
+
+
 def _first_names(names: list[str]) -> str:
     """The first three names of a warning's list, "..." after them if there are more."""
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -244,7 +284,9 @@ def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt
         raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; got {opt_level!r}")
     _check_optimizer(optimizer, caller)
     _check_params_are_the_models(model, optimizer, caller)
-    return _optimizer_at_level(model, optimizer, {}, opt_level)
+    new_optimizer = _optimizer_at_level(model, optimizer, {}, opt_level)
+    _warn_updates_below_master_units(model, new_optimizer, caller)
+    return new_optimizer
 
 
 def _foreign_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
