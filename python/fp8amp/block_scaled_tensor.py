@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .accumulation import count_accumulation, reset_accumulation
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
 from .recipes import BLOCK
 from .dequantized_view import view_of
@@ -108,6 +109,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
         return ops.scaled_accumulate_tiles(self._codes, self._scale_inv, update, BLOCK_TILE)
 
     def _write(self, real: torch.Tensor) -> None:
+        reset_accumulation(self)  # new values (zero_grad's zero_ among the writes): no micro-batches summed
         codes, scale_inv = ops.quantize_tiles(real, self._codes.dtype, BLOCK_TILE)
         self._codes.copy_(codes)
         self._scale_inv.copy_(scale_inv)
@@ -150,6 +152,7 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 codes, scale_inv = self._accumulate(args[1])
                 self._codes.copy_(codes)
                 self._scale_inv.copy_(scale_inv)
+                count_accumulation(self)
                 return self
         written = written_instances(func, args, kwargs, BlockScaledTensor)
         out = run_on_values(func, args, kwargs, BlockScaledTensor, written, BlockScaledTensor.dequantize,

@@ -71,6 +71,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 
 from . import ops
+from .accumulation import count_accumulation, reset_accumulation
 from .formats import HIGH_PRECISION_DTYPES
 from .ops import scaled_accumulate
 from .scaled_tensor import OP_TABLE, ScaledTensor, _quantize_current, norms_from_codes
@@ -305,6 +306,7 @@ def _add_(func, args, kwargs):
         codes, scale_inv = (src if src.dtype in HIGH_PRECISION_DTYPES else src.float()).contiguous(), None
     scaled_accumulate(dst._data, dst._scale_inv, codes, scale_inv, alpha=float(alpha))
     dst._after_write()
+    count_accumulation(dst)
     return dst
 
 
@@ -354,6 +356,7 @@ def _zero_(func, args, kwargs):
     x._data.zero_()
     x._scale_inv.fill_(1.0)
     x._after_write()
+    reset_accumulation(x)
     return x
 
 
