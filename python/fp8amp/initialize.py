@@ -26,11 +26,10 @@ and their optimizer states follow the level (their m and v take the same formats
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Optional
-
 import math
 import warnings
+from dataclasses import replace
+from typing import Optional
 
 import torch
 from torch import nn
@@ -216,7 +215,7 @@ def _warn_updates_below_master_units(model: nn.Module, optimizer: fp8_optim.Adam
     found, counts = [], []  # (name, lr, bound, numel); elements at or above the bound
     for group in optimizer.param_groups:
         lr = float(group["lr"])
-        if not lr > 0:  # (an lr of 0 changes nothing by intent)
+        if not 0 < lr < math.inf:  # an lr of 0 changes nothing by intent; inf or NaN moves nothing finite
             continue
         bound = 2.0 ** (math.floor(math.log2(lr)) + 12)
         for p in group["params"]:

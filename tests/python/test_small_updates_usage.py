@@ -140,7 +140,8 @@ def test_initialize_warns_where_adam_updates_cannot_change_a_master(level):
     """Silent before: a layer of weights near 1 at lr 2e-5 never trained. initialize now names the
     masters with at least FROZEN_SHARE of their elements out of an lr-sized update's reach, with
     that share; weights of std 0.02 at the same lr (0.2 % out of reach), an lr of 1e-3 and an lr
-    of 0 are not warned about. initialize_optimizer (the optimizer built later) warns the same."""
+    of 0 are not warned about, and an infinite lr (accepted as torch's AdamW accepts it) does not
+    crash the count. initialize_optimizer (the optimizer built later) warns the same."""
     original = nn.Sequential(layer(0.02, seed=1)[0], layer(None, seed=2)[0])
     model = copy.deepcopy(original)
     expect = (model[1].weight.abs() >= 2.0 ** -4).double().mean().item()  # 2^(floor(log2 2e-5) + 12)
@@ -151,7 +152,7 @@ def test_initialize_warns_where_adam_updates_cannot_change_a_master(level):
                       r"over float32 weights \(fp8amp.convert"):
         fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=2e-5), level, policy="all")
 
-    for lr, keep in ((1e-3, None), (0.0, None), (2e-5, lambda m, fqn: fqn != "1")):
+    for lr, keep in ((1e-3, None), (0.0, None), (float("inf"), None), (2e-5, lambda m, fqn: fqn != "1")):
         fresh = copy.deepcopy(original)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*Adam's updates cannot change")
