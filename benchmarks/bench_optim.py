@@ -14,6 +14,9 @@ by AdamW (lr 1e-4, weight decay 0.1). Modes:
     fp8amp O2 + copy    O2 also rewriting each weight's E4M3 copy for the forward GEMM (what an
                         Fp8Linear training step does: its forward reads that copy instead of
                         re-casting the weight)
+    fp8amp O2, stochastic rounding
+                        O2 with master_rounding="stochastic" (docs/numerics.md#stochastic-rounding):
+                        the same bytes, a hash and a few integer operations more per element in pass 2
     fp8amp O2, master read
                         O2 with each master's kept amax made unknown before every step (one
                         foreach add of NaN), so that pass 1 reads the master as a first step, or the
@@ -43,18 +46,20 @@ from torch.profiler import ProfilerActivity, profile
 import fp8amp
 from _common import copy_bandwidth, markdown_table, parse_subset, report, require_gpu, warm_up_gpu
 
-MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-read", "o2-blocks", "o2-copy"]
+MODES = ["torch-fused", "torch-foreach", "fp8amp-fp32", "o1", "o2", "o2-stochastic", "o2-read", "o2-blocks",
+         "o2-copy"]
 LABELS = {
     "torch-fused": "torch AdamW fused", "torch-foreach": "torch AdamW foreach", "fp8amp-fp32": "fp8amp fp32",
     "o1": "fp8amp O1", "o2": "fp8amp O2", "o2-blocks": "fp8amp O2, block-scaled grads",
     "o2-copy": "fp8amp O2 + weight copy", "o2-read": "fp8amp O2, master read",
+    "o2-stochastic": "fp8amp O2, stochastic rounding",
 }
 # Bytes per parameter a step must move (read + write), per pass: torch's one pass; fp8amp's pass 1
 # (amax: reads g, m, v, and p unless p is a master with a kept amax, as from the second step on
 # here: include/fp8amp/optim.h) and pass 2 (store: reads p, g, m, v, writes p, m, v and the weight copy).
 PASS_BYTES = {
     "torch-fused": (28,), "torch-foreach": (28,), "fp8amp-fp32": (16, 28), "o1": (9, 21), "o2": (4, 11),
-    "o2-blocks": (4, 11), "o2-copy": (4, 12), "o2-read": (6, 11),
+    "o2-blocks": (4, 11), "o2-copy": (4, 12), "o2-read": (6, 11), "o2-stochastic": (4, 11),
 }
 # The kernels of fp8amp's passes (src/optim/adam_cuda.cu), as the profiler names them.
 PASS_KERNELS = ("adam_amax_kernel", "adam_store_kernel")
@@ -71,7 +76,7 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
     for shape in sizes:
         w = torch.randn(shape, device=device, generator=gen) * 0.02
         g = torch.randn(shape, device=device, generator=gen) * 1e-3
-        if mode in ("o1", "o2", "o2-read", "o2-blocks", "o2-copy"):
+        if mode in ("o1", "o2", "o2-read", "o2-blocks", "o2-copy", "o2-stochastic"):
             master = fp8amp.MasterWeight.from_tensor(w)
             p = torch.nn.Parameter(master if mode == "o2-copy" else master.drop_fp8_copy())
             grad_type = fp8amp.BlockScaledTensor if mode == "o2-blocks" else fp8amp.ScaledTensor
@@ -87,7 +92,8 @@ def make(mode: str, sizes: list[tuple[int, int]], device: str):
     elif mode == "torch-foreach":
         opt = torch.optim.AdamW(params, foreach=True, **hyper)
     else:
-        opt = fp8amp.optim.AdamW(params, state_dtypes="O2" if mode.startswith("o2") else "O1", **hyper)
+        opt = fp8amp.optim.AdamW(params, state_dtypes="O2" if mode.startswith("o2") else "O1",
+                                 master_rounding="stochastic" if mode == "o2-stochastic" else "nearest", **hyper)
     if mode == "o2-read":
         kept = [p.kept_amax() for p in params]
         step = opt.step

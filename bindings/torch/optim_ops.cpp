@@ -2,7 +2,7 @@
 //
 //   adam_step(params!, grads, exp_avgs!, exp_avg_sqs!, <scale lists>, step_counts!, param_amaxes!, *,
 //             lr, beta1, beta2, eps, weight_decay, adamw, maximize, step=0, step_tensor!=None,
-//             found_inf!=None, margin=0) -> amax [n, 5]
+//             found_inf!=None, margin=0, stochastic_rounding=False, rounding_seed=0) -> amax [n, 5]
 //
 // Updates every listed tensor in place on its device with no host sync. Each scale list is either
 // empty (no tensor of the call has that scale) or holds one entry per param: a float32 [1] tensor
@@ -18,7 +18,7 @@
 //   torch.classes.fp8amp.AdamPlan(params, exp_avgs, exp_avg_sqs, <the scale lists but grad_scale_invs>,
 //                                 step_counts, param_amaxes)
 //   plan.step(grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay, adamw, maximize, step,
-//             step_tensor, found_inf, margin) -> amax [n, 5], or None
+//             step_tensor, found_inf, margin, stochastic_rounding, rounding_seed) -> amax [n, 5], or None
 //
 // The same step over buffers checked once (fp8amp/optim.h's AdamPlan), for a caller that repeats
 // it: each step passes only its grads and numbers. The plan holds its tensors (they live as long
@@ -93,7 +93,7 @@ AdamTensors buffers(at::TensorList params, at::TensorList exp_avgs, at::TensorLi
 }
 
 AdamHyper hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw, bool maximize,
-                int64_t margin) {
+                int64_t margin, bool stochastic_rounding, int64_t rounding_seed) {
   AdamHyper h;
   h.lr = lr;
   h.beta1 = beta1;
@@ -103,6 +103,8 @@ AdamHyper hyper(double lr, double beta1, double beta2, double eps, double weight
   h.adamw = adamw;
   h.maximize = maximize;
   h.margin = narrow_int(margin, kOp, "margin");
+  h.stochastic_rounding = stochastic_rounding;
+  h.rounding_seed = static_cast<uint64_t>(rounding_seed);  // (its bits: a negative seed is a seed too)
   return h;
 }
 
@@ -116,7 +118,8 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta1, double beta2, double eps,
                      double weight_decay, bool adamw, bool maximize, int64_t step,
                      const std::optional<at::Tensor>& step_tensor,
-                     const std::optional<at::Tensor>& found_inf, int64_t margin) {
+                     const std::optional<at::Tensor>& found_inf, int64_t margin, bool stochastic_rounding,
+                     int64_t rounding_seed) {
   const size_t n = params.size();
   at::Tensor amax = amax_like(params);
   const at::Tensor found = found_inf ? *found_inf : at::zeros({1}, amax.options());
@@ -134,7 +137,10 @@ at::Tensor adam_step(at::TensorList params, at::TensorList grads, at::TensorList
       tensors[i].grad_scale_inv = entry(grad_scale_invs, i, n, "grad_scale_invs");
     }
     const auto step_view = optional_view(step_tensor, kOp, "step_tensor");
-    fp8amp::adam_step(tensors, hyper(lr, beta1, beta2, eps, weight_decay, adamw, maximize, margin), step,
+    fp8amp::adam_step(tensors,
+                      hyper(lr, beta1, beta2, eps, weight_decay, adamw, maximize, margin, stochastic_rounding,
+                            rounding_seed),
+                      step,
                       step_view ? &*step_view : nullptr, view(found, kOp, "found_inf"), view(amax, kOp, "amax"),
                       stream);
   });
@@ -176,7 +182,8 @@ class TorchAdamPlan : public torch::CustomClassHolder {
   std::optional<at::Tensor> step(std::vector<at::Tensor> grads, OptionalTensorList grad_scale_invs, double lr,
                                  double beta1, double beta2, double eps, double weight_decay, bool adamw,
                                  bool maximize, int64_t step, std::optional<at::Tensor> step_tensor,
-                                 std::optional<at::Tensor> found_inf, int64_t margin) {
+                                 std::optional<at::Tensor> found_inf, int64_t margin, bool stochastic_rounding,
+                                 int64_t rounding_seed) {
     RECORD_FUNCTION("fp8amp::AdamPlan.step", std::vector<c10::IValue>());  // (a method: no dispatcher event)
     for (const Held& h : held_) {
       if (!h.unchanged()) return std::nullopt;
@@ -193,7 +200,9 @@ class TorchAdamPlan : public torch::CustomClassHolder {
         scale_inv_views[i] = entry(grad_scale_invs, i, grad_scale_invs.size(), "grad_scale_invs");
       }
       const auto step_view = optional_view(step_tensor, kOp, "step_tensor");
-      plan_.step(grad_views, scale_inv_views, hyper(lr, beta1, beta2, eps, weight_decay, adamw, maximize, margin),
+      plan_.step(grad_views, scale_inv_views,
+                 hyper(lr, beta1, beta2, eps, weight_decay, adamw, maximize, margin, stochastic_rounding,
+                       rounding_seed),
                  step, step_view ? &*step_view : nullptr, view(found, kOp, "found_inf"), view(amax, kOp, "amax"),
                  stream);
     });
@@ -226,7 +235,8 @@ at::Tensor adam_step_meta(at::TensorList params, at::TensorList, at::TensorList,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&,
                           const OptionalTensorList&, const OptionalTensorList&, const OptionalTensorList&, double,
                           double, double, double, double, bool, bool, int64_t,
-                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t) {
+                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, bool,
+                          int64_t) {
   return amax_like(params);
 }
 
@@ -244,7 +254,7 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
       "Tensor(l!)?[] weight_scale_invs, Tensor(m!)?[] step_counts, Tensor(p!)?[] param_amaxes, *, float lr, "
       "float beta1, float beta2, "
       "float eps, float weight_decay, bool adamw, bool maximize, int step=0, Tensor(n!)? step_tensor=None, "
-      "Tensor(o!)? found_inf=None, int margin=0) -> Tensor");
+      "Tensor(o!)? found_inf=None, int margin=0, bool stochastic_rounding=False, int rounding_seed=0) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
@@ -256,7 +266,11 @@ TORCH_LIBRARY_FRAGMENT(fp8amp, m) {
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
                        fp8amp::torch_binding::OptionalTensorList, fp8amp::torch_binding::OptionalTensorList,
                        fp8amp::torch_binding::OptionalTensorList>())
-      .def("step", &fp8amp::torch_binding::TorchAdamPlan::step);
+      .def("step", &fp8amp::torch_binding::TorchAdamPlan::step, "",
+           {torch::arg("grads"), torch::arg("grad_scale_invs"), torch::arg("lr"), torch::arg("beta1"),
+            torch::arg("beta2"), torch::arg("eps"), torch::arg("weight_decay"), torch::arg("adamw"),
+            torch::arg("maximize"), torch::arg("step"), torch::arg("step_tensor"), torch::arg("found_inf"),
+            torch::arg("margin"), torch::arg("stochastic_rounding") = false, torch::arg("rounding_seed") = 0});
 }
 
 // The same function serves CPU and CUDA: the core dispatches on the tensors' device.

@@ -60,6 +60,20 @@
 // amax is derived exactly from the fp32 amax of p' (rounding is monotonic: the largest stored
 // magnitude is the rounded largest magnitude), no extra pass.
 //
+// Stochastic rounding of the master (AdamHyper::stochastic_rounding; docs/numerics.md#stochastic-rounding).
+// A float16 master's p' * scale is then stored by numerics::quantize_fp16_stochastic, rounded up in
+// magnitude with probability (distance to its truncation) / (FP16 spacing), to nearest below FP16's
+// normal range, so that updates below half an FP16 unit move the master by their size on average.
+// Element j of the call's tensor i takes 13 bits of
+//   s = random_bits(random_bits(random_bits(random_bits(random_bits(lo32(seed)) ^ hi32(seed)) ^ lo32(t))
+//                   ^ i) ^ hi32(j / 2)),
+//   bits = random_bits(s ^ lo32(j / 2)),  r = j even ? bits : bits >> 16
+// (seed: rounding_seed; t: the step number), so a run repeats bit for bit on CPU and CUDA, and two
+// steps, tensors or pairs of elements draw different bits. Rounding up can pass amax(p') * scale by
+// one FP16 unit, never 65504 (a float16 value), so nothing saturates; pass 2 then folds the stored
+// magnitudes instead of |p'|, which keeps param_amax the largest stored magnitude. The moments and
+// the E4M3 copy round to nearest as always.
+//
 // How, without a host sync (the CUDA path; the CPU reference runs the same steps in order):
 //   1. zero `amax` (a memset);
 //   2. pass 1, one launch per up to 128 tensors: compute g, m', v', p' and fold |g|, |m'|, |v'|,
@@ -96,9 +110,9 @@
 // elements, but rarely straddle a top). The scales are never above those amax(p') gives (nothing
 // saturates), and differ from them only where a top lies between amax(p') and B: as the largest
 // |p_d| moves by at most Q = max |q|, B / amax(p') <= (A_d + Q) / (A_d - Q), under 2 while
-// Q < A_d / 3, so they are then one power of two below at most. Pass 2 folds the exact |p'| into
-// amax[i, new_param]; the commit
-// writes its stored form to param_amax for the next step. The bound is used when param_amax holds
+// Q < A_d / 3, so they are then one power of two below at most. Pass 2 folds the exact |p'| (with
+// stochastic rounding the stored magnitudes) into amax[i, new_param]; the commit writes its stored
+// form to param_amax for the next step. The bound is used when param_amax holds
 // a finite value >= 0 on entry and the element math does not read p before den (AdamW, or Adam
 // without weight decay); otherwise (NaN: unknown) pass 1 reads the master and the scales come from
 // amax(p'), as without param_amax. Whoever else writes the master must set param_amax to its new
@@ -176,6 +190,8 @@ struct AdamHyper {
   bool adamw = true;      // decoupled weight decay (AdamW); false: L2 added to the grad (Adam)
   bool maximize = false;
   int margin = 0;         // of the new power-of-two scales, in [0, 126]
+  bool stochastic_rounding = false;  // float16 masters rounded stochastically ("Stochastic rounding")
+  uint64_t rounding_seed = 0;        // its random stream's seed
 };
 
 // Columns of the amax output: amax[i, c] for tensor i.

@@ -64,6 +64,7 @@ def initialize(
     policy: str = "auto",
     tokens: int = DEFAULT_TOKENS,
     compiled: Optional[bool] = None,
+    master_rounding: Optional[str] = None,
 ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
     """Converts ``model`` (in place) and ``optimizer`` to ``opt_level``; returns ``(model, optimizer)``.
 
@@ -97,6 +98,11 @@ def initialize(
         compiled: whether the model will run under ``torch.compile`` (True) or eagerly (False),
             for the crossover, as :func:`fp8amp.convert` takes it; None (default): not known, the
             lower of the two estimates.
+        master_rounding: how the optimizer rounds the FP16 masters' new values: ``"nearest"``
+            (what a torch optimizer passed in gets by default) or ``"stochastic"``, which keeps
+            updates below half an FP16 unit of a weight on average (small fine-tuning lrs:
+            docs/o1_o2.md#limits); None keeps an fp8amp optimizer's own. An option of the optimizer
+            (:class:`fp8amp.optim.Adam`): with ``optimizer=None`` pass it to :func:`initialize_optimizer`.
 
     Raises:
         ValueError: an unknown ``opt_level``, an optimizer that is not Adam/AdamW, an optimizer that
@@ -116,11 +122,15 @@ def initialize(
         raise ValueError(f"initialize: optimizer must be one optimizer, got a {type(optimizer).__name__}; for several "
                          f"(say one per parameter, stepped in backward): fp8amp.initialize(model, None, {opt_level!r}), "
                          f"then fp8amp.initialize_optimizer(model, optimizer, {opt_level!r}) for each")
+    if optimizer is None and master_rounding is not None:
+        raise ValueError("initialize: master_rounding is an option of the optimizer, and optimizer is None: pass it "
+                         f"to fp8amp.initialize_optimizer(model, optimizer, {opt_level!r}, "
+                         f"master_rounding={master_rounding!r}) once the optimizer is built")
     if optimizer is not None:
         _check_optimizer(optimizer)
         _check_optimizer_of(model, optimizer)
         try:  # fp8amp's Adam checks every group (dtypes, options, hyperparameters) before the model changes
-            _rebuild_optimizer(optimizer, {}, opt_level)
+            _rebuild_optimizer(optimizer, {}, opt_level, master_rounding)
         except ValueError as error:
             raise ValueError(f"initialize: {error}") from None
 
@@ -139,7 +149,7 @@ def initialize(
     _use_masters(model, terms)
     if optimizer is None:
         return model, None
-    new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level)
+    new_optimizer = _optimizer_at_level(model, optimizer, masters, opt_level, master_rounding)
     _warn_updates_below_master_units(model, new_optimizer, "initialize")
     retire(optimizer, "initialize", "fp8amp optimizer",
            "model, optimizer = fp8amp.initialize(model, optimizer, ...)")
@@ -206,8 +216,8 @@ FROZEN_SHARE = 0.01
 
 
 def _warn_updates_below_master_units(model: nn.Module, optimizer: fp8_optim.Adam, caller: str) -> None:
-    """A master stores FP16 codes rounded to nearest, without stochastic rounding: an update below
-    half an FP16 unit of an element is lost. Adam's updates are about lr or smaller, and half a unit
+    """A master stores FP16 codes rounded to nearest unless its group rounds stochastically: an
+    update below half an FP16 unit of an element is then lost. Adam's updates are about lr or smaller, and half a unit
     exceeds lr wherever ``|w| >= 2^(floor(log2 lr) + 12)``: a master with many such elements (a
     fine-tuning lr, weights near 1) does not train there, silently. Counted from each group's lr
     here (a scheduler built later starts from it), with one host read."""
@@ -215,7 +225,9 @@ def _warn_updates_below_master_units(model: nn.Module, optimizer: fp8_optim.Adam
     found, counts = [], []  # (name, lr, bound, numel); elements at or above the bound
     for group in optimizer.param_groups:
         lr = float(group["lr"])
-        if not 0 < lr < math.inf:  # an lr of 0 changes nothing by intent; inf or NaN moves nothing finite
+        # an lr of 0 changes nothing by intent; inf or NaN moves nothing finite; stochastic rounding
+        # keeps the updates on average
+        if not 0 < lr < math.inf or group.get("master_rounding") == "stochastic":
             continue
         bound = 2.0 ** (math.floor(math.log2(lr)) + 12)
         for p in group["params"]:
@@ -233,9 +245,11 @@ def _warn_updates_below_master_units(model: nn.Module, optimizer: fp8_optim.Adam
         warnings.warn(f"{caller}: {len(frozen)} Linear master(s) hold weights that Adam's updates cannot change: "
                       f"{_first_names(listed)}. An FP16 master rounds each update to nearest, and where |w| >= "
                       "2^(floor(log2 lr) + 12) half an FP16 unit is above lr, the most an Adam update usually is, so "
-                      "those weights stay as they are (at O1 and O2 alike). To train them: keep these layers in high "
-                      "precision (module_filter_fn), or use FP8 compute over float32 weights (fp8amp.convert(model, "
-                      "optimizer=optimizer) with torch's AdamW), or a larger lr (docs/o1_o2.md#limits-today)",
+                      "those weights stay as they are (at O1 and O2 alike). To train them: round the masters "
+                      f"stochastically ({caller}(..., master_rounding='stochastic'), which keeps the updates on "
+                      "average), or keep these layers in high precision (module_filter_fn), or use FP8 compute over "
+                      "float32 weights (fp8amp.convert(model, optimizer=optimizer) with torch's AdamW), or a larger "
+                      "lr (docs/o1_o2.md#limits-today)",
                       UserWarning, stacklevel=3)
 
 
@@ -269,12 +283,14 @@ def check_level(opt_level: str, weight_grad: str = "fp8", caller: str = "initial
 
 
 def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
-                         *, caller: str = "initialize_optimizer") -> fp8_optim.Adam:
+                         *, master_rounding: Optional[str] = None,
+                         caller: str = "initialize_optimizer") -> fp8_optim.Adam:
     """The optimizer half of :func:`initialize`, for a ``model`` that ``initialize(model, None,
     opt_level)`` converted before its optimizer was built (frameworks that build it afterwards:
     Lightning's ``configure_optimizers``): returns the fp8amp Adam/AdamW at ``opt_level`` with
     ``optimizer``'s param groups and hyperparameters, updating ``model``'s FP8 scaling after each
-    step. ``caller`` names who asks, in the error messages.
+    step. ``master_rounding`` as :func:`initialize` takes it. ``caller`` names who asks, in the
+    error messages.
 
     Raises:
         ValueError: as :func:`initialize` for the optimizer and the level.
@@ -283,7 +299,7 @@ def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt
         raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; got {opt_level!r}")
     _check_optimizer(optimizer, caller)
     _check_params_are_the_models(model, optimizer, caller)
-    new_optimizer = _optimizer_at_level(model, optimizer, {}, opt_level)
+    new_optimizer = _optimizer_at_level(model, optimizer, {}, opt_level, master_rounding)
     _warn_updates_below_master_units(model, new_optimizer, caller)
     return new_optimizer
 
@@ -307,8 +323,8 @@ def _check_params_are_the_models(model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
-                        opt_level: str) -> fp8_optim.Adam:
-    new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level)
+                        opt_level: str, master_rounding: Optional[str]) -> fp8_optim.Adam:
+    new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level, master_rounding)
     carry_hooks(optimizer, new_optimizer)  # (dropped, an EMA or logging hook stopped without a word)
     register_scaling_hooks(model, new_optimizer)
     return new_optimizer
@@ -419,7 +435,8 @@ def _reads_fp8_copy(recipe) -> bool:
     return not recipe.tiled and recipe.margin == 0 and recipe.pow2_scale
 
 
-def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_level: str) -> fp8_optim.Adam:
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_level: str,
+                       master_rounding: Optional[str]) -> fp8_optim.Adam:
     defaults = optimizer.defaults
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay", False))
     groups = []
@@ -427,10 +444,12 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_leve
         new_group = dict(group)
         new_group["params"] = [masters.get(p, p) for p in group["params"]]
         new_group["state_dtypes"] = opt_level
+        if master_rounding is not None:
+            new_group["master_rounding"] = master_rounding
         if decoupled:
             new_group["decoupled_weight_decay"] = True
         groups.append(new_group)
     kwargs = {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable",
                                              "differentiable") if key in defaults}
     cls = fp8_optim.AdamW if decoupled else fp8_optim.Adam
-    return cls(groups, state_dtypes=opt_level, **kwargs)
+    return cls(groups, state_dtypes=opt_level, master_rounding=master_rounding or "nearest", **kwargs)

@@ -3,7 +3,7 @@
 :class:`Adam` and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses with the API of
 ``torch.optim.Adam`` / ``AdamW``: param groups, per-group ``lr`` / ``betas`` / ``eps`` /
 ``weight_decay`` / ``maximize`` read at every step (so lr schedulers work), ``state_dict`` /
-``load_state_dict``, ``zero_grad``, ``torch.amp.GradScaler``. One keyword is added:
+``load_state_dict``, ``zero_grad``, ``torch.amp.GradScaler``. Three keywords are added:
 
 ``state_dtypes``
     ``"O1"``: ``exp_avg`` and ``exp_avg_sq`` in float32. The element math is torch's
@@ -15,6 +15,15 @@
     ``exp_avg_sq`` float16 with ``exp_avg_sq_scale`` / ``exp_avg_sq_scale_inv`` (docs/o1_o2.md#optimization-levels): new
     power-of-two scales are computed on the device from the new amaxes at every step.
     A group's ``state_dtypes`` decides the formats when a param's state is created.
+
+``master_rounding``, ``rounding_seed``
+    How the new values of float16 masters (O1/O2 Linear weights) are rounded: ``"nearest"``
+    (default) loses every update below half an FP16 unit of its weight (a small fine-tuning lr
+    on weights near 1: docs/o1_o2.md#limits); ``"stochastic"`` rounds up in magnitude with
+    probability (distance to the truncation) / (FP16 spacing), so updates are kept on average,
+    from a random stream of the group's ``rounding_seed`` (an int, default 0), the step number
+    and the param's place in the step: a run repeats bit for bit (docs/numerics.md#stochastic-rounding).
+    Moments and other params are unaffected. Both are per-group options, read at every step.
 
 State per param: ``step`` (float32 0-dim tensor on the param's device, the number of steps
 taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` and, at O2, the
@@ -72,8 +81,8 @@ except ImportError:  # a torch built without distributed: no DTensor params
 
 from .formats import E4M3, FP16
 from .master_weight import MasterWeight
-from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, nonfinite_flag,
-                          or_empty as _or_empty)
+from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, master_rounding,
+                          nonfinite_flag, or_empty as _or_empty)
 from .optim_params import check_params
 from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
@@ -101,6 +110,8 @@ class Adam(torch.optim.Optimizer):
         foreach, fused, capturable: accepted and ignored (the step is always fused, and always
             capturable: no host sync).
         state_dtypes: ``"O1"`` (float32 moments) or ``"O2"`` (E4M3 m, FP16 v, each with a scale).
+        master_rounding, rounding_seed: ``"nearest"`` or ``"stochastic"`` rounding of float16
+            masters, and the seed of its random stream (see the module docstring).
     """
 
     def __init__(
@@ -119,11 +130,14 @@ class Adam(torch.optim.Optimizer):
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
         state_dtypes: str = "O1",
+        master_rounding: str = "nearest",
+        rounding_seed: int = 0,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay, state_dtypes=state_dtypes,
+            master_rounding=master_rounding, rounding_seed=rounding_seed,
         )
         # Host-side knowledge of which params have equal step counts (see _cohort_from_state), by
         # the params' ids (the optimizer holds its params, so their ids stay theirs; a Tensor's own
@@ -162,6 +176,7 @@ class Adam(torch.optim.Optimizer):
         if group["state_dtypes"] not in STATE_DTYPES:
             raise ValueError(f"{self._name}: state_dtypes must be one of {', '.join(map(repr, STATE_DTYPES))}; "
                              f"got {group['state_dtypes']!r}")
+        master_rounding(group, self._name)
         self._check_hyper(group)
 
     def _check_hyper(self, group: dict) -> None:
@@ -235,6 +250,9 @@ class Adam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # (also load_state_dict's call, with no bytes to take back)
+        for group in self.param_groups:  # (pickled before the rounding options existed)
+            group.setdefault("master_rounding", "nearest")
+            group.setdefault("rounding_seed", 0)
         fp8_states_from_bytes(self.state)
         self._cohorts = {}
         self._cohort_ids = itertools.count(1)
@@ -334,10 +352,10 @@ class Adam(torch.optim.Optimizer):
         calls: list[tuple[dict, list[torch.Tensor], list[dict]]] = []  # (group, params, their states)
         cohorts, marks = self._cohorts, self._count_marks
         eager = not torch.compiler.is_compiling()  # (a traced step reads no version counter)
-        for group in self.param_groups:
+        for k, group in enumerate(self.param_groups):
             self._check_hyper(group)
-            parts: dict[tuple, tuple[list[torch.Tensor], list[dict]]] = {}
-            for p in group["params"]:
+            parts: dict[tuple, tuple[list[torch.Tensor], list[dict], tuple[int, int]]] = {}
+            for position, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
                     continue
@@ -360,8 +378,8 @@ class Adam(torch.optim.Optimizer):
                 # setdefault, whose default lists would be made for every param)
                 key = (p.get_device(), cohort)
                 part = parts.get(key)
-                if part is None:
-                    part = parts[key] = ([], [])
+                if part is None:  # (the group's index and this first param's position salt its seed)
+                    part = parts[key] = ([], [], (k, position))
                 part[0].append(p)
                 part[1].append(state)
             calls += [(group, *part) for part in parts.values()]
@@ -373,7 +391,7 @@ class Adam(torch.optim.Optimizer):
         # (emptied in place: torch 2.11's Dynamo cannot trace setting an attribute of an optimizer)
         kept = dict(self._call_lists)
         self._call_lists.clear()
-        for group, params, states in calls:
+        for group, params, states, salts in calls:
             key = tuple(map(id, params))
             lists = kept.get(key)
             if lists is None or not lists.still_for(params, states):
@@ -382,7 +400,7 @@ class Adam(torch.optim.Optimizer):
                         convert_state(state, STATE_DTYPES[group["state_dtypes"]], f"{self._name}.step")
                 lists = CallLists(params, states, self._name)
             self._call_lists[key] = lists
-            self._call(group, params, lists, found_infs[params[0].device])
+            self._call(group, params, lists, found_infs[params[0].device], salts)
             self._cohorts.update(dict.fromkeys(key, next(self._cohort_ids)))
             if eager:  # (the op advances the counts without bumping their version counters)
                 marks.update({id(p): (s["step"], s["step"]._version) for p, s in zip(params, states)})
@@ -405,7 +423,7 @@ class Adam(torch.optim.Optimizer):
         step skips together. A device's only call gets None: the op makes its own zeroed flag, in
         C++ (a ``torch.zeros`` from Python cost the GPU machine's host about 60 us a step)."""
         by_device: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(list)
-        for _, params, _ in calls:
+        for _, params, _, _ in calls:
             by_device[params[0].device].append(params)
         found = {}
         for device, lists in by_device.items():
@@ -422,7 +440,8 @@ class Adam(torch.optim.Optimizer):
             found[device] = nonfinite_flag(grads, scale_invs, device)
         return found
 
-    def _call(self, group: dict, sharded: list[torch.Tensor], lists: CallLists, found_inf: torch.Tensor | None) -> None:
+    def _call(self, group: dict, sharded: list[torch.Tensor], lists: CallLists, found_inf: torch.Tensor | None,
+              salts: tuple[int, int]) -> None:
         """The fused op over ``sharded`` (the params of one cohort) with their ``lists`` and this
         step's grads. bfloat16/float16 params step through a float32 copy rounded back once (the op
         keeps low-precision params only as FP16 codes with a scale): one rounding per step, as
@@ -441,7 +460,8 @@ class Adam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lists.step(grads, _or_empty(grad_scale_invs),
                    (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                    float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"])),
+                    float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"]),
+                    *master_rounding(group, self._name, salts)),
                    found_inf)
 
 
@@ -464,10 +484,13 @@ class AdamW(Adam):
         differentiable: bool = False,
         fused: bool | None = None,
         state_dtypes: str = "O1",
+        master_rounding: str = "nearest",
+        rounding_seed: int = 0,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, state_dtypes=state_dtypes)
+                         decoupled_weight_decay=True, state_dtypes=state_dtypes, master_rounding=master_rounding,
+                         rounding_seed=rounding_seed)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -44,7 +44,10 @@ from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["CallLists", "fused_form", "local", "or_empty", "SCALE_KEYS"]
+__all__ = ["CallLists", "fused_form", "local", "master_rounding", "MASTER_ROUNDINGS", "or_empty", "SCALE_KEYS"]
+
+#: The accepted ``master_rounding`` of a param group (docs/numerics.md#stochastic-rounding).
+MASTER_ROUNDINGS = ("nearest", "stochastic")
 
 #: The state keys of the moments' scales, in the op's order of its scale lists.
 SCALE_KEYS = tuple(k for _, scale_key, scale_inv_key in MOMENT_KEYS for k in (scale_key, scale_inv_key))
@@ -108,6 +111,24 @@ def _kept_amax(p: torch.Tensor) -> torch.Tensor | None:
 
 def _state_ids(states: list[dict]) -> tuple:
     return tuple(map(id, itertools.chain.from_iterable(map(dict.values, states))))
+
+
+def master_rounding(group: dict, name: str, salts: tuple[int, ...] = ()) -> tuple[bool, int]:
+    """``(stochastic, seed)`` of an op call over params of ``group``: whether its float16 masters
+    round stochastically, and the call's seed, the group's ``rounding_seed`` with ``salts`` (the
+    group's index, the position of the call's first param in it) mixed in. The op tells a call's
+    tensors apart by their position in the call; the salts keep two calls of a step from drawing
+    the same bits. ValueError for a rounding or seed the op cannot take, naming what it accepts."""
+    rounding, seed = group.get("master_rounding", "nearest"), group.get("rounding_seed", 0)
+    if not isinstance(rounding, str) or rounding not in MASTER_ROUNDINGS:
+        raise ValueError(f"{name}: master_rounding must be one of {', '.join(map(repr, MASTER_ROUNDINGS))}; "
+                         f"got {rounding!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"{name}: rounding_seed must be an int in [-2**63, 2**64); got {seed!r}")
+    for salt in salts:
+        seed = (seed * 0x9E3779B97F4A7C15 + salt + 1) % 2**64
+    seed %= 2**64
+    return rounding == "stochastic", seed - 2**64 if seed >= 2**63 else seed  # (the op's int64)
 
 
 class CallLists:
@@ -175,7 +196,8 @@ class CallLists:
     def step(self, grads: list, grad_scale_invs: list, hyper: tuple, found_inf: torch.Tensor | None) -> None:
         """One ``adam_step`` over these lists with this step's ``grads`` and ``grad_scale_invs``
         (empty, or one tensor or None per param), ``hyper``: ``(lr, beta1, beta2, eps,
-        weight_decay, adamw, maximize)``, and the skip flag ``found_inf`` (None: the op's own)."""
+        weight_decay, adamw, maximize, stochastic_rounding, rounding_seed)``, and the skip flag
+        ``found_inf`` (None: the op's own)."""
         data, widened = self._step_data()
         for p in self.kept_masters:
             p.kept_amax()  # made current if the master was written past the op table
@@ -204,12 +226,15 @@ class CallLists:
                 return entries
             return or_empty([entries[i] for i in positions])
 
-        lr, beta1, beta2, eps, weight_decay, adamw, maximize = hyper
+        lr, beta1, beta2, eps, weight_decay, adamw, maximize, stochastic, seed = hyper
+        if positions is not None:  # (one of several calls: salted by its first param's position)
+            _, seed = master_rounding({"rounding_seed": seed}, "", (positions[0],))
         fast.adam_step(pick(data), pick(grads), pick(self.exp_avgs), pick(self.exp_avg_sqs), [],
                        pick(self.param_scale_invs), pick(grad_scale_invs), *map(pick, self.scale_lists),
                        *map(pick, self.copy_lists), step_counts, pick(self.kept_amaxes), lr=lr, beta1=beta1,
                        beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize,
-                       step_tensor=step_tensor, found_inf=found_inf)
+                       step_tensor=step_tensor, found_inf=found_inf, stochastic_rounding=stochastic,
+                       rounding_seed=seed)
 
     def _traced_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> None:
         """The step as Dynamo traces it: op calls whose written lists hold no None (torch's
@@ -232,7 +257,7 @@ class CallLists:
                           found_inf)
 
     def _plan_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> None:
-        args = (grads, grad_scale_invs, *hyper, 0, self.step_tensor, found_inf, 0)
+        args = (grads, grad_scale_invs, *hyper[:7], 0, self.step_tensor, found_inf, 0, *hyper[7:])
         if self._plan is None or self._plan.step(*args) is None:
             self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
                                        *self.scale_lists, *self.copy_lists, self.step_counts, self.kept_amaxes)

@@ -240,6 +240,42 @@ template <> FP8AMP_HD float round_to<float>(float f) { return f; }
 template <> FP8AMP_HD bf16 round_to<bf16>(float f) { return bf16{float_to_bf16(f)}; }
 template <> FP8AMP_HD fp16 round_to<fp16>(float f) { return fp16{float_to_fp16(f)}; }
 
+// Stochastic rounding to FP16 (docs/numerics.md#stochastic-rounding). An update smaller than half
+// an FP16 unit of a stored value is lost to round-to-nearest at every step; rounded up in
+// magnitude with probability (distance to the truncation) / (spacing), it moves the value by its
+// exact size on average.
+//
+// random_bits: a 32-bit hash of the counter; a bijection (murmur3's finalizer), so distinct
+// counters of one stream give distinct values.
+FP8AMP_HD uint32_t random_bits(uint32_t counter) {
+  uint32_t h = counter;
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// The FP16 code of a scaled value x with 13 random bits r (their low 13 are used): FP16 keeps 10
+// of float32's 23 fraction bits, and adding r below them carries into the kept ones with
+// probability (dropped bits) / 2^13, exactly the distance over the spacing. Below FP16's normal
+// range (2^-14), and for NaN, it is `nearest`, x's code rounded to nearest (quantize_to; the CUDA
+// kernels pass the hardware conversion's); beyond 65504 it saturates as quantize_to does.
+FP8AMP_HD uint16_t fp16_stochastic_code(float x, uint32_t r, uint16_t nearest) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t sign = bits & 0x80000000u;
+  uint32_t magnitude = bits ^ sign;
+  if (magnitude < 0x38800000u || magnitude > 0x7F800000u) return nearest;
+  magnitude = (magnitude < 0x477FE000u ? magnitude : 0x477FE000u) + (r & 0x1FFFu);  // 0x477FE000: 65504
+  // float32 exponent 127 + e to FP16's 15 + e: the shifted code less 112 << 10
+  return static_cast<uint16_t>((sign >> 16) | ((magnitude >> 13) - 0x1C000u));
+}
+
+FP8AMP_HD fp16 quantize_fp16_stochastic(float x, uint32_t r) {
+  return fp16{fp16_stochastic_code(x, r, quantize_to<fp16>(x).bits)};
+}
+
 }  // namespace numerics
 
 // ------------------------------------------------------------------------------------------------

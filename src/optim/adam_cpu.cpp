@@ -42,6 +42,18 @@ T store(float x, float scale) {
   }
 }
 
+// Element j's new master value p stored with stochastic rounding (optim.h), from its tensor's
+// random stream: a float16 master's; other params store as store() does.
+template <class P>
+P store_stochastic(float p, float scale, uint32_t stream, int64_t j) {
+  if constexpr (std::is_same_v<P, numerics::fp16>) {
+    const uint32_t bits = pair_random_bits(stream, static_cast<uint32_t>(static_cast<uint64_t>(j) / 2));
+    return numerics::quantize_fp16_stochastic(rn::mul(p, scale), j % 2 == 0 ? bits : bits >> 16);
+  } else {
+    return store<P>(p, scale);
+  }
+}
+
 // The scale_inv of grad element j: the grad's one, or that of j's block.
 const float* grad_scale_inv(const AdamTensorPtrs& t, int64_t j) {
   if (t.grad_blocks_per_row == 0) return t.grad_scale_inv;
@@ -84,20 +96,29 @@ void amax_pass(const AdamTensorPtrs& t, const AdamConstants& c, float* row) {
   if (grad_from_codes) row[kAdamAmaxGrad] = rn::mul(row[kAdamAmaxGrad], std::fabs(*t.grad_scale_inv));
 }
 
-// Pass 2: recompute and store tensor t with its new scales; the exact |p'| into row's new_param.
+// Pass 2: recompute and store tensor t (the call's tensor `index`) with its new scales; the exact
+// |p'| into row's new_param, or with stochastic rounding (a float16 master) the largest stored magnitude.
 template <class G, class P, class M, class V>
-void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScales& s, float* row) {
+void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScales& s, const AdamArgs& args,
+                int64_t step, uint32_t index, float* row) {
+  const bool stochastic = std::is_same_v<P, numerics::fp16> && args.hyper.stochastic_rounding;
+  uint32_t stream = 0;
   uint32_t new_param_key = 0;
   for (int64_t j = 0; j < t.numel; ++j) {
     float g;
     const AdamUpdate u = element<G, P, M, V>(t, j, c, &g);
-    new_param_key = std::max(new_param_key, amax_key(u.param));
     static_cast<M*>(t.exp_avg)[j] = store<M>(u.exp_avg, s.exp_avg.scale);
     static_cast<V*>(t.exp_avg_sq)[j] = store<V>(u.exp_avg_sq, s.exp_avg_sq.scale);
-    const P p = store<P>(u.param, s.param.scale);
+    const auto pair = static_cast<uint64_t>(j) / 2;
+    if (stochastic && static_cast<uint32_t>(pair) == 0) {  // j = 0, and where the high bits of j / 2 change
+      stream = rounding_stream(args.hyper.rounding_seed, step, index, static_cast<uint32_t>(pair >> 32));
+    }
+    const P p = stochastic ? store_stochastic<P>(u.param, s.param.scale, stream, j)
+                           : store<P>(u.param, s.param.scale);
     static_cast<P*>(t.param)[j] = p;
+    const float stored = std::is_same_v<P, float> ? u.param : rn::mul(to_float(p), s.param.scale_inv);
+    new_param_key = std::max(new_param_key, amax_key(stochastic ? stored : u.param));
     if (t.weight_fp8 != nullptr) {
-      const float stored = std::is_same_v<P, float> ? u.param : rn::mul(to_float(p), s.param.scale_inv);
       static_cast<numerics::fp8_e4m3*>(t.weight_fp8)[j] = store<numerics::fp8_e4m3>(stored, s.weight.scale);
     }
   }
@@ -129,7 +150,8 @@ void adam_step(const std::vector<AdamTensorPtrs>& tensors, const std::vector<Ada
     float* row = args.amax + i * kAdamAmaxColumns;
     const AdamScales s = adam_new_scales(tensors[i], row, args.hyper.margin);
     visit_formats(formats[i], [&](auto g, auto p, auto m, auto v) {
-      store_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors[i], c, s, row);
+      store_pass<decltype(g), decltype(p), decltype(m), decltype(v)>(tensors[i], c, s, args, t,
+                                                                      static_cast<uint32_t>(i), row);
     });
   }
 

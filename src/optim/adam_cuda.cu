@@ -189,6 +189,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
+// Stochastic rounding of a float16 master (optim.h): overwrites the codes w, rounded to nearest,
+// of the pack x (already times the scale) whose first pair of elements is `pair`; returns the
+// largest magnitude code of its first `valid` elements.
+template <int N>
+__device__ uint32_t round_pack_stochastic(const float (&x)[N], uint32_t stream, uint32_t pair, int valid,
+                                          uint32_t (&w)[N / 2]) {
+  uint32_t largest = 0;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const uint32_t bits = pair_random_bits(stream, pair + i);
+    const uint32_t lo = numerics::fp16_stochastic_code(x[2 * i], bits, static_cast<uint16_t>(w[i]));
+    const uint32_t hi = numerics::fp16_stochastic_code(x[2 * i + 1], bits >> 16, static_cast<uint16_t>(w[i] >> 16));
+    w[i] = lo | (hi << 16);
+    if (2 * i < valid) largest = max(largest, lo & 0x7FFFu);
+    if (2 * i + 1 < valid) largest = max(largest, hi & 0x7FFFu);
+  }
+  return largest;
+}
+
 // Pass 2: unless found_inf is set, recompute m', v', p' as the reference does and store them and
 // the weight copy with the new scales.
 template <class G, class P, class M, class V, bool kBlocks>
@@ -203,9 +222,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ AdamScales shared_scales;
   __shared__ bool shared_skip;
   __shared__ uint32_t warp_keys[kWarps];
+  __shared__ uint32_t shared_stream;
 
-  const C chunk(batch, args, owning_tensor(batch), true);
+  const int owner = owning_tensor(batch);
+  const C chunk(batch, args, owner, true);
   constexpr int kPacks = C::kPacks;
+  // (a uniform branch; pairs of elements: a chunk holds kSize / 2, which divides 2^32, so the high
+  // bits of j / 2 are the chunk's)
+  const bool stochastic = std::is_same_v<P, numerics::fp16> && args.hyper.stochastic_rounding;
+  const auto first_pair = static_cast<uint64_t>(chunk.begin) / 2;
   typename C::Pack pack{}, next{};
   const int first = static_cast<int>(threadIdx.x) * N;
   if (first < chunk.length) chunk.fetch_arrays(first, pack);
@@ -214,6 +239,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     shared_constants = adam_constants(args.hyper, call_step(args));
     shared_skip = *args.found_inf != 0.0f;
     if (!shared_skip) shared_scales = adam_new_scales(chunk.tp, chunk.amax_row, args.hyper.margin);
+    if (stochastic) {
+      shared_stream = rounding_stream(args.hyper.rounding_seed, call_step(args),
+                                      static_cast<uint32_t>(batch.index[owner]), static_cast<uint32_t>(first_pair >> 32));
+    }
   }
   __syncthreads();
   if (shared_skip) return;  // the same answer for the whole block
@@ -222,6 +251,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if (first < chunk.length) chunk.fetch_block_scale(first, pack);
 
   float new_param = 0.0f;  // this thread's largest exact |p'|
+  uint32_t new_code = 0;   // with stochastic rounding: its largest stored code magnitude instead
   for (int u = 0; u < kPacks; ++u, pack = next) {
     const int i = (u * kThreads + static_cast<int>(threadIdx.x)) * N;
     if (i >= chunk.length) break;
@@ -253,6 +283,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (int k = 0; k < N; ++k) x[k] = kScaledParam ? rn::mul(r[k].param, s.param.scale) : r[k].param;
     uint32_t wp[kWords<P, N>];
     encode_pack<P>(x, wp);
+    if constexpr (std::is_same_v<P, numerics::fp16>) {
+      if (stochastic) {
+        const uint32_t pair = static_cast<uint32_t>(first_pair) + static_cast<uint32_t>(i / 2);
+        new_code = max(new_code, round_pack_stochastic<N>(x, shared_stream, pair, valid, wp));
+      }
+    }
     store_pack<N>(chunk.param(i), wp, valid, chunk.vector_ok);
     if (chunk.has_weight()) {
       // The copy of the master as stored: the codes just written, dequantized with the new scale.
@@ -269,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 
   // The block's largest |p'|, one atomic max into new_param (pass 1 found every p' finite).
+  if (stochastic) new_param = rn::mul(numerics::fp16_to_float(static_cast<uint16_t>(new_code)), s.param.scale_inv);
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const uint32_t key = __reduce_max_sync(0xFFFFFFFFu, canonical_key(new_param));
   if (lane == 0) warp_keys[threadIdx.x / 32] = key;

@@ -128,6 +128,22 @@ FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v_b2, const Ad
 }
 
 // ------------------------------------------------------------------------------------------------
+// Stochastic rounding of a float16 master (optim.h, "Stochastic rounding of the master").
+
+// The random stream of the call's tensor `index` at step t, for the pairs of elements j / 2 whose
+// high 32 bits are `high`.
+FP8AMP_HD uint32_t rounding_stream(uint64_t seed, int64_t t, uint32_t index, uint32_t high) {
+  using numerics::random_bits;
+  uint32_t s = random_bits(random_bits(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32));
+  s = random_bits(s ^ static_cast<uint32_t>(t));
+  return random_bits(random_bits(s ^ index) ^ high);
+}
+
+// The random bits of the pair of elements holding `pair` (the low 32 bits of j / 2); an even j
+// takes the low half, an odd one the high.
+FP8AMP_HD uint32_t pair_random_bits(uint32_t stream, uint32_t pair) { return numerics::random_bits(stream ^ pair); }
+
+// ------------------------------------------------------------------------------------------------
 // One tensor's buffers. A scale_inv pointer is null iff its tensor is not in a scaled format (and
 // the weight pointers iff there is no FP8 weight copy); a scaled tensor's scale pointer may be
 // null too: its old scale is then 1 / scale_inv, and only scale_inv is written. An FP8 grad has

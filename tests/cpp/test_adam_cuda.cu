@@ -196,6 +196,30 @@ TEST(AdamCuda, EveryFormatCombinationManySizesBitExact) {
   }
 }
 
+TEST(AdamCuda, StochasticRoundingBitExact) {
+  // Stochastic rounding of the float16 masters (and the stored-magnitude amax it folds) against the
+  // CPU: every format, sizes across pack, chunk and launch boundaries, kept amaxes, small and
+  // large updates, a seed with high bits.
+  REQUIRE_GPU();
+  std::mt19937 rng(12);
+  const std::vector<Formats> formats = all_formats();
+  const int64_t sizes[] = {1, 2, 3, 9, 8191, 16383, 16384, 16385, 32769, 100003};
+  Call call(formats.size());
+  for (size_t i = 0; i < formats.size(); ++i) {
+    call.params.push_back(std::make_unique<Param>(sizes[i % (sizeof(sizes) / sizeof(sizes[0]))], formats[i], 0, rng));
+    call.params.back()->kept = i % 2 == 0;
+  }
+  call.hyper.stochastic_rounding = true;
+  for (const uint64_t seed : {uint64_t{0}, uint64_t{0x123456789ABCDEF0u}}) {
+    for (const double lr : {1e-6, 1e-3}) {
+      call.hyper.rounding_seed = seed;
+      call.hyper.lr = lr;
+      for (auto& p : call.params) p->new_grad(rng);
+      call.step_and_compare("seed " + std::to_string(seed) + " lr " + std::to_string(lr));
+    }
+  }
+}
+
 TEST(AdamCuda, MoreTensorsThanALaunchHolds) {
   // 300 tensors of one format: several launches a pass and several commits; an empty one and a
   // large one among them. Bit-exact against the CPU over two steps.

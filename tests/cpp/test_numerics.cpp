@@ -192,5 +192,43 @@ TEST(Codec, DecodeMatchesNvidia) {
 }
 #endif
 
+// Stochastic rounding to FP16 (numerics.h): over all 2^13 random values a normal-range x rounds
+// up exactly (dropped bits) times, so its mean code is x itself; below the normal range, and for
+// NaN, the nearest code; beyond 65504 it saturates.
+TEST(StochasticRounding, MeanOverEveryRandomValueIsExact) {
+  for (const float x : {1.0f, 1.0001f, -3.14159f, 6.2e-5f, 65503.9f, 65504.0f, -0.333333f, 1.5e-3f, 2049.7f}) {
+    const uint16_t down = fp16_stochastic_code(x, 0, 0);
+    double sum = 0.0;
+    for (uint32_t r = 0; r < 8192; ++r) {
+      const uint16_t code = fp16_stochastic_code(x, r, 0);
+      ASSERT_TRUE(code == down || code == down + 1) << x << " " << r;
+      sum += static_cast<double>(fp16_to_float(code));
+    }
+    EXPECT_EQ(sum / 8192.0, static_cast<double>(x)) << x;
+    EXPECT_LE(std::fabs(fp16_to_float(down)), std::fabs(x)) << x;  // the truncation
+  }
+  EXPECT_EQ(fp16_stochastic_code(1.0f, 0x1FFF, 0), 0x3C00);  // exact values never move
+  EXPECT_EQ(fp16_stochastic_code(0x1p-15f, 0x1FFF, 0x1234), 0x1234);  // below 2^-14: `nearest`
+  EXPECT_EQ(fp16_stochastic_code(std::nanf(""), 0, 0x7FFF), 0x7FFF);
+  EXPECT_EQ(fp16_stochastic_code(1e6f, 0x1FFF, 0), 0x7BFF);  // saturates at 65504
+  EXPECT_EQ(fp16_stochastic_code(-1e6f, 0, 0), 0xFBFF);
+  EXPECT_EQ(quantize_fp16_stochastic(0x1p-15f, 0x1FFF).bits, quantize_to<fp16>(0x1p-15f).bits);
+}
+
+TEST(StochasticRounding, RandomBitsAreUniformAndDistinct) {
+  // random_bits is a bijection: consecutive counters give distinct values, and their low 13 bits
+  // (the ones rounding takes) average (2^13 - 1) / 2.
+  double sum = 0.0;
+  uint32_t previous = random_bits(0);
+  constexpr uint32_t kCount = 1u << 20;
+  for (uint32_t c = 1; c <= kCount; ++c) {
+    const uint32_t h = random_bits(c);
+    ASSERT_NE(h, previous);
+    previous = h;
+    sum += static_cast<double>(h & 0x1FFFu) + static_cast<double>((h >> 16) & 0x1FFFu);
+  }
+  EXPECT_NEAR(sum / (2.0 * kCount), 4095.5, 4095.5 * 0.002);
+}
+
 }  // namespace
 }  // namespace fp8amp::numerics

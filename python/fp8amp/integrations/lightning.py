@@ -51,6 +51,7 @@ from ..distributed import FP8CommState, fp8_allreduce_hook
 from ..convert import check_options
 from ..scaling_hooks import registered_optimizers, release_scaling, scales_after_step
 from ..initialize import check_level, initialize, initialize_optimizer
+from ..optim_calls import master_rounding
 from ..linear import Fp8Linear
 from ..scaled_tensor import ScaledTensor
 from ..scaling import ScalingState, carry_in_metadata
@@ -58,8 +59,9 @@ from ..scaling import ScalingState, carry_in_metadata
 __all__ = ["Fp8ampPrecision", "Fp8ampFabricPrecision"]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16, None)
-#: The keywords the plugins pass on to fp8amp.initialize.
+#: The keywords the plugins pass on to fp8amp.initialize, and to fp8amp.initialize_optimizer.
 _INITIALIZE_OPTIONS = ("module_filter_fn", "recipe", "weight_grad", "policy", "tokens", "compiled")
+_OPTIMIZER_OPTIONS = ("master_rounding",)
 _PRECISION_NAMES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}
 _CHECKPOINT_KEY = "fp8amp"
 
@@ -73,13 +75,15 @@ class _Fp8ampConversion:
         if autocast_dtype not in _AUTOCAST_DTYPES:
             raise ValueError(f"{where}: autocast_dtype must be torch.bfloat16, torch.float16 or None; "
                              f"got {autocast_dtype!r}")
-        unknown = sorted(set(options) - set(_INITIALIZE_OPTIONS))
+        unknown = sorted(set(options) - set(_INITIALIZE_OPTIONS) - set(_OPTIMIZER_OPTIONS))
         if unknown:
             raise TypeError(f"{where}: unknown keyword argument(s) {', '.join(unknown)}; accepted: opt_level, "
-                            f"autocast_dtype, {', '.join(_INITIALIZE_OPTIONS)}"
+                            f"autocast_dtype, {', '.join(_INITIALIZE_OPTIONS + _OPTIMIZER_OPTIONS)}"
                             + (", fp8_allreduce" if isinstance(self, Precision) else ""))
         # The options' values are checked now, as initialize checks them, not when the Trainer
         # first converts the module.
+        self._optimizer_options = {k: options.pop(k) for k in _OPTIMIZER_OPTIONS if options.get(k) is not None}
+        master_rounding(self._optimizer_options, where)
         check_options(**{k: v for k, v in options.items() if k != "weight_grad"}, caller=where)
         self.opt_level = opt_level
         self.autocast_dtype = autocast_dtype
@@ -127,7 +131,8 @@ class _Fp8ampConversion:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         modules = [m for m in self._modules if any(id(p) in held for p in m.parameters())]
         model = self._module if not modules else modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-        return initialize_optimizer(model, optimizer, self.opt_level, caller=type(self).__name__)
+        return initialize_optimizer(model, optimizer, self.opt_level, caller=type(self).__name__,
+                                    **self._optimizer_options)
 
     @contextlib.contextmanager
     def forward_context(self):
@@ -151,7 +156,8 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
             :class:`~fp8amp.distributed.FP8CommState` (its format, method and group), or ``False``.
             Ignored when the model is not wrapped in DDP (one process).
         **options: passed to :func:`fp8amp.initialize`: ``module_filter_fn``, ``recipe``,
-            ``weight_grad``, ``policy``, ``tokens``, ``compiled``.
+            ``weight_grad``, ``policy``, ``tokens``, ``compiled``; and ``master_rounding`` to
+            :func:`fp8amp.initialize_optimizer`.
 
     The optimizers ``configure_optimizers`` returns must be ``torch.optim.Adam`` / ``AdamW`` (or
     fp8amp's); another one is refused with a ``ValueError`` that names the accepted ones.

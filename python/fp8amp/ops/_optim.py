@@ -35,6 +35,8 @@ def adam_step(
     step_tensor: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     margin: int = 0,
+    stochastic_rounding: bool = False,
+    rounding_seed: int = 0,
     **optional_lists: Sequence[torch.Tensor | None],
 ) -> torch.Tensor:
     """One Adam (``adamw=False``) or AdamW step over the tensors of one param group, in place.
@@ -58,6 +60,9 @@ def adam_step(
     ``found_inf`` (float32 [1], in/out): a nonzero value on entry, or a non-finite value met in
     the step, makes the whole call a no-op and leaves 1 there. Returns the amaxes, float32
     ``[n, 5]`` (grad, exp_avg, exp_avg_sq, param or the bound its scale came from, param).
+    ``stochastic_rounding``: float16 masters' new codes are rounded stochastically, from a random
+    stream of ``rounding_seed`` (an int64), the step number and the tensor's position in the call
+    (docs/numerics.md#stochastic-rounding); every other output rounds to nearest.
 
     Under ``torch.compile`` through Inductor, a written list holding None (a scale list of mixed
     formats, ``step_counts`` with gaps) fails in torch's functionalization: trace one call per
@@ -68,6 +73,8 @@ def adam_step(
     if unknown:
         raise TypeError(f"fp8amp.ops.{op}: unknown keyword argument(s) {unknown}; accepted: {list(_OPTIONAL_LISTS)}")
     lists = [_optional_tensors(optional_lists.get(name, ()), name, op) for name in _OPTIONAL_LISTS]
+    if isinstance(rounding_seed, int) and not -2**63 <= rounding_seed < 2**63:
+        raise ValueError(f"fp8amp.ops.{op}: rounding_seed must be an int64, in [-2**63, 2**63); got {rounding_seed}")
     if isinstance(params, (list, tuple)) and not params:
         raise ValueError(f"fp8amp.ops.{op}: params must hold at least one tensor (a step over nothing has no device)")
     return fast.adam_step(
@@ -78,5 +85,6 @@ def adam_step(
         adamw=_bool(adamw, "adamw", op), maximize=_bool(maximize, "maximize", op), step=_int(step, "step", op),
         step_tensor=None if step_tensor is None else _tensor(step_tensor, "step_tensor", op),
         found_inf=None if found_inf is None else _tensor(found_inf, "found_inf", op),
-        margin=_int(margin, "margin", op),
+        margin=_int(margin, "margin", op), stochastic_rounding=_bool(stochastic_rounding, "stochastic_rounding", op),
+        rounding_seed=_int(rounding_seed, "rounding_seed", op),
     )

@@ -44,6 +44,7 @@ comm_sum_requantize = lib.comm_sum_requantize.default
 #: exp_avg_scale_invs, exp_avg_sq_scales, exp_avg_sq_scale_invs, weights_fp8, weight_scales,
 #: weight_scale_invs, step_counts, param_amaxes)``: ``adam_step``'s buffers but the grads, checked once, for the optimizer's
 #: repeated steps; ``plan.step(grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay, adamw,
-#: maximize, step, step_tensor, found_inf, margin)`` is ``adam_step`` over them, or does nothing and
-#: returns None once one of them has other storage, shape or dtype than when the plan was made.
+#: maximize, step, step_tensor, found_inf, margin, stochastic_rounding=False, rounding_seed=0)`` is
+#: ``adam_step`` over them, or does nothing and returns None once one of them has other storage,
+#: shape or dtype than when the plan was made.
 AdamPlan = classes.AdamPlan
