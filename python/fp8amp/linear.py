@@ -331,10 +331,8 @@ class Fp8Linear(nn.Linear):
                              linear.weight.dtype)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features = linear.in_features
-        new.out_features = linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
         new._add_scaling_states(recipe, linear.weight.device)
         new.train(linear.training)
         carry_module_hooks(linear, new)
@@ -345,15 +343,14 @@ class Fp8Linear(nn.Linear):
         # torch.jit.script calls this on every submodule before compiling it.
         raise NotImplementedError(_NO_TORCHSCRIPT)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: layer(input=x) works
         if functorch_active():  # first: a transform's wrapped weight would fail the O1/O2 master check
             raise NotImplementedError(NO_FUNCTORCH)
         weight = self.weight  # one lookup (nn.Module.__getattr__) a forward, not three
-        _refuse_unsupported_input(x, weight, self)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got shape {tuple(x.shape)}"
-            )
+        _refuse_unsupported_input(input, weight, self)
+        if input.shape[-1] != self.in_features:
+            raise ValueError(f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got "
+                             f"shape {tuple(input.shape)}")
         out_in = self._out_in_weight(weight)
         if out_in.shape[0] % _ALIGN or out_in.shape[1] % _ALIGN:
             raise RuntimeError(_reshaped_weight(out_in))
@@ -362,10 +359,10 @@ class Fp8Linear(nn.Linear):
             self._check_master(master, weight)
         fp8_grad = True if master is None else master.fp8_weight_grad
         if self.recipe.tiled:
-            return TiledLinearFunction.apply(x, out_in, self.bias, self.recipe,
+            return TiledLinearFunction.apply(input, out_in, self.bias, self.recipe,
                                              self.input_scaling, self.grad_output_scaling, fp8_grad)
         return _Fp8LinearFunction.apply(
-            x, out_in, self.bias, self.input_scaling, self.weight_scaling,
+            input, out_in, self.bias, self.input_scaling, self.weight_scaling,
             self.grad_output_scaling, fp8_grad,
             self.record_amax_outside_training or (self.training and torch.is_grad_enabled()),
         )
@@ -495,6 +492,9 @@ class Fp8Conv1D(Fp8Linear):
         carry_module_hooks(conv, new)
         apply_inductor_config()
         return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # Conv1D's name for it: layer(x=x) works
+        return super().forward(x)
 
     def _out_in_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.t()
