@@ -40,10 +40,10 @@ _NO_DOUBLE_BACKWARD = (
 
 NO_FUNCTORCH = (
     "Fp8Linear: torch.func transforms (vmap, grad, vjp, jvp, jacrev, jacfwd, hessian, functional_call inside one "
-    "of them) and torch.autograd.functional's vectorize=True are not supported: the layer's FP8 casts update its "
-    "scaling buffers in place inside a custom autograd Function, which functorch can neither batch nor "
-    "differentiate. Use torch.autograd.functional.jacobian / vjp with vectorize=False (the default), a loop "
-    "over samples, or " + _HIGH_PRECISION_INSTEAD)
+    "of them), torch.autograd.functional's vectorize=True and torch.autograd.grad's is_grads_batched=True are not "
+    "supported: the layer's FP8 casts update its scaling buffers in place inside a custom autograd Function, which "
+    "functorch can neither batch nor differentiate. Use torch.autograd.functional.jacobian / vjp with "
+    "vectorize=False (the default), a loop over samples or over the grad_outputs, or " + _HIGH_PRECISION_INSTEAD)
 
 
 _NO_FORWARD_AD = (

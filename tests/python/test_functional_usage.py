@@ -193,3 +193,12 @@ def test_checkpointing_is_bit_for_bit(level, recipe, use_reentrant):
     for m in (model, sequential):
         assert all(torch.equal(_real(a.grad), _real(b.grad)) for a, b in zip(m.parameters(), plain.parameters()))
         assert all(torch.equal(a, b) for a, b in zip(_scaling(m).values(), _scaling(plain).values()))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_batched_grad_outputs_are_refused_by_name(level):
+    _, model, _, x = _pair(level, "tensorwise")
+    xi = x.clone().requires_grad_()
+    y = model(xi)
+    with pytest.raises(NotImplementedError, match=r"is_grads_batched=True"):
+        torch.autograd.grad(y, xi, torch.randn(2, *y.shape), is_grads_batched=True)
