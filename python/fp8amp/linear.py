@@ -33,8 +33,8 @@ from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
-from .linear_common import (NO_FUNCTORCH, first_order_backward, fp8_weight_grad, functorch_active, output_dtype,
-                            pad_rows, refuse_dual_tensors, unpadded_output)
+from .linear_common import (NO_FUNCTORCH, NO_TORCHSCRIPT, first_order_backward, fp8_weight_grad, functorch_active,
+                            output_dtype, pad_rows, refuse_dual_tensors, saved_tensors_mutable, unpadded_output)
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .recipes import Recipe, resolve_recipe
@@ -159,7 +159,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
             cast_recorder.record(input_scaling, "input", x2d, x_fp8[:rows], x_scale_inv)
             w_real = weight.dequantize(torch.float32) if isinstance(weight, ScaledTensor) else weight
             cast_recorder.record(input_scaling, "weight", w_real, w_fp8, w_scale_inv)
-        # With the optimizer's copy, the transpose is made in backward: nothing more is kept.
+        # With the optimizer's copy, the transpose is made in backward: nothing more is kept; but
+        # where torch lets a write to the master come first (it re-casts the copy and its scale in
+        # place), the backward needs this forward's.
+        if transpose_from is not None and saved_tensors_mutable():
+            w_fp8_t, w_scale_inv, transpose_from = _transposed_copy(*transpose_from), w_scale_inv.clone(), None
         ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
         ctx.w_transpose_from = transpose_from
         # The backward reads the master as it is then: a write in between is refused, as torch
@@ -217,19 +221,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-_NO_TORCHSCRIPT = (
-    "Fp8Linear: TorchScript (torch.jit.script / torch.jit.trace) is not supported: the layer's forward runs "
-    "fp8amp's custom ops, which update scaling buffers in place, inside a custom autograd Function, and its "
-    "O1/O2 weights are a tensor subclass (ScaledTensor); TorchScript represents none of these. Use "
-    "torch.compile to compile, torch.export to export (docs/compile.md)")
-
-
 def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module) -> None:
     """TorchScript tracing, forward-mode AD, sparse and nested inputs, inputs or weights of a dtype the casts do
     not take (named by the layer, not by the cast op that would refuse them) and an input on another device than
     the weights (a meta input gave autocast's "unknown device type"), refused with what works; Dynamo folds them."""
     if torch.jit.is_tracing():
-        raise NotImplementedError(_NO_TORCHSCRIPT)
+        raise NotImplementedError(NO_TORCHSCRIPT)
     refuse_dual_tensors(x, layer)
     if weight.dtype not in HIGH_PRECISION_DTYPES:  # model.double() after convert
         raise ValueError(f"Fp8Linear: the weight is {weight.dtype}, which the FP8 casts do not read; keep the model "
@@ -341,7 +338,7 @@ class Fp8Linear(nn.Linear):
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every submodule before compiling it.
-        raise NotImplementedError(_NO_TORCHSCRIPT)
+        raise NotImplementedError(NO_TORCHSCRIPT)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: layer(input=x) works
         if functorch_active():  # first: a transform's wrapped weight would fail the O1/O2 master check

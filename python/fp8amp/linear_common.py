@@ -1,7 +1,7 @@
 """What both of Fp8Linear's autograd Functions share (per-tensor scaling in linear.py, tile
 scaling in tiled_linear.py): the output dtype, the padding of the token rows and the output made
 from the GEMM's padded rows, the E4M3 weight gradient of O1/O2, and the refusals of double
-backward, of functorch's transforms and of forward-mode AD."""
+backward, of functorch's transforms, of forward-mode AD and of TorchScript."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+import torch.autograd.graph as autograd_graph
 import torch.nn.functional as F
 
 from .formats import E4M3
@@ -17,7 +18,7 @@ from .ops import fast
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad", "first_order_backward",
-           "functorch_active", "NO_FUNCTORCH", "refuse_dual_tensors"]
+           "functorch_active", "NO_FUNCTORCH", "NO_TORCHSCRIPT", "refuse_dual_tensors", "saved_tensors_mutable"]
 
 _unsafe_view = torch.ops.aten._unsafe_view.default  # the overload itself: no packet lookup a call
 
@@ -45,6 +46,11 @@ NO_FUNCTORCH = (
     "functorch can neither batch nor differentiate. Use torch.autograd.functional.jacobian / vjp with "
     "vectorize=False (the default), a loop over samples or over the grad_outputs, or " + _HIGH_PRECISION_INSTEAD)
 
+NO_TORCHSCRIPT = (
+    "Fp8Linear: TorchScript (torch.jit.script / torch.jit.trace) is not supported: the layer's forward runs "
+    "fp8amp's custom ops, which update scaling buffers in place, inside a custom autograd Function, and its "
+    "O1/O2 weights are a tensor subclass (ScaledTensor); TorchScript represents none of these. Use "
+    "torch.compile to compile, torch.export to export (docs/compile.md)")
 
 _NO_FORWARD_AD = (
     "Fp8Linear: forward-mode AD (torch.autograd.forward_ad's dual tensors) is not supported: the layer's FP8 "
@@ -61,6 +67,12 @@ def refuse_dual_tensors(x: torch.Tensor, layer: torch.nn.Module) -> None:
     if forward_ad._current_level >= 0 and any(
             t is not None and forward_ad.unpack_dual(t).tangent is not None for t in (x, layer.weight, layer.bias)):
         raise NotImplementedError(_NO_FORWARD_AD)
+
+
+def saved_tensors_mutable() -> bool:
+    """Whether torch.autograd.graph.allow_mutation_on_saved_tensors() is on: inside it a tensor the
+    forward read may be written before the backward, which still sees the forward's values."""
+    return autograd_graph._allow_mutation_on_saved_tensors_enabled
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

@@ -202,3 +202,21 @@ def test_batched_grad_outputs_are_refused_by_name(level):
     y = model(xi)
     with pytest.raises(NotImplementedError, match=r"is_grads_batched=True"):
         torch.autograd.grad(y, xi, torch.randn(2, *y.shape), is_grads_batched=True)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_write_to_the_weights_inside_allow_mutation_on_saved_tensors(level, recipe):
+    """Inside torch.autograd.graph.allow_mutation_on_saved_tensors() a weight written between the
+    forward and the backward gives the forward's gradients in torch. At O1/O2 (tensorwise) the
+    backward made the weight's transpose from the master then, and refused the write, saying that
+    nn.Linear raises there."""
+    ref, model, _, x = _pair(level, recipe)
+    for m in (ref, model):
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            loss = m(x).square().mean()
+            with torch.no_grad():
+                m[2].weight.mul_(0.5)
+            loss.backward()
+    _close_grads(_grads(model), _grads(ref))
+    assert _rel(model[2].weight, ref[2].weight) < 0.01
