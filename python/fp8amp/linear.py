@@ -33,7 +33,7 @@ from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
-from .linear_common import (NO_FUNCTORCH, NO_TORCHSCRIPT, first_order_backward, fp8_weight_grad, functorch_active,
+from .linear_common import (NO_FUNCTORCH, first_order_backward, fp8_weight_grad, functorch_active, no_torchscript,
                             output_dtype, pad_rows, refuse_dual_tensors, saved_tensors_mutable, unpadded_output)
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
@@ -226,7 +226,7 @@ def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: nn.M
     not take (named by the layer, not by the cast op that would refuse them) and an input on another device than
     the weights (a meta input gave autocast's "unknown device type"), refused with what works; Dynamo folds them."""
     if torch.jit.is_tracing():
-        raise NotImplementedError(NO_TORCHSCRIPT)
+        raise NotImplementedError(no_torchscript())
     refuse_dual_tensors(x, layer)
     if weight.dtype not in HIGH_PRECISION_DTYPES:  # model.double() after convert
         raise ValueError(f"Fp8Linear: the weight is {weight.dtype}, which the FP8 casts do not read; keep the model "
@@ -338,7 +338,7 @@ class Fp8Linear(nn.Linear):
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every submodule before compiling it.
-        raise NotImplementedError(NO_TORCHSCRIPT)
+        raise NotImplementedError(no_torchscript())
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: layer(input=x) works
         if functorch_active():  # first: a transform's wrapped weight would fail the O1/O2 master check

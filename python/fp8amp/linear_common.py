@@ -18,7 +18,7 @@ from .ops import fast
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad", "first_order_backward",
-           "functorch_active", "NO_FUNCTORCH", "NO_TORCHSCRIPT", "refuse_dual_tensors", "saved_tensors_mutable"]
+           "functorch_active", "NO_FUNCTORCH", "no_torchscript", "refuse_dual_tensors", "saved_tensors_mutable"]
 
 _unsafe_view = torch.ops.aten._unsafe_view.default  # the overload itself: no packet lookup a call
 
@@ -46,11 +46,26 @@ NO_FUNCTORCH = (
     "functorch can neither batch nor differentiate. Use torch.autograd.functional.jacobian / vjp with "
     "vectorize=False (the default), a loop over samples or over the grad_outputs, or " + _HIGH_PRECISION_INSTEAD)
 
-NO_TORCHSCRIPT = (
+_NO_TORCHSCRIPT = (
     "Fp8Linear: TorchScript (torch.jit.script / torch.jit.trace) is not supported: the layer's forward runs "
     "fp8amp's custom ops, which update scaling buffers in place, inside a custom autograd Function, and its "
     "O1/O2 weights are a tensor subclass (ScaledTensor); TorchScript represents none of these. Use "
-    "torch.compile to compile, torch.export to export (docs/compile.md)")
+    "torch.compile to compile, torch.export to export (docs/compile.md), or script / trace the model in high "
+    "precision: fp8amp.unconvert(copy.deepcopy(model))")
+
+_NO_ONNX = (
+    "Fp8Linear: torch.onnx.export cannot export it: its TorchScript-based exporter traces the layer with "
+    "torch.jit.trace, which cannot represent fp8amp's custom ops (they update scaling buffers in place, inside "
+    "a custom autograd Function), and ONNX has no operator for them. Export the model in high precision: "
+    "torch.onnx.export(fp8amp.unconvert(copy.deepcopy(model)), ...); torch.export.export keeps the FP8 ops "
+    "(docs/compile.md)")
+
+
+def no_torchscript() -> str:
+    """Why TorchScript cannot take an Fp8Linear, and what works. torch.onnx.export(dynamo=False) traces with
+    it: the TorchScript message alone pointed ONNX users at torch.export, which writes no ONNX file."""
+    return _NO_ONNX if torch.onnx.is_in_onnx_export() else _NO_TORCHSCRIPT
+
 
 _NO_FORWARD_AD = (
     "Fp8Linear: forward-mode AD (torch.autograd.forward_ad's dual tensors) is not supported: the layer's FP8 "
