@@ -84,6 +84,7 @@ from .master_weight import MasterWeight
 from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, master_rounding,
                           nonfinite_flag, or_empty as _or_empty)
 from .optim_params import check_params
+from .scaling_hooks import drop_skipped_amaxes
 from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
                           load_hooks_outside, one_per_shard, real_sharded_moments, state_dict_hooks_outside)
@@ -335,6 +336,12 @@ class Adam(torch.optim.Optimizer):
 
     # --------------------------------------------------------------------------------------------
     # Step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; after a step skipped without ``step()`` (GradScaler's), first
+        drops the inf / NaN amaxes it recorded (fp8amp.scaling_hooks.drop_skipped_amaxes)."""
+        drop_skipped_amaxes(self)
+        super().zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):

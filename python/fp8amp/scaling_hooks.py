@@ -13,6 +13,9 @@
   is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
   update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand).
+- A step skipped without ``optimizer.step()`` (GradScaler's skip) runs no update: at fp8amp's
+  optimizer's next ``zero_grad`` the inf / NaN amaxes it recorded are dropped
+  (:func:`drop_skipped_amaxes`), so that the next step's warm-up casts scale by their own amax.
 - A copy of a registered optimizer (``copy.deepcopy``, ``pickle``, ``torch.save``) registers its
   models again: copied together with the optimizer (``copy.deepcopy((model, optimizer))``), the
   models are their copies, whose scales then follow the copy's steps. torch's own
@@ -62,6 +65,7 @@ class _StepHooks:
         self.owners: list[weakref.ref] = []  # the optimizers that update the others
         self.owner_steps: dict[int, int] = {}  # their step counts at this one's previous step, by id
         self.steps = 0  # eager steps taken, which the optimizers registered after it read
+        self.stepped = False  # a step since the optimizer's previous zero_grad (drop_skipped_amaxes)
         self.generation = -1
 
     def add(self, model: nn.Module) -> None:
@@ -135,6 +139,7 @@ class _StepHooks:
 
     def finish(self, *_) -> None:  # not run when the step raises: its reduction is then discarded
         states, self.found = self.found, None
+        self.stepped = True  # (set in traced steps too, where ``steps`` stays)
         if not torch.compiler.is_compiling():
             self.steps += 1
             if self.owners and self.take_over_idle():
@@ -274,6 +279,23 @@ def _set_registered_state(optimizer_ref: weakref.ref, state: tuple) -> None:
     optimizer.__setstate__(state)
     for model in models:
         register_scaling_hooks(model, optimizer)
+
+
+def drop_skipped_amaxes(optimizer: torch.optim.Optimizer) -> None:
+    """At ``optimizer.zero_grad()``: when it has not stepped since its previous ``zero_grad`` (a
+    step GradScaler skipped, or that a loop skipped for a NaN loss), sets the inf / NaN amaxes that
+    step left in this step's column of the states it updates to 0. The next step's warm-up casts
+    fold their amax into that column: a non-finite one there made them take the stored scale (1
+    before any update) instead of their own. Its finite amaxes stay, as after a skipped step; the
+    warm-up goes on (no rank saw the inf at the next update, so every rank's counters agree)."""
+    hooks = optimizer.__dict__.get("_fp8amp_step_hooks")
+    if hooks is None or torch.compiler.is_compiling():
+        return
+    skipped, hooks.stepped = not hooks.stepped, False
+    if skipped:
+        with torch.no_grad():
+            for state in hooks.states():
+                state.amax_history[:, 0].nan_to_num_(nan=0.0, posinf=0.0)
 
 
 def update_scaling(model: nn.Module) -> None:

@@ -1,0 +1,71 @@
+"""Steps with an overflow, a NaN or an inf at O1/O2 (2026-12-07), as users meet them: GradScaler
+skipping steps (an inf input, a NaN micro-batch, float16 backoff and growth), a loop that skips a
+NaN loss itself, and fp8amp's own skip without a GradScaler. Each run is compared with the same
+loop on the unconverted model with plain torch: the same steps skipped, the same step counts,
+scaler scales and lr, weights within FP8 training's distance."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+from tiny_mlp import regression_batches, tiny_mlp
+
+LEVELS = ("O1", "O2")
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.dequantize() if isinstance(t, fp8amp.ScaledTensor) else t
+
+
+def _pair(level, lr=1e-2):
+    """The tiny MLP at ``level`` with its optimizer, and the same model unconverted with torch's AdamW."""
+    model = tiny_mlp()
+    plain = copy.deepcopy(model)
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), level, policy="all")
+    return (model, optimizer), (plain, torch.optim.AdamW(plain.parameters(), lr=lr))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((_real(a) - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("skip", ["GradScaler", "by hand"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_step_after_a_skipped_first_step_casts_with_its_own_amax(level, skip):
+    """An inf in the first batch (activations ~1000, beyond E4M3's 448 at scale 1) skips that step
+    without ``optimizer.step()``: GradScaler's skip, or a loop that skips a non-finite loss itself.
+    The next step is still in warm-up (current scaling). Its casts folded their amax into the inf
+    the skipped step left in the history, and took the stored scale (1, none made yet): the
+    output was 69 % off torch's, silently. The optimizer's ``zero_grad`` drops a skipped step's
+    non-finite amaxes, so the next step scales by its own."""
+    fp8, plain = _pair(level)
+    batches = [(x * 1000, y) for x, y in regression_batches(2)]
+    results = []
+    for model, optimizer in (fp8, plain):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        for i, (x, y) in enumerate(batches):
+            x = x.clone()
+            if i == 0:
+                x[0, 0] = float("inf")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x).float()
+            loss = nn.functional.mse_loss(out, y)
+            if i == 1:
+                loss.backward()
+                results.append((out.detach(), [p.grad for p in model.parameters()]))
+            elif skip == "GradScaler":
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                assert scaler.get_scale() == 2.0**7  # (skipped)
+            else:
+                assert not loss.isfinite()
+            optimizer.zero_grad()
+    (out, grads), (expected, expected_grads) = results
+    assert _rel(out, expected) < 0.1
+    assert all(_rel(g, e) < 0.2 for g, e in zip(grads, expected_grads))
+    assert all(bool(s.amax_history.isfinite().all()) for s in fp8amp.amax_sync.delayed_states(fp8[0]))
