@@ -30,6 +30,7 @@ def _pair(level, lr=1e-2):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    b = b.detach()
     return float((_real(a) - b).norm() / b.norm())
 
 
@@ -69,3 +70,47 @@ def test_the_step_after_a_skipped_first_step_casts_with_its_own_amax(level, skip
     assert _rel(out, expected) < 0.1
     assert all(_rel(g, e) < 0.2 for g, e in zip(grads, expected_grads))
     assert all(bool(s.amax_history.isfinite().all()) for s in fp8amp.amax_sync.delayed_states(fp8[0]))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_grad_scaler_skips_the_steps_torch_skips_over_a_run(level):
+    """float16 autocast, 4 micro-batches a step, an inf input at step 3 and a NaN in one
+    micro-batch at step 9, clipping after ``unscale_``, a growing scaler and an lr schedule: the
+    scaler's scale, every step count and the lr equal torch's at every step, the losses and weights
+    stay within FP8's distance, and no inf / NaN amax is left in any history."""
+    (model, optimizer), (plain, plain_optimizer) = _pair(level)
+    batches = regression_batches(4 * 14)
+    runs = []
+    for net, opt in ((model, optimizer), (plain, plain_optimizer)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 14)
+        trace = []
+        for i in range(14):
+            total = 0.0
+            for j, (x, y) in enumerate(batches[4 * i:4 * i + 4]):
+                x = x.clone()
+                if (i, j) in ((3, 0), (9, 2)):
+                    x[1, 3] = float("inf") if i == 3 else float("nan")
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(net(x).float(), y) / 4
+                scaler.scale(loss).backward()
+                total += loss.item()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            schedule.step()
+            trace.append((total, scaler.get_scale(), sorted({float(s["step"]) for s in opt.state.values()}),
+                          schedule.get_last_lr()))
+        runs.append(trace)
+    for i, (mine, torchs) in enumerate(zip(*runs)):
+        assert mine[1:] == torchs[1:], i
+        if i in (3, 9):
+            assert not torch.isfinite(torch.tensor([mine[0], torchs[0]])).any()
+        else:
+            assert abs(mine[0] - torchs[0]) < 0.02 * torchs[0], i
+    assert runs[0][-1][2] == [12.0]  # (14 steps, 2 skipped)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert _rel(p, q) < 0.1
+    assert all(bool(s.amax_history.isfinite().all()) for s in fp8amp.amax_sync.delayed_states(model))
