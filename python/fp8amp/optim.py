@@ -84,12 +84,12 @@ from .master_weight import MasterWeight
 from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, master_rounding,
                           nonfinite_flag, or_empty as _or_empty)
 from .optim_params import check_params
-from .scaling_hooks import drop_skipped_amaxes
 from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
                           load_hooks_outside, one_per_shard, real_sharded_moments, state_dict_hooks_outside)
 from .block_scaled_tensor import BlockScaledTensor
 from .scaled_tensor import ScaledTensor
+from .scaling_hooks import drop_skipped_amaxes
 
 __all__ = ["Adam", "AdamW", "ScaledMoment", "STATE_DTYPES"]
 
