@@ -17,13 +17,10 @@
     A group's ``state_dtypes`` decides the formats when a param's state is created.
 
 ``master_rounding``, ``rounding_seed``
-    How the new values of float16 masters (O1/O2 Linear weights) are rounded: ``"nearest"``
-    (default) loses every update below half an FP16 unit of its weight (a small fine-tuning lr
-    on weights near 1: docs/o1_o2.md#limits); ``"stochastic"`` rounds up in magnitude with
-    probability (distance to the truncation) / (FP16 spacing), so updates are kept on average,
-    from a random stream of the group's ``rounding_seed`` (an int, default 0), the step number
-    and the param's place in the step: a run repeats bit for bit (docs/numerics.md#stochastic-rounding).
-    Moments and other params are unaffected. Both are per-group options, read at every step.
+    Per-group options: ``"nearest"`` (default) rounds float16 masters' new values to nearest,
+    losing updates below half an FP16 unit (docs/o1_o2.md#limits-today); ``"stochastic"`` keeps
+    them on average, drawing from ``rounding_seed`` (an int, default 0), the step and the param's
+    place: a run repeats bit for bit (docs/numerics.md#stochastic-rounding).
 
 State per param: ``step`` (float32 0-dim tensor on the param's device, the number of steps
 taken, as torch keeps it with ``capturable=True``), ``exp_avg``, ``exp_avg_sq`` and, at O2, the
@@ -111,8 +108,7 @@ class Adam(torch.optim.Optimizer):
         foreach, fused, capturable: accepted and ignored (the step is always fused, and always
             capturable: no host sync).
         state_dtypes: ``"O1"`` (float32 moments) or ``"O2"`` (E4M3 m, FP16 v, each with a scale).
-        master_rounding, rounding_seed: ``"nearest"`` or ``"stochastic"`` rounding of float16
-            masters, and the seed of its random stream (see the module docstring).
+        master_rounding, rounding_seed: see the module docstring.
     """
 
     def __init__(
@@ -338,8 +334,7 @@ class Adam(torch.optim.Optimizer):
     # Step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; after a step skipped without ``step()`` (GradScaler's), first
-        drops the inf / NaN amaxes it recorded (fp8amp.scaling_hooks.drop_skipped_amaxes)."""
+        """torch's, after dropping the inf / NaN amaxes of a step skipped without ``step()`` (GradScaler's)."""
         drop_skipped_amaxes(self)
         super().zero_grad(set_to_none)
 
