@@ -79,7 +79,7 @@ except ImportError:  # a torch built without distributed: no DTensor params
 from .formats import E4M3, FP16
 from .master_weight import MasterWeight
 from .optim_calls import (SCALE_KEYS as _SCALES, CallLists, fused_form, local as _local, master_rounding,
-                          nonfinite_flag, or_empty as _or_empty)
+                          nonfinite_flag, or_empty as _or_empty, shard_coordinates)
 from .optim_params import check_params
 from .optim_state import (MOMENT_KEYS, ScaledMoment, check_groups, check_moments, complete_groups, convert_state,
                           fp8_states_as_bytes, fp8_states_from_bytes, moments_as_codes, moments_with_scales,
@@ -356,7 +356,7 @@ class Adam(torch.optim.Optimizer):
         eager = not torch.compiler.is_compiling()  # (a traced step reads no version counter)
         for k, group in enumerate(self.param_groups):
             self._check_hyper(group)
-            parts: dict[tuple, tuple[list[torch.Tensor], list[dict], tuple[int, int]]] = {}
+            parts: dict[tuple, tuple[list[torch.Tensor], list[dict], tuple[int, ...]]] = {}
             for position, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
@@ -378,10 +378,10 @@ class Adam(torch.optim.Optimizer):
                         cohort = self._cohort_from_state(p)
                 # (the device's index, not the device: an int, where p.device makes an object; no
                 # setdefault, whose default lists would be made for every param)
-                key = (p.get_device(), cohort)
+                key = (p.get_device(), cohort, shard_coordinates(p))
                 part = parts.get(key)
-                if part is None:  # (the group's index and this first param's position salt its seed)
-                    part = parts[key] = ([], [], (k, position))
+                if part is None:  # (the group's index, this first param's position and its shard salt its seed)
+                    part = parts[key] = ([], [], (k, position, *key[2]))
                 part[0].append(p)
                 part[1].append(state)
             calls += [(group, *part) for part in parts.values()]
@@ -443,7 +443,7 @@ class Adam(torch.optim.Optimizer):
         return found
 
     def _call(self, group: dict, sharded: list[torch.Tensor], lists: CallLists, found_inf: torch.Tensor | None,
-              salts: tuple[int, int]) -> None:
+              salts: tuple[int, ...]) -> None:
         """The fused op over ``sharded`` (the params of one cohort) with their ``lists`` and this
         step's grads. bfloat16/float16 params step through a float32 copy rounded back once (the op
         keeps low-precision params only as FP16 codes with a scale): one rounding per step, as

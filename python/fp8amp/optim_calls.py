@@ -44,7 +44,8 @@ from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["CallLists", "fused_form", "local", "master_rounding", "MASTER_ROUNDINGS", "or_empty", "SCALE_KEYS"]
+__all__ = ["CallLists", "fused_form", "local", "master_rounding", "MASTER_ROUNDINGS", "or_empty", "SCALE_KEYS",
+           "shard_coordinates"]
 
 #: The accepted ``master_rounding`` of a param group (docs/numerics.md#stochastic-rounding).
 MASTER_ROUNDINGS = ("nearest", "stochastic")
@@ -116,7 +117,8 @@ def _state_ids(states: list[dict]) -> tuple:
 def master_rounding(group: dict, name: str, salts: tuple[int, ...] = ()) -> tuple[bool, int]:
     """``(stochastic, seed)`` of an op call over params of ``group``: whether its float16 masters
     round stochastically, and the call's seed, the group's ``rounding_seed`` with ``salts`` (the
-    group's index, the position of the call's first param in it) mixed in. The op tells a call's
+    group's index, the position of the call's first param in it, its :func:`shard_coordinates`)
+    mixed in. The op tells a call's
     tensors apart by their position in the call; the salts keep two calls of a step from drawing
     the same bits. ValueError for a rounding or seed the op cannot take, naming what it accepts."""
     rounding, seed = group.get("master_rounding", "nearest"), group.get("rounding_seed", 0)
@@ -129,6 +131,18 @@ def master_rounding(group: dict, name: str, salts: tuple[int, ...] = ()) -> tupl
         seed = (seed * 0x9E3779B97F4A7C15 + salt + 1) % 2**64
     seed %= 2**64
     return rounding == "stochastic", seed - 2**64 if seed >= 2**63 else seed  # (the op's int64)
+
+
+def shard_coordinates(p: torch.Tensor) -> tuple[int, ...]:
+    """Where a sharded (DTensor) param's local shard lies: its mesh coordinates along the mesh dims
+    that shard it; () for a plain tensor. Salted into the rounding seed (:func:`master_rounding`),
+    they give each shard its own random bits (the op numbers a shard's elements from 0, so equal
+    local positions of two shards would draw the same), while replicas (DDP, HSDP's replicate dim)
+    draw the same bits and stay identical."""
+    if not isinstance(p, DTensor):
+        return ()
+    coordinate = p.device_mesh.get_coordinate() or ()
+    return tuple(c for c, placement in zip(coordinate, p.placements) if placement.is_shard())
 
 
 class CallLists:

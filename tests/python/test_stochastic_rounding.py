@@ -1,7 +1,7 @@
 """``master_rounding="stochastic"`` of fp8amp's Adam/AdamW (docs/numerics.md#stochastic-rounding):
 its options and their errors, the random stream (seeds, groups, steps; a run repeats bit for bit,
-also through a checkpoint), torch.compile, the Lightning plugin's option, and (GPU-marked) CUDA
-against CPU bit for bit. What it does to training is measured in test_small_updates_usage.py."""
+also through a checkpoint), torch.compile, the Lightning plugin's option, FSDP2 shards and DDP
+replicas (2 gloo processes), and (GPU-marked) CUDA against CPU bit for bit. What it does to training is measured in test_small_updates_usage.py."""
 
 import copy
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8amp
+from ranks import run_on_ranks
 
 
 def model(seed=0, width=48):
@@ -183,6 +184,51 @@ def test_the_lightning_plugins_pass_master_rounding_to_the_optimizer():
         fabric.backward(F.mse_loss(net(x), y))
         optimizer.step()
         optimizer.zero_grad()
+
+
+def twin_rows_rank(rank: int, how: str) -> list[torch.Tensor]:
+    """A 64 x 32 O2 master whose rows 32-63 equal rows 0-31 (so their gradients are equal too),
+    stepped with stochastic rounding under ``fully_shard`` (rank r holds rows 32r to 32r + 31) or
+    DDP; returns this rank's codes of it after each step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 64, bias=False)
+    with torch.no_grad():
+        layer.weight[32:] = layer.weight[:32]
+    net, _ = fp8amp.initialize(nn.Sequential(layer), None, "O2", policy="all")
+    if how == "fsdp":
+        fully_shard(net, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        net = nn.parallel.DistributedDataParallel(net)
+    opt = fp8amp.optim.AdamW(net.parameters(), lr=3e-5, weight_decay=0.0, state_dtypes="O2",
+                             master_rounding="stochastic")
+    weight = net.module[0].weight if how == "ddp" else net[0].weight
+    out = []
+    for step in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))  # the same batch on both ranks
+        net(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        local = weight.to_local() if how == "fsdp" else weight
+        out.append(local.codes.clone())
+    return out
+
+
+@pytest.mark.parametrize("how", ["fsdp", "ddp"])
+def test_shards_draw_their_own_bits_and_replicas_the_same(how):
+    """FSDP2: two shards holding equal values with equal gradients round apart (the op numbers a
+    shard's elements from 0, so without the shard's place in the seed they drew the same bits).
+    DDP: the ranks' masters stay bit-identical (equal bits for the replicas)."""
+    ranks = run_on_ranks(twin_rows_rank, 2, how)
+    for step, (a, b) in enumerate(zip(*ranks)):
+        if how == "ddp":
+            assert torch.equal(a, b), step
+        else:
+            assert a.shape == b.shape == (32, 32)
+            assert not torch.equal(a, b), step
 
 
 @pytest.mark.gpu
