@@ -98,15 +98,17 @@ class FusedCalls:
                 self.plan, self.buffers = adam_plan(*buffers), buffers
 
             def step(self, grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay, adamw, maximize, step,
-                     step_tensor, found_inf, margin):
+                     step_tensor, found_inf, margin, stochastic_rounding=False, rounding_seed=0):
                 params, exp_avgs, exp_avg_sqs, param_scales, param_scale_invs, *scales = self.buffers
                 calls.op_calls.append(((params, grads, exp_avgs, exp_avg_sqs, param_scales, param_scale_invs,
                                         grad_scale_invs, *scales),
                                        dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                             adamw=adamw, maximize=maximize, step=step, step_tensor=step_tensor,
-                                            found_inf=found_inf, margin=margin)))
+                                            found_inf=found_inf, margin=margin,
+                                            stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)))
                 return calls._timed(self.plan.step, grads, grad_scale_invs, lr, beta1, beta2, eps, weight_decay,
-                                    adamw, maximize, step, step_tensor, found_inf, margin)
+                                    adamw, maximize, step, step_tensor, found_inf, margin, stochastic_rounding,
+                                    rounding_seed)
 
         fast.adam_step, fast.AdamPlan = timed_adam_step, TimedPlan
         kept = getattr(optimizer, "_call_lists", {})  # fp8amp's optimizer: its kept plans made again, timed

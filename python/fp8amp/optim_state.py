@@ -127,11 +127,11 @@ def _groups(sizes: list[int]) -> str:
 
 def complete_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
     """Copies of ``saved_groups``, each completed by the keys of the optimizer's group of the same
-    index that it lacks, and with that group's ``state_dtypes`` and ``master_rounding``: the level
-    and the rounding stay the optimizer's, whatever saved the state (:func:`check_groups` has
-    matched the groups' sizes)."""
+    index that it lacks, and with that group's ``state_dtypes`` and ``master_rounding`` (where it
+    has one: a group a framework appended itself may not): the level and the rounding stay the
+    optimizer's, whatever saved the state (:func:`check_groups` has matched the groups' sizes)."""
     return [{**{k: v for k, v in group.items() if k != "params"}, **saved, "state_dtypes": group["state_dtypes"],
-             "master_rounding": group["master_rounding"]}
+             **{k: group[k] for k in ("master_rounding",) if k in group}}
             for saved, group in zip(saved_groups, groups)]
 
 
