@@ -450,6 +450,8 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_leve
             new_group["decoupled_weight_decay"] = True
         groups.append(new_group)
     kwargs = {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable",
-                                             "differentiable") if key in defaults}
+                                             "differentiable", "rounding_seed") if key in defaults}
+    # (an fp8amp optimizer's own rounding stays the default of groups added later)
+    rounding = master_rounding or defaults.get("master_rounding", "nearest")
     cls = fp8_optim.AdamW if decoupled else fp8_optim.Adam
-    return cls(groups, state_dtypes=opt_level, master_rounding=master_rounding or "nearest", **kwargs)
+    return cls(groups, state_dtypes=opt_level, master_rounding=rounding, **kwargs)
