@@ -67,7 +67,8 @@
 // Element j of the call's tensor i takes 13 bits of
 //   s = random_bits(random_bits(random_bits(random_bits(random_bits(lo32(seed)) ^ hi32(seed)) ^ lo32(t))
 //                   ^ i) ^ hi32(j / 2)),
-//   bits = random_bits(s ^ lo32(j / 2)),  r = j even ? bits : bits >> 16
+//   bits = random_bits(random_bits(lo32(j / 2) ^ s) + random_bits(s ^ 0x9E3779B9)),
+//   r = j even ? bits : bits >> 16
 // (seed: rounding_seed; t: the step number), so a run repeats bit for bit on CPU and CUDA, and two
 // steps, tensors or pairs of elements draw different bits. Rounding up can pass amax(p') * scale by
 // one FP16 unit, never 65504 (a float16 value), so nothing saturates; pass 2 then folds the stored

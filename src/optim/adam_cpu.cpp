@@ -45,7 +45,7 @@ T store(float x, float scale) {
 // Element j's new master value p stored with stochastic rounding (optim.h), from its tensor's
 // random stream: a float16 master's; other params store as store() does.
 template <class P>
-P store_stochastic(float p, float scale, uint32_t stream, int64_t j) {
+P store_stochastic(float p, float scale, RoundingStream stream, int64_t j) {
   if constexpr (std::is_same_v<P, numerics::fp16>) {
     const uint32_t bits = pair_random_bits(stream, static_cast<uint32_t>(static_cast<uint64_t>(j) / 2));
     return numerics::quantize_fp16_stochastic(rn::mul(p, scale), j % 2 == 0 ? bits : bits >> 16);
@@ -102,7 +102,7 @@ template <class G, class P, class M, class V>
 void store_pass(const AdamTensorPtrs& t, const AdamConstants& c, const AdamScales& s, const AdamArgs& args,
                 int64_t step, uint32_t index, float* row) {
   const bool stochastic = std::is_same_v<P, numerics::fp16> && args.hyper.stochastic_rounding;
-  uint32_t stream = 0;
+  RoundingStream stream{};
   uint32_t new_param_key = 0;
   for (int64_t j = 0; j < t.numel; ++j) {
     float g;

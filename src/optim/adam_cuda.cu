@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // of the pack x (already times the scale) whose first pair of elements is `pair`; returns the
 // largest magnitude code of its first `valid` elements.
 template <int N>
-__device__ uint32_t round_pack_stochastic(const float (&x)[N], uint32_t stream, uint32_t pair, int valid,
+__device__ uint32_t round_pack_stochastic(const float (&x)[N], RoundingStream stream, uint32_t pair, int valid,
                                           uint32_t (&w)[N / 2]) {
   uint32_t largest = 0;
 #pragma unroll
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ AdamScales shared_scales;
   __shared__ bool shared_skip;
   __shared__ uint32_t warp_keys[kWarps];
-  __shared__ uint32_t shared_stream;
+  __shared__ RoundingStream shared_stream;
 
   const int owner = owning_tensor(batch);
   const C chunk(batch, args, owner, true);

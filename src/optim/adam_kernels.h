@@ -131,17 +131,25 @@ FP8AMP_HD AdamUpdate adam_update(float p, float g, float m, float v_b2, const Ad
 // Stochastic rounding of a float16 master (optim.h, "Stochastic rounding of the master").
 
 // The random stream of the call's tensor `index` at step t, for the pairs of elements j / 2 whose
-// high 32 bits are `high`.
-FP8AMP_HD uint32_t rounding_stream(uint64_t seed, int64_t t, uint32_t index, uint32_t high) {
+// high 32 bits are `high`: a key and an offset that pair_random_bits hashes the pair with.
+struct RoundingStream {
+  uint32_t key, offset;
+};
+FP8AMP_HD RoundingStream rounding_stream(uint64_t seed, int64_t t, uint32_t index, uint32_t high) {
   using numerics::random_bits;
   uint32_t s = random_bits(random_bits(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32));
   s = random_bits(s ^ static_cast<uint32_t>(t));
-  return random_bits(random_bits(s ^ index) ^ high);
+  const uint32_t key = random_bits(random_bits(s ^ index) ^ high);
+  return {key, random_bits(key ^ 0x9E3779B9u)};
 }
 
 // The random bits of the pair of elements holding `pair` (the low 32 bits of j / 2); an even j
-// takes the low half, an odd one the high.
-FP8AMP_HD uint32_t pair_random_bits(uint32_t stream, uint32_t pair) { return numerics::random_bits(stream ^ pair); }
+// takes the low half, an odd one the high. Two hashes: with one, of pair ^ key, streams whose keys
+// differ by d drew the same bits at pairs p and p ^ d, a whole tensor's bits shared whenever d
+// was below its pair count; the offset added between them breaks that structure.
+FP8AMP_HD uint32_t pair_random_bits(RoundingStream stream, uint32_t pair) {
+  return numerics::random_bits(numerics::random_bits(pair ^ stream.key) + stream.offset);
+}
 
 // ------------------------------------------------------------------------------------------------
 // One tensor's buffers. A scale_inv pointer is null iff its tensor is not in a scaled format (and
