@@ -101,7 +101,7 @@ def initialize(
         master_rounding: how the optimizer rounds the FP16 masters' new values: ``"nearest"``
             (what a torch optimizer passed in gets by default) or ``"stochastic"``, which keeps
             updates below half an FP16 unit of a weight on average (small fine-tuning lrs:
-            docs/o1_o2.md#limits); None keeps an fp8amp optimizer's own. An option of the optimizer
+            docs/o1_o2.md#limits-today); None keeps an fp8amp optimizer's own. An option of the optimizer
             (:class:`fp8amp.optim.Adam`): with ``optimizer=None`` pass it to :func:`initialize_optimizer`.
 
     Raises:
@@ -217,9 +217,9 @@ FROZEN_SHARE = 0.01
 
 def _warn_updates_below_master_units(model: nn.Module, optimizer: fp8_optim.Adam, caller: str) -> None:
     """A master stores FP16 codes rounded to nearest unless its group rounds stochastically: an
-    update below half an FP16 unit of an element is then lost. Adam's updates are about lr or smaller, and half a unit
-    exceeds lr wherever ``|w| >= 2^(floor(log2 lr) + 12)``: a master with many such elements (a
-    fine-tuning lr, weights near 1) does not train there, silently. Counted from each group's lr
+    update below half an FP16 unit of an element is then lost. Adam's updates are about lr or
+    smaller, and half a unit exceeds lr wherever ``|w| >= 2^(floor(log2 lr) + 12)``: a master with
+    many such elements (a fine-tuning lr, weights near 1) does not train there, silently. Counted from each group's lr
     here (a scheduler built later starts from it), with one host read."""
     names = {id(p): name for name, p in model.named_parameters()}
     found, counts = [], []  # (name, lr, bound, numel); elements at or above the bound
