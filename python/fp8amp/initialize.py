@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from dataclasses import replace
 from typing import Optional
 
@@ -325,6 +326,7 @@ def _check_params_are_the_models(model: nn.Module, optimizer: torch.optim.Optimi
 def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
                         opt_level: str, master_rounding: Optional[str]) -> fp8_optim.Adam:
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level, master_rounding)
+    _seed_groups_by_name(model, optimizer, new_optimizer)
     carry_hooks(optimizer, new_optimizer)  # (dropped, an EMA or logging hook stopped without a word)
     register_scaling_hooks(model, new_optimizer)
     return new_optimizer
@@ -433,6 +435,20 @@ def _make_masters(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
 def _reads_fp8_copy(recipe) -> bool:
     """Whether a layer of ``recipe`` can take a master's E4M3 copy as its weight operand."""
     return not recipe.tiled and recipe.margin == 0 and recipe.pow2_scale
+
+
+def _seed_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, new_optimizer: fp8_optim.Adam) -> None:
+    """Each group of ``optimizer`` without a ``rounding_seed`` (a torch optimizer's) gets one from the
+    name of its first parameter in ``model``: the same on every rank and in every run, and apart for
+    optimizers built one per parameter, whose bits the seed alone tells apart (each numbers its
+    params from 0; docs/numerics.md#stochastic-rounding)."""
+    if "rounding_seed" in optimizer.defaults:
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    for old, new in zip(optimizer.param_groups, new_optimizer.param_groups):
+        first = next((names[id(p)] for p in new["params"] if id(p) in names), None)
+        if "rounding_seed" not in old and first is not None:
+            new["rounding_seed"] = zlib.crc32(first.encode())
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, masters: dict, opt_level: str,

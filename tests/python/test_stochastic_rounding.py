@@ -140,10 +140,11 @@ def test_the_rounding_and_its_seed_resume_bit_for_bit_through_a_state_dict():
     for group in older["param_groups"]:
         del group["master_rounding"], group["rounding_seed"]
     again, again_opt = o2(model(seed=1), master_rounding="stochastic", lr=1e-4)
+    own_seed = again_opt.param_groups[0]["rounding_seed"]
     again.load_state_dict(saved[0])
     again_opt.load_state_dict(older)
     assert again_opt.param_groups[0]["master_rounding"] == "stochastic"
-    assert again_opt.param_groups[0]["rounding_seed"] == 0
+    assert again_opt.param_groups[0]["rounding_seed"] == own_seed
 
 
 @pytest.mark.filterwarnings("ignore:initialize. 2 Linear master")  # (nearest's warning: its own test)
@@ -184,6 +185,32 @@ def test_the_lightning_plugins_pass_master_rounding_to_the_optimizer():
         fabric.backward(F.mse_loss(net(x), y))
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_optimizers_built_one_per_parameter_draw_apart():
+    """initialize_optimizer gives a torch optimizer's groups seeds from their first param's name in
+    the model: two equal layers, each with its own optimizer (optimizer in backward), round apart
+    (with one seed for both, each numbering its param 0, they drew the same bits), the same in
+    every run; an explicit seed in a group, or an fp8amp optimizer's, is kept."""
+    def run():
+        torch.manual_seed(0)
+        twin = nn.Linear(48, 48, bias=False)
+        net, _ = fp8amp.initialize(nn.Sequential(twin, copy.deepcopy(twin)), None, "O2", policy="all")
+        opts = [fp8amp.initialize_optimizer(net, torch.optim.AdamW([p], lr=1e-4), "O2", master_rounding="stochastic")
+                for p in net.parameters()]
+        x = torch.randn(8, 48, generator=torch.Generator().manual_seed(0))
+        (net[0](x).square().sum() + net[1](x).square().sum()).backward()
+        for opt in opts:
+            opt.step()
+        return codes(net), [opt.param_groups[0]["rounding_seed"] for opt in opts]
+
+    (first, second), seeds = run()
+    assert seeds[0] != seeds[1] and not torch.equal(first, second)
+    assert all(torch.equal(a, b) for a, b in zip(run()[0], (first, second)))
+    net = model()
+    _, kept = fp8amp.initialize(net, torch.optim.AdamW([{"params": net.parameters(), "rounding_seed": 5}]), "O2",
+                                policy="all", master_rounding="stochastic")
+    assert kept.param_groups[0]["rounding_seed"] == 5
 
 
 def twin_rows_rank(rank: int, how: str) -> list[torch.Tensor]:
