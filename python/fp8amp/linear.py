@@ -285,9 +285,6 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
-        # Built directly (not by convert): no optimizer updates its scaling until one is registered.
-        from .scaling_hooks import watch_scaling_updates  # (scaling_hooks imports this module)
-        watch_scaling_updates(self)
 
     #: Whether forwards in ``eval()`` or without grad (validation, generation) record their input's amax (and
     #: their backwards the output gradient's) into the delayed-scaling histories. Off: only training shapes

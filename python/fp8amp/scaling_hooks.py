@@ -9,8 +9,8 @@
   a phase that trained the head alone) and takes its states over at once; any other takes them
   over when that optimizer has not stepped between two of its steps (kept but no longer stepped;
   an optimizer per parameter stepped in backward whose parameter got no gradient).
-- A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``),
-  and an ``Fp8Linear`` built directly, is watched until its scaling is registered: an optimizer that steps its parameters twice with
+- A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``)
+  is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
   update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand).
 - A step skipped without ``optimizer.step()`` (GradScaler's skip) runs no update: at fp8amp's
@@ -185,9 +185,7 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     if not any(m is model for m in hooks.models):
         hooks.add(model)
         _replace_superseded(hooks.optimizer, delayed_states(model))
-    if _WATCHED:
-        for module in model.modules():  # (Fp8Linear layers built directly are watched on their own)
-            _WATCHED.pop(module, None)
+    _WATCHED.pop(model, None)
 
 
 def _replace_superseded(me: weakref.ref, states: list[ScalingState]) -> None:
@@ -337,7 +335,7 @@ def watch_scaling_updates(model: nn.Module) -> None:
     """Warns once if an optimizer steps ``model``'s parameters twice with no scaling update between
     (no :func:`update_scaling` by hand, no hooks): its delayed scales would stay in warm-up for the
     whole run, each set by the largest amax seen since the start. ``convert`` without an optimizer
-    and ``Fp8Linear()`` call it; :func:`register_scaling_hooks` ends the watch."""
+    calls it; :func:`register_scaling_hooks` ends the watch."""
     global _watch_hook
     if not delayed_states(model):  # (nothing delayed-scaled: nothing to update)
         return
@@ -370,8 +368,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if model is not None and _WATCHED.pop(model, False) and delayed_states(model):  # (not unconverted since)
             warnings.warn(
                 f"fp8amp: {type(optimizer).__name__}.step() updated the parameters of a model that fp8amp converted "
-                "without an optimizer (or an Fp8Linear built directly), and nothing updated the model's FP8 scaling "
-                "since its previous step: its "
+                "without an optimizer, and nothing updated the model's FP8 scaling since its previous step: its "
                 "delayed scales stay in warm-up, each set by the largest amax since the start. Give the optimizer "
                 "to fp8amp: fp8amp.initialize_optimizer(model, optimizer, opt_level) (O1/O2: also the level's "
                 "state formats), or fp8amp.register_scaling_hooks(model, optimizer), or call "

@@ -73,16 +73,6 @@ def test_torchao_style_filter_sees_fully_qualified_linear_names():
     assert isinstance(model.layers[1].w1, fp8amp.Fp8Linear) and type(model.output) is nn.Linear
 
 
-def test_directly_built_fp8linear_stepped_without_scaling_updates_warns():
-    # Row "msamp.nn.FP8Linear -> fp8amp.Fp8Linear": a layer built directly has no optimizer hooks;
-    # trained with a plain optimizer its delayed scales would stay in warm-up, as convert(model)'s.
-    layer = fp8amp.Fp8Linear(32, 64)
-    optimizer = torch.optim.AdamW(layer.parameters())
-    with pytest.warns(UserWarning, match="register_scaling_hooks"):
-        _train(layer, optimizer, steps=2)
-    assert int(layer.input_scaling.counter) == 0
-
-
 def test_directly_built_fp8linear_with_scaling_updates_does_not_warn():
     model = nn.Sequential(fp8amp.Fp8Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
