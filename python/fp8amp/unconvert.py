@@ -214,8 +214,10 @@ def _plain_optimizer(optimizer: fp8_optim.Adam, replaced: dict[int, torch.Tensor
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     hyper = ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "capturable", "fused")
     # Every key of a group but fp8amp's own: the user's (a name, a scale), an lr scheduler's
-    # (initial_lr, max_lr...), torch's options.
-    groups = [{**{key: value for key, value in group.items() if key != "state_dtypes"},
+    # (initial_lr, max_lr...), torch's options. (A rounding key kept would be taken up again by a
+    # later initialize of the plain optimizer, against its default.)
+    own = ("state_dtypes", "master_rounding", "rounding_seed")
+    groups = [{**{key: value for key, value in group.items() if key not in own},
                "params": [replaced.get(id(p), p) for p in group["params"]]} for group in optimizer.param_groups]
     plain = cls(groups, **{key: optimizer.defaults[key] for key in hyper})
     saved = optimizer.state_dict()
