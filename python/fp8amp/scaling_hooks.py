@@ -221,6 +221,15 @@ def registered_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
     return list(found.values())
 
 
+def may_be_stepped(model: nn.Module) -> bool:
+    """Whether an optimizer may hold ``model``'s parameters: one registered for its scaling, or, for
+    a model converted without an optimizer (watched), any. Not a copy made without its optimizer."""
+    if registered_optimizers(model):
+        return True
+    held = {id(p) for p in model.parameters()}
+    return any(id(p) in held for watched in list(_WATCHED) for p in watched.parameters())
+
+
 def release_scaling(optimizer: torch.optim.Optimizer) -> None:
     """Gives the scaling states that ``optimizer``'s hooks update over to the next optimizer
     registered for each: for an optimizer that will not step again (one that ``initialize``

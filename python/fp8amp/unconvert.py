@@ -14,7 +14,7 @@ plain ``torch.optim.Adam`` / ``AdamW`` over the new parameters, with the same pa
 hyperparameters and hooks (step, state dict) and its moments as real values (O2's E4M3 m and
 FP16 v dequantized); the fp8amp one is retired (its ``step`` and ``zero_grad`` raise: it holds
 the old masters). Without it, a model whose masters were replaced warns that such an optimizer
-would not train them.
+would not train them, unless no optimizer can hold them (a copy of the model made without one).
 
 What is lost: the delayed-scaling histories and scales of every layer, and the scales of the
 moments. To resume FP8 training bit for bit, keep the converted model's and optimizer's own
@@ -35,7 +35,7 @@ from .convert import report_holder
 from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
-from .scaling_hooks import carry_hooks
+from .scaling_hooks import carry_hooks, may_be_stepped
 from .user_hooks import carry_module_hooks, carry_tensor_attributes, carry_tensor_hooks
 
 try:
@@ -86,11 +86,13 @@ def unconvert(
     _check_weights_are_parameters(model)  # before the model is changed
     if optimizer is not None:
         _check_optimizer_masters(model, optimizer)
+    # (a copy, say an EMA's, that no optimizer steps has no one to warn about)
+    stepped = optimizer is None and may_be_stepped(model)
     replaced: dict[int, torch.Tensor] = {}  # id(old weight) -> new plain parameter
     model = _unconvert_modules(model, replaced)
     report_holder(model).__dict__.pop("_fp8amp_conversion_report", None)
     if optimizer is None:
-        if replaced:
+        if replaced and stepped:
             warnings.warn(
                 f"unconvert: {len(replaced)} O1/O2 master weight(s) became plain parameters; an fp8amp optimizer "
                 "built on the model (the one fp8amp.initialize returned) still holds the old masters and would "

@@ -165,6 +165,26 @@ def test_the_lightning_plugins_take_master_rounding():
     assert isinstance(optimizer, fp8amp.optim.AdamW) and optimizer.param_groups[0]["master_rounding"] == "stochastic"
 
 
+def test_the_ema_snippet_of_hardening_md_does_not_warn_about_an_optimizer():
+    """`ema = fp8amp.unconvert(copy.deepcopy(model))` warned that "an fp8amp optimizer built on the
+    model still holds the old masters": no optimizer holds the copy's masters (the one initialize
+    returned holds the model's), so the warning sent the user after a problem they did not have."""
+    model = mlp()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ema = fp8amp.unconvert(copy.deepcopy(model))
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.lerp_(p, 1 - 0.999)
+    assert type(ema[0]) is nn.Linear and ema[0].weight.dtype == torch.float32
+    # the model the optimizer steps still warns, as does one converted without an optimizer yet
+    with pytest.warns(UserWarning, match="still holds the old masters"):
+        fp8amp.unconvert(model)
+    with pytest.warns(UserWarning, match="still holds the old masters"):
+        fp8amp.unconvert(fp8amp.initialize(mlp(), None, "O2")[0])
+
+
 def test_unconvert_gives_a_plain_optimizer_without_fp8amp_rounding_keys():
     """unconvert's torch AdamW kept master_rounding / rounding_seed in its param groups (it dropped
     only state_dtypes), so a later initialize of it with no master_rounding rounded those groups
