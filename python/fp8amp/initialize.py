@@ -128,7 +128,7 @@ def initialize(
                          f"to fp8amp.initialize_optimizer(model, optimizer, {opt_level!r}, "
                          f"master_rounding={master_rounding!r}) once the optimizer is built")
     if optimizer is not None:
-        _check_optimizer(optimizer)
+        _check_optimizer(optimizer, or_none=True)
         _check_optimizer_of(model, optimizer)
         try:  # fp8amp's Adam checks every group (dtypes, options, hyperparameters) before the model changes
             _rebuild_optimizer(optimizer, {}, opt_level, master_rounding)
@@ -332,9 +332,9 @@ def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, mast
     return new_optimizer
 
 
-def _check_optimizer(optimizer: object, caller: str = "initialize") -> None:
+def _check_optimizer(optimizer: object, caller: str = "initialize", or_none: bool = False) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, fp8_optim.Adam)):
-        raise ValueError(f"{caller}: optimizer must be one of {_ACCEPTED_OPTIMIZERS} (or None); "
+        raise ValueError(f"{caller}: optimizer must be one of {_ACCEPTED_OPTIMIZERS}{' (or None)' if or_none else ''}; "
                          f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     if any(optimizer.state.values()):
         raise ValueError(f"{caller}: the optimizer has already taken steps (it holds state); convert it "

@@ -198,3 +198,18 @@ def test_unconvert_gives_a_plain_optimizer_without_fp8amp_rounding_keys():
     assert not {"state_dtypes", "master_rounding", "rounding_seed"} & set(plain.param_groups[0])
     model, again = fp8amp.initialize(model, plain, "O2")
     assert [g["master_rounding"] for g in again.param_groups] == [again.defaults["master_rounding"]] == ["nearest"]
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+def test_initialize_optimizer_does_not_offer_none(optimizer):
+    """initialize_optimizer(model, optimizer, opt_level), "the optimizer half of initialize", refused
+    None and SGD with initialize's message, which lists "(or None)" among what it accepts."""
+    model = fp8amp.initialize(mlp(), None, "O2")[0]
+    if optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"initialize_optimizer: optimizer must be one of torch.optim.Adam, "
+                                         r"torch.optim.AdamW, fp8amp.optim.Adam, fp8amp.optim.AdamW; got") as error:
+        fp8amp.initialize_optimizer(model, optimizer, "O2")
+    assert "None)" not in str(error.value)
+    with pytest.raises(ValueError, match=r"fp8amp.optim.AdamW \(or None\); got torch.optim.sgd.SGD"):
+        fp8amp.initialize(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), "O2")
