@@ -56,8 +56,7 @@ def test_generate_after_training_in_every_mode(data):
         step(model, opt, x, y)
     model.eval()
     reference = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match="unconvert"):
-        fp8amp.unconvert(reference)
+    fp8amp.unconvert(reference)  # (a copy no optimizer holds: unconvert does not warn)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     prompt = data[5][0][:1, :7]
     padded = data[5][0][:3, :5]
@@ -194,8 +193,7 @@ def test_t5_with_padding_and_ignored_labels_trains_and_generates(data):
         assert abs(losses[0] - losses[1]) < 0.03 * losses[1], losses
     model.eval()
     plain = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match="unconvert"):
-        fp8amp.unconvert(plain)
+    fp8amp.unconvert(plain)
     source = data[5][0][:2, :9]
     with torch.no_grad():
         greedy = model.generate(source, max_new_tokens=6, do_sample=False)
