@@ -44,8 +44,8 @@ from .ops import fast, multi_amax
 from .optim_state import MOMENT_KEYS
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["CallLists", "fused_form", "local", "master_rounding", "MASTER_ROUNDINGS", "or_empty", "SCALE_KEYS",
-           "shard_coordinates"]
+__all__ = ["CallLists", "fused_form", "local", "master_rounding", "MASTER_ROUNDINGS", "or_empty", "salted_seed",
+           "SCALE_KEYS", "shard_coordinates"]
 
 #: The accepted ``master_rounding`` of a param group (docs/numerics.md#stochastic-rounding).
 MASTER_ROUNDINGS = ("nearest", "stochastic")
@@ -118,19 +118,24 @@ def master_rounding(group: dict, name: str, salts: tuple[int, ...] = ()) -> tupl
     """``(stochastic, seed)`` of an op call over params of ``group``: whether its float16 masters
     round stochastically, and the call's seed, the group's ``rounding_seed`` with ``salts`` (the
     group's index, the position of the call's first param in it, its :func:`shard_coordinates`)
-    mixed in. The op tells a call's
-    tensors apart by their position in the call; the salts keep two calls of a step from drawing
-    the same bits. ValueError for a rounding or seed the op cannot take, naming what it accepts."""
+    mixed in by :func:`salted_seed`. ValueError for a rounding or seed the op cannot take, naming
+    what it accepts."""
     rounding, seed = group.get("master_rounding", "nearest"), group.get("rounding_seed", 0)
     if not isinstance(rounding, str) or rounding not in MASTER_ROUNDINGS:
         raise ValueError(f"{name}: master_rounding must be one of {', '.join(map(repr, MASTER_ROUNDINGS))}; "
                          f"got {rounding!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
         raise ValueError(f"{name}: rounding_seed must be an int in [-2**63, 2**64); got {seed!r}")
+    return rounding == "stochastic", salted_seed(seed, salts)
+
+
+def salted_seed(seed: int, salts: tuple[int, ...]) -> int:
+    """``seed`` with ``salts`` mixed in, as the op's int64. The op tells a call's tensors apart by
+    their position in the call; the salts keep two calls of a step from drawing the same bits."""
+    seed %= 2**64
     for salt in salts:
         seed = (seed * 0x9E3779B97F4A7C15 + salt + 1) % 2**64
-    seed %= 2**64
-    return rounding == "stochastic", seed - 2**64 if seed >= 2**63 else seed  # (the op's int64)
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def shard_coordinates(p: torch.Tensor) -> tuple[int, ...]:
@@ -242,7 +247,7 @@ class CallLists:
 
         lr, beta1, beta2, eps, weight_decay, adamw, maximize, stochastic, seed = hyper
         if positions is not None:  # (one of several calls: salted by its first param's position)
-            _, seed = master_rounding({"rounding_seed": seed}, "", (positions[0],))
+            seed = salted_seed(seed, (positions[0],))
         fast.adam_step(pick(data), pick(grads), pick(self.exp_avgs), pick(self.exp_avg_sqs), [],
                        pick(self.param_scale_invs), pick(grad_scale_invs), *map(pick, self.scale_lists),
                        *map(pick, self.copy_lists), step_counts, pick(self.kept_amaxes), lr=lr, beta1=beta1,
