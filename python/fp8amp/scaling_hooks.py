@@ -13,9 +13,11 @@
   is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
   update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand).
-- A step skipped without ``optimizer.step()`` (GradScaler's skip) runs no update: at fp8amp's
-  optimizer's next ``zero_grad`` the inf / NaN amaxes it recorded are dropped
-  (:func:`drop_skipped_amaxes`), so that the next step's warm-up casts scale by their own amax.
+- A step skipped without ``optimizer.step()`` (GradScaler's skip) runs no update: the inf / NaN
+  amaxes it recorded are dropped at fp8amp's optimizer's next ``zero_grad``
+  (:func:`drop_skipped_amaxes`) and, for any optimizer, at the model's next training forward with
+  its gradients cleared (:mod:`fp8amp.skipped_steps`), so that the next step's warm-up casts scale
+  by their own amax.
 - A copy of a registered optimizer (``copy.deepcopy``, ``pickle``, ``torch.save``) registers its
   models again: copied together with the optimizer (``copy.deepcopy((model, optimizer))``), the
   models are their copies, whose scales then follow the copy's steps. torch's own
@@ -35,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
 from .scaling import ScalingState, update_states
+from .skipped_steps import drop_nonfinite_amaxes, mark_stepped, watch_skipped_steps
 
 __all__ = ["register_scaling_hooks", "update_scaling", "scales_after_step", "watch_scaling_updates"]
 
@@ -71,6 +74,7 @@ class _StepHooks:
     def add(self, model: nn.Module) -> None:
         self.models.append(model)
         self.claim(delayed_states(model))
+        watch_skipped_steps(model)
 
     def claim(self, states: list[ScalingState]) -> None:
         """Registers this optimizer for ``states`` (after those registered before it)."""
@@ -140,6 +144,8 @@ class _StepHooks:
     def finish(self, *_) -> None:  # not run when the step raises: its reduction is then discarded
         states, self.found = self.found, None
         self.stepped = True  # (set in traced steps too, where ``steps`` stays)
+        for model in self.models:
+            mark_stepped(model)
         if not torch.compiler.is_compiling():
             self.steps += 1
             if self.owners and self.take_over_idle():
@@ -302,9 +308,7 @@ def drop_skipped_amaxes(optimizer: torch.optim.Optimizer) -> None:
         return
     skipped, hooks.stepped = not hooks.stepped, False
     if skipped:
-        with torch.no_grad():
-            for state in hooks.states():
-                state.amax_history[:, 0].nan_to_num_(nan=0.0, posinf=0.0)
+        drop_nonfinite_amaxes(hooks.states())
 
 
 def update_scaling(model: nn.Module) -> None:

@@ -36,6 +36,7 @@ from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
 from .scaling_hooks import carry_hooks, may_be_stepped
+from .skipped_steps import unwatch_skipped_steps
 from .user_hooks import carry_module_hooks, carry_tensor_attributes, carry_tensor_hooks
 
 try:
@@ -91,6 +92,7 @@ def unconvert(
     replaced: dict[int, torch.Tensor] = {}  # id(old weight) -> new plain parameter
     model = _unconvert_modules(model, replaced)
     report_holder(model).__dict__.pop("_fp8amp_conversion_report", None)
+    unwatch_skipped_steps(model)
     if optimizer is None:
         if replaced and stepped:
             warnings.warn(

@@ -22,10 +22,15 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(level, lr=1e-2):
-    """The tiny MLP at ``level`` with its optimizer, and the same model unconverted with torch's AdamW."""
+    """The tiny MLP at ``level`` with its optimizer, and the same model unconverted with torch's AdamW.
+    ``"fp8"``: FP8 compute (``convert``) stepped by torch's AdamW."""
     model = tiny_mlp()
     plain = copy.deepcopy(model)
-    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), level, policy="all")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if level == "fp8":
+        fp8amp.convert(model, optimizer=optimizer, policy="all")
+    else:
+        model, optimizer = fp8amp.initialize(model, optimizer, level, policy="all")
     return (model, optimizer), (plain, torch.optim.AdamW(plain.parameters(), lr=lr))
 
 
@@ -34,15 +39,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((_real(a) - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("clear", ["optimizer.zero_grad", "model.zero_grad"])
 @pytest.mark.parametrize("skip", ["GradScaler", "by hand"])
-@pytest.mark.parametrize("level", LEVELS)
-def test_the_step_after_a_skipped_first_step_casts_with_its_own_amax(level, skip):
+@pytest.mark.parametrize("level", ("fp8",) + LEVELS)
+def test_the_step_after_a_skipped_first_step_casts_with_its_own_amax(level, skip, clear):
     """An inf in the first batch (activations ~1000, beyond E4M3's 448 at scale 1) skips that step
     without ``optimizer.step()``: GradScaler's skip, or a loop that skips a non-finite loss itself.
     The next step is still in warm-up (current scaling). Its casts folded their amax into the inf
     the skipped step left in the history, and took the stored scale (1, none made yet): the
-    output was 69 % off torch's, silently. The optimizer's ``zero_grad`` drops a skipped step's
-    non-finite amaxes, so the next step scales by its own."""
+    output was 69 % off torch's, silently. The skipped step's non-finite amaxes are dropped before
+    the next step's casts: at fp8amp's optimizer's ``zero_grad``, and for torch's optimizer (FP8
+    compute) or gradients cleared by ``model.zero_grad()`` (the Hugging Face Trainer's way) at the
+    next training forward (fp8amp.skipped_steps)."""
     fp8, plain = _pair(level)
     batches = [(x * 1000, y) for x, y in regression_batches(2)]
     results = []
@@ -65,7 +73,7 @@ def test_the_step_after_a_skipped_first_step_casts_with_its_own_amax(level, skip
                 assert scaler.get_scale() == 2.0**7  # (skipped)
             else:
                 assert not loss.isfinite()
-            optimizer.zero_grad()
+            (optimizer if clear == "optimizer.zero_grad" else model).zero_grad()
     (out, grads), (expected, expected_grads) = results
     assert _rel(out, expected) < 0.1
     assert all(_rel(g, e) < 0.2 for g, e in zip(grads, expected_grads))
@@ -114,3 +122,22 @@ def test_grad_scaler_skips_the_steps_torch_skips_over_a_run(level):
     for p, q in zip(model.parameters(), plain.parameters()):
         assert _rel(p, q) < 0.1
     assert all(bool(s.amax_history.isfinite().all()) for s in fp8amp.amax_sync.delayed_states(model))
+
+
+def test_the_skip_watch_follows_copies_and_leaves_with_unconvert():
+    """The forward pre-hook that drops a skipped step's amaxes reads its record from the module it is
+    called with: a deep copy (an EMA model, ``copy.deepcopy((model, optimizer))``) carries its own,
+    and dropping on the copy leaves the original's histories alone. ``unconvert`` removes both."""
+    (model, optimizer), _ = _pair("O2")
+    copy_model = copy.deepcopy(model)
+    states = fp8amp.amax_sync.delayed_states(model)
+    copy_states = fp8amp.amax_sync.delayed_states(copy_model)
+    for s in states + copy_states:
+        s.amax_history[:, 0] = float("inf")
+    x = regression_batches(1)[0][0]
+    copy_model(x)  # (first forward: nothing to drop) ...
+    copy_model(x)  # ... the second, with no step between and no gradient: a new step
+    assert all(bool(s.amax_history[:, 0].isfinite().all()) for s in copy_states)
+    assert all(bool(s.amax_history[:, 0].isinf().all()) for s in states)
+    fp8amp.unconvert(model, optimizer)
+    assert not model._forward_pre_hooks and "_fp8amp_skip_watch" not in model.__dict__

@@ -1,0 +1,97 @@
+"""Steps skipped without ``optimizer.step()`` (GradScaler's skip for an inf / NaN gradient, a loop
+that skips a non-finite loss): their inf / NaN amaxes must not reach the next step's casts.
+
+A skipped step runs no scaling update, so what its casts recorded stays in column 0 of each
+delayed-scaling history. The next step's warm-up casts fold their own amax into that column; a
+non-finite one there made them take the stored scale (1 before any update) instead of their own
+(docs/hardening.md). Two places set those amaxes to 0:
+
+- fp8amp's optimizer's ``zero_grad``, when it has not stepped since its previous ``zero_grad``
+  (:func:`fp8amp.scaling_hooks.drop_skipped_amaxes`);
+- for any optimizer and any way of clearing gradients (``model.zero_grad()``, as the Hugging Face
+  Trainer does), a forward pre-hook on each model registered for scaling updates: at a training
+  forward whose gradients were cleared (a new step, not another micro-batch of the same one) with no
+  step of a registered optimizer since the model's previous training forward.
+
+Finite amaxes and warm-up counters stay: every rank skips the same steps, so ranks stay identical.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .amax_sync import delayed_states
+from .scaling import ScalingState
+
+__all__ = ["drop_nonfinite_amaxes", "watch_skipped_steps", "mark_stepped", "unwatch_skipped_steps"]
+
+# The model's attribute holding its _SkipWatch: in the model's own __dict__, so that a copy of the
+# model carries its own (the hook finds it through the module it is called with).
+_ATTR = "_fp8amp_skip_watch"
+
+
+class _SkipWatch:
+    """Whether a registered optimizer stepped since the model's previous training forward, and the
+    name of a trained parameter whose cleared gradient tells a new step from another micro-batch."""
+
+    def __init__(self, param_name: str) -> None:
+        self.param_name = param_name
+        self.stepped = True  # (the first forward has nothing to drop)
+
+
+def drop_nonfinite_amaxes(states: Iterable[ScalingState]) -> None:
+    """Sets the inf / NaN amaxes of this step's column of ``states`` to 0."""
+    with torch.no_grad():
+        for state in states:
+            state._buffers["amax_history"][:, 0].nan_to_num_(nan=0.0, posinf=0.0)
+
+
+def _trained_parameter(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:  # (a parameter replaced or removed since)
+        return None
+
+
+def _drop_after_skipped_step(model: nn.Module, args) -> None:
+    """The forward pre-hook (see the module docstring)."""
+    if (torch.compiler.is_compiling() or not model.training or not torch.is_grad_enabled()
+            or torch._C._current_graph_task_id() != -1):  # (a forward recomputed in backward: checkpointing)
+        return
+    watch = model.__dict__.get(_ATTR)
+    if watch is None:
+        return
+    stepped, watch.stepped = watch.stepped, False
+    if stepped:
+        return
+    param = _trained_parameter(model, watch.param_name)
+    if param is not None and param.grad is None:
+        drop_nonfinite_amaxes(delayed_states(model))
+
+
+def watch_skipped_steps(model: nn.Module) -> None:
+    """Registers the forward pre-hook on ``model`` (once; a copy of the model carries it)."""
+    if _drop_after_skipped_step not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_drop_after_skipped_step)
+    name = next((n for n, p in model.named_parameters() if p.requires_grad), None)
+    if name is not None:
+        model.__dict__[_ATTR] = _SkipWatch(name)
+
+
+def mark_stepped(model: nn.Module) -> None:
+    """Called after each step of an optimizer registered for ``model``'s scaling."""
+    watch = model.__dict__.get(_ATTR)
+    if watch is not None:
+        watch.stepped = True
+
+
+def unwatch_skipped_steps(model: nn.Module) -> None:
+    """Removes the hook and its record from ``model`` (``fp8amp.unconvert``)."""
+    hooks = model._forward_pre_hooks
+    for key in [k for k, hook in hooks.items() if hook is _drop_after_skipped_step]:
+        del hooks[key]
+        model._forward_pre_hooks_with_kwargs.pop(key, None)
+    model.__dict__.pop(_ATTR, None)
