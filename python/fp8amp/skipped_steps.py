@@ -43,10 +43,16 @@ class _SkipWatch:
 
 
 def drop_nonfinite_amaxes(states: Iterable[ScalingState]) -> None:
-    """Sets the inf / NaN amaxes of this step's column of ``states`` to 0."""
+    """Sets the inf / NaN amaxes of this step's column of ``states`` to 0: three launches a device,
+    whatever the number of states (a model run twice before its backward drops at every step)."""
+    columns: dict[torch.device, list[torch.Tensor]] = {}
+    for state in states:
+        history = state._buffers["amax_history"]  # (not state.amax_history: Module.__getattr__ is slow)
+        columns.setdefault(history.device, []).append(history[:, 0])
     with torch.no_grad():
-        for state in states:
-            state._buffers["amax_history"][:, 0].nan_to_num_(nan=0.0, posinf=0.0)
+        for cols in columns.values():
+            finite = torch.cat(cols).nan_to_num_(nan=0.0, posinf=0.0)
+            torch._foreach_copy_(cols, list(finite.split([c.numel() for c in cols])))
 
 
 def _trained_parameter(model: nn.Module, name: str) -> Optional[torch.Tensor]:

@@ -141,3 +141,19 @@ def test_the_skip_watch_follows_copies_and_leaves_with_unconvert():
     assert all(bool(s.amax_history[:, 0].isinf().all()) for s in states)
     fp8amp.unconvert(model, optimizer)
     assert not model._forward_pre_hooks and "_fp8amp_skip_watch" not in model.__dict__
+
+
+def test_a_model_run_twice_before_its_backward_keeps_both_views_amaxes():
+    """Two views of a batch, as self-supervised training runs them: the second forward comes with no
+    step since the first and no gradient yet, as the step after a skipped one does, so the hook
+    drops there too, but only non-finite amaxes: the first view's larger amax stays in the
+    history at every step."""
+    (model, optimizer), _ = _pair("O2")
+    x = regression_batches(1)[0][0]
+    first_input = fp8amp.amax_sync.delayed_states(model)[0]
+    for _ in range(3):
+        loss = model(x * 8).square().mean() + model(x).square().mean()
+        assert float(first_input.amax_history[0, 0]) == float((x * 8).abs().max())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
