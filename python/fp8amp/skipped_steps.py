@@ -55,11 +55,24 @@ def drop_nonfinite_amaxes(states: Iterable[ScalingState]) -> None:
             torch._foreach_copy_(cols, list(finite.split([c.numel() for c in cols])))
 
 
-def _trained_parameter(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+def _first_trained(model: nn.Module) -> Optional[str]:
+    return next((n for n, p in model.named_parameters() if p.requires_grad), None)
+
+
+def _trained_parameter(model: nn.Module, watch: _SkipWatch) -> Optional[torch.Tensor]:
+    """The watched parameter; the model's first trained one again when it was frozen or removed
+    since (a gradient that stays None read as a new step at every micro-batch; a parametrization
+    moves it, and a name that found nothing never dropped again)."""
     try:
-        return model.get_parameter(name)
-    except AttributeError:  # (a parameter replaced or removed since)
-        return None
+        param = model.get_parameter(watch.param_name)
+    except AttributeError:
+        param = None
+    if param is None or not param.requires_grad:
+        name = _first_trained(model)
+        if name is None:
+            return None
+        watch.param_name, param = name, model.get_parameter(name)
+    return param
 
 
 def _drop_after_skipped_step(model: nn.Module, args) -> None:
@@ -73,7 +86,7 @@ def _drop_after_skipped_step(model: nn.Module, args) -> None:
     stepped, watch.stepped = watch.stepped, False
     if stepped:
         return
-    param = _trained_parameter(model, watch.param_name)
+    param = _trained_parameter(model, watch)
     if param is not None and param.grad is None:
         drop_nonfinite_amaxes(delayed_states(model))
 
@@ -82,7 +95,7 @@ def watch_skipped_steps(model: nn.Module) -> None:
     """Registers the forward pre-hook on ``model`` (once; a copy of the model carries it)."""
     if _drop_after_skipped_step not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_drop_after_skipped_step)
-    name = next((n for n, p in model.named_parameters() if p.requires_grad), None)
+    name = _first_trained(model)
     if name is not None:
         model.__dict__[_ATTR] = _SkipWatch(name)
 
