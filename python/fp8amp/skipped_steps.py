@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from .amax_sync import delayed_states
 from .scaling import ScalingState
@@ -77,8 +78,12 @@ def _trained_parameter(model: nn.Module, watch: _SkipWatch) -> Optional[torch.Te
 
 def _drop_after_skipped_step(model: nn.Module, args) -> None:
     """The forward pre-hook (see the module docstring)."""
-    if (torch.compiler.is_compiling() or not model.training or not torch.is_grad_enabled()
-            or torch._C._current_graph_task_id() != -1):  # (a forward recomputed in backward: checkpointing)
+    if torch.compiler.is_compiling() or not model.training or not torch.is_grad_enabled():
+        return
+    # A forward recomputed in backward (checkpointing) is not a new step, unless a reentrant
+    # checkpoint of the whole model recomputes it: its first forward ran under no_grad, unseen.
+    if (torch._C._current_graph_task_id() != -1
+            and type(torch._C._current_autograd_node()) is not CheckpointFunction._backward_cls):
         return
     watch = model.__dict__.get(_ATTR)
     if watch is None:
