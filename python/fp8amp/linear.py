@@ -168,7 +168,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.w_transpose_from = transpose_from
         # The backward reads the master as it is then: a write in between is refused, as torch
         # refuses one to a tensor it saved (in eager mode: Dynamo cannot read a version counter).
-        eager_master = transpose_from is not None and not torch.compiler.is_compiling()
+        # A master made under inference_mode has no counter; torch refuses writes to it outside
+        # inference_mode, where alone a backward is recorded.
+        eager_master = transpose_from is not None and not torch.compiler.is_compiling() and not weight.is_inference()
         ctx.weight_version = (weight, weight._version) if eager_master else None
         # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).
         ctx.fp8_weight_grad = isinstance(weight, MasterWeight) and fp8_weight_grad
