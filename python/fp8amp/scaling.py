@@ -184,7 +184,12 @@ class ScalingState(torch.nn.Module):
         the stored scale is the fallback for an all-zero or non-finite ``x``). For weights."""
         scale, amax, _ = self._buffers_for(x, index)
         x = _input(x, "x", "cast_transpose")
-        amax.select(1, 0).zero_()
+        if not torch.compiler.is_compiling() and amax.is_inference() and not torch.is_inference_mode_enabled():
+            # A state made under inference_mode (a model built or deep-copied there), run outside
+            # it (generate() runs under no_grad): torch refuses writes to its buffers there.
+            amax = torch.zeros_like(amax)
+        else:
+            amax.select(1, 0).zero_()
         r = self.recipe
         return fast.cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin,
                                    r.pow2_scale)
