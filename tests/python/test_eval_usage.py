@@ -158,3 +158,33 @@ def test_serving_dtypes_at_fp8_compute(recipe):
             got, want = model(x.to(dtype)), reference(x.to(dtype))
         assert got.dtype == want.dtype == dtype and _rel(got, want) < 0.1
         assert all(b.dtype in (torch.float32, torch.int32) for n, b in model.named_buffers() if "scaling" in n)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_generate_of_a_copy_made_under_inference_mode(level):
+    """GPT-2 (Fp8Conv1D) after training steps, its serving copy made inside inference_mode:
+    generate() (which runs under no_grad) with a left-padded batch and the KV cache gives the trained
+    model's tokens; M=1 decode steps, with and without the cache. Both raised before (above)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(config)
+    model, optimizer = _convert(model, level, "tensorwise", torch.optim.AdamW(model.parameters(), lr=3e-3))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 256, (4, 17), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    prompt = torch.randint(3, 256, (3, 9), generator=gen)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    options = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(prompt, **options)
+    with torch.inference_mode():
+        served = copy.deepcopy(model)
+    for use_cache in (True, False):
+        assert torch.equal(served.generate(prompt, use_cache=use_cache, **options), expected)
+    assert served.generate(prompt[1:2], max_new_tokens=5, do_sample=False, pad_token_id=0).shape == (1, 14)
