@@ -84,17 +84,18 @@ def _recipe_for(caller: str, recipe: RecipeArg, in_features: int, out_features: 
     return recipe
 
 
-def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState):
+def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState, record: bool):
     """(w_fp8, w_fp8_t, scale_inv, transpose_from) for the forward GEMM. A master with an E4M3
     copy (O1/O2) gives the copy itself, w_fp8_t None and what the backward makes the transpose
     from (see _transposed_copy); an E4M3 weight (FSDP2's FP8 all-gather, fp8amp.fsdp) gives its
-    codes and their transpose; otherwise both layouts come from one current-scaling cast."""
+    codes and their transpose; otherwise both layouts come from one current-scaling cast, whose
+    amax goes into the weight's history only with ``record`` (a training forward)."""
     if isinstance(weight, ScaledTensor):
         operands = weight.fp8_operands()
         if operands is not None:
             return operands
         weight = weight.dequantize()
-    return (*weight_scaling.cast_transpose_current(weight), None)
+    return (*weight_scaling.cast_transpose_current(weight, record=record), None)
 
 
 def _transposed_copy(codes: torch.Tensor, master_scale_inv: torch.Tensor, copy_scale: torch.Tensor) -> torch.Tensor:
@@ -150,7 +151,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         padded = rows % _ALIGN != 0
         x_fp8, x_fp8_t, x_scale_inv = input_scaling.cast_transpose(pad_rows(x2d, _ALIGN) if padded else x2d,
                                                                    record=record_amax)
-        w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling)
+        w_fp8, w_fp8_t, w_scale_inv, transpose_from = _fp8_weight(weight, weight_scaling, record_amax)
         bias_cast = None if bias is None else bias.to(bias_dtype(out_dtype)).contiguous()
         # The GEMMs' operands come from fp8amp's casts (contiguous, FP8, [1] scales) and their
         # dtypes passed the casts' checks: the op is called unchecked (host time of every step).
@@ -168,8 +169,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.w_transpose_from = transpose_from
         # The backward reads the master as it is then: a write in between is refused, as torch
         # refuses one to a tensor it saved (in eager mode: Dynamo cannot read a version counter).
-        # A master made under inference_mode has no counter; torch refuses writes to it outside
-        # inference_mode, where alone a backward is recorded.
+        # A master made under inference_mode has no counter (and torch refuses writes to it outside).
         eager_master = transpose_from is not None and not torch.compiler.is_compiling() and not weight.is_inference()
         ctx.weight_version = (weight, weight._version) if eager_master else None
         # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).

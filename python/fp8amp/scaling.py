@@ -177,19 +177,19 @@ class ScalingState(torch.nn.Module):
         return self._delayed(fast.cast_transpose_dbias, "cast_transpose_dbias", x, index, record)
 
     def cast_transpose_current(
-        self, x: torch.Tensor, index: int = 0
+        self, x: torch.Tensor, index: int = 0, *, record: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like :meth:`cast_transpose`, with current scaling on every call: the scale comes from
         ``x``'s own amax (kept in column 0 of row ``index``'s history, which this resets first;
-        the stored scale is the fallback for an all-zero or non-finite ``x``). For weights."""
+        the stored scale is the fallback for an all-zero or non-finite ``x``). For weights.
+        Without ``record`` the amax goes to a scratch row and the history is left as it is (also
+        what lets a state made under ``torch.inference_mode()`` cast outside it)."""
         scale, amax, _ = self._buffers_for(x, index)
         x = _input(x, "x", "cast_transpose")
-        if not torch.compiler.is_compiling() and amax.is_inference() and not torch.is_inference_mode_enabled():
-            # A state made under inference_mode (a model built or deep-copied there), run outside
-            # it (generate() runs under no_grad): torch refuses writes to its buffers there.
-            amax = torch.zeros_like(amax)
-        else:
+        if record:
             amax.select(1, 0).zero_()
+        else:
+            amax = torch.zeros_like(amax)
         r = self.recipe
         return fast.cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin,
                                    r.pow2_scale)

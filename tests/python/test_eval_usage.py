@@ -86,6 +86,21 @@ def test_eval_between_steps_leaves_training_bit_for_bit(level, recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("level", LEVELS)
+def test_eval_forwards_leave_every_scaling_buffer(level, recipe):
+    """docs/numerics.md: only training forwards write the history. The weight's current-scaling
+    cast (FP8 compute, and masters without an E4M3 copy: GPT-2's Fp8Conv1D, a margin) wrote its
+    amax into column 0 of the weight's history in eval too, so a checkpoint saved after validation
+    differed from one saved without it."""
+    model, _ = _trained(level, recipe)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            model(torch.randn(7, D))
+    assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("level", LEVELS)
 def test_a_state_dict_served_by_a_fresh_converted_model(level, recipe):
     """torch.save of the trained model's state dict, loaded into a fresh converted model in eval,
     gives its outputs bit for bit; a plain model loading it (strict=False) is within FP8 distance."""
