@@ -11,14 +11,17 @@ non-finite one there made them take the stored scale (1 before any update) inste
 - for any optimizer and any way of clearing gradients (``model.zero_grad()``, as the Hugging Face
   Trainer does), a forward pre-hook on each model registered for scaling updates: at a training
   forward whose gradients were cleared (a new step, not another micro-batch of the same one) with no
-  step of a registered optimizer since the model's previous training forward.
+  step of a registered optimizer since the model's previous training forward. A training step that
+  stands for the model's forward (Lightning's ``training_step``, which may call the model's layers
+  and not its forward) runs the same check through :func:`training_step`.
 
 Finite amaxes and warm-up counters stay: every rank skips the same steps, so ranks stay identical.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import contextlib
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -27,7 +30,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from .amax_sync import delayed_states
 from .scaling import ScalingState
 
-__all__ = ["drop_nonfinite_amaxes", "watch_skipped_steps", "mark_stepped", "unwatch_skipped_steps"]
+__all__ = ["drop_nonfinite_amaxes", "watch_skipped_steps", "mark_stepped", "unwatch_skipped_steps", "training_step"]
 
 # The model's attribute holding its _SkipWatch: in the model's own __dict__, so that a copy of the
 # model carries its own (the hook finds it through the module it is called with).
@@ -41,6 +44,7 @@ class _SkipWatch:
     def __init__(self, param_name: str) -> None:
         self.param_name = param_name
         self.stepped = True  # (the first forward has nothing to drop)
+        self.in_step = False  # inside training_step(): the model's forwards there are not new steps
 
 
 def drop_nonfinite_amaxes(states: Iterable[ScalingState]) -> None:
@@ -86,7 +90,7 @@ def _drop_after_skipped_step(model: nn.Module, args) -> None:
             and type(torch._C._current_autograd_node()) is not CheckpointFunction._backward_cls):
         return
     watch = model.__dict__.get(_ATTR)
-    if watch is None:
+    if watch is None or watch.in_step:
         return
     stepped, watch.stepped = watch.stepped, False
     if stepped:
@@ -94,6 +98,23 @@ def _drop_after_skipped_step(model: nn.Module, args) -> None:
     param = _trained_parameter(model, watch)
     if param is not None and param.grad is None:
         drop_nonfinite_amaxes(delayed_states(model))
+
+
+@contextlib.contextmanager
+def training_step(model: nn.Module) -> Iterator[None]:
+    """A training step that stands for ``model``'s training forward, whether or not it calls that
+    forward (Lightning's ``training_step`` calling the model's layers): the hook's check runs once at
+    its start, and the model's forwards inside it (its own, or DDP's redirected one) are not new steps."""
+    watch = model.__dict__.get(_ATTR)
+    if watch is None or watch.in_step:
+        yield
+        return
+    _drop_after_skipped_step(model, ())
+    watch.in_step = True
+    try:
+        yield
+    finally:
+        watch.in_step = False
 
 
 def watch_skipped_steps(model: nn.Module) -> None:

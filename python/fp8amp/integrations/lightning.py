@@ -50,6 +50,7 @@ from .. import optim as fp8_optim
 from ..distributed import FP8CommState, fp8_allreduce_hook
 from ..convert import check_options
 from ..scaling_hooks import registered_optimizers, release_scaling, scales_after_step
+from ..skipped_steps import training_step
 from ..initialize import check_level, initialize, initialize_optimizer
 from ..optim_calls import master_rounding
 from ..linear import Fp8Linear
@@ -200,6 +201,14 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
         if self.fp8_allreduce is not None and isinstance(model, nn.parallel.DistributedDataParallel):
             model.register_comm_hook(self.fp8_allreduce, fp8_allreduce_hook)
         return model, converted, lr_schedulers
+
+    @contextlib.contextmanager
+    def train_step_context(self):
+        # The training step is the module's training forward for the skipped-step check
+        # (fp8amp/skipped_steps.py): a training_step that calls its layers, not self(...), never runs
+        # the module's forward pre-hook, and manual optimization's zero_grad comes after the forward.
+        with training_step(self._module), self.forward_context():
+            yield
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Makes the checkpoint's ``state_dict`` that of the unconverted model (Fp8Linear already
