@@ -11,7 +11,9 @@ non-finite one there made them take the stored scale (1 before any update) inste
 - for any optimizer and any way of clearing gradients (``model.zero_grad()``, as the Hugging Face
   Trainer does), a forward pre-hook on each model registered for scaling updates: at a training
   forward whose gradients were cleared (a new step, not another micro-batch of the same one) with no
-  step of a registered optimizer since the model's previous training forward. A training step that
+  step of a registered optimizer since the model's previous training forward; before the model's
+  first step (its scales still 1) whether or not they were cleared (``zero_grad`` after the forward,
+  an accumulation window that a skipped micro-batch left open). A training step that
   stands for the model's forward (Lightning's ``training_step``, which may call the model's layers
   and not its forward) runs the same check through :func:`training_step`.
 
@@ -38,12 +40,13 @@ _ATTR = "_fp8amp_skip_watch"
 
 
 class _SkipWatch:
-    """Whether a registered optimizer stepped since the model's previous training forward, and the
-    name of a trained parameter whose cleared gradient tells a new step from another micro-batch."""
+    """Whether a registered optimizer stepped since the model's previous training forward (and ever),
+    and the name of a trained parameter whose cleared gradient tells a new step from another micro-batch."""
 
     def __init__(self, param_name: str) -> None:
         self.param_name = param_name
         self.stepped = True  # (the first forward has nothing to drop)
+        self.first_step = True  # no step yet: a non-finite amax would make the casts take scale 1
         self.in_step = False  # inside training_step(): the model's forwards there are not new steps
 
 
@@ -96,7 +99,9 @@ def _drop_after_skipped_step(model: nn.Module, args) -> None:
     if stepped:
         return
     param = _trained_parameter(model, watch)
-    if param is not None and param.grad is None:
+    # (before the first step, gradients not yet cleared may be a skipped step's: three launches a
+    # micro-batch of that step only)
+    if param is not None and (param.grad is None or watch.first_step):
         drop_nonfinite_amaxes(delayed_states(model))
 
 
@@ -130,7 +135,7 @@ def mark_stepped(model: nn.Module) -> None:
     """Called after each step of an optimizer registered for ``model``'s scaling."""
     watch = model.__dict__.get(_ATTR)
     if watch is not None:
-        watch.stepped = True
+        watch.stepped, watch.first_step = True, False
 
 
 def unwatch_skipped_steps(model: nn.Module) -> None:
