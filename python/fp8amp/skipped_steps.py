@@ -49,6 +49,10 @@ class _SkipWatch:
         self.first_step = True  # no step yet: a non-finite amax would make the casts take scale 1
         self.in_step = False  # inside training_step(): the model's forwards there are not new steps
 
+    def __getstate__(self) -> dict:
+        # (a copy made inside a training step, an EMA's, is not inside one)
+        return {**self.__dict__, "in_step": False}
+
 
 def drop_nonfinite_amaxes(states: Iterable[ScalingState]) -> None:
     """Sets the inf / NaN amaxes of this step's column of ``states`` to 0: three launches a device,

@@ -122,3 +122,18 @@ def test_a_skipped_step_is_dropped_under_reentrant_checkpointing_of_the_whole_mo
         grads.append([p.grad for p in net.parameters()])
     assert all(_rel(g, e) < 0.3 for g, e in zip(*grads))
     assert all(bool(s.amax_history.isfinite().all()) for s in fp8amp.amax_sync.delayed_states(model))
+
+
+def test_a_copy_made_inside_a_training_step_runs_the_check():
+    """A deep copy made inside ``fp8amp.skipped_steps.training_step`` (an EMA copy in a Lightning
+    ``training_step``) is not inside a step: its own forwards still drop a skipped step's amaxes."""
+    (model, _), _ = _converted("O2")
+    with fp8amp.skipped_steps.training_step(model):
+        ema = copy.deepcopy(model)
+    states = fp8amp.amax_sync.delayed_states(ema)
+    x = regression_batches(1)[0][0]
+    ema(x)  # (the first training forward: nothing to drop)
+    for s in states:
+        s.amax_history[:, 0] = float("inf")
+    ema(x)  # no step since, no gradient: the check drops, then the casts record
+    assert all(bool(s.amax_history[:, 0].isfinite().all()) for s in states)

@@ -207,7 +207,8 @@ class Fp8ampPrecision(_Fp8ampConversion, Precision):
         # The training step is the module's training forward for the skipped-step check
         # (fp8amp/skipped_steps.py): a training_step that calls its layers, not self(...), never runs
         # the module's forward pre-hook, and manual optimization's zero_grad comes after the forward.
-        with training_step(self._module), self.forward_context():
+        module = self._module
+        with training_step(module) if module is not None else contextlib.nullcontext(), self.forward_context():
             yield
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
