@@ -255,7 +255,9 @@ def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn
     """FSDP2's fsdp_pre_all_gather for the weight of ``module`` (an Fp8Linear, whose
     ``weight_scaling`` gives the scale): this rank's shard (a plain tensor or a master) as E4M3
     codes with the whole weight's scale, padded to the first rank's shard size, and that scale's
-    inverse. Under the tiled recipes: :func:`fp8amp.tiled_all_gather.tiled_pre_all_gather`."""
+    inverse; the amax goes into the weight's history only in ``train()`` mode outside inference
+    mode (or with ``record_amax_outside_training``). Under the tiled recipes:
+    :func:`fp8amp.tiled_all_gather.tiled_pre_all_gather`."""
     if not isinstance(getattr(module, "weight_scaling", None), ScalingState):
         raise TypeError(f"fp8amp.fsdp: an FP8 all-gather weight must be the weight of an Fp8Linear, not of a "
                         f"{type(module).__name__}")
@@ -265,7 +267,9 @@ def pre_all_gather(shard: torch.Tensor, mesh, outer_size: torch.Size, module: nn
         return tiled_pre_all_gather(shard, mesh, outer_size, module, param_dtype)
     if isinstance(shard, ScaledTensor):
         shard = shard.dequantize(torch.float32)
-    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group())
+    # FSDP2 gathers under no_grad, hiding the caller's grad mode: the layer's mode decides here.
+    record = module.record_amax_outside_training or (module.training and not torch.is_inference_mode_enabled())
+    codes, scale_inv = module.weight_scaling.quantize_shard(shard, mesh.get_group(), record=record)
     codes = codes.view(torch.uint8)
     # An uneven split: every rank sends the first rank's (padded) shard size; zero codes pad.
     padded_rows = -(-outer_size[0] // mesh.size())

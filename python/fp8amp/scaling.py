@@ -194,15 +194,19 @@ class ScalingState(torch.nn.Module):
         return fast.cast_transpose(x, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin,
                                    r.pow2_scale)
 
-    def quantize_shard(self, shard: torch.Tensor, group, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_shard(self, shard: torch.Tensor, group, index: int = 0, *,
+                       record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes one rank's shard of a tensor sharded over the process group ``group`` with the
         scale :meth:`cast_transpose_current` gives the whole tensor: the shards' amaxes are
-        all-reduced (MAX) into column 0 of row ``index``'s history first, so every rank uses the same
-        scale and the gathered codes equal a cast of the whole tensor. Returns ``(codes,
-        scale_inv)``. A NaN amax is all-reduced as +inf (a reduction's MAX need not propagate NaN):
-        every rank then keeps the stored scale, as the whole tensor's cast would."""
+        all-reduced (MAX) into column 0 of row ``index``'s history first (a scratch row without
+        ``record``), so every rank uses the same scale and the gathered codes equal a cast of the
+        whole tensor. Returns ``(codes, scale_inv)``. A NaN amax is all-reduced as +inf (a
+        reduction's MAX need not propagate NaN): every rank then keeps the stored scale, as the
+        whole tensor's cast would."""
         scale, amax, _ = self._buffers_of(index)
         shard = _input(shard, "shard", "quantize_shard")
+        if not record:
+            amax = torch.zeros_like(amax)
         amax_now = amax.select(1, 0)
         amax_now.zero_()
         fast.amax(shard, amax_now, None, 0)

@@ -9,6 +9,7 @@ name the fix (``Shard(0)`` for the masters).
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,3 +58,46 @@ def test_a_master_sharded_by_columns_is_refused_by_name():
         assert "Shard(0)" in r["optimizer"], r["optimizer"]
         assert r["forward"].startswith("RuntimeError: Fp8Linear:"), r["forward"]
         assert "shard_placement_fn" in r["forward"] and "Shard(0)" in r["forward"], r["forward"]
+
+
+def eval_rank(rank: int, mode: str) -> dict:
+    """Two training steps under fully_shard, then eval forwards: every buffer before and after them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mode == "fp8":
+        model = fp8amp.convert(make_model(), policy="all")
+        fp8amp.fsdp.enable_fp8_all_gather(model)
+    else:
+        model, _ = fp8amp.initialize(make_model(), None, mode, policy="all")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if mode == "fp8"
+                 else fp8amp.optim.AdamW(model.parameters(), lr=1e-2, state_dtypes=mode))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(torch.randn(8, 32, generator=gen)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        fp8amp.update_scaling(model)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    model.eval()
+    x = torch.randn(8, 32, generator=gen) * 100  # amaxes far from training's
+    with torch.no_grad():
+        out = model(x)
+    with torch.inference_mode():
+        model(x)
+    changed = [name for name, b in model.named_buffers() if not torch.equal(b, before[name])]
+    return {"changed": changed, "finite": bool(out.isfinite().all())}
+
+
+@pytest.mark.parametrize("mode", ["fp8", "O1", "O2"])
+def test_eval_forwards_under_fully_shard_leave_every_scaling_buffer(mode):
+    """docs/numerics.md: only training forwards write the histories. FSDP2's E4M3 all-gather (FP8
+    compute with enable_fp8_all_gather, O1/O2 masters) wrote the weight's amax into its history in
+    eval forwards too, so a checkpoint saved after validation differed from one saved without it."""
+    for result in run_on_ranks(eval_rank, WORLD, mode):
+        assert result == {"changed": [], "finite": True}
