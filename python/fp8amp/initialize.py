@@ -40,7 +40,7 @@ from .convert import ModuleFilter, check_options, conversion_report, convert, re
 from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
-from .scaling_hooks import carry_hooks, registered_optimizers, release_scaling
+from .scaling_hooks import carry_hooks, hand_over_scaling, registered_optimizers, release_scaling
 from .scaled_tensor import ScaledTensor
 from .user_hooks import carry_tensor_attributes, carry_tensor_hooks
 
@@ -328,6 +328,7 @@ def _optimizer_at_level(model: nn.Module, optimizer: torch.optim.Optimizer, mast
     new_optimizer = _rebuild_optimizer(optimizer, masters, opt_level, master_rounding)
     _seed_groups_by_name(model, optimizer, new_optimizer)
     carry_hooks(optimizer, new_optimizer)  # (dropped, an EMA or logging hook stopped without a word)
+    hand_over_scaling(optimizer, new_optimizer)
     register_scaling_hooks(model, new_optimizer)
     return new_optimizer
 

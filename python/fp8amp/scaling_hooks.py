@@ -252,6 +252,18 @@ def release_scaling(optimizer: torch.optim.Optimizer) -> None:
     _ownership_changed()
 
 
+def hand_over_scaling(optimizer: torch.optim.Optimizer, new_optimizer: torch.optim.Optimizer) -> None:
+    """Registers ``new_optimizer``, which replaces ``optimizer`` (``initialize``'s rebuild,
+    ``unconvert``'s plain optimizer), for the models ``optimizer`` was registered for that still hold
+    scaling states. A model that an earlier ``initialize`` (or ``convert(..., optimizer)``) registered
+    on ``optimizer``, say the encoder of two models initialized one after the other with the
+    optimizer the first call returned, otherwise kept its scales frozen once ``optimizer`` retired."""
+    hooks = optimizer.__dict__.get("_fp8amp_step_hooks")
+    for model in [] if hooks is None else list(hooks.models):
+        if any(isinstance(m, ScalingState) for m in model.modules()):
+            register_scaling_hooks(model, new_optimizer)
+
+
 # torch.optim.Optimizer's dicts of the hooks registered on an optimizer.
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",

@@ -35,7 +35,7 @@ from .convert import report_holder
 from .initialize import retire
 from .linear import Fp8Conv1D, Fp8Linear
 from .scaled_tensor import ScaledTensor
-from .scaling_hooks import carry_hooks, may_be_stepped
+from .scaling_hooks import carry_hooks, hand_over_scaling, may_be_stepped
 from .skipped_steps import unwatch_skipped_steps
 from .user_hooks import carry_module_hooks, carry_tensor_attributes, carry_tensor_hooks
 
@@ -104,6 +104,7 @@ def unconvert(
     if isinstance(optimizer, fp8_optim.Adam):
         plain = _plain_optimizer(optimizer, replaced)
         carry_hooks(optimizer, plain)  # (dropped: an EMA or logging hook stopped without a word)
+        hand_over_scaling(optimizer, plain)  # (other models it stepped keep their scaling updates)
         retire(optimizer, "unconvert", "torch.optim optimizer", "model, optimizer = fp8amp.unconvert(model, optimizer)")
         optimizer = plain
     return model, optimizer

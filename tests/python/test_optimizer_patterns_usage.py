@@ -355,3 +355,53 @@ def test_unconvert_of_a_second_optimizer_says_it_takes_one():
     plain, _ = fp8amp.unconvert(model, optimizers[0])
     with pytest.raises(ValueError, match="made plain by an earlier unconvert, which converts one optimizer"):
         fp8amp.unconvert(plain, optimizers[2])
+
+
+def _encoder_decoder():
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)),
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+
+
+def _buffers_and_params(*models):
+    return [(name, _real(t)) for m in models for name, t in [*m.named_parameters(), *m.named_buffers()]]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_two_models_initialized_one_after_the_other_with_one_optimizer_train_as_one(level):
+    """An encoder and a decoder initialized one after the other, the second call given the optimizer
+    the first returned: the first call's optimizer was retired by the second, and with it the
+    encoder's scaling updates (its scales stayed 1 and its history unrolled, the warm-up's scale
+    set by the largest amax since the start, silently). The optimizer that replaces one now takes
+    over the models it was registered for: the run is bit for bit one initialize of both."""
+    enc, dec = _encoder_decoder()
+    optimizer = torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=1e-2)
+    enc, optimizer = fp8amp.initialize(enc, optimizer, level, policy="all")
+    dec, optimizer = fp8amp.initialize(dec, optimizer, level, policy="all")
+    whole = nn.Sequential(*_encoder_decoder())
+    whole, whole_optimizer = fp8amp.initialize(whole, torch.optim.AdamW(whole.parameters(), lr=1e-2), level,
+                                               policy="all")
+    for x, y in regression_batches(20):
+        for model, opt in ((nn.Sequential(enc, dec), optimizer), (whole, whole_optimizer)):
+            nn.functional.mse_loss(model(x), y[:, :16]).backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(int(s.counter) == 16 for s in delayed_states(enc))
+    for (name, got), (_, want) in zip(_buffers_and_params(enc, dec), _buffers_and_params(*whole)):
+        assert torch.equal(got, want), name
+
+
+def test_unconvert_of_one_model_keeps_the_other_models_scaling_updated():
+    """unconvert(enc, optimizer) of an optimizer that also steps an FP8-compute decoder: the plain
+    optimizer it returns takes over the decoder's scaling updates."""
+    enc, dec = _encoder_decoder()
+    enc, optimizer = fp8amp.initialize(enc, torch.optim.AdamW(enc.parameters(), lr=1e-2), "O2", policy="all")
+    optimizer.add_param_group({"params": list(dec.parameters())})
+    fp8amp.convert(dec, optimizer=optimizer, policy="all")
+    enc, optimizer = fp8amp.unconvert(enc, optimizer)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    for x, y in regression_batches(20):
+        nn.functional.mse_loss(dec(enc(x)), y[:, :16]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(int(s.counter) == 16 and float(s.scale) != 1.0 for s in delayed_states(dec))
