@@ -82,6 +82,9 @@ class ScalingState(torch.nn.Module):
     #: Scaling updates run eagerly in this process, of any state (on the class): how
     #: :mod:`fp8amp.scaling_hooks` tells that nothing updates a model's scaling between two steps.
     updates_run: int = 0
+    #: ``updates_run`` at this state's last eager update (0: none): how that hook tells which model's
+    #: scaling was updated (another model's update says nothing of this one).
+    updated_at: int = 0
     #: The group it reduces over; None: the default group, when one is initialized with > 1 rank.
     amax_reduction_group: Optional[dist.ProcessGroup] = None
 
@@ -221,7 +224,7 @@ class ScalingState(torch.nn.Module):
         amax windows, counters advanced (or reset by a non-finite amax), histories rolled."""
         r = self.recipe
         b = self._buffers
-        _count_update()
+        _count_update((self,))
         fast.update_delayed_scaling(b["amax_history"], b["scale"], b["scale_inv"], b["counter"], self.fmax, r.margin,
                                     r.pow2_scale)
 
@@ -383,18 +386,21 @@ def fresh_scaling_if_missing():
         _fresh_if_missing.reset(token)
 
 
-def _count_update() -> None:
+def _count_update(states: Iterable[ScalingState]) -> None:
     if not torch.compiler.is_compiling():  # (torch 2.11's Dynamo cannot trace a class attribute's write)
         ScalingState.updates_run += 1
+        for state in states:
+            state.__dict__["updated_at"] = ScalingState.updates_run  # (not Module.__setattr__: slow)
 
 
 def update_states(states: Iterable[ScalingState]) -> None:
     """:meth:`ScalingState.update` of many states (each once), in one launch for each device,
     format and recipe among them instead of one a state: what :func:`fp8amp.update_scaling` runs
     after every optimizer step for all the Fp8Linears of a model."""
-    _count_update()
+    states = {id(st): st for st in states}.values()
+    _count_update(states)
     groups: dict[tuple, list[dict]] = {}
-    for state in {id(st): st for st in states}.values():
+    for state in states:
         r, buffers = state.recipe, state._buffers  # (not state.amax_history: Module.__getattr__ is slow)
         groups.setdefault((buffers["amax_history"].device, state.fmax, r.margin, r.pow2_scale), []).append(buffers)
     for (_, fmax, margin, pow2_scale), buffers in groups.items():

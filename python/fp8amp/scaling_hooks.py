@@ -350,7 +350,8 @@ def _update_states(states: list[ScalingState]) -> None:
 
 # Models converted without an optimizer whose scaling no hooks update (yet); weak keys. Each
 # optimizer that steps: (the watched models whose parameters it holds, ScalingState.updates_run
-# at its previous step). Checked by one global step post-hook, there only while models are watched.
+# at its previous step, which each state's updated_at is compared with). Checked by one global
+# step post-hook, there only while models are watched.
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 _STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int]]" = weakref.WeakKeyDictionary()
 _watch_hook = None
@@ -386,11 +387,15 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     models, updates_then = seen
     _STEPPED[optimizer] = (models, ScalingState.updates_run)
-    if ScalingState.updates_run != updates_then:
-        return
     for ref in models:
         model = ref()
-        if model is not None and _WATCHED.pop(model, False) and delayed_states(model):  # (not unconverted since)
+        if model is None or model not in _WATCHED:
+            continue
+        states = delayed_states(model)
+        # Its own states: another model's update (one stepped by the same optimizer) says nothing of it.
+        if any(s.updated_at > updates_then for s in states):
+            continue
+        if _WATCHED.pop(model) and states:  # (none: unconverted since)
             warnings.warn(
                 f"fp8amp: {type(optimizer).__name__}.step() updated the parameters of a model that fp8amp converted "
                 "without an optimizer, and nothing updated the model's FP8 scaling since its previous step: its "

@@ -1,0 +1,96 @@
+"""Which optimizer updates which model's FP8 scaling, as users combine models, optimizers and
+fp8amp's calls (O1, O2, and FP8 compute with torch's AdamW): after each step every delayed state
+is updated once (its history rolls once), so a run matches, bit for bit, the same run done as one
+call over one model that holds them all; where nothing updates a model, a warning says so."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fp8amp
+from fp8amp.amax_sync import delayed_states
+
+LEVELS = ["O1", "O2", "fp8"]
+NEVER_UPDATED = r"nothing updated the model's FP8 scaling since its previous step"
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)) for _ in range(n)]
+
+
+def _real(t):
+    t = t.detach()
+    return t.dequantize(torch.float32) if isinstance(t, fp8amp.ScaledTensor) else t.float()
+
+
+def _tensors(*models):
+    return [(name, _real(t)) for m in models for name, t in [*m.named_parameters(), *m.named_buffers()]]
+
+
+def _initialize(model, optimizer, level):
+    """``model, optimizer = fp8amp.initialize(...)`` at O1/O2; ``convert(model, optimizer=)`` at FP8 compute."""
+    if level == "fp8":
+        return fp8amp.convert(model, optimizer=optimizer, policy="all"), optimizer
+    return fp8amp.initialize(model, optimizer, level, policy="all")
+
+
+def _without_optimizer(model, level):
+    if level == "fp8":
+        return fp8amp.convert(model, policy="all")
+    return fp8amp.initialize(model, None, level, policy="all")[0]
+
+
+def _optimizer(params, level):
+    return (torch.optim.AdamW if level == "fp8" else fp8amp.optim.AdamW)(params, lr=1e-2)
+
+
+def _train(model, optimizer, n):
+    for x, y in _batches(n):
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _combined(level, n):
+    """The reference: one call over one model that holds both, one optimizer."""
+    whole = nn.Sequential(_mlp(0), _mlp(1))
+    whole, optimizer = _initialize(whole, torch.optim.AdamW(whole.parameters(), lr=1e-2), level)
+    _train(whole, optimizer, n)
+    return _tensors(*whole)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_model_added_to_another_models_optimizer_without_registering_it_is_warned_about(level):
+    """A second model converted without an optimizer, its parameters added to the first model's
+    (registered) optimizer: nothing updated its scaling, and the watch that warns about such a model
+    stayed silent, since it asked whether any scaling in the process was updated (the first model's
+    was, at every step)."""
+    enc, dec = _mlp(0), _mlp(1)
+    enc, optimizer = _initialize(enc, torch.optim.AdamW(enc.parameters(), lr=1e-2), level)
+    dec = _without_optimizer(dec, level)
+    optimizer.add_param_group({"params": list(dec.parameters())})
+    with pytest.warns(UserWarning, match=NEVER_UPDATED):
+        _train(nn.Sequential(enc, dec), optimizer, 3)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_model_added_to_another_models_optimizer_and_registered_trains_as_one(level):
+    enc, dec = _mlp(0), _mlp(1)
+    enc, optimizer = _initialize(enc, torch.optim.AdamW(enc.parameters(), lr=1e-2), level)
+    dec = _without_optimizer(dec, level)
+    optimizer.add_param_group({"params": list(dec.parameters())})
+    fp8amp.register_scaling_hooks(dec, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(nn.Sequential(enc, dec), optimizer, 20)
+    assert all(int(s.counter) == 16 for s in delayed_states(enc) + delayed_states(dec))
+    for (name, got), (_, want) in zip(_tensors(enc, dec), _combined(level, 20)):
+        assert torch.equal(got, want), name
