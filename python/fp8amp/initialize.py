@@ -143,7 +143,7 @@ def initialize(
                     compiled=compiled)
     _note_level_below_crossover(model, opt_level)
     masters = _make_masters(model)
-    _warn_optimizers_holding_replaced(model, masters, optimizer)
+    _warn_optimizers_holding_replaced(model, masters, optimizer, opt_level)
     if weight_grad == "fp32":
         _warn_16_bit_weight_grads(model)
     terms = MasterPolicy(fp8_weight_grad=weight_grad == "fp8", optimizer_built=optimizer is not None)
@@ -179,21 +179,26 @@ def _use_masters(model: nn.Module, terms: MasterPolicy) -> None:
 
 
 def _warn_optimizers_holding_replaced(model: nn.Module, masters: dict,
-                                      rebuilt: Optional[torch.optim.Optimizer]) -> None:
-    """An optimizer registered for the model (an earlier initialize's) that holds weights this call
-    replaced by masters (a new layer's group added before this call) would step the old tensors, and
-    those layers would not train, silently. (``rebuilt``, the one passed in, is replaced.)"""
-    others = [opt for opt in registered_optimizers(model) if opt is not rebuilt] if masters else []
+                                      rebuilt: Optional[torch.optim.Optimizer], opt_level: str) -> None:
+    """An optimizer registered for the model or another one (an earlier initialize's) that holds
+    weights this call replaced by masters (a new layer's group added before this call; one optimizer
+    over two models, given to the first one's initialize only) would step the old tensors, and those
+    layers would not train, silently. (``rebuilt``, the one passed in, is replaced.)"""
+    others = [opt for opt in registered_optimizers() if opt is not rebuilt] if masters else []
     names = {id(p): name for name, p in model.named_parameters()} if others else {}
+    mine = {id(opt) for opt in registered_optimizers(model)} if others else set()
     for optimizer in others:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         stale = [names[id(master)] for old, master in masters.items() if id(old) in held]
         if stale:
-            warnings.warn(f"initialize: the {type(optimizer).__name__} registered for this model holds {len(stale)} "
+            whose = "this model" if id(optimizer) in mine else "another model"
+            warnings.warn(f"initialize: the {type(optimizer).__name__} registered for {whose} holds {len(stale)} "
                           f"Linear weight(s) that this call replaced by FP16 masters ({_first_names(stale)}): it "
-                          "would step the old tensors and those layers would not train. Add a new layer's parameters "
-                          "to an optimizer, or build one (fp8amp.initialize_optimizer), after fp8amp.initialize; or "
-                          "add the masters to this one: optimizer.add_param_group({'params': "
+                          "would step the old tensors and those layers would not train. Before its first step, pass "
+                          f"it to this call (model, optimizer = fp8amp.initialize(model, optimizer, {opt_level!r})), "
+                          "which rebuilds it over the masters and updates this model's scaling too. Or add a new "
+                          "layer's parameters to an optimizer, or build one (fp8amp.initialize_optimizer), after "
+                          "fp8amp.initialize; or add the masters to this one: optimizer.add_param_group({'params': "
                           f"[model.get_parameter({stale[0]!r}), ...]}}) (the old tensors get no gradient)",
                           UserWarning, stacklevel=3)
 

@@ -30,6 +30,7 @@ import copyreg
 import functools
 import warnings
 import weakref
+from typing import Optional
 
 import torch
 from torch import nn
@@ -216,10 +217,11 @@ def _replace_superseded(me: weakref.ref, states: list[ScalingState]) -> None:
                 break
 
 
-def registered_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
-    """The live optimizers registered for any of ``model``'s scaling states, in no set order."""
+def registered_optimizers(model: Optional[nn.Module] = None) -> list[torch.optim.Optimizer]:
+    """The live optimizers registered for any of ``model``'s scaling states (None: of any model's),
+    in no set order."""
     found = {}
-    for state in delayed_states(model):
+    for state in list(_REGISTERED) if model is None else delayed_states(model):
         for ref in _REGISTERED.get(state, ()):
             optimizer = ref()
             if optimizer is not None:

@@ -94,3 +94,25 @@ def test_a_model_added_to_another_models_optimizer_and_registered_trains_as_one(
     assert all(int(s.counter) == 16 for s in delayed_states(enc) + delayed_states(dec))
     for (name, got), (_, want) in zip(_tensors(enc, dec), _combined(level, 20)):
         assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_initialize_without_optimizer_warns_about_another_models_optimizer_holding_its_weights(level):
+    """``enc, opt = initialize(enc, opt_over_both)`` then ``initialize(dec, None)``: the optimizer,
+    registered for enc only, held dec's Linear weights, which dec's masters replaced: dec's Linear
+    layers never trained (and their scaling was never updated), silently."""
+    enc, dec = _mlp(0), _mlp(1)
+    optimizer = torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=1e-2)
+    enc, optimizer = fp8amp.initialize(enc, optimizer, level, policy="all")
+    with pytest.warns(UserWarning, match=r"registered for another model holds 2 Linear weight\(s\) that this call "
+                                         rf"replaced .* fp8amp.initialize\(model, optimizer, '{level}'\)"):
+        fp8amp.initialize(dec, None, level, policy="all")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_initialize_without_optimizer_next_to_another_models_optimizer_is_not_warned_about(level):
+    enc, dec = _mlp(0), _mlp(1)
+    enc, optimizer = fp8amp.initialize(enc, torch.optim.AdamW(enc.parameters(), lr=1e-2), level, policy="all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8amp.initialize(dec, None, level, policy="all")
