@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
 from .scaling import ScalingState, update_states
-from .skipped_steps import drop_nonfinite_amaxes, mark_stepped, watch_skipped_steps
+from .skipped_steps import drop_nonfinite_amaxes, mark_stepped, on_unstepped, watch_skipped_steps
 
 __all__ = ["register_scaling_hooks", "update_scaling", "scales_after_step", "watch_scaling_updates"]
 
@@ -147,6 +147,8 @@ class _StepHooks:
         self.stepped = True  # (set in traced steps too, where ``steps`` stays)
         for model in self.models:
             mark_stepped(model)
+            if _WATCHED:  # (watched again after steps it did not take: skipped ones, say)
+                _WATCHED.pop(model, None)
         if not torch.compiler.is_compiling():
             self.steps += 1
             if self.owners and self.take_over_idle():
@@ -356,6 +358,7 @@ def _update_states(states: list[ScalingState]) -> None:
 # step post-hook, there only while models are watched.
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 _STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int]]" = weakref.WeakKeyDictionary()
+_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _watch_hook = None
 
 
@@ -370,6 +373,17 @@ def watch_scaling_updates(model: nn.Module) -> None:
     _WATCHED[model] = True
     if _watch_hook is None:
         _watch_hook = register_optimizer_step_post_hook(_check_step)
+
+
+def _watch_unstepped(model: nn.Module) -> None:
+    """A registered model at a step that its optimizers did not take is watched again until one
+    steps: a new optimizer built by hand for a new phase or epoch, not registered, froze its scales
+    silently. (Warned once: not again after the warning.)"""
+    if model not in _WARNED:
+        watch_scaling_updates(model)
+
+
+on_unstepped(_watch_unstepped)
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -398,10 +412,12 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if any(s.updated_at > updates_then for s in states):
             continue
         if _WATCHED.pop(model) and states:  # (none: unconverted since)
+            _WARNED.add(model)
             warnings.warn(
                 f"fp8amp: {type(optimizer).__name__}.step() updated the parameters of a model that fp8amp converted "
-                "without an optimizer, and nothing updated the model's FP8 scaling since its previous step: its "
-                "delayed scales stay in warm-up, each set by the largest amax since the start. Give the optimizer "
+                "without an optimizer (or whose registered optimizer no longer steps), and nothing updated the "
+                "model's FP8 scaling since its previous step: its delayed scales stay as they are (in warm-up, each "
+                "set by the largest amax since the start, if never updated). Give the optimizer "
                 "to fp8amp: fp8amp.initialize_optimizer(model, optimizer, opt_level) (O1/O2: also the level's "
                 "state formats), or fp8amp.register_scaling_hooks(model, optimizer), or call "
                 "fp8amp.update_scaling(model) after each optimizer.step()", stacklevel=2)

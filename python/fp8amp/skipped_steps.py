@@ -23,7 +23,7 @@ Finite amaxes and warm-up counters stay: every rank skips the same steps, so ran
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -32,11 +32,15 @@ from torch.utils.checkpoint import CheckpointFunction
 from .amax_sync import delayed_states
 from .scaling import ScalingState
 
-__all__ = ["drop_nonfinite_amaxes", "watch_skipped_steps", "mark_stepped", "unwatch_skipped_steps", "training_step"]
+__all__ = ["drop_nonfinite_amaxes", "watch_skipped_steps", "mark_stepped", "on_unstepped", "unwatch_skipped_steps",
+           "training_step"]
 
 # The model's attribute holding its _SkipWatch: in the model's own __dict__, so that a copy of the
 # model carries its own (the hook finds it through the module it is called with).
 _ATTR = "_fp8amp_skip_watch"
+# Told of each model at a new step that no registered optimizer stepped since its previous one
+# (fp8amp.scaling_hooks watches it then: an optimizer nobody registered may be stepping it).
+_on_unstepped: Optional[Callable[[nn.Module], None]] = None
 
 
 class _SkipWatch:
@@ -107,6 +111,8 @@ def _drop_after_skipped_step(model: nn.Module, args) -> None:
     # micro-batch of that step only)
     if param is not None and (param.grad is None or watch.first_step):
         drop_nonfinite_amaxes(delayed_states(model))
+        if param.grad is None and _on_unstepped is not None:
+            _on_unstepped(model)
 
 
 @contextlib.contextmanager
@@ -133,6 +139,13 @@ def watch_skipped_steps(model: nn.Module) -> None:
     name = _first_trained(model)
     if name is not None:
         model.__dict__[_ATTR] = _SkipWatch(name)
+
+
+def on_unstepped(callback: Callable[[nn.Module], None]) -> None:
+    """Calls ``callback(model)`` at each new training step of ``model`` that no optimizer registered
+    for its scaling stepped since the previous one (a skipped step, or another optimizer's)."""
+    global _on_unstepped
+    _on_unstepped = callback
 
 
 def mark_stepped(model: nn.Module) -> None:

@@ -116,3 +116,42 @@ def test_initialize_without_optimizer_next_to_another_models_optimizer_is_not_wa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp8amp.initialize(dec, None, level, policy="all")
+
+
+@pytest.mark.parametrize("old", ["dropped", "kept"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_new_optimizer_not_given_to_fp8amp_is_warned_about(level, old):
+    """A model trained with the optimizer fp8amp registered, then with a new one built by hand (an
+    optimizer re-created for a new phase or epoch) that nobody registered: no scale moved again and
+    nothing said so, whether the first optimizer was dropped or kept."""
+    model = nn.Sequential(_mlp(0), _mlp(1))
+    model, optimizer = _initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    _train(model, optimizer, 3)
+    kept = [optimizer] if old == "kept" else []
+    optimizer = _optimizer(model.parameters(), level)
+    with pytest.warns(UserWarning, match=NEVER_UPDATED) as record:
+        _train(model, optimizer, 6)
+    assert sum(NEVER_UPDATED[:20] in str(w.message) for w in record) == 1  # once
+    fp8amp.register_scaling_hooks(model, optimizer)  # what the warning says: each step updates again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, optimizer, 3)
+    assert all(int(s.counter) == 6 for s in delayed_states(model)), kept
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_steps_skipped_without_optimizer_step_are_not_warned_about(level):
+    """A registered optimizer whose steps are skipped now and then (GradScaler's skip, a loop that
+    skips a bad batch) is not an optimizer nobody registered."""
+    model = nn.Sequential(_mlp(0), _mlp(1))
+    model, optimizer = _initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (x, y) in enumerate(_batches(12)):
+            nn.functional.mse_loss(model(x), y).backward()
+            if i % 3 == 1:  # skipped
+                optimizer.zero_grad()
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(int(s.counter) == 8 for s in delayed_states(model))
