@@ -228,6 +228,12 @@ class ScalingState(torch.nn.Module):
         fast.update_delayed_scaling(b["amax_history"], b["scale"], b["scale_inv"], b["counter"], self.fmax, r.margin,
                                     r.pow2_scale)
 
+    def __getstate__(self) -> dict:
+        # A copy or a load counts its own updates (another process's count would read as updates).
+        state = super().__getstate__()
+        state.pop("updated_at", None)
+        return state
+
     def reset(self) -> None:
         """Back to the initial state: empty histories, unit scales, warm-up from the start."""
         with torch.no_grad():

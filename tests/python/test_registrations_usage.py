@@ -3,6 +3,7 @@ fp8amp's calls (O1, O2, and FP8 compute with torch's AdamW): after each step eve
 is updated once (its history rolls once), so a run matches, bit for bit, the same run done as one
 call over one model that holds them all; where nothing updates a model, a warning says so."""
 
+import io
 import warnings
 
 import pytest
@@ -137,6 +138,23 @@ def test_a_new_optimizer_not_given_to_fp8amp_is_warned_about(level, old):
         warnings.simplefilter("error")
         _train(model, optimizer, 3)
     assert all(int(s.counter) == 6 for s in delayed_states(model)), kept
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_saved_model_stepped_by_an_optimizer_not_given_to_fp8amp_is_warned_about(level, monkeypatch):
+    """The same after ``torch.save(model)`` and a load in a new process, whose update count starts
+    again from 0: the states' record of their last update, saved with them, must not read as updates."""
+    model = nn.Sequential(_mlp(0), _mlp(1))
+    model, optimizer = _initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    _train(model, optimizer, 3)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    monkeypatch.setattr(fp8amp.ScalingState, "updates_run", 0)  # (a new process)
+    model = torch.load(buffer, weights_only=False)
+    optimizer = _optimizer(model.parameters(), level)
+    with pytest.warns(UserWarning, match=NEVER_UPDATED):
+        _train(model, optimizer, 4)
 
 
 @pytest.mark.parametrize("level", LEVELS)
