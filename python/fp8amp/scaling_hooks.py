@@ -277,13 +277,18 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_opti
 def carry_hooks(optimizer: torch.optim.Optimizer, new_optimizer: torch.optim.Optimizer) -> None:
     """Makes the hooks registered on ``optimizer`` (step, state_dict, load_state_dict) run on
     ``new_optimizer``, which replaces it (``initialize``'s rebuild): it takes the same dicts, so
-    that the handles still remove them. fp8amp's own scaling hooks are left out: they update the
-    models of ``optimizer``'s registration (the new one registers its own)."""
+    that the handles still remove them, and ``optimizer`` gets empty ones. fp8amp's own scaling
+    hooks are left out: they update the models of ``optimizer``'s registration (the new one
+    registers its own)."""
     for name in _HOOK_DICTS:
         hooks = getattr(optimizer, name)
         for key in [k for k, hook in hooks.items() if isinstance(getattr(hook, "__self__", None), _StepHooks)]:
             del hooks[key]
         setattr(new_optimizer, name, hooks)
+        # Shared, the hooks registered on the new one next (its scaling hooks) ran at the steps of the
+        # one given to initialize_optimizer, which is not retired: stepped by mistake, it updated the
+        # scaling as if the new one had, or failed inside fp8amp once that one was gone.
+        setattr(optimizer, name, type(hooks)())
 
 
 def _reduce_registered(optimizer_ref: weakref.ref, protocol: int) -> tuple:
@@ -417,7 +422,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 f"fp8amp: {type(optimizer).__name__}.step() updated the parameters of a model that fp8amp converted "
                 "without an optimizer (or whose registered optimizer no longer steps), and nothing updated the "
                 "model's FP8 scaling since its previous step: its delayed scales stay as they are (in warm-up, each "
-                "set by the largest amax since the start, if never updated). Give the optimizer "
-                "to fp8amp: fp8amp.initialize_optimizer(model, optimizer, opt_level) (O1/O2: also the level's "
-                "state formats), or fp8amp.register_scaling_hooks(model, optimizer), or call "
+                "set by the largest amax since the start, if never updated). Give the optimizer to fp8amp: "
+                "fp8amp.initialize_optimizer(model, optimizer, opt_level) (O1/O2: also the level's state formats; "
+                "step the optimizer it returns), or fp8amp.register_scaling_hooks(model, optimizer), or call "
                 "fp8amp.update_scaling(model) after each optimizer.step()", stacklevel=2)

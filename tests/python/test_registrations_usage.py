@@ -173,3 +173,19 @@ def test_steps_skipped_without_optimizer_step_are_not_warned_about(level):
             optimizer.step()
             optimizer.zero_grad()
     assert all(int(s.counter) == 8 for s in delayed_states(model))
+
+
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_stepping_the_optimizer_given_to_initialize_optimizer_says_to_step_the_one_it_returned(level, kept):
+    """``fp8amp.initialize_optimizer(model, optimizer, level)`` and then ``optimizer.step()`` (the
+    result dropped, or kept and not stepped): the returned optimizer's hooks had been put on the one
+    given too, so its steps failed inside fp8amp (IndexError) once the returned one was gone, or
+    updated the scaling as if that one had stepped."""
+    model = fp8amp.initialize(nn.Sequential(_mlp(0), _mlp(1)), None, level, policy="all")[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    returned = [fp8amp.initialize_optimizer(model, optimizer, level)] if kept else []
+    fp8amp.initialize_optimizer(model, optimizer, level) if not kept else None
+    with pytest.warns(UserWarning, match=NEVER_UPDATED + r".*step the optimizer it returns"):
+        _train(model, optimizer, 4)
+    assert all(int(s.counter) == 0 for s in delayed_states(model)), returned
