@@ -58,7 +58,7 @@ from .convert_policy import (
 )
 from .linear import Fp8Conv1D, Fp8Linear, RecipeArg, is_hf_conv1d, weight_not_parameter_reason
 from .recipes import Recipe, resolve_recipe
-from .scaling_hooks import register_scaling_hooks, update_scaling, watch_scaling_updates
+from .scaling_hooks import check_hookable, register_scaling_hooks, update_scaling, watch_scaling_updates
 
 __all__ = [
     "convert",
@@ -265,8 +265,8 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"convert: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer is not None:
+        check_hookable(optimizer, "convert")  # (before the model changes)
     recipe_given = recipe is not None
     recipe = check_options(module_filter_fn=module_filter_fn, recipe=recipe, policy=policy, tokens=tokens,
                            compiled=compiled, min_speedup=min_speedup, timer=timer)

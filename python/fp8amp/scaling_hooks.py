@@ -180,9 +180,7 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     (``copy.deepcopy((model, optimizer))``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"register_scaling_hooks: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"register_scaling_hooks: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+    check_hookable(optimizer, "register_scaling_hooks")
     hooks = optimizer.__dict__.get("_fp8amp_step_hooks")
     if hooks is None:
         hooks = optimizer.__dict__["_fp8amp_step_hooks"] = _StepHooks(optimizer)
@@ -195,6 +193,20 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
         hooks.add(model)
         _replace_superseded(hooks.optimizer, delayed_states(model))
     _WATCHED.pop(model, None)
+
+
+def check_hookable(optimizer: object, caller: str) -> None:
+    """Refuses what is not a ``torch.optim.Optimizer``, and a wrapper whose step runs no hooks (one
+    that did not run ``Optimizer.__init__``: Accelerate's AcceleratedOptimizer), naming what works."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        inner = getattr(optimizer, "optimizer", None)
+        inner = " (optimizer.optimizer)" if isinstance(inner, torch.optim.Optimizer) else ""
+        raise TypeError(f"{caller}: optimizer ({type(optimizer).__name__}) wraps another optimizer and runs "
+                        "no step hooks of its own (it did not call torch.optim.Optimizer.__init__): pass the "
+                        f"optimizer it wraps{inner}, or convert / initialize before wrapping it (before "
+                        "accelerator.prepare)")
 
 
 def _replace_superseded(me: weakref.ref, states: list[ScalingState]) -> None:

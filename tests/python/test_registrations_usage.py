@@ -189,3 +189,42 @@ def test_stepping_the_optimizer_given_to_initialize_optimizer_says_to_step_the_o
     with pytest.warns(UserWarning, match=NEVER_UPDATED + r".*step the optimizer it returns"):
         _train(model, optimizer, 4)
     assert all(int(s.counter) == 0 for s in delayed_states(model)), returned
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """An optimizer that wraps another without torch.optim.Optimizer.__init__ (as Accelerate's
+    AcceleratedOptimizer does): its step runs no step hooks of its own."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("call", ["convert", "register_scaling_hooks"])
+def test_a_wrapping_optimizer_without_step_hooks_is_refused_naming_the_one_it_wraps(call):
+    """``convert(model, optimizer=accelerator_prepared_optimizer)`` failed with an AttributeError
+    ('AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks'), after convert had
+    changed the model."""
+    model = nn.Sequential(_mlp(0), _mlp(1))
+    optimizer = _Wrapper(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if call == "register_scaling_hooks":
+        model = fp8amp.convert(model, policy="all")
+    with pytest.raises(TypeError, match=rf"{call}: optimizer \(_Wrapper\) wraps another optimizer .* "
+                                        r"pass the optimizer it wraps \(optimizer.optimizer\)"):
+        fp8amp.convert(model, optimizer=optimizer, policy="all") if call == "convert" else \
+            fp8amp.register_scaling_hooks(model, optimizer)
+    if call == "convert":
+        assert not any(isinstance(m, fp8amp.Fp8Linear) for m in model.modules())
+    fp8amp.register_scaling_hooks(model, optimizer.optimizer) if call != "convert" else \
+        fp8amp.convert(model, optimizer=optimizer.optimizer, policy="all")
+    _train(model, optimizer, 3)
+    assert all(int(s.counter) == 3 for s in delayed_states(model))
