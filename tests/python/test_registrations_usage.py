@@ -68,6 +68,74 @@ def _combined(level, n):
     return _tensors(*whole)
 
 
+def _in_turn(enc, dec, level, first):
+    """Each model given to its own call with the optimizer over both that the previous call returned."""
+    optimizer = torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=1e-2)
+    for model in (dec, enc) if first == "dec" else (enc, dec):
+        _, optimizer = _initialize(model, optimizer, level)
+    return optimizer
+
+
+def _submodule_then_parent(enc, dec, level, first):
+    parent = nn.Sequential(enc, dec)
+    optimizer = torch.optim.AdamW(parent.parameters(), lr=1e-2)
+    for model in (enc, parent) if first == "sub" else (parent, enc):
+        _, optimizer = _initialize(model, optimizer, level)
+    return optimizer
+
+
+def _two_optimizers(enc, dec, level, order):
+    """One optimizer a part of the model, both registered, both stepped every step."""
+    parent = _without_optimizer(nn.Sequential(enc, dec), level)
+    made = {}
+    for name in order:
+        optimizer = torch.optim.AdamW((enc if name == "enc" else dec).parameters(), lr=1e-2)
+        if level == "fp8":
+            fp8amp.register_scaling_hooks(parent, optimizer)
+        else:
+            optimizer = fp8amp.initialize_optimizer(parent, optimizer, level)
+        made[name] = optimizer
+    return _Both(made["enc"], made["dec"])
+
+
+class _Both:
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+
+SETUPS = {
+    "in turn, encoder first": lambda enc, dec, level: _in_turn(enc, dec, level, "enc"),
+    "in turn, decoder first": lambda enc, dec, level: _in_turn(enc, dec, level, "dec"),
+    "submodule, then parent": lambda enc, dec, level: _submodule_then_parent(enc, dec, level, "sub"),
+    "parent, then submodule": lambda enc, dec, level: _submodule_then_parent(enc, dec, level, "parent"),
+    "two optimizers": lambda enc, dec, level: _two_optimizers(enc, dec, level, ("enc", "dec")),
+    "two optimizers, registered the other way": lambda enc, dec, level: _two_optimizers(enc, dec, level,
+                                                                                          ("dec", "enc")),
+}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_models_and_optimizers_combined_in_turn_train_as_one_call(level, setup):
+    """Each state updated once a step, bit for bit the run of one call over one model of both."""
+    enc, dec = _mlp(0), _mlp(1)
+    optimizer = SETUPS[setup](enc, dec, level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(nn.Sequential(enc, dec), optimizer, 20)
+    assert all(int(s.counter) == 16 for s in delayed_states(enc) + delayed_states(dec))
+    for (name, got), (_, want) in zip(_tensors(enc, dec), _combined(level, 20)):
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_model_added_to_another_models_optimizer_without_registering_it_is_warned_about(level):
     """A second model converted without an optimizer, its parameters added to the first model's
