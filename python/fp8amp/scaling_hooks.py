@@ -37,6 +37,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
+from .linear import Fp8Linear
 from .scaling import ScalingState, update_states
 from .skipped_steps import drop_nonfinite_amaxes, mark_stepped, on_unstepped, watch_skipped_steps
 
@@ -371,10 +372,10 @@ def _update_states(states: list[ScalingState]) -> None:
 
 # Models converted without an optimizer whose scaling no hooks update (yet); weak keys. Each
 # optimizer that steps: (the watched models whose parameters it holds, ScalingState.updates_run
-# at its previous step, which each state's updated_at is compared with). Checked by one global
-# step post-hook, there only while models are watched.
+# at its previous step, which each state's updated_at is compared with, the ids of its parameters).
+# Checked by one global step post-hook, there only while models are watched.
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-_STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int]]" = weakref.WeakKeyDictionary()
+_STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int, set]]" = weakref.WeakKeyDictionary()
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _watch_hook = None
 
@@ -403,6 +404,14 @@ def _watch_unstepped(model: nn.Module) -> None:
 on_unstepped(_watch_unstepped)
 
 
+def _stepped_states(model: nn.Module, held: set[int]) -> list[ScalingState]:
+    """The delayed states of ``model``'s layers with a parameter among ``held`` (ids), or of all its
+    layers where it holds none of theirs (adapters in plain Linears over frozen FP8 layers)."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    stepped = [m for m in layers if any(id(p) in held for p in m.parameters(recurse=False))]
+    return [s for m in stepped or layers for s in delayed_states(m)]
+
+
 def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     global _watch_hook
     if not _WATCHED:  # every watched model registered or gone: no hook on every optimizer's step
@@ -413,20 +422,21 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if torch.compiler.is_compiling():
         return
     seen = _STEPPED.get(optimizer)
-    if seen is None:  # its first step: which watched models it steps, found once
+    if seen is None:  # its first step: which watched models it steps (and their parameters it holds), found once
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         models = [weakref.ref(m) for m in list(_WATCHED) if any(id(p) in held for p in m.parameters())]
-        _STEPPED[optimizer] = (models, ScalingState.updates_run)
+        _STEPPED[optimizer] = (models, ScalingState.updates_run, held)
         return
-    models, updates_then = seen
-    _STEPPED[optimizer] = (models, ScalingState.updates_run)
+    models, updates_then, held = seen
+    _STEPPED[optimizer] = (models, ScalingState.updates_run, held)
     for ref in models:
         model = ref()
         if model is None or model not in _WATCHED:
             continue
-        states = delayed_states(model)
-        # Its own states: another model's update (one stepped by the same optimizer) says nothing of it.
-        if any(s.updated_at > updates_then for s in states):
+        states = _stepped_states(model, held)
+        # Each of them: another model's update, or that of another part of this one (a registered
+        # model inside it, say), says nothing of the layers this optimizer steps.
+        if states and all(s.updated_at > updates_then for s in states):
             continue
         if _WATCHED.pop(model) and states:  # (none: unconverted since)
             _WARNED.add(model)

@@ -151,6 +151,43 @@ def test_a_model_added_to_another_models_optimizer_without_registering_it_is_war
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_a_parent_converted_without_optimizer_around_a_registered_model_is_warned_about(level):
+    """The same with the new layers in a parent of the registered model (``nn.Sequential(enc, dec)``
+    converted without an optimizer): the watch of the parent saw enc's states updated at every step
+    and took the parent as updated, dec's scales frozen."""
+    enc, dec = _mlp(0), _mlp(1)
+    enc, optimizer = _initialize(enc, torch.optim.AdamW(enc.parameters(), lr=1e-2), level)
+    parent = _without_optimizer(nn.Sequential(enc, dec), level)
+    optimizer.add_param_group({"params": list(dec.parameters())})
+    with pytest.warns(UserWarning, match=NEVER_UPDATED):
+        _train(parent, optimizer, 3)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_parts_of_a_model_updated_by_their_optimizers_at_their_own_rates_are_not_warned_about(level):
+    """A model converted without an optimizer whose parts are registered on their own optimizers,
+    the second stepped every other step: each optimizer's layers are updated at its steps."""
+    enc, dec = _mlp(0), _mlp(1)
+    model = _without_optimizer(nn.Sequential(enc, dec), level)
+    optimizers = []
+    for part in (enc, dec):
+        optimizer = torch.optim.AdamW(part.parameters(), lr=1e-2)
+        if level == "fp8":
+            fp8amp.register_scaling_hooks(part, optimizer)
+        else:
+            optimizer = fp8amp.initialize_optimizer(part, optimizer, level)
+        optimizers.append(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (x, y) in enumerate(_batches(8)):
+            nn.functional.mse_loss(model(x), y).backward()
+            for optimizer in optimizers[:1] if i % 2 else optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert [int(s.counter) for s in delayed_states(model)] == [8] * 4 + [4] * 4
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_a_model_added_to_another_models_optimizer_and_registered_trains_as_one(level):
     enc, dec = _mlp(0), _mlp(1)
     enc, optimizer = _initialize(enc, torch.optim.AdamW(enc.parameters(), lr=1e-2), level)
