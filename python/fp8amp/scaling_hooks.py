@@ -12,7 +12,10 @@
 - A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``)
   is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
-  update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand).
+  update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand). So is a
+  registered model from a training step that none of its optimizers took until one steps (a new
+  optimizer built by hand for a new phase, not registered), and the check is of the states of the
+  layers the stepping optimizer holds (another model's update says nothing of them).
 - A step skipped without ``optimizer.step()`` (GradScaler's skip) runs no update: the inf / NaN
   amaxes it recorded are dropped at fp8amp's optimizer's next ``zero_grad``
   (:func:`drop_skipped_amaxes`) and, for any optimizer, at the model's next training forward with
