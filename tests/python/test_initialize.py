@@ -244,6 +244,7 @@ def test_compile_matches_eager():
     model, opt = setup("O1")
     eager = copy.deepcopy(model)
     opt_eager = AdamW(groups(eager), state_dtypes="O1")
+    fp8amp.register_scaling_hooks(eager, opt_eager)  # (the copy's scaling updated as the model's)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for step in range(3):
         for m, o in ((compiled, opt), (eager, opt_eager)):
