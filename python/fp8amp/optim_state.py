@@ -4,7 +4,9 @@ optimizer passed into :func:`fp8amp.initialize`), or fp8amp's at another level.
 
 - Param groups: torch's dict lacks fp8amp's keys (``state_dtypes``); each saved group takes
   them from the optimizer's group of the same index, so the level chosen at construction (by
-  ``initialize``) stays. Then the group is checked as a new group would be (``amsgrad=True``...).
+  ``initialize``) stays. Hyperparameters torch kept as tensors (``lr``, ``betas``, ``initial_lr``
+  of a compiled or capturable step) load as Python floats, which fp8amp's groups hold. Then the
+  group is checked as a new group would be (``amsgrad=True``...).
 - States: moments held without a scale (float32) in a group whose ``state_dtypes`` stores them
   scaled (O2: E4M3 ``exp_avg``, FP16 ``exp_avg_sq``) are quantized into those formats with a
   power-of-two scale from their amax, the rule the optimizer's step uses, and the scale pair is
@@ -129,10 +131,25 @@ def complete_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
     """Copies of ``saved_groups``, each completed by the keys of the optimizer's group of the same
     index that it lacks, and with that group's ``state_dtypes`` and ``master_rounding`` (where it
     has one: a group a framework appended itself may not): the level and the rounding stay the
-    optimizer's, whatever saved the state (:func:`check_groups` has matched the groups' sizes)."""
-    return [{**{k: v for k, v in group.items() if k != "params"}, **saved, "state_dtypes": group["state_dtypes"],
-             **{k: group[k] for k in ("master_rounding",) if k in group}}
+    optimizer's, whatever saved the state (:func:`check_groups` has matched the groups' sizes).
+    Tensor hyperparameters (torch's ``lr``, ``betas``) become Python floats."""
+    return [{**{k: v for k, v in group.items() if k != "params"},
+             **{k: _as_floats(v) if k in _HYPERPARAMETERS else v for k, v in saved.items()},
+             "state_dtypes": group["state_dtypes"], **{k: group[k] for k in ("master_rounding",) if k in group}}
             for saved, group in zip(saved_groups, groups)]
+
+
+#: The group keys torch may hold as tensors that fp8amp's groups hold as Python numbers.
+_HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+def _as_floats(value):
+    """A saved hyperparameter with its one-element tensors (a tuple's too: betas) as Python floats."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)  # (a host read, at load time only)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(map(_as_floats, value))
+    return value
 
 
 def convert_state(state: dict, formats: tuple[torch.dtype, torch.dtype], where: str) -> None:

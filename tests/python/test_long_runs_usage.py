@@ -16,6 +16,7 @@ Tolerances, from the precision of each state:
   was not interrupted, bit for bit.
 """
 
+import copy
 import io
 import statistics
 
@@ -247,3 +248,33 @@ def test_a_step_count_set_by_hand_steps_as_torch(level, count):
         assert (state["step"].dtype, float(state["step"])) == (torch.float32, 20.0)
         assert torch.equal(state["step"], reference.state[q]["step"])
     assert abs(losses[1] / losses[0] - 1) < 0.06
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_torch_state_dict_with_tensor_lr_and_betas_loads_and_steps_as_torch(level):
+    """torch's AdamW takes ``lr`` and ``betas`` as tensors (for compiled or capturable steps) and
+    saves them so: loading such a state dict (a run moved onto fp8amp) was refused with
+    "fp8amp.optim.AdamW: lr must be a Python float, got Tensor", naming nothing about the state dict.
+    Its groups now load with their values as Python floats (``initial_lr`` too, from which a
+    scheduler built afterwards starts), and the run goes on as torch's."""
+    batches = _batches(60)
+    plain = _model()
+    reference = torch.optim.AdamW(plain.parameters(), lr=torch.tensor(3e-3), weight_decay=0.1,
+                                  betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    torch.optim.lr_scheduler.LinearLR(reference, 1.0, 0.1, total_iters=60)  # (sets initial_lr, a tensor)
+    _train(plain, reference, batches[:20])
+    saved = copy.deepcopy(reference.state_dict())  # (torch's holds the live tensors)
+    model = _model()
+    model.load_state_dict(plain.state_dict())
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), level, policy="all")
+    optimizer.load_state_dict(saved)
+    group, saved_group = optimizer.param_groups[0], saved["param_groups"][0]
+    assert (group["lr"], group["initial_lr"], group["betas"]) == (
+        float(saved_group["lr"]), float(saved_group["initial_lr"]), tuple(map(float, saved_group["betas"])))
+    losses = []
+    for m, opt in ((plain, reference), (model, optimizer)):
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 40)  # (from initial_lr)
+        losses.append(statistics.mean(_train(m, opt, batches[20:], scheduler, start=20)))
+    assert abs(losses[1] / losses[0] - 1) < 0.06
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(float(reference.param_groups[0]["lr"]))
+    assert {float(state["step"]) for state in optimizer.state.values()} == {60.0}
