@@ -323,8 +323,8 @@ class Adam(torch.optim.Optimizer):
             if "step" in state and not isinstance(state["step"], torch.Tensor):  # a Python number
                 state["step"] = torch.tensor(float(state["step"]))
             for key, value in saved[pid].items():
-                if key == "step":  # a step: any dtype
-                    state[key] = state[key].to(dtype=torch.float32, device=p.device)
+                if key == "step":  # any dtype; a copy, as the moments: torch's load keeps the saved (live) count
+                    state[key] = state[key].to(dtype=torch.float32, device=p.device, copy=True)
                 elif isinstance(value, DTensor):
                     state[key] = state[key].to(dtype=value.dtype, device=p.device)
                 elif isinstance(value, torch.Tensor):  # as saved: torch cast it to a 16-bit param's dtype, rounding

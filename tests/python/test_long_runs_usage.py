@@ -278,3 +278,28 @@ def test_a_torch_state_dict_with_tensor_lr_and_betas_loads_and_steps_as_torch(le
     assert abs(losses[1] / losses[0] - 1) < 0.06
     assert optimizer.param_groups[0]["lr"] == pytest.approx(float(reference.param_groups[0]["lr"]))
     assert {float(state["step"]) for state in optimizer.state.values()} == {60.0}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_state_dict_loaded_in_memory_shares_no_step_count_with_the_optimizer_that_saved_it(level):
+    """A state dict handed over in memory (a run forked into two, each continuing from step 20;
+    a run moved from torch's AdamW compared with the torch run going on): the loaded optimizer's
+    step counts were the saved dict's tensors, which are the saving optimizer's live counts, so
+    each step of either advanced both (moments are copied at load): the fork's bias corrections
+    came from 100 steps after 60. Each count is now the loaded optimizer's own; both runs equal
+    the one that was not forked, bit for bit."""
+    batches = _batches(60)
+    runs = []
+    for _ in range(3):
+        model = _model()
+        runs.append(fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), level, policy="all"))
+    (whole, whole_opt), (first, first_opt), (fork, fork_opt) = runs
+    _train(whole, whole_opt, batches)
+    _train(first, first_opt, batches[:20])
+    fork.load_state_dict(first.state_dict())
+    fork_opt.load_state_dict(first_opt.state_dict())
+    for model, optimizer in ((first, first_opt), (fork, fork_opt)):
+        _train(model, optimizer, batches[20:], start=20)
+        assert [float(optimizer.state[p]["step"]) for p in model.parameters()] == [60.0] * 8
+        for p, q in zip(whole.parameters(), model.parameters()):
+            assert torch.equal(_real(p.detach()), _real(q.detach()))
