@@ -223,18 +223,14 @@ class Adam(torch.optim.Optimizer):
 
     def _cohort_from_state(self, p: torch.Tensor) -> object:
         """The cohort of a param whose state was set from outside (unpickling, assignment,
-        ``load_state_dict``): its step count, read from the device once, kept in ``_cohorts``.
-
-        Params with the same cohort key have the same step count. The op takes the step number t
-        from one count per call (and advances each param's count) while torch keeps one per param
-        (a param without a grad does not step), so a group's params are stepped in one call per
-        cohort: params stepped by exactly the same calls since their counts were last known.
-        Usually all params of a group form one cohort. A count set by hand as a Python number or
-        a tensor of another dtype (torch's AdamW steps an int64 one) becomes the op's float32 one."""
-        state, device = self.state[p], _local(p).device
-        count = state["step"]
+        ``load_state_dict``): its step count (a number or tensor of any dtype becomes the op's float32
+        count on the param's device), read from the device once, kept in ``_cohorts``. The op takes t
+        from one count per call while torch keeps one per param (a param without a grad does not
+        step), so a group's params are stepped in one call per cohort: params stepped by exactly the
+        same calls since their counts were last known (usually all params of a group)."""
+        count, device = self.state[p]["step"], _local(p).device
         if not (isinstance(count, torch.Tensor) and count.dtype == torch.float32 and count.device == device):
-            count = state["step"] = torch.tensor(float(count), dtype=torch.float32, device=device)
+            count = self.state[p]["step"] = torch.tensor(float(count), dtype=torch.float32, device=device)
         key = self._cohorts[id(p)] = ("step", float(count))
         self._mark_count(p, count)
         return key
