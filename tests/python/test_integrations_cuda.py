@@ -108,6 +108,7 @@ def test_lightning_trainer_on_cuda_trains_and_resumes_bit_for_bit(tmp_path):
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            assert x.is_cuda and self.net[0].weight.is_cuda and isinstance(self.net[0], fp8amp.Fp8Linear)
             return F.mse_loss(self.net(x).float(), y)
 
         def configure_optimizers(self):
@@ -126,7 +127,6 @@ def test_lightning_trainer_on_cuda_trains_and_resumes_bit_for_bit(tmp_path):
         return trainer, module
 
     straight, module = fit(4)
-    assert module.net[0].weight.is_cuda and isinstance(module.net[0], fp8amp.Fp8Linear)
     half, _ = fit(2)
     half.save_checkpoint(tmp_path / "half.ckpt")
     _, resumed = fit(4, str(tmp_path / "half.ckpt"))
