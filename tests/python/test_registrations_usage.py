@@ -122,18 +122,23 @@ SETUPS = {
 }
 
 
-@pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("level", LEVELS)
-def test_models_and_optimizers_combined_in_turn_train_as_one_call(level, setup):
-    """Each state updated once a step, bit for bit the run of one call over one model of both."""
-    enc, dec = _mlp(0), _mlp(1)
-    optimizer = SETUPS[setup](enc, dec, level)
+def _assert_trains_as_one_call(level, enc, dec, optimizer):
+    """20 steps with no warning: each state updated once a step, bit for bit one call over both."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train(nn.Sequential(enc, dec), optimizer, 20)
     assert all(int(s.counter) == 16 for s in delayed_states(enc) + delayed_states(dec))
     for (name, got), (_, want) in zip(_tensors(enc, dec), _combined(level, 20)):
         assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_models_and_optimizers_combined_in_turn_train_as_one_call(level, setup):
+    """Each state updated once a step, bit for bit the run of one call over one model of both."""
+    enc, dec = _mlp(0), _mlp(1)
+    optimizer = SETUPS[setup](enc, dec, level)
+    _assert_trains_as_one_call(level, enc, dec, optimizer)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -194,12 +199,7 @@ def test_a_model_added_to_another_models_optimizer_and_registered_trains_as_one(
     dec = _without_optimizer(dec, level)
     optimizer.add_param_group({"params": list(dec.parameters())})
     fp8amp.register_scaling_hooks(dec, optimizer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _train(nn.Sequential(enc, dec), optimizer, 20)
-    assert all(int(s.counter) == 16 for s in delayed_states(enc) + delayed_states(dec))
-    for (name, got), (_, want) in zip(_tensors(enc, dec), _combined(level, 20)):
-        assert torch.equal(got, want), name
+    _assert_trains_as_one_call(level, enc, dec, optimizer)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
