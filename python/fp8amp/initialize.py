@@ -40,7 +40,7 @@ from .convert import ModuleFilter, check_options, conversion_report, convert, re
 from .convert_policy import DEFAULT_TOKENS
 from .linear import Fp8Conv1D, Fp8Linear, MasterPolicy, RecipeArg
 from .master_weight import MasterWeight
-from .scaling_hooks import carry_hooks, hand_over_scaling, registered_optimizers, release_scaling
+from .scaling_hooks import carry_hooks, hand_over_scaling, registered_optimizers, release_scaling, scales_after_step
 from .scaled_tensor import ScaledTensor
 from .user_hooks import carry_tensor_attributes, carry_tensor_hooks
 
@@ -296,18 +296,30 @@ def initialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     Lightning's ``configure_optimizers``): returns the fp8amp Adam/AdamW at ``opt_level`` with
     ``optimizer``'s param groups and hyperparameters, updating ``model``'s FP8 scaling after each
     step. ``master_rounding`` as :func:`initialize` takes it. ``caller`` names who asks, in the
-    error messages.
+    error messages. What it returned for ``model`` and ``opt_level`` (or Accelerate's wrapper of
+    that: a second ``Trainer.train()`` calls ``create_optimizer`` again) comes back as it is.
 
     Raises:
         ValueError: as :func:`initialize` for the optimizer and the level.
     """
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
         raise ValueError(f"{caller}: opt_level must be one of {', '.join(map(repr, OPT_LEVELS))}; got {opt_level!r}")
+    if _initialized_for(model, optimizer, opt_level, master_rounding):
+        return optimizer  # (rebuilt, it would lose its state; once stepped, it would be refused)
     _check_optimizer(optimizer, caller)
     _check_params_are_the_models(model, optimizer, caller)
     new_optimizer = _optimizer_at_level(model, optimizer, {}, opt_level, master_rounding)
     _warn_updates_below_master_units(model, new_optimizer, caller)
     return new_optimizer
+
+
+def _initialized_for(model: nn.Module, optimizer: object, opt_level: str, master_rounding: Optional[str]) -> bool:
+    """Whether ``optimizer``, or the one it wraps (Accelerate's ``AcceleratedOptimizer`` runs no
+    step hooks of its own), is an fp8amp one at ``opt_level`` that updates ``model``'s scaling."""
+    inner = optimizer if hasattr(optimizer, "_optimizer_step_pre_hooks") else getattr(optimizer, "optimizer", None)
+    return (isinstance(inner, fp8_optim.Adam) and scales_after_step(inner, model)
+            and all(group["state_dtypes"] == opt_level and master_rounding in (None, group["master_rounding"])
+                    for group in inner.param_groups))
 
 
 def _foreign_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
