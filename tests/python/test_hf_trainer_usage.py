@@ -27,15 +27,16 @@ class Fp8Trainer(transformers.Trainer):
         return self.optimizer
 
 
-def _trainer(tmp_path, converted, **args):
+def _trainer(tmp_path, converted, eval_dataset=None, **args):
     model = tiny_llama()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=3e-3,
-                                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0,
-                                          logging_steps=1, **args)
+    args = transformers.TrainingArguments(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 4,
+                                             "learning_rate": 3e-3, "report_to": [], "use_cpu": True,
+                                             "disable_tqdm": True, "save_strategy": "no", "seed": 0,
+                                             "logging_steps": 1, **args})
     if not converted:
-        return model, transformers.Trainer(model=model, args=args, train_dataset=_windows())
+        return model, transformers.Trainer(model=model, args=args, train_dataset=_windows(), eval_dataset=eval_dataset)
     model, _ = fp8amp.initialize(model, None, "O2", policy="all")
-    return model, Fp8Trainer(model=model, args=args, train_dataset=_windows())
+    return model, Fp8Trainer(model=model, args=args, train_dataset=_windows(), eval_dataset=eval_dataset)
 
 
 def _logged(trainer, key):
@@ -63,3 +64,21 @@ def test_train_called_twice_goes_on_with_the_same_optimizer(tmp_path):
     assert [s for s, _ in got] == [s for s, _ in expected] == [1, 2, 3]  # the second run's
     assert _logged(trainer, "learning_rate") == _logged(runs[False][1], "learning_rate")
     assert all(abs(a - b) < 0.05 * a for (_, a), (_, b) in zip(expected, got))
+
+
+def test_the_same_trainer_resumes_after_loading_its_best_checkpoint(tmp_path):
+    """train() with load_best_model_at_end (the best checkpoint, the first, loaded back into the
+    converted model), then train(resume_from_checkpoint=...) on the same Trainer: the resumed
+    steps log the same losses and evaluations bit for bit, and the best checkpoint's scaling is
+    loaded back again (its counters: 2 steps)."""
+    model, trainer = _trainer(tmp_path, True, _windows(n=8)[::-1], max_steps=6, gradient_accumulation_steps=2, eval_strategy="steps",
+                              eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                              metric_for_best_model="eval_loss", greater_is_better=True)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    losses, evals = _logged(trainer, "loss"), _logged(trainer, "eval_loss")
+    trainer.args.output_dir = str(tmp_path / "resumed")
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.state.global_step == 6
+    assert _logged(trainer, "loss") == losses and _logged(trainer, "eval_loss") == evals
+    assert {int(c) for s in delayed_states(model) for c in s.counter.flatten().tolist()} == {2}
