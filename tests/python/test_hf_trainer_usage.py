@@ -71,9 +71,9 @@ def test_the_same_trainer_resumes_after_loading_its_best_checkpoint(tmp_path):
     converted model), then train(resume_from_checkpoint=...) on the same Trainer: the resumed
     steps log the same losses and evaluations bit for bit, and the best checkpoint's scaling is
     loaded back again (its counters: 2 steps)."""
-    model, trainer = _trainer(tmp_path, True, _windows(n=8)[::-1], max_steps=6, gradient_accumulation_steps=2, eval_strategy="steps",
-                              eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
-                              metric_for_best_model="eval_loss", greater_is_better=True)
+    model, trainer = _trainer(tmp_path, True, _windows(n=8)[::-1], max_steps=6, gradient_accumulation_steps=2,
+                              eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                              load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
     trainer.train()
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
     losses, evals = _logged(trainer, "loss"), _logged(trainer, "eval_loss")
