@@ -407,7 +407,8 @@ class Fp8Linear(nn.Linear):
                 raise ValueError(
                     f"Fp8Linear: the weight is an O1/O2 FP16 master of logical dtype {weight.dtype} "
                     f"(fp8amp.initialize), which cannot become {probe.dtype}; keep the model in float32 and "
-                    "let torch.autocast choose the compute dtype (device moves, .to('cuda'), work)")
+                    "let torch.autocast choose the compute dtype (device moves, .to('cuda'), work; the Hugging Face "
+                    "Trainer's bf16_full_eval / fp16_full_eval make this cast: use bf16=True, its autocast)")
         return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

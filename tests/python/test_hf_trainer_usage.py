@@ -82,3 +82,15 @@ def test_the_same_trainer_resumes_after_loading_its_best_checkpoint(tmp_path):
     assert trainer.state.global_step == 6
     assert _logged(trainer, "loss") == losses and _logged(trainer, "eval_loss") == evals
     assert {int(c) for s in delayed_states(model) for c in s.counter.flatten().tolist()} == {2}
+
+
+def test_full_eval_in_bfloat16_names_the_trainer_option(tmp_path):
+    """bf16_full_eval casts the model to bfloat16 for an evaluate() outside training: refused at
+    O2 (the masters keep their dtype), with the Trainer's option named and bf16=True (autocast)
+    as what works; during training (eval_strategy) the Trainer does not cast, and it runs."""
+    model, trainer = _trainer(tmp_path, True, _windows(n=4), max_steps=2, bf16_full_eval=True, eval_strategy="steps",
+                              eval_steps=2)
+    trainer.train()
+    assert [s for s, _ in _logged(trainer, "eval_loss")] == [2]
+    with pytest.raises(ValueError, match=r"cannot become torch.bfloat16.*bf16_full_eval.*bf16=True"):
+        trainer.evaluate()
