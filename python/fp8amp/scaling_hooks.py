@@ -375,12 +375,14 @@ def _update_states(states: list[ScalingState]) -> None:
 
 # Models converted without an optimizer whose scaling no hooks update (yet); weak keys. Each
 # optimizer that steps: (the watched models whose parameters it holds, ScalingState.updates_run
-# at its previous step, which each state's updated_at is compared with, the ids of its parameters).
+# at its previous step, which each state's updated_at is compared with, the ids of its parameters,
+# the _watch_generation its models were found at: found again when models were watched since).
 # Checked by one global step post-hook, there only while models are watched.
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-_STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int, set]]" = weakref.WeakKeyDictionary()
+_STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int, set, int]]" = weakref.WeakKeyDictionary()
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _watch_hook = None
+_watch_generation = 0
 
 
 def watch_scaling_updates(model: nn.Module) -> None:
@@ -388,9 +390,11 @@ def watch_scaling_updates(model: nn.Module) -> None:
     (no :func:`update_scaling` by hand, no hooks): its delayed scales would stay in warm-up for the
     whole run, each set by the largest amax seen since the start. ``convert`` without an optimizer
     calls it; :func:`register_scaling_hooks` ends the watch."""
-    global _watch_hook
+    global _watch_hook, _watch_generation
     if not delayed_states(model):  # (nothing delayed-scaled: nothing to update)
         return
+    if model not in _WATCHED:
+        _watch_generation += 1
     _WATCHED[model] = True
     if _watch_hook is None:
         _watch_hook = register_optimizer_step_post_hook(_check_step)
@@ -415,6 +419,11 @@ def _stepped_states(model: nn.Module, held: set[int]) -> list[ScalingState]:
     return [s for m in stepped or layers for s in delayed_states(m)]
 
 
+def _models_holding(held: set[int]) -> list[weakref.ref]:
+    """The watched models with a parameter among ``held`` (ids)."""
+    return [weakref.ref(m) for m in list(_WATCHED) if any(id(p) in held for p in m.parameters())]
+
+
 def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     global _watch_hook
     if not _WATCHED:  # every watched model registered or gone: no hook on every optimizer's step
@@ -425,13 +434,14 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if torch.compiler.is_compiling():
         return
     seen = _STEPPED.get(optimizer)
-    if seen is None:  # its first step: which watched models it steps (and their parameters it holds), found once
+    if seen is None:  # its first step: the parameters it holds, found once
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        models = [weakref.ref(m) for m in list(_WATCHED) if any(id(p) in held for p in m.parameters())]
-        _STEPPED[optimizer] = (models, ScalingState.updates_run, held)
+        _STEPPED[optimizer] = (_models_holding(held), ScalingState.updates_run, held, _watch_generation)
         return
-    models, updates_then, held = seen
-    _STEPPED[optimizer] = (models, ScalingState.updates_run, held)
+    models, updates_then, held, generation = seen
+    if generation != _watch_generation:  # (a model watched after this optimizer's first step)
+        models = _models_holding(held)
+    _STEPPED[optimizer] = (models, ScalingState.updates_run, held, _watch_generation)
     for ref in models:
         model = ref()
         if model is None or model not in _WATCHED:

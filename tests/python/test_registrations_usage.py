@@ -224,12 +224,16 @@ def test_initialize_without_optimizer_next_to_another_models_optimizer_is_not_wa
         fp8amp.initialize(dec, None, level, policy="all")
 
 
+@pytest.mark.parametrize("other_watched", [False, True])
 @pytest.mark.parametrize("old", ["dropped", "kept"])
 @pytest.mark.parametrize("level", LEVELS)
-def test_a_new_optimizer_not_given_to_fp8amp_is_warned_about(level, old):
+def test_a_new_optimizer_not_given_to_fp8amp_is_warned_about(level, old, other_watched):
     """A model trained with the optimizer fp8amp registered, then with a new one built by hand (an
     optimizer re-created for a new phase or epoch) that nobody registered: no scale moved again and
-    nothing said so, whether the first optimizer was dropped or kept."""
+    nothing said so, whether the first optimizer was dropped or kept. Also while another model is
+    watched (converted without an optimizer): the new optimizer's first step, before this model
+    was watched again, fixed the models it checks, and it never warned."""
+    other = fp8amp.convert(_mlp(2), policy="all") if other_watched else None  # noqa: F841 (kept alive)
     model = nn.Sequential(_mlp(0), _mlp(1))
     model, optimizer = _initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
     _train(model, optimizer, 3)
