@@ -208,10 +208,11 @@ class ScalingState(torch.nn.Module):
         whole tensor's cast would."""
         scale, amax, _ = self._buffers_of(index)
         shard = _input(shard, "shard", "quantize_shard")
-        if not record:
+        if record:
+            amax.select(1, 0).zero_()
+        else:
             amax = torch.zeros_like(amax)
         amax_now = amax.select(1, 0)
-        amax_now.zero_()
         fast.amax(shard, amax_now, None, 0)
         torch.nan_to_num_(amax_now, nan=float("inf"))
         dist.all_reduce(amax_now, op=dist.ReduceOp.MAX, group=group)
