@@ -18,11 +18,15 @@ depend on the values). For each bucket it prints
                     BF16 all_reduce of the same run: the issue's target is <= 0.75x at 2^27-2^29.
                     Only where that run measured the size (2^20, 2^24, 2^27, 2^29) and N = 2. The
                     MAX all-reduce of the amaxes (a few bytes: latency only) is in neither part.
-    amax ms         the amax pass alone (comm_amax: the part of the local work that no chunk's
-                    collective can overlap)
-    pipelined       native only: the amax pass + one chunk's share of the rest of the local work
-                    (the first chunk's quantize and the last one's decode) + the collective, against
-                    the BF16 all_reduce (docs/distributed.md#pipelined-chunks)
+    amax ms         the amax pass over the whole bucket alone (comm_amax)
+    pipelined       native only: what stays on the critical path of the chunked reduction + the
+                    collective, against the BF16 all_reduce (docs/distributed.md#pipelined-chunks).
+                    With scales per chunk (FP8CommState's default; "native"): one chunk's share of
+                    the local work (the first chunk's amax pass and quantize, the last one's
+                    decode), plus one small all-reduce's latency, not measured here (the first
+                    chunk's amaxes; the others' run beside the data collectives). With one scale a
+                    gradient ("native, scales per gradient"): the whole amax pass, which every
+                    chunk's scale waits for, + one chunk's share of the rest.
 
 Buckets: float32 and bfloat16 hold plain gradients; "o2" is the float32 bucket of an O1/O2 model
 under DDP, holding an E4M3 gradient's dequantized values, whose amax is read from its codes.
@@ -50,6 +54,8 @@ from fp8amp.fsdp import fp8_reduce_scatter
 from _common import copy_bandwidth, markdown_table, median_seconds, parse_subset, report, require_gpu, warm_up_gpu
 from bench_comm import DTYPES, bucket_data, parse_sizes
 
+#: The row of method "native" with one scale a gradient in every chunk (FP8CommState(scales_per_chunk=False)).
+PER_GRADIENT = "native, scales per gradient"
 #: The buckets measured: bench_comm's dtypes, and "o2" (float32 holding an E4M3 gradient's values).
 BUCKETS = {**DTYPES, "o2": torch.float32}
 
@@ -86,7 +92,10 @@ def one_process_as(world: int):
 
     noop = lambda *args, **kwargs: Done()  # noqa: E731
     with mock.patch.multiple(dist, get_world_size=lambda group=None: world, get_rank=lambda group=None: 0,
-                             all_reduce=noop, all_to_all_single=noop, all_gather_into_tensor=noop):
+                             all_reduce=noop, all_to_all_single=noop, all_gather_into_tensor=noop,
+                             new_group=lambda *args, **kwargs: None,  # the chunks' amax group
+                             get_process_group_ranks=lambda group: list(range(world)),
+                             get_backend_config=lambda group=None: "nccl"):
         yield
 
 
@@ -118,25 +127,33 @@ def main() -> None:
             rs_in[:n] = x
             rs_out = torch.empty(L, dtype=dtype, device="cuda")
             states = {m: fd.FP8CommState(method=m) for m in fd.METHODS}
-            states["native"]._backend_checked = True  # no backend to ask: the collective is a no-op
+            states[PER_GRADIENT] = fd.FP8CommState(method="native", scales_per_chunk=False)
+            for m in ("native", PER_GRADIENT):
+                states[m]._backend_checked = True  # no backend to ask: the collective is a no-op
             calls = {m: (lambda i, state=state: fd._reduce_flat(x, (n,), state, grads)) for m, state in states.items()}
             calls["reduce-scatter"] = lambda i: fp8_reduce_scatter(rs_out, rs_in, divisor=float(args.world))
             orders: dict = {}
-            amax_ms = median_seconds(lambda i: comm_amax._local_amax([x], grads, orders), args.samples) * 1e3
+            sources = comm_amax.code_sources(grads, [x])
+            amax_ms = median_seconds(lambda i: comm_amax.local_amax([x], sources, orders), args.samples) * 1e3
             with one_process_as(args.world):
                 for method, fn in calls.items():
                     seconds = median_seconds(fn, args.samples)
                     elements = rs_in.numel() if method == "reduce-scatter" else n
-                    per_element = local_bytes(method, b, args.world, coded=grads is not None)
+                    algorithm = "native" if method == PER_GRADIENT else method
+                    per_element = local_bytes(algorithm, b, args.world, coded=grads is not None)
                     recorded = COLLECTIVES_2XH200.get(n) if args.world == 2 else None
                     predicted = pipelined = "–"
-                    chunks = len(chunk_bounds(n, None, method)) - 1 if method != "reduce-scatter" else 1
-                    if recorded is not None and method in recorded:
-                        total = seconds * 1e3 + recorded[method]
+                    chunks = len(chunk_bounds(n, None, algorithm)) - 1 if method != "reduce-scatter" else 1
+                    if recorded is not None and algorithm in recorded:
+                        total = seconds * 1e3 + recorded[algorithm]
                         predicted = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x bf16 ({recorded['bf16']:.3f})"
-                        if method == "native":
-                            total = amax_ms + (seconds * 1e3 - amax_ms) / chunks + recorded[method]
-                            pipelined = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x"
+                        if algorithm == "native":
+                            local_ms, whole_amax = seconds * 1e3, 0.0
+                            if method == PER_GRADIENT or chunks == 1:
+                                whole_amax = amax_ms
+                            total = whole_amax + (local_ms - whole_amax) / chunks + recorded[algorithm]
+                            latency = " + L" if whole_amax == 0.0 else ""
+                            pipelined = f"{total:.3f} ms{latency} = {total / recorded['bf16']:.2f}x{latency}"
                     rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}",
                                  method + ("" if method == "reduce-scatter" else f" ({chunks} chunks)"),
                                  f"{seconds * 1e3:.3f}", f"{per_element:.4g}",

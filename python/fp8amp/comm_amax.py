@@ -1,12 +1,11 @@
 """Steps 1-2 of the FP8 all-reduce (fp8amp.distributed, docs/distributed.md#algorithm): the amax of
-each gradient of a bucket, MAX all-reduced over the group.
+each gradient of a bucket, MAX all-reduced over the group; or, for a bucket reduced in pipelined
+chunks, of each gradient's part in each chunk, reduced chunk by chunk (:class:`ChunkAmaxes`).
 
 A float32 bucket that holds an FP8 gradient (an O1/O2 weight gradient, a :class:`ScaledTensor` with
 one scale) holds its dequantized values, ``code * scale_inv`` rounded once in float32, so the amax of
 that segment is ``amax(codes) * scale_inv`` rounded once: the same float (rounding is monotonic), read
-at one byte an element instead of four. The amax pass is the one piece of local work that the
-pipelined chunks cannot hide (every chunk's scale needs it), so this shortens the reduction's
-critical path (docs/distributed.md#amaxes-from-the-codes).
+at one byte an element instead of four (docs/distributed.md#amaxes-from-the-codes).
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .comm_layout import Chunk
 from .formats import E4M3, E5M2
 from .scaled_tensor import ScaledTensor
 
-__all__ = ["shared_amax", "reads_codes"]
+__all__ = ["shared_amax", "reads_codes", "code_sources", "local_amax", "BucketAmaxes", "ChunkAmaxes"]
 
 
 def reads_codes(grad: object, seg: torch.Tensor) -> bool:
@@ -32,10 +32,21 @@ def reads_codes(grad: object, seg: torch.Tensor) -> bool:
             and grad.codes.is_contiguous())
 
 
-def _local_amax(segs: Sequence[torch.Tensor], grads: Optional[Sequence], order_cache: dict) -> torch.Tensor:
-    """The amax of each segment, ``grads[i]``'s codes where :func:`reads_codes` allows."""
+def code_sources(grads: Optional[Sequence], segs: Sequence[torch.Tensor]) -> Optional[list]:
+    """Per segment, ``(grads[i], 0)`` where :func:`reads_codes` allows reading its amax from the
+    codes, else None; None where no segment's can be (or ``grads`` is None)."""
+    if grads is None:
+        return None
+    sources = [(g, 0) if reads_codes(g, s) else None for g, s in zip(grads, segs)]
+    return sources if any(s is not None for s in sources) else None
+
+
+def local_amax(segs: Sequence[torch.Tensor], sources: Optional[Sequence], order_cache: dict) -> torch.Tensor:
+    """The amax of each segment. ``sources[i]``, where not None, is ``(grad, start)``: ``segs[i]``
+    holds ``grad``'s values from its element ``start`` on (see :func:`code_sources`), read from its
+    codes instead."""
     device = segs[0].device
-    coded = [] if grads is None else [i for i, (g, s) in enumerate(zip(grads, segs)) if reads_codes(g, s)]
+    coded = [] if sources is None else [i for i, s in enumerate(sources) if s is not None]
     if not coded:
         amax = torch.zeros(len(segs), dtype=torch.float32, device=device)
         ops.multi_amax(segs, amax)
@@ -44,7 +55,7 @@ def _local_amax(segs: Sequence[torch.Tensor], grads: Optional[Sequence], order_c
     # bucket order through an index made once per bucket layout (copied without a host sync).
     groups: dict = {}
     for i in coded:
-        groups.setdefault(grads[i].storage_format, []).append(i)
+        groups.setdefault(sources[i][0].storage_format, []).append(i)
     coded_set = set(coded)
     groups["bucket"] = [i for i in range(len(segs)) if i not in coded_set]
     parts, order = [], []
@@ -55,8 +66,9 @@ def _local_amax(segs: Sequence[torch.Tensor], grads: Optional[Sequence], order_c
         if key == "bucket":
             ops.multi_amax([segs[i] for i in idx], part)
         else:
-            ops.multi_amax([grads[i].codes.reshape(-1) for i in idx], part)
-            scale_inv = [grads[i].scale_inv.reshape(1) for i in idx]
+            codes = [sources[i][0].codes.reshape(-1)[sources[i][1]:sources[i][1] + segs[i].numel()] for i in idx]
+            ops.multi_amax(codes, part)
+            scale_inv = [sources[i][0].scale_inv.reshape(1) for i in idx]
             part.mul_(scale_inv[0] if len(idx) == 1 else torch.cat(scale_inv))
         parts.append(part)
         order.extend(idx)
@@ -81,7 +93,71 @@ def shared_amax(segs: Sequence[torch.Tensor], group, grads: Optional[Sequence] =
     as inf: a MAX reduction need not propagate NaN, gloo's does not). ``grads[i]``, if given, is the
     gradient whose values ``segs[i]`` holds (read as its codes where :func:`reads_codes` allows);
     ``order_cache`` keeps the index that puts those rows back in bucket order."""
-    amax = _local_amax(segs, grads, {} if order_cache is None else order_cache)
+    amax = local_amax(segs, code_sources(grads, segs), {} if order_cache is None else order_cache)
     amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
+
+
+class BucketAmaxes:
+    """Each chunk's slice of the whole bucket's reduced amaxes (one scale a gradient, in every chunk),
+    with a non-finite one anywhere already made NaN in all."""
+
+    def __init__(self, amax: torch.Tensor, chunks: Sequence[Chunk]) -> None:
+        if len(chunks) > 1:
+            # Each chunk's comm_quantize sees its gradients' amaxes only: a non-finite one anywhere
+            # (inf after the MAX) becomes NaN in all (inf * 0), so that every chunk decodes NaN.
+            amax = amax + amax.amax() * 0
+        self.amax, self.chunks = amax, chunks
+
+    def __call__(self, c: int) -> torch.Tensor:
+        chunk = self.chunks[c]
+        return self.amax[chunk.first:chunk.first + len(chunk.layout.segments)]
+
+    def poison(self) -> Optional[torch.Tensor]:
+        return None
+
+
+class ChunkAmaxes:
+    """The amaxes of each chunk's gradient parts, MAX-reduced over ``group`` chunk by chunk
+    (docs/distributed.md#scales-per-chunk). Asked for chunk c, it issues the local amax pass and the
+    asynchronous reduction of chunks c and c + 1 (those not issued yet) and waits for chunk c's, so
+    that chunk c + 1's run while chunk c is quantized and sent, and no pass over the whole bucket
+    comes before the first chunk's collective. ``group`` is a communicator of its own (its
+    reductions then run beside the chunks' collectives, not queued between them)."""
+
+    def __init__(self, buf: torch.Tensor, chunks: Sequence[Chunk], segments: Sequence[tuple],
+                 sources: Optional[Sequence], group, order_cache: dict) -> None:
+        self.buf, self.chunks, self.segments, self.sources = buf, chunks, segments, sources
+        self.group, self.order_cache = group, order_cache
+        self.issued: dict = {}
+
+    def _issue(self, c: int) -> None:
+        if c >= len(self.chunks) or c in self.issued:
+            return
+        chunk = self.chunks[c]
+        segs, sources = [], []
+        for j, (o, n) in enumerate(chunk.layout.segments):
+            segs.append(self.buf[chunk.lo + o:chunk.lo + o + n])
+            source = None if self.sources is None else self.sources[chunk.first + j]
+            # the part's first element, counted within its gradient
+            sources.append(None if source is None else (source[0], chunk.lo + o - self.segments[chunk.first + j][0]))
+        amax = local_amax(segs, sources if self.sources is not None else None, self.order_cache)
+        amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
+        self.issued[c] = (amax, dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+
+    def __call__(self, c: int) -> torch.Tensor:
+        self._issue(c)
+        self._issue(c + 1)
+        amax, work = self.issued[c]
+        if work is not None:
+            work.wait()
+        return amax
+
+    def poison(self) -> torch.Tensor:
+        """0, or NaN where any chunk's reduced amax is non-finite: added to every chunk's scale_inv
+        before its codes are decoded, so that an inf or NaN anywhere makes the whole bucket NaN.
+        Every chunk must have been asked for."""
+        if len(self.issued) != len(self.chunks):
+            raise RuntimeError("fp8amp.comm_amax.ChunkAmaxes.poison: asked before every chunk's amax was")
+        return torch.cat([amax for amax, _ in self.issued.values()]).amax() * 0

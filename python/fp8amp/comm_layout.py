@@ -1,16 +1,19 @@
 """How the FP8 all-reduce cuts a flat gradient bucket (fp8amp.distributed, docs/distributed.md#algorithm):
 where each gradient lies, the N shards of all_to_all and the pieces (shard ∩ gradient) whose scales
-travel with them, and the pipelined chunks, each with its own shards. Pure host arithmetic on
-sizes: no tensors, no collectives.
+travel with them, the pipelined chunks, each with its own shards, and the bytes a rank sends
+(:func:`wire_bytes`). Pure host arithmetic on sizes: no tensors, no collectives.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 __all__ = ["PIPELINE_MIN_CHUNK", "PIPELINE_MAX_CHUNKS", "CHUNK_ALIGN", "Layout", "make_layout", "chunk_bounds",
-           "Chunk", "make_chunks"]
+           "Chunk", "make_chunks", "wire_bytes"]
 
 #: A bucket is reduced in pipelined chunks of at least this many elements, by method
 #: (FP8CommState.pipeline_chunks): all_to_all's launches and host work make a small chunk of it cost
@@ -100,3 +103,48 @@ def make_chunks(layout: Layout, chunks: Optional[int], method: str) -> tuple:
                   if min(o + c, hi) > max(o, lo)]
         out.append(Chunk(lo, hi, inside[0][0], make_layout(tuple(c for _, c in inside), layout.world)))
     return tuple(out)
+
+
+def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float32, *,
+               scales_per_chunk: bool = True) -> int:
+    """Bytes one rank sends to reduce one bucket holding gradients of ``numels`` elements over
+    ``world`` ranks (``fp8amp.distributed.wire_bytes``).
+
+    ``method``: ``"all_to_all"`` or ``"native"`` (FP8, as fp8amp.distributed does them, in their
+    automatic pipelined chunks) or ``"all_reduce"`` (a ring all-reduce of ``dtype``: ``2 (N-1)/N``
+    of the bytes). The FP8 methods include the amax all-reduce (a ring of one float32 per gradient,
+    or with ``scales_per_chunk`` as FP8CommState's default, per gradient part in each chunk) and, for
+    all_to_all, the padding to ``N L`` elements and the float32 scale slots of each shard.
+    """
+    where = "fp8amp.distributed.wire_bytes"
+    try:
+        numels, world = tuple(operator.index(c) for c in numels), operator.index(world)
+    except TypeError as e:
+        raise TypeError(f"{where}: numels must be integers (the gradients' element counts) and world an integer "
+                        f"(the number of ranks); got {numels!r} and {world!r}") from e
+    if any(c < 0 for c in numels) or world < 1:
+        raise ValueError(f"{where}: numels must be >= 0 and world >= 1; got {numels!r} and {world}")
+    numels = tuple(c for c in numels if c > 0)
+    if method not in ("all_to_all", "native", "all_reduce"):
+        raise ValueError(f"{where}: method must be one of 'all_to_all', 'native', 'all_reduce'; got {method!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: dtype must be the gradients' floating-point torch.dtype; got {dtype!r}")
+    if not isinstance(scales_per_chunk, bool):
+        raise ValueError(f"{where}: scales_per_chunk must be True or False; got {scales_per_chunk!r}")
+    if world <= 1 or not numels:
+        return 0
+    n = sum(numels)
+
+    def ring(nbytes: int) -> int:
+        return 2 * (world - 1) * nbytes // world
+
+    if method == "all_reduce":
+        return ring(n * dtype.itemsize)
+    chunks = make_chunks(make_layout(numels, world), None, method)
+    if scales_per_chunk and len(chunks) > 1:
+        amax = sum(ring(4 * len(c.layout.segments)) for c in chunks)
+    else:
+        amax = ring(4 * len(numels))
+    if method == "native":
+        return amax + ring(n)
+    return amax + sum((world - 1) * c.layout.L + (world - 1) * (c.layout.L + 4 * c.layout.max_pieces) for c in chunks)

@@ -13,8 +13,9 @@ Both average the gradients over the ranks of the process group (as DDP does) and
 on the wire: 1 byte per element each way instead of BF16's 2 or FP32's 4.
 
 Each gradient of a bucket gets its own power-of-two scale from the MAX over the ranks of its
-amax, so every rank quantizes with the same scales. Two methods, and ``"auto"`` (the default)
-choosing between them:
+amax, so every rank quantizes with the same scales; in a large bucket, reduced in pipelined chunks,
+each gradient's part in each chunk gets its own (``FP8CommState.scales_per_chunk``). Two methods,
+and ``"auto"`` (the default) choosing between them:
 
 * ``"all_to_all"`` (any backend): the codes travel in an all-to-all, each rank sums its
   shard of the N copies in FP32 (in rank order), requantizes the mean with a scale per piece and
@@ -47,7 +48,6 @@ DDP's backward keeps overlapping the communication.
 
 
 import contextlib
-import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -55,9 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ops
-from .comm_amax import shared_amax
-from .comm_layout import Chunk, Layout, make_chunks, make_layout
+from .comm_amax import BucketAmaxes, ChunkAmaxes, code_sources, shared_amax
+from .comm_layout import Chunk, Layout, make_chunks, make_layout, wire_bytes
 from .amax_sync import ranks_agree
 from .ops import fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, format_max
@@ -99,6 +98,11 @@ class FP8CommState:
             ``PIPELINE_MAX_CHUNKS``), so buckets under 2^25 elements, DDP's 25 MB ones included,
             are one chunk; ``1``: never chunked. Chunks start at multiples of 64 elements, so a
             small bucket gets fewer chunks than asked for.
+        scales_per_chunk: in a chunked bucket, each gradient's part in each chunk gets its own
+            scale, from its amax MAX-reduced chunk by chunk over a communicator of its own (``True``,
+            default: no pass over the whole bucket before the first chunk's collective;
+            docs/distributed.md#scales-per-chunk), or each gradient one scale in every chunk
+            (``False``: the amaxes of the whole bucket reduced first).
 
     The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
     """
@@ -107,10 +111,12 @@ class FP8CommState:
     fmt: torch.dtype = E4M3
     method: str = "auto"
     pipeline_chunks: Optional[int] = None
+    scales_per_chunk: bool = True
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
     _host_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False, compare=False)
+    _amax_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False, compare=False)
     _auto_methods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _amax_orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -131,6 +137,8 @@ class FP8CommState:
         chunks = self.pipeline_chunks
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"{where}: pipeline_chunks must be None (automatic) or an int >= 1; got {chunks!r}")
+        if not isinstance(self.scales_per_chunk, bool):
+            raise ValueError(f"{where}: scales_per_chunk must be True or False; got {self.scales_per_chunk!r}")
 
 
 # ---------------------------------------------------------------------------- layout
@@ -238,59 +246,66 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState, grads: O
     if sum(numels) != buf.numel():
         numels, grads = (buf.numel(),), None  # an unexpected bucket layout: one scale for the whole bucket
     layout = _layout(state, numels, world)
-    amax = shared_amax([buf[o:o + c] for o, c in layout.segments], group, grads, state._amax_orders)
     chunks = _chunks(state, layout, method)
-    if len(chunks) > 1:
-        # Each chunk's comm_quantize sees its gradients' amaxes only: a non-finite one anywhere
-        # (inf after the MAX) becomes NaN in all (inf * 0), so that every chunk decodes NaN.
-        amax = amax + amax.amax() * 0
+    segs = [buf[o:o + c] for o, c in layout.segments]
+    if len(chunks) > 1 and state.scales_per_chunk:
+        amaxes = ChunkAmaxes(buf, chunks, layout.segments, code_sources(grads, segs), _amax_group(state),
+                             state._amax_orders)
+    else:
+        amaxes = BucketAmaxes(shared_amax(segs, group, grads, state._amax_orders), chunks)
     mean = torch.empty(layout.n, dtype=buf.dtype, device=buf.device)
     # The local work is the comm kernels (fp8amp.ops.comm_quantize, comm_sum_shards): the scales,
     # the quantize into the send buffer, and the sum of the received copies with the division and
     # the requantize, each one pass (docs/distributed.md counts the bytes). A non-finite amax makes
-    # every scale_inv NaN, so the whole bucket comes out NaN on every rank. Chunk by chunk, every
-    # collective is issued asynchronously and waited for only where its result is needed, so it
-    # runs while the next chunk is quantized and the previous one summed.
+    # every scale_inv NaN (in a chunked bucket: `poison`, before any chunk is decoded), so the whole
+    # bucket comes out NaN on every rank. Chunk by chunk, every collective is issued asynchronously
+    # and waited for only where its result is needed, so it runs while the next chunk is quantized
+    # and the previous one summed.
     reduce = _reduce_native if method == "native" else _reduce_all_to_all
-    reduce(buf, amax, chunks, mean, state, group, world)
+    reduce(buf, amaxes, chunks, mean, state, group, world)
     return mean
 
 
-def _chunk_inputs(buf: torch.Tensor, amax: torch.Tensor, chunk: Chunk) -> tuple:
-    """(the chunk's gradient parts as views of ``buf``, their amaxes)."""
-    segs = [buf[chunk.lo + o:chunk.lo + o + c] for o, c in chunk.layout.segments]
-    return segs, amax[chunk.first:chunk.first + len(segs)]
+def _chunk_segments(buf: torch.Tensor, chunk: Chunk) -> list:
+    """The chunk's gradient parts, as views of ``buf``."""
+    return [buf[chunk.lo + o:chunk.lo + o + c] for o, c in chunk.layout.segments]
 
 
-def _reduce_native(buf, amax, chunks, mean, state, group, world) -> None:
+def _poisoned(scale_inv: torch.Tensor, poison: Optional[torch.Tensor]) -> torch.Tensor:
+    return scale_inv if poison is None else scale_inv + poison
+
+
+def _reduce_native(buf, amaxes, chunks, mean, state, group, world) -> None:
     fmt, u = state.fmt, UNIT_ROUNDOFF[state.fmt]
     fmax = format_max(fmt) / (world * (1.0 + u) ** max(world - 2, 0))
     issued = []
-    for chunk in chunks:
+    for c, chunk in enumerate(chunks):
         codes = torch.empty(chunk.hi - chunk.lo, dtype=fmt, device=buf.device)
-        scale_inv = fast.comm_quantize(*_chunk_inputs(buf, amax, chunk), fmax, codes)
+        scale_inv = fast.comm_quantize(_chunk_segments(buf, chunk), amaxes(c), fmax, codes)
         try:
             work = _native_fp8_all_reduce(codes, group)
         except RuntimeError as e:
             raise ValueError(f"fp8amp.distributed: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); "
                              f"use method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
         issued.append((chunk, codes, scale_inv, work))
+    poison = amaxes.poison()
     for chunk, codes, scale_inv, work in issued:
         if work is not None:
             work.wait()
-        fast.comm_sum_shards(codes.view(1, -1), scale_inv, chunk.layout.bounds, float(world), mean[chunk.lo:chunk.hi])
+        fast.comm_sum_shards(codes.view(1, -1), _poisoned(scale_inv, poison), chunk.layout.bounds, float(world),
+                             mean[chunk.lo:chunk.hi])
 
 
-def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
+def _reduce_all_to_all(buf, amaxes, chunks, mean, state, group, world) -> None:
     # The send buffer's padding (the chunk's tail up to N L) is zeroed by comm_quantize and a
     # payload's by hand: sent but never decoded, it is defined all the same, so that no stale
     # memory of this process goes to the other ranks and the bytes sent are deterministic
     # (compute-sanitizer's initcheck has nothing to report).
     fmt, rank, device = state.fmt, dist.get_rank(group), buf.device
     sent = []
-    for chunk in chunks:
+    for c, chunk in enumerate(chunks):
         send = torch.empty(world * chunk.layout.L, dtype=torch.uint8, device=device)
-        scale_inv = fast.comm_quantize(*_chunk_inputs(buf, amax, chunk), format_max(fmt), send.view(fmt))
+        scale_inv = fast.comm_quantize(_chunk_segments(buf, chunk), amaxes(c), format_max(fmt), send.view(fmt))
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=group, async_op=True)
         sent.append((chunk, scale_inv, send, recv, work))  # send referenced until the work is waited for
@@ -298,7 +313,7 @@ def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
     # Rank `rank` owns shard `rank` of each chunk: the N copies summed in rank order, divided by N,
     # each piece (the part of one gradient in the shard) requantized with its own scale; the
     # scales travel after the codes.
-    gathering = []
+    gathering, poison = [], amaxes.poison()
     for chunk, scale_inv, _, recv, work in sent:
         layout = chunk.layout
         L, P = layout.L, layout.max_pieces
@@ -311,7 +326,7 @@ def _reduce_all_to_all(buf, amax, chunks, mean, state, group, world) -> None:
         if mine:
             first = mine[0][2]
             mean_scale_inv, _ = fast.comm_sum_requantize(recv.view(fmt).view(world, L),
-                                                         scale_inv[first:first + len(mine)],
+                                                         _poisoned(scale_inv[first:first + len(mine)], poison),
                                                          layout.shard_bounds[rank], float(world),
                                                          payload[:shard_len].view(fmt))
             payload[L:L + 4 * len(mine)].copy_(mean_scale_inv.view(torch.uint8))
@@ -438,6 +453,19 @@ def _host_group(state: FP8CommState):
     return state._host_group
 
 
+def _amax_group(state: FP8CommState):
+    """The group the chunks' amaxes are reduced over (ChunkAmaxes): the state's ranks and backends in
+    a communicator of their own, made once (collectively, by the first chunked bucket, which every
+    rank reduces), so that those small reductions run beside the chunks' data collectives instead of
+    waiting behind them in one NCCL stream."""
+    if state._amax_group is None:
+        group = state.process_group
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        state._amax_group = dist.new_group(ranks=ranks, backend=dist.get_backend_config(group),
+                                           use_local_synchronization=True)
+    return state._amax_group
+
+
 def _check_same_gradients(buckets: dict, state: FP8CommState) -> None:
     """Every rank must reduce gradients of the same dtypes and shapes in the same buckets, or the
     collectives would not line up (a hang, or codes of one gradient summed into another's).
@@ -451,42 +479,3 @@ def _check_same_gradients(buckets: dict, state: FP8CommState) -> None:
                          "or parameters (a parameter with a gradient on one rank and none on another, or a model "
                          "built differently): every rank must have gradients for the same parameters, of the same "
                          "shapes and dtypes")
-
-
-def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one rank sends to reduce one bucket holding gradients of ``numels`` elements over
-    ``world`` ranks.
-
-    ``method``: ``"all_to_all"`` or ``"native"`` (FP8, as this module does them) or
-    ``"all_reduce"`` (a ring all-reduce of ``dtype``: ``2 (N-1)/N`` of the bytes). The FP8 methods
-    include the amax all-reduce (a ring of one float32 per gradient) and, for all_to_all, the
-    padding to ``N L`` elements and the float32 scale slots of each shard, in each of the
-    automatic pipelined chunks.
-    """
-    where = "fp8amp.distributed.wire_bytes"
-    try:
-        numels, world = tuple(operator.index(c) for c in numels), operator.index(world)
-    except TypeError as e:
-        raise TypeError(f"{where}: numels must be integers (the gradients' element counts) and world an integer "
-                        f"(the number of ranks); got {numels!r} and {world!r}") from e
-    if any(c < 0 for c in numels) or world < 1:
-        raise ValueError(f"{where}: numels must be >= 0 and world >= 1; got {numels!r} and {world}")
-    numels = tuple(c for c in numels if c > 0)
-    if method not in METHODS + ("all_reduce",):
-        raise ValueError(f"{where}: method must be one of 'all_to_all', 'native', 'all_reduce'; got {method!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{where}: dtype must be the gradients' floating-point torch.dtype; got {dtype!r}")
-    if world <= 1 or not numels:
-        return 0
-    n = sum(numels)
-
-    def ring(nbytes: int) -> int:
-        return 2 * (world - 1) * nbytes // world
-
-    if method == "all_reduce":
-        return ring(n * torch.empty((), dtype=dtype).element_size())
-    amax = ring(4 * len(numels))
-    if method == "native":
-        return amax + ring(n)
-    chunks = make_chunks(make_layout(numels, world), None, "all_to_all")
-    return amax + sum((world - 1) * c.layout.L + (world - 1) * (c.layout.L + 4 * c.layout.max_pieces) for c in chunks)

@@ -137,6 +137,14 @@ def shard_pieces(sizes, world: int, chunks=None) -> list:
     return pieces
 
 
+def cut_at_chunks(sizes, chunks) -> tuple:
+    """The gradient sizes cut at the chunks' bounds: the parts that get a scale of their own when
+    a chunked bucket's scales are per chunk (FP8CommState.scales_per_chunk)."""
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    return tuple(min(b, hi) - max(a, lo) for lo, hi in chunks for a, b in zip(offsets[:-1], offsets[1:])
+                 if min(b, hi) > max(a, lo))
+
+
 def fp8_ring_sum(codes: list) -> torch.Tensor:
     """The sum of every rank's FP8 codes as NCCL's float8 SUM does it, emulated: partial sums in
     FP8, rounded at every hop in rank order (a ring), an overflow made visible as NaN."""
@@ -175,8 +183,8 @@ def reference_mean(xs: list, sizes, fmt, method: str, chunks=None) -> torch.Tens
     rank's flat bucket, finite. Method "native" sums the codes with fp8_ring_sum (its emulated
     NCCL SUM); the division by N is a float32 division, as the comm kernels do it on both devices.
     ``chunks``: the pipelined chunks' ``(lo, hi)`` (default: the whole bucket); "all_to_all" cuts
-    each chunk into its own N shards (the first scales stay the whole gradients'), "native" does
-    not depend on them."""
+    each chunk into its own N shards, "native" does not depend on them. The first scales are one
+    per entry of ``sizes`` (the gradients', or with :func:`cut_at_chunks` their parts')."""
     world, dtype, n = len(xs), xs[0].dtype, xs[0].numel()
     offsets = list(itertools.accumulate(sizes, initial=0))
     segments = list(zip(offsets[:-1], offsets[1:]))

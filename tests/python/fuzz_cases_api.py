@@ -267,11 +267,14 @@ def api_cases():
     yield "amax_sync.set_amax_reduction enabled str", lambda: amax_sync.set_amax_reduction(
         net(), enabled="no"), None, ("enabled",)
     for name, kwargs in (("fmt", dict(fmt=torch.float16)), ("method", dict(method="x")),
-                         ("pipeline_chunks", dict(pipeline_chunks=0)), ("process_group", dict(process_group="g"))):
+                         ("pipeline_chunks", dict(pipeline_chunks=0)), ("process_group", dict(process_group="g")),
+                         ("scales_per_chunk", dict(scales_per_chunk="yes"))):
         yield f"FP8CommState {kwargs}", lambda kwargs=kwargs: distributed.FP8CommState(**kwargs), None, (name,)
     yield "all_reduce_grads bucket_cap_mb 0", lambda: distributed.all_reduce_grads(
         net(), bucket_cap_mb=0), None, ("bucket_cap_mb",)
     yield "wire_bytes dtype int8", lambda: distributed.wire_bytes([5], 2, "native", torch.int8), None, ("dtype",)
+    yield "wire_bytes scales_per_chunk 1", lambda: distributed.wire_bytes([5], 2, "native", scales_per_chunk=1), None, \
+        ("scales_per_chunk",)
     yield "wire_bytes all_reduce bfloat16", lambda: distributed.wire_bytes([1000], 2, "all_reduce", torch.bfloat16), \
         lambda r: r == 2000 or raises_only(r), ()
     yield "Fp8AllGatherWeight int32", lambda: fsdp.Fp8AllGatherWeight(torch.zeros(4, dtype=torch.int32)), None, \

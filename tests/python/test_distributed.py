@@ -30,7 +30,8 @@ import fp8amp
 from cast_reference import assert_bits_equal
 from comm_ranks import SETUPS, mlp, run_hook, spawn
 from comm_reference import (E4M3, E5M2, U, ETA, U32, synth, FakeBucket, pow2_scale, bound_all_to_all, native_fmax,
-                            headroom_worst, shard_pieces, emulated_native, reference_mean, amax_input_dtypes)
+                            headroom_worst, shard_pieces, emulated_native, reference_mean, amax_input_dtypes,
+                            cut_at_chunks)
 from fp8amp import comm_layout
 from fp8amp import distributed as fd
 
@@ -54,7 +55,7 @@ def native_runs(rank, world, device) -> dict:
     return out
 
 
-def emulated_native_runs(rank, backend, device) -> dict:
+def emulated_native_runs(rank, world, backend, device) -> dict:
     """Method "native" with the emulated FP8 SUM, whose result reference_mean knows bit for bit, in
     both formats for float32 and bfloat16 buckets (on NCCL too: its own SUM need not round as the
     emulation does)."""
@@ -64,8 +65,15 @@ def emulated_native_runs(rank, backend, device) -> dict:
             for dtype in (torch.float32, torch.bfloat16):
                 state = fd.FP8CommState(fmt=fmt, method="native")
                 out["native_emulated", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
-                state = fd.FP8CommState(fmt=fmt, method="native", pipeline_chunks=CHUNKS)
-                out["native_emulated_chunked", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
+                for per_chunk in (True, False):
+                    state = fd.FP8CommState(fmt=fmt, method="native", pipeline_chunks=CHUNKS, scales_per_chunk=per_chunk)
+                    out["native_emulated_chunked", fmt, dtype, per_chunk] = run_hook(synth(rank, SIZES, dtype), SIZES,
+                                                                                     state, device)
+        bad = synth(rank, SIZES, torch.float32)
+        if rank == world - 1:
+            bad[300] = float("inf")  # in the last chunk: known only after the first chunks are quantized
+        out["native_emulated_chunked_inf"] = run_hook(bad, SIZES, fd.FP8CommState(method="native", pipeline_chunks=CHUNKS),
+                                                      device)
     return out
 
 
@@ -160,8 +168,9 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
             state = fd.FP8CommState(fmt=fmt, method="all_to_all")
             res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
     for fmt, dtype in ((E4M3, torch.float32), (E5M2, torch.bfloat16)):
-        state = fd.FP8CommState(fmt=fmt, method="all_to_all", pipeline_chunks=CHUNKS)
-        res["chunked", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
+        for per_chunk in (True, False):
+            state = fd.FP8CommState(fmt=fmt, method="all_to_all", pipeline_chunks=CHUNKS, scales_per_chunk=per_chunk)
+            res["chunked", fmt, dtype, per_chunk] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
     for key, where, value in (("chunked_inf", 20, float("inf")), ("chunked_nan", 300, float("nan"))):
         bad = synth(rank, SIZES, torch.float32)
         if rank == world - 1:
@@ -198,7 +207,7 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
                                                       fd.FP8CommState(per_device, method="native"), device)
         except ValueError as e:  # a torch or NCCL build without float8 reductions
             res["native_error"] = str(e)
-    res.update(emulated_native_runs(rank, backend, device))
+    res.update(emulated_native_runs(rank, world, backend, device))
     if device.type == "cuda":
         res["streams"] = stream_order_run(rank, device)
     return res
@@ -262,22 +271,38 @@ def test_hook_equals_plain_reference_bit_for_bit(run, method, fmt, dtype):
         assert_bits_equal(r[key], expected)
 
 
+@pytest.mark.parametrize("per_chunk", [True, False], ids=["scales-per-chunk", "scales-per-gradient"])
 @pytest.mark.parametrize("fmt, dtype", [(E4M3, torch.float32), (E5M2, torch.bfloat16)], ids=["e4m3-fp32", "e5m2-bf16"])
-def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype):
+def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype, per_chunk):
     """A bucket reduced in pipelined chunks (each chunk's collective overlapping the next chunk's
-    local work): "all_to_all" gives the bits of the reference with each chunk cut into its own
-    shards, "native" the very bits of the unchunked reduction (its scales stay the gradients')."""
+    local work) gives the bits of the reference whose first scales are one per gradient part in
+    each chunk (``scales_per_chunk``, the default) or one per gradient; "all_to_all" cuts each chunk
+    into its own shards, "native" sums element by element (with scales per gradient: the very
+    bits of the unchunked reduction)."""
     world, _, res = run
     xs = [synth(r, SIZES, dtype) for r in range(world)]
     bounds = comm_layout.chunk_bounds(sum(SIZES), CHUNKS, "all_to_all")
     chunks = list(zip(bounds[:-1], bounds[1:]))
     assert chunks == [(0, 128), (128, 256), (256, 307)]
-    expected = reference_mean(xs, SIZES, fmt, "all_to_all", chunks)
-    m, bound = bound_all_to_all([x.double() for x in xs], SIZES, fmt, shard_pieces(SIZES, world, chunks))
+    sizes = cut_at_chunks(SIZES, chunks) if per_chunk else SIZES
+    assert cut_at_chunks(SIZES, chunks) == (37, 1, 90, 110, 5, 13, 51)
+    expected = reference_mean(xs, sizes, fmt, "all_to_all", chunks)
+    m, bound = bound_all_to_all([x.double() for x in xs], sizes, fmt, shard_pieces(SIZES, world, chunks))
     for r in res:
-        assert_bits_equal(r["chunked", fmt, dtype], expected)
-        assert ((r["chunked", fmt, dtype].double() - m).abs() <= bound).all()
-        assert_bits_equal(r["native_emulated_chunked", fmt, dtype], reference_mean(xs, SIZES, fmt, "native"))
+        assert_bits_equal(r["chunked", fmt, dtype, per_chunk], expected)
+        assert ((r["chunked", fmt, dtype, per_chunk].double() - m).abs() <= bound).all()
+        assert_bits_equal(r["native_emulated_chunked", fmt, dtype, per_chunk], reference_mean(xs, sizes, fmt, "native"))
+
+
+def test_scales_per_chunk_keep_what_scales_per_gradient_flush(run):
+    """A gradient part whose values are far below its gradient's largest keeps them with a scale of
+    its own: a part's scale is at least its gradient's (powers of two), so an element the part's
+    scale flushes to zero the gradient's flushes too, and SIZES' data (a wide range, E4M3) has
+    elements that only the gradient's scale flushes."""
+    _, _, res = run
+    for r in res:
+        own, shared = r["chunked", E4M3, torch.float32, True], r["chunked", E4M3, torch.float32, False]
+        assert (own == 0).sum() < (shared == 0).sum()
 
 
 @pytest.mark.parametrize("method", ["all_to_all", "native", "chunked"])
@@ -301,7 +326,7 @@ def test_fp8_gradient_with_a_nan_code_makes_every_rank_nan(run):
         assert r["fp8_grads"]["codes_nan"].isnan().all()
 
 
-@pytest.mark.parametrize("key", ["chunked_inf", "chunked_nan"])
+@pytest.mark.parametrize("key", ["chunked_inf", "chunked_nan", "native_emulated_chunked_inf"])
 def test_pipelined_chunks_one_non_finite_makes_the_whole_bucket_nan(run, key):
     _, _, res = run
     for r in res:

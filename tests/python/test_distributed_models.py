@@ -242,4 +242,6 @@ def test_wire_bytes_half_of_bf16():
     fp8 = fd.wire_bytes((n,), world, "all_to_all")
     bf16 = fd.wire_bytes((n,), world, "all_reduce", torch.bfloat16)
     assert bf16 == n * 2 and fd.wire_bytes((n,), world, "all_reduce", torch.float32) == n * 4
-    assert n <= fp8 <= n + 64 and fd.wire_bytes((n,), world, "native") == n + 4
+    assert n <= fp8 <= n + 64 and fd.wire_bytes((n,), world, "native", scales_per_chunk=False) == n + 4
+    # in its 8 automatic chunks, one amax each (a ring of one float32 on 2 ranks: 4 bytes)
+    assert fd.wire_bytes((n,), world, "native") == n + 8 * 4
