@@ -1,8 +1,8 @@
 """What the FP8 gradient all-reduce tests share (test_distributed.py: the hook on a bucket;
 test_distributed_models.py: DDP and all_reduce_grads on models): the model, the hook called on a
 FakeBucket, and the setups each file's module fixture spawns once: 1, 2 and 3 processes on CPU with
-gloo, and 1 and 2 processes on as many GPUs with NCCL (rank r on cuda:r; marked gpu, skipped with
-fewer GPUs). The workers hand back their results on the CPU."""
+gloo (and 4, for the hook alone: FOUR_RANKS), and 1 and 2 processes on as many GPUs with NCCL (rank
+r on cuda:r; marked gpu, skipped with fewer GPUs). The workers hand back their results on the CPU."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ SETUPS = [
         pytest.mark.gpu,
         pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs for NCCL; {GPUS} visible")]),
 ]
+
+
+# The hook's own tests (test_distributed.py) also run on 4 gloo processes.
+FOUR_RANKS = pytest.param((4, "gloo"), id="world4")
 
 
 class Run(NamedTuple):

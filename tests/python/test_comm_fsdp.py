@@ -4,7 +4,7 @@ with a one-rank NCCL group (the collective's CUDA path against its CPU path) and
 (skipped with fewer).
 
 The collective alone: every rank's shard within the derived bound of the exact (float64) sum, SUM
-and AVG, float32 and bfloat16, 2 and 3 ranks, zeros, and a NaN or inf on one rank making every
+and AVG, float32 and bfloat16, 2, 3 and 4 ranks, zeros, and a NaN or inf on one rank making every
 rank's whole shard NaN. Under FSDP2 O2: the reduce-scattered gradients equal the float32
 reduce-scatter's within FP8 precision (and are not the same bits: FP8 went on the wire), training
 keeps the ranks' weights identical, and gradient accumulation without sync (FSDP2's
@@ -80,11 +80,11 @@ def two_ranks():
     return run_on_ranks(two_rank_runs, 2)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["world2", "world3", "world4"])
 def collective(request):
     if request.param == 2:
         return 2, [r["collective"] for r in request.getfixturevalue("two_ranks")]
-    return 3, run_on_ranks(collective_rank, 3, 3)
+    return request.param, run_on_ranks(collective_rank, request.param, request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import fp8amp
 
 from cast_reference import assert_bits_equal
-from comm_ranks import SETUPS, mlp, run_hook, spawn
+from comm_ranks import FOUR_RANKS, SETUPS, mlp, run_hook, spawn
 from comm_reference import (E4M3, E5M2, U, ETA, U32, synth, FakeBucket, pow2_scale, bound_all_to_all, native_fmax,
                             headroom_worst, shard_pieces, emulated_native, reference_mean, amax_input_dtypes,
                             cut_at_chunks)
@@ -160,6 +160,15 @@ def fp8_grad_runs(rank, world, backend, device) -> dict:
     return out
 
 
+def wide_range(rank: int) -> torch.Tensor:
+    """300 elements of one sign: about 1e3 in [0, 128) (the first of 3 chunks), about 1e-6 after."""
+    g = torch.Generator().manual_seed(rank)
+    x = 1 + torch.rand(300, generator=g)
+    x[:128] *= 1e3
+    x[128:] *= 1e-6
+    return x
+
+
 def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
     """Every scenario of the hook on one rank (comm_ranks.spawn runs it in each process)."""
     res = {"fp8_grads": fp8_grad_runs(rank, world, backend, device)}
@@ -171,6 +180,9 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
         for per_chunk in (True, False):
             state = fd.FP8CommState(fmt=fmt, method="all_to_all", pipeline_chunks=CHUNKS, scales_per_chunk=per_chunk)
             res["chunked", fmt, dtype, per_chunk] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
+    for per_chunk in (True, False):
+        state = fd.FP8CommState(method="all_to_all", pipeline_chunks=CHUNKS, scales_per_chunk=per_chunk)
+        res["wide_range", per_chunk] = run_hook(wide_range(rank), (300,), state, device)
     for key, where, value in (("chunked_inf", 20, float("inf")), ("chunked_nan", 300, float("nan"))):
         bad = synth(rank, SIZES, torch.float32)
         if rank == world - 1:
@@ -213,7 +225,7 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
     return res
 
 
-@pytest.fixture(scope="module", params=SETUPS)
+@pytest.fixture(scope="module", params=SETUPS + [FOUR_RANKS])
 def run(request):
     return spawn(worker, *request.param)
 
@@ -294,15 +306,17 @@ def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype, per
         assert_bits_equal(r["native_emulated_chunked", fmt, dtype, per_chunk], reference_mean(xs, sizes, fmt, "native"))
 
 
-def test_scales_per_chunk_keep_what_scales_per_gradient_flush(run):
-    """A gradient part whose values are far below its gradient's largest keeps them with a scale of
-    its own: a part's scale is at least its gradient's (powers of two), so an element the part's
-    scale flushes to zero the gradient's flushes too, and SIZES' data (a wide range, E4M3) has
-    elements that only the gradient's scale flushes."""
-    _, _, res = run
+def test_scales_per_chunk_keep_a_part_far_below_its_gradients_largest(run):
+    """One gradient of 300 elements in 3 chunks, its first chunk's part about 1e3, the rest about
+    1e-6 (9 decades: more than E4M3's range). With one scale a gradient the small parts flush to
+    zero; with a scale for each part they come back within two E4M3 roundings of the exact mean."""
+    world, _, res = run
+    exact = torch.stack([wide_range(r) for r in range(world)]).double().mean(0)
     for r in res:
-        own, shared = r["chunked", E4M3, torch.float32, True], r["chunked", E4M3, torch.float32, False]
-        assert (own == 0).sum() < (shared == 0).sum()
+        own, shared = r["wide_range", True].double(), r["wide_range", False].double()
+        assert (shared[128:] == 0).all()
+        assert ((own[128:] - exact[128:]).abs() <= 2 * 2.0 ** -4 * exact[128:].abs() + 1e-12).all()
+        assert ((own[:128] - exact[:128]).abs() <= 2 * 2.0 ** -4 * exact[:128].abs()).all()
 
 
 @pytest.mark.parametrize("method", ["all_to_all", "native", "chunked"])
