@@ -329,6 +329,13 @@ def convert(
         elif (module_filter_fn is not None
               and not _filter_accepts(module_filter_fn, getattr(linear, "conv", linear), fqn)):
             decisions[id(linear)] = _decision(fqn, linear, False, "module_filter_fn returned False")
+        elif is_sharded(linear):  # parallelize_module ran first (it keeps the class): the forward could not run
+            raise ValueError(
+                f"fp8amp.convert: {fqn} is tensor-parallel (its weight is a DTensor: parallelize_module ran first), "
+                "and Fp8Linear computes on local tensors, not DTensors: tensor parallelism of fp8amp layers is not "
+                "supported. Keep it nn.Linear (module_filter_fn returning False for the tensor-parallel Linears); "
+                "FSDP2, DDP and pipeline parallelism take fp8amp layers "
+                "(docs/distributed.md#tensor-and-pipeline-parallelism)")
         elif policy == "all":
             decisions[id(linear)] = _decision(fqn, linear, True, "policy='all'" + _recipe_note(recipe))
         else:

@@ -32,9 +32,9 @@ from torch import nn
 from . import cast_recorder
 from ._inductor_config import apply_inductor_config
 from .ops import bias_dtype, fast
-from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES
+from .formats import E4M3, E5M2
 from .linear_common import (NO_FUNCTORCH, first_order_backward, fp8_weight_grad, functorch_active, no_torchscript,
-                            output_dtype, pad_rows, refuse_dual_tensors, saved_tensors_mutable, unpadded_output)
+                            output_dtype, pad_rows, refuse_unsupported_input, saved_tensors_mutable, unpadded_output)
 from .master_weight import MasterWeight
 from .scaled_tensor import ScaledTensor
 from .recipes import Recipe, resolve_recipe
@@ -223,33 +223,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module) -> None:
-    """TorchScript tracing, forward-mode AD, sparse and nested inputs, inputs or weights of a dtype the casts do
-    not take (named by the layer, not by the cast op that would refuse them) and an input on another device than
-    the weights (a meta input gave autocast's "unknown device type"), refused with what works; Dynamo folds them."""
-    if torch.jit.is_tracing():
-        raise NotImplementedError(no_torchscript())
-    refuse_dual_tensors(x, layer)
-    if weight.dtype not in HIGH_PRECISION_DTYPES:  # model.double() after convert
-        raise ValueError(f"Fp8Linear: the weight is {weight.dtype}, which the FP8 casts do not read; keep the model "
-                         "in float32, bfloat16 or float16 (torch.autocast chooses the compute dtype), or run it in "
-                         "float64 as nn.Linear layers after fp8amp.unconvert(model)")
-    if x.dtype not in HIGH_PRECISION_DTYPES:
-        # (torch.autocast casts only these three dtypes: it is no way out for the others)
-        raise ValueError(f"Fp8Linear: the input x must be float32, bfloat16 or float16, got {x.dtype}; "
-                         f"convert it first (x.float(); torch.autocast does not cast {x.dtype} inputs)")
-    if x.is_nested:  # a strided one passed the layout check and failed inside torch at x.shape
-        raise ValueError("Fp8Linear: the input is a nested tensor, which FP8 casts and GEMMs cannot read; for a "
-                         "jagged one, torch.nested.nested_tensor_from_jagged(layer(x.values()), x.offsets()), or "
-                         "pad it first: layer(torch.nested.to_padded_tensor(x, 0.0))")
-    if x.layout != torch.strided:
-        raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
-                         "casts and GEMMs read dense memory; call .to_dense() first")
-    if x.device != weight.device:
-        raise ValueError(f"Fp8Linear: the input x is on {x.device} but the layer's weight is on {weight.device}; "
-                         "move one of them")
-
-
 def _reshaped_weight(out_in: torch.Tensor) -> str:
     """The message for a weight whose shape FP8 cannot take: the layer was made for one it could
     (Fp8Linear refuses others), so its weight changed shape since, as Hugging Face's
@@ -308,6 +281,18 @@ class Fp8Linear(nn.Linear):
     #: The class of the three scaling states (a framework's layer may need them to be its modules too).
     scaling_state_type: type[ScalingState] = ScalingState
 
+    @property
+    def _distribute_module_applied(self) -> bool:
+        # torch's distribute_module (under parallelize_module's Colwise/RowwiseParallel) reads this first: the
+        # only point before it scatters an O1/O2 master from its empty wrapper storage (gloo aborted the
+        # process) or reads .weight of the scaling states (an AttributeError).
+        raise NotImplementedError(
+            "Fp8Linear: tensor parallelism of fp8amp layers (parallelize_module with ColwiseParallel / "
+            "RowwiseParallel, distribute_module) is not supported: Fp8Linear computes on local tensors, not DTensors; "
+            "keep the layers to parallelize nn.Linear (fp8amp.convert / initialize with module_filter_fn returning "
+            "False for them); FSDP2, DDP and pipeline parallelism take fp8amp layers "
+            "(docs/distributed.md#tensor-and-pipeline-parallelism)")
+
     def _add_scaling_states(self, recipe: Recipe, device) -> None:
         # The tiled recipes keep the states too (unused): the state dict has the same keys
         # whatever the recipe, so a checkpoint loads across recipes.
@@ -346,7 +331,7 @@ class Fp8Linear(nn.Linear):
         if functorch_active():  # first: a transform's wrapped weight would fail the O1/O2 master check
             raise NotImplementedError(NO_FUNCTORCH)
         weight = self.weight  # one lookup (nn.Module.__getattr__) a forward, not three
-        _refuse_unsupported_input(input, weight, self)
+        refuse_unsupported_input(input, weight, self)
         if input.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear: input's last dimension must be in_features ({self.in_features}), got "
                              f"shape {tuple(input.shape)}")

@@ -13,12 +13,18 @@ import torch.autograd.forward_ad as forward_ad
 import torch.autograd.graph as autograd_graph
 import torch.nn.functional as F
 
-from .formats import E4M3
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()
+
+from .formats import E4M3, HIGH_PRECISION_DTYPES
 from .ops import fast
 from .scaled_tensor import ScaledTensor
 
 __all__ = ["output_dtype", "pad_rows", "unpadded_output", "fp8_weight_grad", "first_order_backward",
-           "functorch_active", "NO_FUNCTORCH", "no_torchscript", "refuse_dual_tensors", "saved_tensors_mutable"]
+           "functorch_active", "NO_FUNCTORCH", "no_torchscript", "refuse_dual_tensors", "refuse_unsupported_input",
+           "saved_tensors_mutable"]
 
 _unsafe_view = torch.ops.aten._unsafe_view.default  # the overload itself: no packet lookup a call
 
@@ -82,6 +88,43 @@ def refuse_dual_tensors(x: torch.Tensor, layer: torch.nn.Module) -> None:
     if forward_ad._current_level >= 0 and any(
             t is not None and forward_ad.unpack_dual(t).tangent is not None for t in (x, layer.weight, layer.bias)):
         raise NotImplementedError(_NO_FORWARD_AD)
+
+
+def refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module) -> None:
+    """TorchScript tracing, forward-mode AD, DTensors, sparse and nested inputs, inputs or weights of a dtype the
+    casts do not take (named by the layer, not by the cast op that would refuse them) and an input on another device
+    than the weights (a meta input gave autocast's "unknown device type"), refused with what works; Dynamo folds
+    them."""
+    if torch.jit.is_tracing():
+        raise NotImplementedError(no_torchscript())
+    refuse_dual_tensors(x, layer)
+    if isinstance(x, DTensor) or isinstance(weight, DTensor):
+        # The casts and GEMMs are not DTensor ops: the first cast failed on "mixed torch.Tensor and DTensor".
+        raise NotImplementedError(
+            f"Fp8Linear: the {'input' if isinstance(x, DTensor) else 'weight'} is a DTensor (tensor or sequence "
+            "parallelism: parallelize_module, SequenceParallel, PrepareModuleInput); Fp8Linear computes on local "
+            "tensors, and tensor parallelism of fp8amp layers is not supported. Keep those layers nn.Linear "
+            "(fp8amp.convert / initialize with module_filter_fn returning False for them), or pass this layer local "
+            "tensors (use_local_output=True); FSDP2, DDP and pipeline parallelism take fp8amp layers "
+            "(docs/distributed.md#tensor-and-pipeline-parallelism)")
+    if weight.dtype not in HIGH_PRECISION_DTYPES:  # model.double() after convert
+        raise ValueError(f"Fp8Linear: the weight is {weight.dtype}, which the FP8 casts do not read; keep the model "
+                         "in float32, bfloat16 or float16 (torch.autocast chooses the compute dtype), or run it in "
+                         "float64 as nn.Linear layers after fp8amp.unconvert(model)")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        # (torch.autocast casts only these three dtypes: it is no way out for the others)
+        raise ValueError(f"Fp8Linear: the input x must be float32, bfloat16 or float16, got {x.dtype}; "
+                         f"convert it first (x.float(); torch.autocast does not cast {x.dtype} inputs)")
+    if x.is_nested:  # a strided one passed the layout check and failed inside torch at x.shape
+        raise ValueError("Fp8Linear: the input is a nested tensor, which FP8 casts and GEMMs cannot read; for a "
+                         "jagged one, torch.nested.nested_tensor_from_jagged(layer(x.values()), x.offsets()), or "
+                         "pad it first: layer(torch.nested.to_padded_tensor(x, 0.0))")
+    if x.layout != torch.strided:
+        raise ValueError(f"Fp8Linear: the input must be a dense (strided) tensor, got layout {x.layout}: FP8 "
+                         "casts and GEMMs read dense memory; call .to_dense() first")
+    if x.device != weight.device:
+        raise ValueError(f"Fp8Linear: the input x is on {x.device} but the layer's weight is on {weight.device}; "
+                         "move one of them")
 
 
 def saved_tensors_mutable() -> bool:

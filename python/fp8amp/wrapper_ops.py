@@ -89,6 +89,15 @@ def run_on_values(func, args, kwargs, cls: type, written: list, written_values: 
     returned as its tensor (an in-place op returns its argument). Ops that would change a written
     tensor's shape or layout are refused, before anything is written."""
     name = cls.__name__
+    if func.namespace == "c10d":
+        # Its schema marks nothing written and its work runs on, or after, a dequantized copy: a
+        # broadcast into a master changed nothing, and distribute_tensor's scatter aborted gloo.
+        raise NotImplementedError(
+            f"fp8amp.{name}: torch.distributed collective {func} cannot run on a {name} (an O1/O2 master or an FP8 "
+            "gradient: codes and a scale, no plain buffer), its result would be lost; run it on a plain copy "
+            "(t.dequantize()) and copy_ the result back under torch.no_grad(). DDP, FSDP2 (fully_shard) and "
+            "fp8amp.all_reduce_grads take these tensors; tensor parallelism (parallelize_module, distribute_tensor) "
+            "of fp8amp layers does not (docs/distributed.md#tensor-and-pipeline-parallelism)")
     if written:
         refuse_metadata_in_place(func, name)
     values = {id(t): written_values(t) for t in written}
