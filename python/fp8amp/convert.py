@@ -369,6 +369,9 @@ def convert(
         if id(linear) not in converted:
             converted[id(linear)] = (Fp8Conv1D.from_conv1d(linear.conv, recipe) if isinstance(linear, _Conv1DShape)
                                      else Fp8Linear.from_linear(linear, recipe))
+            layer = converted[id(linear)]
+            for state in (layer.input_scaling, layer.weight_scaling, layer.grad_output_scaling):
+                state.layer_name = decision.name
         if parent is None:
             model = converted[id(linear)]
         else:

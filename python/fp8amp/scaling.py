@@ -87,6 +87,9 @@ class ScalingState(torch.nn.Module):
     updated_at: int = 0
     #: The group it reduces over; None: the default group, when one is initialized with > 1 rank.
     amax_reduction_group: Optional[dist.ProcessGroup] = None
+    #: The qualified name of the layer it scales, as :func:`fp8amp.convert` named it (None: a layer made by
+    #: hand): the ranks of a reduction must hold the same layers, not only the same shapes (pipeline stages).
+    layer_name: Optional[str] = None
 
     def __init__(
         self,

@@ -14,6 +14,15 @@ every rank is refused alike, and the model with the tensor-parallel Linears left
 ``dist.broadcast`` / ``all_reduce`` of an O1/O2 master ran on a dequantized copy and dropped the
 result: the ranks' weights stayed different, silently. Every in-place collective on fp8amp's
 tensors is now refused, naming what works.
+
+Pipeline parallelism (``torch.distributed.pipelining``, GPipe and 1F1B, 4 micro-batches) of a
+converted model at fp8 / O1 / O2, one optimizer a stage, with the amax reduction turned off
+(stages hold different layers): every parameter and scaling buffer after every step is bit for bit
+the one-process run's (the micro-batch loop with the gradients divided as the schedule divides
+them), so the amaxes of all micro-batches are recorded and the scaling updates once a step. With
+the default reduction over the world group, stages of the same shapes MAX-reduced the amaxes of
+different layers together (stage 1's inputs took stage 0's amaxes), silently; the layer names are
+now part of the ranks' layout check, so that is a ValueError naming set_amax_reduction.
 """
 
 import datetime
@@ -26,6 +35,8 @@ import fp8amp
 from ranks import run_on_ranks
 
 TIMEOUT = datetime.timedelta(seconds=30)
+MICRO_BATCHES = 4
+STEPS = 3
 
 
 def error_of(call) -> str:
@@ -110,6 +121,111 @@ def test_tensor_parallelism_is_refused_up_front_and_plain_tp_layers_work():
         for op in ("broadcast", "all_reduce"):
             assert r[op].startswith("NotImplementedError: fp8amp.ScaledTensor: torch.distributed collective"), r[op]
     assert torch.equal(results[0]["y"], results[1]["y"])
+
+
+class Layered(nn.Module):
+    """Blocks of the same shapes in a ModuleDict, as torch's pipelining examples split a model: a
+    stage deletes the others' blocks and keeps its own blocks' names."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(32, 32), nn.GELU()) for i in range(blocks)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def stage_of(stage: int, stages: int = 2) -> nn.Module:
+    model = Layered()
+    per = len(model.layers) // stages
+    for name in [name for i, name in enumerate(model.layers) if i // per != stage]:
+        del model.layers[name]
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x, target = torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)
+    x[8:12] *= 50  # the third micro-batch has the largest amaxes
+    return x, target
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean()
+
+
+def trained(model: nn.Module, mode: str):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if mode == "fp8":
+        return fp8amp.convert(model, policy="all", optimizer=optimizer), optimizer
+    return fp8amp.initialize(model, optimizer, mode, policy="all")
+
+
+def state_of(model: nn.Module) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def one_process(mode: str) -> list[dict]:
+    """The micro-batch loop a pipeline schedule runs, in one process: the gradients summed over
+    the micro-batches' losses and divided by their count (the schedules' scale_grads)."""
+    model, optimizer = trained(Layered(), mode)
+    states = []
+    for step in range(STEPS):
+        for x, target in zip(*(t.chunk(MICRO_BATCHES) for t in batch(step))):
+            loss_fn(model(x), target).backward()
+        for p in model.parameters():
+            p.grad.div_(MICRO_BATCHES)
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append(state_of(model))
+    return states
+
+
+def pipeline_rank(rank: int, runs: list) -> dict:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    out = {}
+    # The default reduction over the world group: the stages' layers have the same shapes.
+    model, optimizer = trained(stage_of(rank), "fp8")
+    schedule = ScheduleGPipe(PipelineStage(model, rank, 2, torch.device("cpu")), MICRO_BATCHES, loss_fn=loss_fn)
+    x, target = batch(0)
+    schedule.step(x) if rank == 0 else schedule.step(target=target)
+    out["world_reduction"] = error_of(optimizer.step)
+    for mode, schedule_type in runs:
+        model, optimizer = trained(stage_of(rank), mode)
+        fp8amp.amax_sync.set_amax_reduction(model, enabled=False)
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_type]
+        schedule = schedule_class(PipelineStage(model, rank, 2, torch.device("cpu")), MICRO_BATCHES, loss_fn=loss_fn)
+        states = []
+        for step in range(STEPS):
+            x, target = batch(step)
+            schedule.step(x) if rank == 0 else schedule.step(target=target)
+            optimizer.step()
+            optimizer.zero_grad()
+            states.append(state_of(model))
+        out[mode, schedule_type] = states
+    return out
+
+
+RUNS = [("fp8", "gpipe"), ("O1", "1f1b"), ("O2", "gpipe"), ("O2", "1f1b")]
+
+
+def test_pipeline_stages_train_bit_for_bit_as_one_process():
+    results = run_on_ranks(pipeline_rank, 2, RUNS, timeout=TIMEOUT)
+    for r in results:
+        error = r["world_reduction"]
+        assert error.startswith("ValueError: fp8amp.update_scaling: the ranks of the amax-reduction group"), error
+        assert "layer names" in error and "set_amax_reduction(model, process_group)" in error, error
+    for mode, schedule_type in RUNS:
+        reference = one_process(mode)
+        for step in range(STEPS):
+            stages = {**results[0][mode, schedule_type][step], **results[1][mode, schedule_type][step]}
+            assert stages.keys() == reference[step].keys()
+            for key, value in reference[step].items():
+                assert torch.equal(stages[key], value), (mode, schedule_type, step, key)
 
 
 def two_d_rank(rank: int, mode: str) -> dict:
