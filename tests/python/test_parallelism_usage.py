@@ -15,9 +15,10 @@ every rank is refused alike, and the model with the tensor-parallel Linears left
 result: the ranks' weights stayed different, silently. Every in-place collective on fp8amp's
 tensors is now refused, naming what works.
 
-Pipeline parallelism (``torch.distributed.pipelining``, GPipe and 1F1B, 4 micro-batches) of a
-converted model at fp8 / O1 / O2, one optimizer a stage, with the amax reduction turned off
-(stages hold different layers): every parameter and scaling buffer after every step is bit for bit
+Pipeline parallelism (``torch.distributed.pipelining``: GPipe, 1F1B, and interleaved zero bubble with
+two stages a rank, whose backward runs dX and dW apart; 4 micro-batches) of a converted model at
+fp8 / O1 / O2, one optimizer a rank, with the amax reduction turned off (stages hold different
+layers): every parameter and scaling buffer after every step is bit for bit
 the one-process run's (the micro-batch loop with the gradients divided as the schedule divides
 them), so the amaxes of all micro-batches are recorded and the scaling updates once a step. With
 the default reduction over the world group, stages of the same shapes MAX-reduced the amaxes of
@@ -185,7 +186,7 @@ def one_process(mode: str) -> list[dict]:
 
 
 def pipeline_rank(rank: int, runs: list) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
     out = {}
     # The default reduction over the world group: the stages' layers have the same shapes.
@@ -195,22 +196,26 @@ def pipeline_rank(rank: int, runs: list) -> dict:
     schedule.step(x) if rank == 0 else schedule.step(target=target)
     out["world_reduction"] = error_of(optimizer.step)
     for mode, schedule_type in runs:
-        model, optimizer = trained(stage_of(rank), mode)
-        fp8amp.amax_sync.set_amax_reduction(model, enabled=False)
-        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_type]
-        schedule = schedule_class(PipelineStage(model, rank, 2, torch.device("cpu")), MICRO_BATCHES, loss_fn=loss_fn)
+        # Interleaved zero bubble: stages 0 and 2 on rank 0, 1 and 3 on rank 1, one optimizer a rank.
+        indices = [rank] if schedule_type != "zero_bubble" else [rank, rank + 2]
+        stages = nn.ModuleList(stage_of(i, 4 if len(indices) > 1 else 2) for i in indices)
+        stages, optimizer = trained(stages, mode)
+        fp8amp.amax_sync.set_amax_reduction(stages, enabled=False)
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
+        pipe = [PipelineStage(m, i, 2 * len(indices), torch.device("cpu")) for m, i in zip(stages, indices)]
+        schedule = schedule_class[schedule_type](pipe if len(pipe) > 1 else pipe[0], MICRO_BATCHES, loss_fn=loss_fn)
         states = []
         for step in range(STEPS):
             x, target = batch(step)
             schedule.step(x) if rank == 0 else schedule.step(target=target)
             optimizer.step()
             optimizer.zero_grad()
-            states.append(state_of(model))
+            states.append({k: v for m in stages for k, v in state_of(m).items()})
         out[mode, schedule_type] = states
     return out
 
 
-RUNS = [("fp8", "gpipe"), ("O1", "1f1b"), ("O2", "gpipe"), ("O2", "1f1b")]
+RUNS = [("fp8", "gpipe"), ("O1", "1f1b"), ("O2", "1f1b"), ("O2", "zero_bubble")]
 
 
 def test_pipeline_stages_train_bit_for_bit_as_one_process():
