@@ -23,6 +23,7 @@ count is padded with zero rows to a multiple of 16 when needed (zero rows change
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -285,7 +286,10 @@ class Fp8Linear(nn.Linear):
     def _distribute_module_applied(self) -> bool:
         # torch's distribute_module (under parallelize_module's Colwise/RowwiseParallel) reads this first: the
         # only point before it scatters an O1/O2 master from its empty wrapper storage (gloo aborted the
-        # process) or reads .weight of the scaling states (an AttributeError).
+        # process) or reads .weight of the scaling states (an AttributeError). To any other reader (those
+        # that walk every attribute: torch.jit.trace) the layer has no such attribute.
+        if sys._getframe(1).f_code.co_name != "distribute_module":
+            raise AttributeError("_distribute_module_applied")
         raise NotImplementedError(
             "Fp8Linear: tensor parallelism of fp8amp layers (parallelize_module with ColwiseParallel / "
             "RowwiseParallel, distribute_module) is not supported: Fp8Linear computes on local tensors, not DTensors; "
