@@ -99,22 +99,25 @@ def ranks_agree(layout: tuple, group, device: torch.device) -> tuple[int, int] |
 
 def _check_ranks_agree(group, device: torch.device, states: list[ScalingState]) -> None:
     """The first time these states are reduced over ``group``: all ranks must hold the same
-    sequence of states (count, shapes, formats, layer names), or the flat amax vectors would not line up,
-    or would line up different layers (a model split over pipeline stages reduced over the world group). The first state keeps
-    the proof (the ids of the states and the group), so a rank that builds a new model checks
-    again; the check is per rank, so all ranks of a group must build their models alike."""
+    sequence of states (count, shapes, formats, layer names), or the flat amax vectors would not line
+    up, or would line up different layers (a model split over pipeline stages reduced over the world
+    group). The first state keeps the proof (the ids of the states and the group), so a rank that
+    builds a new model checks again; the check is per rank, so all ranks of a group must build their
+    models alike."""
     stamp = (id(group), dist.get_world_size(group), tuple(id(st) for st in states))
     if getattr(states[0], "_amax_reduction_agreed", None) == stamp:
         return
     layout = tuple((st.num_tensors, st.recipe.history_len, st.fmax, st.layer_name) for st in states)
     disagreement = ranks_agree(layout, group, device)
     if disagreement is not None:
+        least, most = disagreement
+        counts = (f"{least} scaling states on each rank, of other shapes, formats or layer names" if least == most
+                  else f"from {least} to {most} scaling states")
         raise ValueError(
             f"fp8amp.update_scaling: the ranks of the amax-reduction group hold different delayed-scaled tensors "
-            f"(from {disagreement[0]} to {disagreement[1]} scaling states, or other shapes, formats or layer names): "
-            "every rank of the group must have the same model (is the group the data-parallel one? with pipeline "
-            "parallelism pass it to fp8amp.amax_sync.set_amax_reduction(model, process_group)), or turn the "
-            "reduction off (enabled=False)")
+            f"({counts}): every rank of the group must have the same model (is the group the data-parallel one? "
+            "with pipeline parallelism pass it to fp8amp.amax_sync.set_amax_reduction(model, process_group)), or "
+            "turn the reduction off (enabled=False)")
     states[0]._amax_reduction_agreed = stamp
 
 

@@ -90,8 +90,8 @@ def run_on_values(func, args, kwargs, cls: type, written: list, written_values: 
     tensor's shape or layout are refused, before anything is written."""
     name = cls.__name__
     if func.namespace == "c10d":
-        # Its schema marks nothing written and its work runs on, or after, a dequantized copy: a
-        # broadcast into a master changed nothing, and distribute_tensor's scatter aborted gloo.
+        # Its schema marks nothing written and its work runs on a dequantized copy: a broadcast into a
+        # master (distribute_tensor's Replicate too) changed nothing.
         raise NotImplementedError(
             f"fp8amp.{name}: torch.distributed collective {func} cannot run on a {name} (an O1/O2 master or an FP8 "
             "gradient: codes and a scale, no plain buffer), its result would be lost; run it on a plain copy "
