@@ -23,7 +23,9 @@ the one-process run's (the micro-batch loop with the gradients divided as the sc
 them), so the amaxes of all micro-batches are recorded and the scaling updates once a step. With
 the default reduction over the world group, stages of the same shapes MAX-reduced the amaxes of
 different layers together (stage 1's inputs took stage 0's amaxes), silently; the layer names are
-now part of the ranks' layout check, so that is a ValueError naming set_amax_reduction.
+now part of the ranks' layout check, so that is a ValueError naming set_amax_reduction. The
+stages' DCP checkpoint (O2 model and optimizer) loads into the whole model in one process, which
+goes on bit for bit as the run never split.
 """
 
 import datetime
@@ -169,23 +171,37 @@ def state_of(model: nn.Module) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def one_process(mode: str) -> list[dict]:
-    """The micro-batch loop a pipeline schedule runs, in one process: the gradients summed over
-    the micro-batches' losses and divided by their count (the schedules' scale_grads)."""
+def micro_batch_step(model: nn.Module, optimizer, step: int) -> None:
+    """One step of the micro-batch loop a pipeline schedule runs, in one process: the gradients
+    summed over the micro-batches' losses and divided by their count (the schedules' scale_grads)."""
+    for x, target in zip(*(t.chunk(MICRO_BATCHES) for t in batch(step))):
+        loss_fn(model(x), target).backward()
+    for p in model.parameters():
+        p.grad.div_(MICRO_BATCHES)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def one_process(mode: str, steps: int = STEPS) -> list[dict]:
     model, optimizer = trained(Layered(), mode)
     states = []
-    for step in range(STEPS):
-        for x, target in zip(*(t.chunk(MICRO_BATCHES) for t in batch(step))):
-            loss_fn(model(x), target).backward()
-        for p in model.parameters():
-            p.grad.div_(MICRO_BATCHES)
-        optimizer.step()
-        optimizer.zero_grad()
+    for step in range(steps):
+        micro_batch_step(model, optimizer, step)
         states.append(state_of(model))
     return states
 
 
-def pipeline_rank(rank: int, runs: list) -> dict:
+def dcp_state(model: nn.Module, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # Flat optimizer keys (torchtitan's choice): each stage's param groups keep their own FQNs.
+    model_state, optimizer_state = get_state_dict(model, optimizer,
+                                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def pipeline_rank(rank: int, runs: list, checkpoint: str) -> dict:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
     out = {}
@@ -212,25 +228,40 @@ def pipeline_rank(rank: int, runs: list) -> dict:
             optimizer.zero_grad()
             states.append({k: v for m in stages for k, v in state_of(m).items()})
         out[mode, schedule_type] = states
+        if (mode, schedule_type) == ("O2", "1f1b"):  # each stage saves its part of one checkpoint
+            dcp.save(dcp_state(stages[0], optimizer), checkpoint_id=checkpoint)
     return out
 
 
 RUNS = [("fp8", "gpipe"), ("O1", "1f1b"), ("O2", "1f1b"), ("O2", "zero_bubble")]
 
 
-def test_pipeline_stages_train_bit_for_bit_as_one_process():
-    results = run_on_ranks(pipeline_rank, 2, RUNS, timeout=TIMEOUT)
+def test_pipeline_stages_train_bit_for_bit_as_one_process_and_resume_in_one(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    results = run_on_ranks(pipeline_rank, 2, RUNS, str(tmp_path), timeout=TIMEOUT)
     for r in results:
         error = r["world_reduction"]
         assert error.startswith("ValueError: fp8amp.update_scaling: the ranks of the amax-reduction group"), error
         assert "layer names" in error and "set_amax_reduction(model, process_group)" in error, error
+    references = {mode: one_process(mode, STEPS + 1) for mode in {mode for mode, _ in RUNS}}
     for mode, schedule_type in RUNS:
-        reference = one_process(mode)
         for step in range(STEPS):
             stages = {**results[0][mode, schedule_type][step], **results[1][mode, schedule_type][step]}
-            assert stages.keys() == reference[step].keys()
-            for key, value in reference[step].items():
+            assert stages.keys() == references[mode][step].keys()
+            for key, value in references[mode][step].items():
                 assert torch.equal(stages[key], value), (mode, schedule_type, step, key)
+    # The stages' checkpoint (O2 model and optimizer) loads into the whole model in one process,
+    # which goes on bit for bit as the run that was never split.
+    model, optimizer = trained(Layered(), "O2")
+    checkpoint = dcp_state(model, optimizer)
+    dcp.load(checkpoint, checkpoint_id=str(tmp_path))
+    set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"],
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    micro_batch_step(model, optimizer, STEPS)
+    for key, value in state_of(model).items():
+        assert torch.equal(value, references["O2"][STEPS][key]), key
 
 
 def two_d_rank(rank: int, mode: str) -> dict:
