@@ -91,13 +91,21 @@ def refuse_dual_tensors(x: torch.Tensor, layer: torch.nn.Module) -> None:
 
 
 def refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module) -> None:
-    """TorchScript tracing, forward-mode AD, DTensors, sparse and nested inputs, inputs or weights of a dtype the
-    casts do not take (named by the layer, not by the cast op that would refuse them) and an input on another device
-    than the weights (a meta input gave autocast's "unknown device type"), refused with what works; Dynamo folds
-    them."""
+    """TorchScript tracing, a training-mode torch.export, forward-mode AD, DTensors, sparse and nested inputs,
+    inputs or weights of a dtype the casts do not take (named by the layer, not by the cast op that would refuse
+    them) and an input on another device than the weights (a meta input gave autocast's "unknown device type"),
+    refused with what works; Dynamo folds them."""
     if torch.jit.is_tracing():
         raise NotImplementedError(no_torchscript())
     refuse_dual_tensors(x, layer)
+    if torch.compiler.is_exporting() and layer.training and torch.is_grad_enabled():
+        # export inlines the autograd Function: the exported module's backward ran through the FP8 ops, which
+        # have no derivative, and gave the weights no gradient (torch warned only that it "may" be wrong).
+        raise NotImplementedError(
+            "Fp8Linear: torch.export of a model in training mode (torch.distributed.pipelining.pipeline exports it "
+            "too) would drop this layer's backward: the exported module's weights would get no gradients. Export "
+            "it in eval() for inference; for pipeline parallelism, split the model into stage modules by hand and "
+            "give each to PipelineStage (docs/distributed.md#tensor-and-pipeline-parallelism)")
     if isinstance(x, DTensor) or isinstance(weight, DTensor):
         # The casts and GEMMs are not DTensor ops: the first cast failed on "mixed torch.Tensor and DTensor".
         raise NotImplementedError(

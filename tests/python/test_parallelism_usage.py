@@ -25,11 +25,13 @@ the default reduction over the world group, stages of the same shapes MAX-reduce
 different layers together (stage 1's inputs took stage 0's amaxes), silently; the layer names are
 now part of the ranks' layout check, so that is a ValueError naming set_amax_reduction. The
 stages' DCP checkpoint (O2 model and optimizer) loads into the whole model in one process, which
-goes on bit for bit as the run never split.
+goes on bit for bit as the run never split. The tracer split (``pipeline(model, ...)``), which
+exports the model, and any export in training mode gave the weights no gradient, silently; refused.
 """
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -262,6 +264,25 @@ def test_pipeline_stages_train_bit_for_bit_as_one_process_and_resume_in_one(tmp_
     micro_batch_step(model, optimizer, STEPS)
     for key, value in state_of(model).items():
         assert torch.equal(value, references["O2"][STEPS][key]), key
+
+
+def test_pipeline_tracer_and_training_export_are_refused():
+    """torch.distributed.pipelining.pipeline splits a model by tracing it with torch.export, which
+    inlines Fp8Linear's autograd Function: the stages' backward ran through the FP8 ops, which have
+    no derivative, and no weight got a gradient (torch warned only that it "may" be wrong). So did
+    the module of any torch.export of a model in training mode."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    for mode in ("fp8", "O2"):
+        model = level(Layered(), mode)
+        x = torch.randn(4, 32)
+        with pytest.raises(NotImplementedError, match=r"torch.export of a model in training mode .* no gradients.* "
+                                                      r"eval\(\) .* PipelineStage"):
+            torch.export.export(model, (x,))
+        with pytest.raises(RuntimeError) as raised:
+            pipeline(model, mb_args=(x,), split_spec={"layers.2": SplitPoint.BEGINNING})
+        assert "Fp8Linear: torch.export of a model in training mode" in str(raised.value.__cause__)
+        assert torch.equal(torch.export.export(model.eval(), (x,)).module()(x), model(x))
 
 
 def two_d_rank(rank: int, mode: str) -> dict:
