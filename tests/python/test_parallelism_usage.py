@@ -11,8 +11,9 @@ process in gloo (the scatter of a master's empty wrapper storage); a DTensor inp
 parallelism) failed inside a cast op. On a 2-D mesh (FSDP2 over dp, tensor parallelism over tp)
 every rank is refused alike, and the model with the tensor-parallel Linears left plain trains.
 
-``dist.broadcast`` / ``all_reduce`` of an O1/O2 master ran on a dequantized copy and dropped the
-result: the ranks' weights stayed different, silently. Every in-place collective on fp8amp's
+``dist.broadcast`` / ``all_reduce`` of an O1/O2 master or of an FP8 weight gradient (a hand-written
+data-parallel loop) ran on a dequantized copy and dropped the result: the ranks' weights and
+gradients stayed different, silently. Every in-place collective on fp8amp's
 tensors is now refused, naming what works.
 
 Pipeline parallelism (``torch.distributed.pipelining``: GPipe, 1F1B, and interleaved zero bubble with
@@ -97,6 +98,8 @@ def tensor_parallel_rank(rank: int) -> dict:
     y = model(torch.randn(16, 32, generator=torch.Generator().manual_seed(1)))
     y.square().mean().backward()
     out["y"] = y.detach()
+    # A hand-written data-parallel loop's all-reduce of an FP8 weight gradient: it stayed this rank's.
+    out["grad_all_reduce"] = error_of(lambda: dist.all_reduce(model[4].weight.grad))
     # A master broadcast by hand: rank 1's weight stayed its own.
     torch.manual_seed(rank)
     master = fp8amp.initialize(nn.Sequential(nn.Linear(32, 32)), None, "O2", policy="all")[0][0].weight
@@ -123,7 +126,7 @@ def test_tensor_parallelism_is_refused_up_front_and_plain_tp_layers_work():
         # its float32 sums by a last bit at most, and the FP8 layer's E4M3 cast absorbs that (an
         # element on a rounding boundary would move by one E4M3 step: not at these inputs).
         assert torch.equal(r["y"], reference), (r["y"] - reference).abs().max()
-        for op in ("broadcast", "all_reduce"):
+        for op in ("broadcast", "all_reduce", "grad_all_reduce"):
             assert r[op].startswith("NotImplementedError: fp8amp.ScaledTensor: torch.distributed collective"), r[op]
     assert torch.equal(results[0]["y"], results[1]["y"])
 
