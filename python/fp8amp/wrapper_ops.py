@@ -96,8 +96,8 @@ def run_on_values(func, args, kwargs, cls: type, written: list, written_values: 
             f"fp8amp.{name}: torch.distributed collective {func} cannot run on a {name} (an O1/O2 master or an FP8 "
             "gradient: codes and a scale, no plain buffer), its result would be lost; run it on a plain copy "
             "(t.dequantize()) and copy_ the result back under torch.no_grad(). DDP, FSDP2 (fully_shard) and "
-            "fp8amp.all_reduce_grads take these tensors; tensor parallelism (parallelize_module, distribute_tensor) "
-            "of fp8amp layers does not (docs/distributed.md#tensor-and-pipeline-parallelism)")
+            "fp8amp.distributed.all_reduce_grads(model) take these tensors; tensor parallelism (parallelize_module, "
+            "distribute_tensor) of fp8amp layers does not (docs/distributed.md#tensor-and-pipeline-parallelism)")
     if written:
         refuse_metadata_in_place(func, name)
     values = {id(t): written_values(t) for t in written}
