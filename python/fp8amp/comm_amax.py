@@ -41,16 +41,18 @@ def code_sources(grads: Optional[Sequence], segs: Sequence[torch.Tensor]) -> Opt
     return sources if any(s is not None for s in sources) else None
 
 
-def local_amax(segs: Sequence[torch.Tensor], sources: Optional[Sequence], order_cache: dict) -> torch.Tensor:
-    """The amax of each segment. ``sources[i]``, where not None, is ``(grad, start)``: ``segs[i]``
-    holds ``grad``'s values from its element ``start`` on (see :func:`code_sources`), read from its
-    codes instead."""
+def local_amax(segs: Sequence[torch.Tensor], sources: Optional[Sequence], order_cache: dict,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The amax of each segment, into ``out`` (float32 zeros, one per segment) if given. ``sources[i]``,
+    where not None, is ``(grad, start)``: ``segs[i]`` holds ``grad``'s values from its element ``start``
+    on (see :func:`code_sources`), read from its codes instead."""
     device = segs[0].device
+    if out is None:
+        out = torch.zeros(len(segs), dtype=torch.float32, device=device)
     coded = [] if sources is None else [i for i, s in enumerate(sources) if s is not None]
     if not coded:
-        amax = torch.zeros(len(segs), dtype=torch.float32, device=device)
-        ops.multi_amax(segs, amax)
-        return amax
+        ops.multi_amax(segs, out)
+        return out
     # One multi_amax per codes' dtype and one over the other segments, then the rows back in
     # bucket order through an index made once per bucket layout (copied without a host sync).
     groups: dict = {}
@@ -58,11 +60,10 @@ def local_amax(segs: Sequence[torch.Tensor], sources: Optional[Sequence], order_
         groups.setdefault(sources[i][0].storage_format, []).append(i)
     coded_set = set(coded)
     groups["bucket"] = [i for i in range(len(segs)) if i not in coded_set]
+    groups = {key: idx for key, idx in groups.items() if idx}
     parts, order = [], []
     for key, idx in groups.items():
-        if not idx:
-            continue
-        part = torch.zeros(len(idx), dtype=torch.float32, device=device)
+        part = out if len(groups) == 1 else torch.zeros(len(idx), dtype=torch.float32, device=device)
         if key == "bucket":
             ops.multi_amax([segs[i] for i in idx], part)
         else:
@@ -72,8 +73,8 @@ def local_amax(segs: Sequence[torch.Tensor], sources: Optional[Sequence], order_
             part.mul_(scale_inv[0] if len(idx) == 1 else torch.cat(scale_inv))
         parts.append(part)
         order.extend(idx)
-    if len(parts) == 1:  # one kind of segment: already in bucket order
-        return parts[0]
+    if len(parts) == 1:  # one kind of segment: already in bucket order, in out
+        return out
     key = (device, tuple(order))
     position = order_cache.get(key)
     if position is None:
@@ -84,7 +85,7 @@ def local_amax(segs: Sequence[torch.Tensor], sources: Optional[Sequence], order_
         if device.type == "cuda":
             position = position.pin_memory().to(device, non_blocking=True)
         order_cache[key] = position
-    return torch.cat(parts).index_select(0, position)
+    return torch.index_select(torch.cat(parts), 0, position, out=out)
 
 
 def shared_amax(segs: Sequence[torch.Tensor], group, grads: Optional[Sequence] = None,
@@ -124,16 +125,22 @@ class ChunkAmaxes:
     asynchronous reduction of chunks c and c + 1 (those not issued yet) and waits for chunk c's, so
     that chunk c + 1's run while chunk c is quantized and sent, and no pass over the whole bucket
     comes before the first chunk's collective. ``group`` is a communicator of its own (its
-    reductions then run beside the chunks' collectives, not queued between them)."""
+    reductions then run beside the chunks' collectives, not queued between them). Every chunk's
+    amaxes are rows of one buffer, zeroed once: a chunk costs its amax pass, the NaN-to-inf map and
+    the reduction (the host's launches bound a small chunk)."""
 
     def __init__(self, buf: torch.Tensor, chunks: Sequence[Chunk], segments: Sequence[tuple],
                  sources: Optional[Sequence], group, order_cache: dict) -> None:
         self.buf, self.chunks, self.segments, self.sources = buf, chunks, segments, sources
         self.group, self.order_cache = group, order_cache
-        self.issued: dict = {}
+        self.rows = [0]
+        for chunk in chunks:
+            self.rows.append(self.rows[-1] + len(chunk.layout.segments))
+        self.amax = torch.zeros(self.rows[-1], dtype=torch.float32, device=buf.device)
+        self.works: dict = {}
 
     def _issue(self, c: int) -> None:
-        if c >= len(self.chunks) or c in self.issued:
+        if c >= len(self.chunks) or c in self.works:
             return
         chunk = self.chunks[c]
         segs, sources = [], []
@@ -142,22 +149,23 @@ class ChunkAmaxes:
             source = None if self.sources is None else self.sources[chunk.first + j]
             # the part's first element, counted within its gradient
             sources.append(None if source is None else (source[0], chunk.lo + o - self.segments[chunk.first + j][0]))
-        amax = local_amax(segs, sources if self.sources is not None else None, self.order_cache)
+        amax = local_amax(segs, sources if self.sources is not None else None, self.order_cache,
+                          self.amax[self.rows[c]:self.rows[c + 1]])
         amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
-        self.issued[c] = (amax, dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        self.works[c] = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def __call__(self, c: int) -> torch.Tensor:
         self._issue(c)
         self._issue(c + 1)
-        amax, work = self.issued[c]
+        work = self.works[c]
         if work is not None:
             work.wait()
-        return amax
+        return self.amax[self.rows[c]:self.rows[c + 1]]
 
     def poison(self) -> torch.Tensor:
         """0, or NaN where any chunk's reduced amax is non-finite: added to every chunk's scale_inv
         before its codes are decoded, so that an inf or NaN anywhere makes the whole bucket NaN.
         Every chunk must have been asked for."""
-        if len(self.issued) != len(self.chunks):
+        if len(self.works) != len(self.chunks):
             raise RuntimeError("fp8amp.comm_amax.ChunkAmaxes.poison: asked before every chunk's amax was")
-        return torch.cat([amax for amax, _ in self.issued.values()]).amax() * 0
+        return self.amax.amax() * 0

@@ -271,8 +271,12 @@ def _chunk_segments(buf: torch.Tensor, chunk: Chunk) -> list:
     return [buf[chunk.lo + o:chunk.lo + o + c] for o, c in chunk.layout.segments]
 
 
-def _poisoned(scale_inv: torch.Tensor, poison: Optional[torch.Tensor]) -> torch.Tensor:
-    return scale_inv if poison is None else scale_inv + poison
+def _poison(scale_invs: list, amaxes) -> None:
+    """Adds ``amaxes.poison()`` (0, or NaN for a non-finite amax in any chunk) to every chunk's
+    ``scale_invs``, in one launch, before any chunk is decoded (scales per chunk)."""
+    poison = amaxes.poison()
+    if poison is not None:
+        torch._foreach_add_(scale_invs, poison)
 
 
 def _reduce_native(buf, amaxes, chunks, mean, state, group, world) -> None:
@@ -288,12 +292,11 @@ def _reduce_native(buf, amaxes, chunks, mean, state, group, world) -> None:
             raise ValueError(f"fp8amp.distributed: method='native': dist.all_reduce of a {fmt} tensor failed ({e}); "
                              f"use method='all_to_all'. Accepted methods: {', '.join(map(repr, METHODS))}") from e
         issued.append((chunk, codes, scale_inv, work))
-    poison = amaxes.poison()
+    _poison([scale_inv for _, _, scale_inv, _ in issued], amaxes)
     for chunk, codes, scale_inv, work in issued:
         if work is not None:
             work.wait()
-        fast.comm_sum_shards(codes.view(1, -1), _poisoned(scale_inv, poison), chunk.layout.bounds, float(world),
-                             mean[chunk.lo:chunk.hi])
+        fast.comm_sum_shards(codes.view(1, -1), scale_inv, chunk.layout.bounds, float(world), mean[chunk.lo:chunk.hi])
 
 
 def _reduce_all_to_all(buf, amaxes, chunks, mean, state, group, world) -> None:
@@ -313,7 +316,8 @@ def _reduce_all_to_all(buf, amaxes, chunks, mean, state, group, world) -> None:
     # Rank `rank` owns shard `rank` of each chunk: the N copies summed in rank order, divided by N,
     # each piece (the part of one gradient in the shard) requantized with its own scale; the
     # scales travel after the codes.
-    gathering, poison = [], amaxes.poison()
+    _poison([scale_inv for _, scale_inv, _, _, _ in sent], amaxes)
+    gathering = []
     for chunk, scale_inv, _, recv, work in sent:
         layout = chunk.layout
         L, P = layout.L, layout.max_pieces
@@ -326,7 +330,7 @@ def _reduce_all_to_all(buf, amaxes, chunks, mean, state, group, world) -> None:
         if mine:
             first = mine[0][2]
             mean_scale_inv, _ = fast.comm_sum_requantize(recv.view(fmt).view(world, L),
-                                                         _poisoned(scale_inv[first:first + len(mine)], poison),
+                                                         scale_inv[first:first + len(mine)],
                                                          layout.shard_bounds[rank], float(world),
                                                          payload[:shard_len].view(fmt))
             payload[L:L + 4 * len(mine)].copy_(mean_scale_inv.view(torch.uint8))
