@@ -95,7 +95,7 @@ def _fp8_weight(weight: torch.Tensor, weight_scaling: ScalingState, record: bool
         operands = weight.fp8_operands()
         if operands is not None:
             return operands
-        weight = weight.dequantize()
+        weight = weight.dequantize(torch.float32)  # exact; a 16-bit logical dtype would round before the E4M3 cast
     return (*weight_scaling.cast_transpose_current(weight, record=record), None)
 
 

@@ -50,6 +50,7 @@ and float32 inputs or bf16 / fp16 autocast. It runs a few AdamW steps and checks
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import random
@@ -217,9 +218,17 @@ class Case:
     layout: str = "contiguous"   # "contiguous", "transposed" (leading dims), "sliced" (of a wider last dim)
     micro: int = 1               # micro-batches a step
     validate: bool = False       # an eval() forward under no_grad before each step
+    dtype: torch.dtype = torch.float32  # the model's (bfloat16: a model loaded in bf16, no autocast)
+    scaler: bool = False         # torch.amp.GradScaler (float16 autocast)
+    clip: bool = False           # clip_grad_norm_(foreach=True) before the step
+    input_grad: bool = True      # the input requires grad (else data: no dX for the first layers)
+    frozen: int = -1             # the index of a Linear whose weight is frozen (requires_grad False)
 
     def __str__(self) -> str:
-        ac = "fp32" if self.autocast is None else str(self.autocast).removeprefix("torch.")
+        ac = ("fp32" if self.autocast is None else str(self.autocast).removeprefix("torch.")) + (
+            "-bf16model" if self.dtype == torch.bfloat16 else "") + ("-scaler" if self.scaler else "") + (
+            "-clip" if self.clip else "") + ("" if self.input_grad else "-nodx") + (
+            f"-frozen{self.frozen}" if self.frozen >= 0 else "")
         r = self.recipe
         rec = r.kind + (f"(h={r.history_len})" if r.kind == "tensorwise" else "")
         rec += "-e5m2" if r.grad_format == E5M2 and r.kind != "tensorwise" else ""
@@ -270,33 +279,43 @@ def draw_case(rng: random.Random, level: str, kind: str, index: int) -> Case:
         layout = "sliced"
     return Case(level, recipe, autocast, model, dims, biases, lead, values, magnitude, rng.randrange(1 << 30),
                 steps=4 if kind == "tensorwise" else 3, layout=layout, micro=rng.choices([1, 2], [3, 1])[0],
-                validate=rng.random() < 0.2)
+                validate=rng.random() < 0.2,
+                dtype=torch.bfloat16 if autocast is None and rng.random() < 0.3 else torch.float32,
+                scaler=autocast == torch.float16 and rng.random() < 0.6, clip=rng.random() < 0.3,
+                input_grad=rng.random() < 0.7, frozen=rng.randrange(len(dims) + 2) - 2)
 
 
 def build(case: Case) -> nn.Module:
     torch.manual_seed(case.seed)
     if case.model == "attention":
         d = case.dims[0]
-        return Attention(d, case.dims[1], 2 if d % 2 == 0 and d >= 32 else 1, case.biases[0])
-    return Stack(case.dims, case.biases)
+        model = Attention(d, case.dims[1], 2 if d % 2 == 0 and d >= 32 else 1, case.biases[0])
+    else:
+        model = Stack(case.dims, case.biases)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if 0 <= case.frozen < len(linears):
+        linears[case.frozen].weight.requires_grad_(False)
+    return model.to(case.dtype)
 
 
 def make_input(case: Case, step: int, g: torch.Generator) -> torch.Tensor:
-    """A batch of the case's values, a leaf that requires grad, in the case's layout."""
+    """A batch of the case's values, a leaf (that requires grad if the case says so), in the case's
+    layout."""
     shape = (*case.lead, case.dims[0])
-    x = torch.randn(shape, generator=g) * case.magnitude
+    x = torch.randn(shape, generator=g).to(case.dtype) * case.magnitude
     if case.values == "zeros" and step == 1:
-        x = torch.zeros(shape)
+        x = torch.zeros(shape, dtype=case.dtype)
     elif case.values == "const":
-        x = torch.full(shape, case.magnitude * (0.37 + step))
+        x = torch.full(shape, case.magnitude * (0.37 + step), dtype=case.dtype)
     elif case.values == "outliers":  # where plain torch stays finite: float16's range, attention's softmax
         rows = x.view(-1, shape[-1])
         rows[:: 3] *= 3e4 if case.autocast != torch.float16 and case.model == "stack" else 30.0
+    grad = case.input_grad
     if case.layout == "transposed":  # the same values, leading dims 0 and 1 swapped in memory
-        return x.transpose(0, 1).contiguous().requires_grad_(True).transpose(0, 1)
+        return x.transpose(0, 1).contiguous().requires_grad_(grad).transpose(0, 1)
     if case.layout == "sliced":  # rows strided by a wider last dim
-        return F.pad(x, (0, 5)).requires_grad_(True)[..., : shape[-1]]
-    return x.requires_grad_(True)
+        return F.pad(x, (0, 5)).requires_grad_(grad)[..., : shape[-1]]
+    return x.requires_grad_(grad)
 
 
 # ---------------------------------------------------------------- one training run, checked
@@ -377,16 +396,18 @@ def check_micro_batch(case: Case, name: str, layer: nn.Module, rec: Record, stat
     """One layer's forward output and input gradient of one micro-batch; its weight and bias
     gradients' references and bounds are added into ``acc`` (checked by :func:`check_grads`)."""
     x2 = rec.x.reshape(-1, rec.x.shape[-1]).double()
-    dy2 = rec.dy.reshape(-1, rec.dy.shape[-1]).double()
     if not isinstance(layer, fp8amp.Fp8Linear):  # kept in high precision: nn.Linear itself
         return [] if torch.equal(rec.plain, rec.out) else [f"{name}: a layer kept in high precision differs from F.linear"]
+    no_backward = rec.dy is None  # nothing below it needs a gradient (a frozen first layer on data)
+    dy2 = torch.zeros(rec.out.shape).reshape(-1, rec.out.shape[-1]).double() if no_backward else (
+        rec.dy.reshape(-1, rec.dy.shape[-1]).double())
     errors = []
     recipe, od, w = case.recipe, rec.out_dtype, rec.w
     gfmt = recipe.grad_format
     amax_in = amax_dy = None
     if recipe.kind == "tensorwise":
         amax_in = states[name, "input"].amax_for(x2.abs().max().float())
-        amax_dy = states[name, "grad"].amax_for(dy2.abs().max().float())
+        amax_dy = None if no_backward else states[name, "grad"].amax_for(dy2.abs().max().float())
     xq, wq = operand(recipe, "input", x2, E4M3, amax_in), operand(recipe, "weight", w, E4M3)
     y_ref, mag = xq @ wq.T, xq.abs() @ wq.abs().T
     if rec.b is not None:
@@ -395,6 +416,8 @@ def check_micro_batch(case: Case, name: str, layer: nn.Module, rec: Record, stat
         b = rec.b.to(fp8amp.ops.bias_dtype(od)) if recipe.kind == "tensorwise" else rec.b
         y_ref, mag = y_ref + b.double(), mag + b.double().abs()
     errors += close(f"{name} y", rec.out.reshape(y_ref.shape), y_ref, eps(od) * mag + subnormal(od))
+    if no_backward:
+        return errors
     dyq, wtq = operand(recipe, "grad", dy2, gfmt, amax_dy), operand(recipe, "weight", w.T.contiguous(), E4M3)
     if rec.dx is not None:
         dt = rec.dx.dtype
@@ -404,8 +427,8 @@ def check_micro_batch(case: Case, name: str, layer: nn.Module, rec: Record, stat
     xtq = operand(recipe, "input", x2.T.contiguous(), E4M3, amax_in)
     dw_ref = dytq @ xtq.T
     total = acc.get("dw", 0) + dw_ref
-    if case.level == "fp8":  # the weight's dtype, float32, summed by autograd
-        tol = eps(torch.float32) * ((dytq.abs() @ xtq.abs().T) + total.abs()) + subnormal(torch.float32)
+    if case.level == "fp8":  # the weight's dtype, summed by autograd
+        tol = acc.get("dw_tol", 0) + eps(case.dtype) * ((dytq.abs() @ xtq.abs().T) + total.abs()) + subnormal(case.dtype)
     else:  # the output dtype, then E4M3 (per tensor; blocks under blockwise); a later micro-batch's
         # E4M3 gradient is added to the sum and the sum quantized again (scaled_accumulate). Half a
         # subnormal step is 2^-10 scale_inv; the scale comes from the amax of the rounded values,
@@ -414,17 +437,20 @@ def check_micro_batch(case: Case, name: str, layer: nn.Module, rec: Record, stat
         tol = eps(od) * (dytq.abs() @ xtq.abs().T + dw_ref.abs()) + 2 * subnormal(od)
         for t in (dw_ref, total) if "dw" in acc else (dw_ref,):
             tol = tol + 2 ** -4 * t.abs() + 2 ** -9 * fake_quant(t.float().to(od).double(), E4M3, tile)[1]
-    acc["dw"], acc["dw_tol"] = total, acc.get("dw_tol", 0) + tol
+    acc["dw"], acc["dw_tol"] = total, tol if case.level == "fp8" else acc.get("dw_tol", 0) + tol
     if rec.b is not None:
         db = dy2.sum(0)
         acc["db"] = acc.get("db", 0) + db
         acc["db_tol"] = (acc.get("db_tol", 0) + (dy2.shape[0] + 2) * 2 ** -24 * dy2.abs().sum(0)
-                         + eps(torch.float32) * acc["db"].abs() + 1e-45)
+                         + 2 * eps(case.dtype) * acc["db"].abs() + subnormal(case.dtype))
     return errors
 
 
 def check_grads(name: str, layer: nn.Module, acc: dict) -> list[str]:
-    errors = close(f"{name} dW", real(layer.weight.grad), acc["dw"], acc["dw_tol"])
+    if not layer.weight.requires_grad or "dw" not in acc:
+        errors = [] if layer.weight.grad is None else [f"{name}: a weight got a gradient it should not have"]
+    else:
+        errors = close(f"{name} dW", real(layer.weight.grad), acc["dw"], acc["dw_tol"])
     if "db" in acc:
         errors += close(f"{name} dbias", real(layer.bias.grad), acc["db"], acc["db_tol"])
     return errors
@@ -445,25 +471,29 @@ def moments(opt, p):
 
 
 def check_step(case: Case, opt, params, before) -> list[str]:
-    """The step just taken against torch's AdamW from the same params, gradients and moments."""
+    """The step just taken against torch's AdamW from the same params, gradients and moments: in the
+    param's dtype at FP8 compute (that is torch's AdamW itself), in float32 at O1/O2 (whose fused step
+    takes a bfloat16 param's float32 copy and rounds the result back once)."""
     errors = []
     group = opt.param_groups[0]
     for name, p in params:
         p0, g, state = before[name]
         if g is None:
             continue
-        sp = p0.float().clone().requires_grad_(True)
-        sp.grad = g.float()
+        dtype = p.dtype if case.level == "fp8" else torch.float32
+        sp = p0.to(dtype).clone().requires_grad_(True)
+        sp.grad = g.to(dtype)
         ref = torch.optim.AdamW([sp], lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                 weight_decay=group["weight_decay"], foreach=False)
         if state is not None:
             m, v, step = state
-            ref.state[sp] = {"step": torch.tensor(step), "exp_avg": m.float(), "exp_avg_sq": v.float()}
+            ref.state[sp] = {"step": torch.tensor(step), "exp_avg": m.to(dtype), "exp_avg_sq": v.to(dtype)}
         ref.step()
         want, got = sp.detach().double(), real(p)
         master = isinstance(p, fp8amp.ScaledTensor)
-        rel = 2 ** -11 if master else eps(torch.float32)
-        tol = rel * want.abs() + 2 ** -20 * (want - p0).abs() + (2 ** -24 * want.abs().max() if master else 1e-45)
+        rel = 2 ** -11 if master else eps(p.dtype)
+        tol = rel * want.abs() + 2 ** -20 * (want - p0).abs() + (2 ** -24 * want.abs().max() if master else
+                                                                  subnormal(p.dtype))
         errors += close(f"step {name}", got, want, tol)
         m, v, _ = moments(opt, p)
         tm, tv = (ref.state[sp][k].double() for k in ("exp_avg", "exp_avg_sq"))
@@ -512,6 +542,7 @@ def run_case(case: Case) -> list[str]:
         mod.register_full_backward_hook(backward_hook(name))
     states = {(n, r): Delayed(case.recipe.history_len) for n in linears for r in ("input", "grad")}
     g = torch.Generator().manual_seed(case.seed)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0) if case.scaler else None
     for step in range(case.steps):
         if case.validate:  # must change nothing that training computes
             model.eval()
@@ -527,7 +558,9 @@ def run_case(case: Case) -> list[str]:
             with _autocast(case):
                 out = model(x)
             target = torch.randn(out.shape, generator=g) * out.detach().float().abs().mean().clamp(min=1e-3)
-            F.mse_loss(out.float(), target).backward()
+            loss = F.mse_loss(out.float(), target)
+            if loss.requires_grad:
+                (loss if scaler is None else scaler.scale(loss)).backward()
             leaf = x if x.is_leaf else x._base
             errors += nonfinite(f"step {step}.{micro} output", out) + nonfinite(f"step {step}.{micro} dX", leaf.grad)
             for name, mod in linears.items():
@@ -538,8 +571,16 @@ def run_case(case: Case) -> list[str]:
         for name, mod in linears.items():
             if isinstance(mod, fp8amp.Fp8Linear):
                 errors += [f"step {step} {e}" for e in check_grads(name, mod, accs[name])]
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=True)
         before = {n: (real(p), None if p.grad is None else real(p.grad), moments(opt, p)) for n, p in params}
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         for state in states.values():
             state.update()
         errors += [f"step {step} {e}" for e in check_step(case, opt, params, before)]
@@ -590,6 +631,51 @@ def run_nan_case(case: Case) -> list[str]:
     return errors
 
 
+def train_step(case: Case, model: nn.Module, opt, x: torch.Tensor, target_seed: int) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    with _autocast(case):
+        out = model(x)
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(target_seed))
+    F.mse_loss(out.float(), target).backward()
+    opt.step()
+    return out.detach()
+
+
+def run_resume_case(case: Case) -> list[str]:
+    """Two steps, a save of the model's and the optimizer's state dicts (torch.save) and a load
+    into a freshly converted copy; the next steps of both must agree bit for bit: outputs, params,
+    moments and every scaling buffer (a lost history or counter would change the delayed scales)."""
+    model, opt = convert(case, build(case))
+    g = torch.Generator().manual_seed(case.seed)
+    inputs = [make_input(case, step, g).detach() for step in range(case.steps + 1)]
+    for step in range(2):
+        train_step(case, model, opt, inputs[step], step)
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=False)
+    copy, copy_opt = convert(case, build(case))
+    copy.load_state_dict(saved["model"])
+    copy_opt.load_state_dict(saved["opt"])
+    errors = []
+    for step in range(2, case.steps + 1):
+        out, out_copy = (train_step(case, m, o, inputs[step], step) for m, o in ((model, opt), (copy, copy_opt)))
+        if not torch.equal(out, out_copy):
+            errors.append(f"step {step}: the resumed copy's output differs")
+        for (name, t), (_, t_copy) in zip([*model.named_parameters(), *model.named_buffers()],
+                                          [*copy.named_parameters(), *copy.named_buffers()]):
+            if not torch.equal(real(t), real(t_copy)):
+                errors.append(f"step {step}: {name} differs in the resumed copy")
+        for (name, p), p_copy in zip(model.named_parameters(), copy.parameters()):
+            m, m_copy = moments(opt, p), moments(copy_opt, p_copy)
+            if (m is None) != (m_copy is None) or (m is not None and not all(
+                    torch.equal(a, b) for a, b in zip(m[:2], m_copy[:2]))):
+                errors.append(f"step {step}: {name}'s moments differ in the resumed copy")
+        if errors:
+            break
+    return errors
+
+
 # ---------------------------------------------------------------- the tests
 
 def _cases(level: str, kind: str, count: int = CASES) -> list[Case]:
@@ -620,3 +706,32 @@ def test_a_nan_input_gives_nan_and_a_skipped_step(level, kind):
         if errors:
             failures.append(f"{case}:\n    " + "\n    ".join(errors[:3]))
     assert not failures, f"{len(failures)} cases failed:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("kind", fp8amp.RECIPES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_resumed_run_continues_bit_for_bit(level, kind):
+    failures = []
+    for case in _cases(level, kind, max(2, CASES // 3)):
+        errors = run_resume_case(case)
+        if errors:
+            failures.append(f"{case}:\n    " + "\n    ".join(errors[:3]))
+    assert not failures, f"{len(failures)} cases failed:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_master_without_its_e4m3_copy_is_cast_from_its_real_values(level, dtype):
+    """Found by the fuzz: with a margin (or TE's exact scales) a master gets no E4M3 copy and the
+    forward casts it; in a 16-bit model it went through the master's logical dtype first, rounding
+    its scaled FP16 value twice. 1.0634765625 is an FP16 value just above the E4M3 midpoint 1.0625
+    between 1 and 1.125; bfloat16 rounds it onto the midpoint (as float16's subnormals do at
+    2^-17 times it), whose tie goes to 1: each output was 32 (x 2^-17) instead of 36."""
+    n, w = 32, 1.0634765625 * 2.0 ** -17
+    model, _ = fp8amp.initialize(nn.Sequential(nn.Linear(n, n, bias=False)).to(dtype), None, level,
+                                 recipe=fp8amp.Recipe("tensorwise", margin=1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.full((n, n), w))
+    assert model[0].weight.fp8_operands() is None  # the path under test: no copy
+    y = model(torch.ones(2, n, dtype=dtype))
+    assert torch.equal(y, torch.full((2, n), n * 1.125 * 2.0 ** -17, dtype=dtype)), y[0, 0].item() * 2 ** 17
