@@ -22,7 +22,9 @@ input that needs no gradient, a frozen layer. It runs a few AdamW steps and chec
   spacing at 1; rounding to nearest is within ``eps / 2`` relative):
 
   * forward ``y``: the CPU reference sums exact products in double and rounds once (bias added
-    before or after that rounding): ``|y - ref| <= eps (|x_q| |w_q|^T + |b|)``;
+    before or after that rounding): ``|y - ref| <= eps (|x_q| |w_q|^T + |b|)``; plus, for an O1/O2
+    master's E4M3 copy (whose scale, from the optimizer's bound of the master's amax, can be one
+    power of two below a fresh cast's: docs/o1_o2.md#optimizer), ``2^-8 scale_inv sum |x_q|``;
   * ``dX`` (in the input's dtype), and ``dW`` at FP8 compute (the weight's dtype): the same,
     ``eps |dY_q| |W_q|`` and ``eps |dY_q|^T |x_q|``;
   * ``dW`` at O1/O2: the GEMM rounds to the output dtype, then E4M3 with a current power-of-two
@@ -51,7 +53,7 @@ input that needs no gradient, a frozen layer. It runs a few AdamW steps and chec
   steps and loaded into a freshly converted copy continue bit for bit (outputs, params, moments,
   every scaling buffer).
 
-``FP8AMP_TRAINING_FUZZ_CASES=N`` runs N cases per (level, recipe) instead of the default 6
+``FP8AMP_TRAINING_FUZZ_CASES=N`` runs N cases per (level, recipe) instead of the default 14
 (``FP8AMP_TRAINING_FUZZ_SEED`` changes the seed); a failure names the case's draw.
 """
 
@@ -76,7 +78,7 @@ from training_fuzz_cases import Case, build, close, draw_case, eps, fake_quant, 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
 LEVELS = ("fp8", "O1", "O2")
-CASES = int(os.environ.get("FP8AMP_TRAINING_FUZZ_CASES", "6"))
+CASES = int(os.environ.get("FP8AMP_TRAINING_FUZZ_CASES", "14"))
 SEED = int(os.environ.get("FP8AMP_TRAINING_FUZZ_SEED", "0"))
 
 
@@ -172,20 +174,27 @@ def check_micro_batch(case: Case, name: str, layer: nn.Module, rec: Record, stat
         amax_in = states[name, "input"].amax_for(x2.abs().max().float())
         amax_dy = None if no_backward else states[name, "grad"].amax_for(dy2.abs().max().float())
     xq, wq = operand(recipe, "input", x2, E4M3, amax_in), operand(recipe, "weight", w, E4M3)
+    # The O1/O2 E4M3 copy's scale comes from the optimizer's bound of the master's amax, which can
+    # be one power of two below the amax's own (docs/o1_o2.md#optimizer): its subnormals then lie
+    # up to a step of the doubled scale_inv, 2^-8 scale_inv, from the reference's.
+    w_copy = isinstance(layer.weight, fp8amp.MasterWeight) and layer.weight.fp8_operands() is not None
+    w_slack = 2 ** -8 * fake_quant(w, E4M3, (None, None))[1][0, 0] if w_copy else 0.0
     y_ref, mag = xq @ wq.T, xq.abs() @ wq.abs().T
     if rec.b is not None:
         # tensorwise adds the bias in the FP8 GEMM's epilogue, which takes bfloat16 for a float32
         # output (docs/gemm.md); the tiled GEMMs add a float32 one after it
         b = rec.b.to(fp8amp.ops.bias_dtype(od)) if recipe.kind == "tensorwise" else rec.b
         y_ref, mag = y_ref + b.double(), mag + b.double().abs()
-    errors += close(f"{name} y", rec.out.reshape(y_ref.shape), y_ref, eps(od) * mag + subnormal(od))
+    y_tol = eps(od) * mag + w_slack * xq.abs().sum(1, keepdim=True) + subnormal(od)
+    errors += close(f"{name} y", rec.out.reshape(y_ref.shape), y_ref, y_tol)
     if no_backward:
         return errors
     dyq, wtq = operand(recipe, "grad", dy2, gfmt, amax_dy), operand(recipe, "weight", w.T.contiguous(), E4M3)
     if rec.dx is not None:
         dt = rec.dx.dtype
+        slack = w_slack * dyq.abs().sum(1, keepdim=True)
         errors += close(f"{name} dX", rec.dx.reshape(-1, w.shape[1]), dyq @ wtq.T,
-                        eps(dt) * (dyq.abs() @ wtq.abs().T) + subnormal(dt))
+                        eps(dt) * (dyq.abs() @ wtq.abs().T) + slack + subnormal(dt))
     dytq = operand(recipe, "grad", dy2.T.contiguous(), gfmt, amax_dy)
     xtq = operand(recipe, "input", x2.T.contiguous(), E4M3, amax_in)
     dw_ref = dytq @ xtq.T
@@ -323,8 +332,6 @@ def run_case(case: Case) -> list[str]:
                 out = model(x)
             target = torch.randn(out.shape, generator=g) * out.detach().float().abs().mean().clamp(min=1e-3)
             loss = F.mse_loss(out.float(), target)
-            if not loss.requires_grad:  # a frozen layer alone, on data: nothing to train
-                return errors
             (loss if scaler is None else scaler.scale(loss)).backward()
             leaf = x if x.is_leaf else x._base
             errors += nonfinite(f"step {step}.{micro} output", out) + nonfinite(f"step {step}.{micro} dX", leaf.grad)
@@ -449,40 +456,30 @@ def _cases(level: str, kind: str, count: int = CASES) -> list[Case]:
     return [draw_case(rng, level, kind, i) for i in range(count)]
 
 
+def _assert_all_pass(run, cases: list[Case]) -> None:
+    failures = [f"{case}:\n    " + "\n    ".join(errors[:3]) for case in cases if (errors := run(case))]
+    assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures)
+
+
 @pytest.mark.parametrize("kind", fp8amp.RECIPES)
 @pytest.mark.parametrize("level", LEVELS)
 def test_converted_training_matches_the_reference(level, kind):
     """Each drawn case trains a few steps; every converted layer's y, dX, dW and bias gradient
     against the float64 product of the reference-quantized operands, the policy against the
     recipe's rule, each optimizer step against torch's AdamW, and nothing non-finite."""
-    failures = []
-    for case in _cases(level, kind):
-        errors = run_case(case)
-        if errors:
-            failures.append(f"{case}:\n    " + "\n    ".join(errors[:3]))
-    assert not failures, f"{len(failures)} cases failed:\n" + "\n".join(failures)
+    _assert_all_pass(run_case, _cases(level, kind))
 
 
 @pytest.mark.parametrize("kind", fp8amp.RECIPES)
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_nan_input_gives_nan_and_a_skipped_step(level, kind):
-    failures = []
-    for case in _cases(level, kind, max(2, CASES // 3)):
-        errors = run_nan_case(case)
-        if errors:
-            failures.append(f"{case}:\n    " + "\n    ".join(errors[:3]))
-    assert not failures, f"{len(failures)} cases failed:\n" + "\n".join(failures)
+    _assert_all_pass(run_nan_case, _cases(level, kind, max(2, CASES // 3)))
 
 
 @pytest.mark.parametrize("kind", fp8amp.RECIPES)
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_resumed_run_continues_bit_for_bit(level, kind):
-    failures = []
-    for case in _cases(level, kind, max(2, CASES // 3)):
-        errors = run_resume_case(case)
-        if errors:
-            failures.append(f"{case}:\n    " + "\n    ".join(errors[:3]))
-    assert not failures, f"{len(failures)} cases failed:\n" + "\n".join(failures)
+    _assert_all_pass(run_resume_case, _cases(level, kind, max(2, CASES // 3)))
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

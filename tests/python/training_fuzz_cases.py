@@ -26,7 +26,7 @@ FMAX_LOG2 = {E4M3: 8, E5M2: 15}
 def _scale(amax: torch.Tensor, fmax: float, margin: int, pow2: bool) -> torch.Tensor:
     """The float32 scale of an amax by ScalingRecipe's rule (docs/numerics.md#scales): by default
     ``2^(floor(log2(fl32(fmax / amax))) - margin)``, the exponent clamped to [-126, 126]; with
-    ``pow2=False`` ``fl32(fmax / amax) 2^-margin``, FLT_MAX for an overflowing quotient. 1 for an
+    ``pow2=False`` ``fl32(fmax / amax) 2^-margin``, FLT_MAX where that overflows. 1 for an
     amax of 0 (a non-finite amax is the caller's)."""
     amax = amax.float()
     q = torch.tensor(fmax, dtype=torch.float32) / amax
@@ -34,7 +34,8 @@ def _scale(amax: torch.Tensor, fmax: float, margin: int, pow2: bool) -> torch.Te
         e = torch.where(torch.isinf(q), 128, torch.frexp(q).exponent - 1) - margin  # inf: its exponent bits
         scale = torch.ldexp(torch.ones_like(q), e.clamp(-126, 126))
     else:
-        scale = torch.where(torch.isinf(q), torch.finfo(torch.float32).max, q) * 2.0 ** -margin
+        scale = q * 2.0 ** -margin
+        scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
@@ -169,7 +170,7 @@ class Case:
     scaler: bool = False         # torch.amp.GradScaler (float16 autocast)
     clip: bool = False           # clip_grad_norm_(foreach=True) before the step
     input_grad: bool = True      # the input requires grad (else data: no dX for the first layers)
-    frozen: int = -1             # the index of a Linear whose weight is frozen (requires_grad False)
+    frozen: int = -1             # the index of a Linear whose weight is frozen (not of a model's only one)
 
     def __str__(self) -> str:
         ac = ("fp32" if self.autocast is None else str(self.autocast).removeprefix("torch.")) + (
@@ -229,7 +230,8 @@ def draw_case(rng: random.Random, level: str, kind: str, index: int) -> Case:
                 validate=rng.random() < 0.2,
                 dtype=torch.bfloat16 if autocast is None and rng.random() < 0.3 else torch.float32,
                 scaler=autocast == torch.float16 and rng.random() < 0.6, clip=rng.random() < 0.3,
-                input_grad=rng.random() < 0.7, frozen=rng.randrange(len(dims) + 2) - 2)
+                input_grad=rng.random() < 0.7,
+                frozen=rng.randrange(len(dims) + 2) - 2 if model == "attention" or len(dims) > 2 else -1)
 
 
 def build(case: Case) -> nn.Module:
