@@ -339,6 +339,12 @@ def run_case(case: Case) -> list[str]:
                 (rec,) = records[name]
                 errors += [f"step {step}.{micro} {e}"
                            for e in check_micro_batch(case, name, mod, rec, states, accs[name])]
+        overflow = scaler is not None and any(nonfinite("", p.grad) for _, p in params)
+        if overflow:  # GradScaler's overflow (a layer kept in float16 too): it skips the step, and so ends the case
+            before = {n: real(p) for n, p in params}
+            scaler.step(opt)
+            return errors + [f"step {step}: {n} changed in a step GradScaler skipped"
+                             for n, p in params if not torch.equal(real(p), before[n])]
         for name, p in params:
             errors += nonfinite(f"step {step} {name}.grad", p.grad)
         for name, mod in linears.items():
