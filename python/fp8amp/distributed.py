@@ -115,8 +115,6 @@ class FP8CommState:
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
-    _host_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False, compare=False)
-    _amax_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False, compare=False)
     _auto_methods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _amax_orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -444,30 +442,39 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
                     offset += g.numel()
 
 
+#: The communicators made from a process group, by (group, backend): made once per group, not per
+#: FP8CommState, so that a state made per call or per bucket (``None`` as the hook's state) does not make
+#: a new one (a gloo mesh, an NCCL communicator) every time.
+_DERIVED_GROUPS: dict = {}
+
+
+def _derived_group(group, backend: str):
+    """A group of ``group``'s ranks on ``backend`` of its own, made once (collectively, by the first
+    call, which every rank of ``group`` makes; the other ranks need not)."""
+    group = group if group is not None else dist.group.WORLD
+    key = (group, backend)
+    derived = _DERIVED_GROUPS.get(key)
+    if derived is None:
+        ranks = dist.get_process_group_ranks(group)
+        derived = _DERIVED_GROUPS[key] = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    return derived
+
+
 def _host_group(state: FP8CommState):
     """The group over which the ranks compare their layouts on the host: the state's own where it
-    runs CPU tensors (gloo), else a gloo group of the same ranks made once (collectively, by the
-    first call, which every rank makes): a host-to-host all-reduce, which waits for no GPU work."""
+    runs CPU tensors (gloo), else a gloo group of the same ranks: a host-to-host all-reduce, which
+    waits for no GPU work."""
     group = state.process_group
     if _device_backend(group, torch.device("cpu")) == "gloo":
         return group
-    if state._host_group is None:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        state._host_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    return state._host_group
+    return _derived_group(group, "gloo")
 
 
 def _amax_group(state: FP8CommState):
     """The group the chunks' amaxes are reduced over (ChunkAmaxes): the state's ranks and backends in
-    a communicator of their own, made once (collectively, by the first chunked bucket, which every
-    rank reduces), so that those small reductions run beside the chunks' data collectives instead of
-    waiting behind them in one NCCL stream."""
-    if state._amax_group is None:
-        group = state.process_group
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        state._amax_group = dist.new_group(ranks=ranks, backend=dist.get_backend_config(group),
-                                           use_local_synchronization=True)
-    return state._amax_group
+    a communicator of their own, so that those small reductions run beside the chunks' data
+    collectives instead of waiting behind them in one NCCL stream."""
+    return _derived_group(state.process_group, dist.get_backend_config(state.process_group))
 
 
 def _check_same_gradients(buckets: dict, state: FP8CommState) -> None:

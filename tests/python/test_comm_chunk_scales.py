@@ -63,7 +63,7 @@ def orders(rank: int) -> dict:
             with recorded(log, state):
                 out[method] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, torch.device("cpu"))
             out[method, "log"] = log
-            out[method, "group"] = state._amax_group is not None and state._amax_group is not state.process_group
+            out[method, "group"] = fd._amax_group(state) not in (None, state.process_group, dist.group.WORLD)
             # a second call reuses the state's amax group: the same bits
             out[method, "again"] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, torch.device("cpu"))
     return out
