@@ -6,13 +6,24 @@ an FP8 gradient's NaN code in a middle chunk, and the next call after it."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
+import fp8amp
 from comm_ranks import run_hook
-from comm_reference import synth
+from comm_reference import E4M3, E5M2, FakeBucket, cut_at_chunks, emulated_native, reference_mean, synth
+from fp8amp import comm_layout
 from fp8amp import distributed as fd
 from ranks import run_on_ranks
+
+CPU = torch.device("cpu")
+# (gradient sizes, chunks): chunk bounds (multiples of 64) at, just before and just after gradient
+# boundaries, 1-element gradients, parts smaller than 3 ranks, more chunks than gradients, a chunk of 1 part
+BOUNDS = (((64, 64, 64), 3), ((63, 1, 64, 65), 3), ((65, 63, 1), 2), ((1, 1, 1), 8), ((200,), 4),
+          ((1, 127, 1, 64, 3), 5))
+# An O1/O2 bucket: FP8 gradients (read from their codes) and float32 ones, parts of both in each chunk
+FP8_SIZES, FP8_FMTS = (70, 1, 130, 64, 5), (E4M3, None, E5M2, None, E4M3)
 
 
 def state_per_call(rank: int) -> dict:
@@ -40,3 +51,53 @@ def test_a_state_made_per_call_makes_no_process_group_per_call():
         assert len(set(r["groups"])) == 1, r["groups"]  # the chunks' amax group made once, by the first call
         for fresh, reused in zip(r["fresh"], r["reused"]):
             assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+
+
+def chunked_runs(rank: int, world: int) -> dict:
+    """BOUNDS with scales per chunk, both methods; an FP8 gradient's NaN code in the middle chunk
+    on the last rank, then the next call on the same state; a state over ranks 0 and 1 only."""
+    out: dict = {}
+    with emulated_native("gloo"):
+        for i, (sizes, chunks) in enumerate(BOUNDS):
+            for method in ("all_to_all", "native"):
+                x = synth(rank, sizes, torch.float32, seed=i)
+                out[i, method] = x, run_hook(x, sizes, fd.FP8CommState(method=method, pipeline_chunks=chunks), CPU)
+    state = fd.FP8CommState(method="all_to_all", pipeline_chunks=3)  # chunks [0, 128), [128, 256), [256, 270)
+    for key, seed in (("nan_code", 1), ("after", 2)):
+        xs = synth(rank, FP8_SIZES, torch.float32, seed=seed).split(FP8_SIZES)
+        grads = [x.clone() if f is None else fp8amp.ScaledTensor.from_tensor(x, f) for x, f in zip(xs, FP8_FMTS)]
+        if key == "nan_code" and rank == world - 1:
+            grads[2].codes.view(torch.uint8)[100] = 0x7F  # element 171: the middle chunk
+        flat = torch.cat([g.dequantize() if isinstance(g, fp8amp.ScaledTensor) else g for g in grads])
+        out[key] = flat, fd.fp8_allreduce_hook(state, FakeBucket(flat, FP8_SIZES, grads)).wait()
+    sub = dist.new_group([0, 1])
+    before = c10d._world.group_count
+    if rank in (0, 1):
+        x = synth(rank, (37, 1, 200), torch.float32)
+        out["sub"] = x, run_hook(x, (37, 1, 200), fd.FP8CommState(sub, method="all_to_all", pipeline_chunks=3), CPU)
+    out["sub_groups_made"] = c10d._world.group_count - before
+    return out
+
+
+def reference(xs, sizes, chunks, method):
+    bounds = comm_layout.chunk_bounds(sum(sizes), chunks, method)
+    pairs = list(zip(bounds[:-1], bounds[1:]))
+    return reference_mean(xs, cut_at_chunks(sizes, pairs), E4M3, method, pairs)
+
+
+def test_chunk_bounds_around_gradients_nan_codes_and_a_subgroup_state():
+    results = run_on_ranks(chunked_runs, 3, 3)
+    for i, (sizes, chunks) in enumerate(BOUNDS):
+        for method in ("all_to_all", "native"):
+            expected = reference([r[i, method][0] for r in results], sizes, chunks, method)
+            for r in results:
+                assert torch.equal(r[i, method][1], expected), (sizes, chunks, method)
+    for r in results:
+        assert r["nan_code"][1].isnan().all()
+    expected = reference([r["after"][0] for r in results], FP8_SIZES, 3, "all_to_all")
+    assert all(torch.equal(r["after"][1], expected) for r in results)
+    expected = reference([r["sub"][0] for r in results[:2]], (37, 1, 200), 3, "all_to_all")
+    assert all(torch.equal(r["sub"][1], expected) for r in results[:2])
+    # The limit of docs/hardening.md: the chunks' amax group of a state over a subgroup is made by
+    # its members alone, so torch's count of groups advances there only.
+    assert [r["sub_groups_made"] for r in results] == [1, 1, 0]
