@@ -473,8 +473,14 @@ def _host_group(state: FP8CommState):
 def _amax_group(state: FP8CommState):
     """The group the chunks' amaxes are reduced over (ChunkAmaxes): the state's ranks and backends in
     a communicator of their own, so that those small reductions run beside the chunks' data
-    collectives instead of waiting behind them in one NCCL stream."""
-    return _derived_group(state.process_group, dist.get_backend_config(state.process_group))
+    collectives instead of waiting behind them in one NCCL stream. A state over a subgroup of the
+    world uses its own group: a group of its own would be made by its members alone, which puts
+    torch's count of groups out of step with the other ranks' (a later group over the whole world
+    would hang in its rendezvous)."""
+    group = state.process_group
+    if group is not None and dist.get_world_size(group) < dist.get_world_size():
+        return group
+    return _derived_group(group, dist.get_backend_config(group))
 
 
 def _check_same_gradients(buckets: dict, state: FP8CommState) -> None:
