@@ -229,7 +229,8 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
             raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
         check_dtype(dtype, _STORAGE_FORMATS, "dtype", where)
         if isinstance(x, ScaledTensor):
-            x = x.dequantize()
+            orig_dtype = orig_dtype or x.dtype
+            x = x.dequantize(torch.float32)  # exact (codes times a power of two): rounded once, below
         if orig_dtype is None:
             orig_dtype = x.dtype if x.dtype in HIGH_PRECISION_DTYPES else torch.float32
         if x.dtype.is_complex:

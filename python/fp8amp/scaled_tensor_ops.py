@@ -254,7 +254,7 @@ def _copy_(func, args, kwargs):
         dst._after_write(src)
         return dst
     if isinstance(src, ScaledTensor):
-        src = src.dequantize()
+        src = src.dequantize(torch.float32)  # not in its logical dtype: that would round twice
     if not isinstance(src, torch.Tensor):
         return NotImplemented
     src = src.to(device=dst.device).expand(dst.shape)

@@ -348,3 +348,20 @@ def test_an_out_of_place_sum_with_a_block_scaled_tensor_is_exact_and_promotes():
     x.add_(other)
     assert type(x) is BlockScaledTensor and not torch.equal(x.dequantize(), real + other)  # requantized
     torch.testing.assert_close(x.dequantize(), real + other, atol=0.5, rtol=2 ** -3)
+
+
+@pytest.mark.parametrize("write", ["from_tensor", "copy_"])
+def test_a_scaled_source_in_another_format_is_rounded_once(write):
+    """1 + 2^-4 + 2^-9 is an FP16 value that bfloat16 rounds to 1 + 2^-4, a tie that E4M3 then rounds
+    down; rounded once, from the exact value, E4M3 rounds it up (272.5 -> 288 at scale 256)."""
+    value = 1 + 2**-4 + 2**-9
+    src = ScaledTensor.from_tensor(torch.full((4, 4), value), torch.float16, orig_dtype=torch.bfloat16)
+    assert src.dequantize(torch.float32)[0, 0].item() == value
+    if write == "from_tensor":
+        dst = ScaledTensor.from_tensor(src, fp8amp.E4M3)
+        assert dst.dtype == torch.bfloat16  # the source's logical dtype
+    else:
+        dst = ScaledTensor.from_tensor(torch.zeros(4, 4), fp8amp.E4M3)
+        dst.copy_(src)
+    assert_bits_equal(dst.codes, ScaledTensor.from_tensor(torch.full((4, 4), value), fp8amp.E4M3).codes)
+    assert dst.dequantize(torch.float32)[0, 0].item() == 1.125
