@@ -19,20 +19,26 @@ depend on the values). For each bucket it prints
                     Only where that run measured the size (2^20, 2^24, 2^27, 2^29) and N = 2. The
                     MAX all-reduce of the amaxes (a few bytes: latency only) is in neither part.
     amax ms         the amax pass over the whole bucket alone (comm_amax)
-    pipelined       native only: what stays on the critical path of the chunked reduction + the
-                    collective, against the BF16 all_reduce (docs/distributed.md#pipelined-chunks).
-                    With scales per chunk (FP8CommState's default; "native"): one chunk's share of
-                    the local work (the first chunk's amax pass and quantize, the last one's
-                    decode), plus one small all-reduce's latency, not measured here (the first
-                    chunk's amaxes; the others' run beside the data collectives). With one scale a
-                    gradient ("native, scales per gradient"): the whole amax pass, which every
-                    chunk's scale waits for, + one chunk's share of the rest.
+    pipelined       native only: the chunked reduction's time, against the BF16 all_reduce
+                    (docs/distributed.md#pipelined-chunks). The local work (host time included: it
+                    is what the calls measure) and the collectives run side by side, so the time is
+                    the longer of the two plus one chunk's share of the shorter (the pipeline's fill
+                    and drain), never less than the longer: max(W, C) + min(W, C) / chunks. With
+                    scales per chunk (FP8CommState's default; "native"), W is all the local work,
+                    plus one small all-reduce's latency L, not measured here (the first chunk's
+                    amaxes; the others' run beside the data collectives). With one scale a gradient
+                    ("native, scales per gradient"), the whole amax pass comes first, since every
+                    chunk's scale waits for it, and W is the rest.
 
 Buckets: float32 and bfloat16 hold plain gradients; "o2" is the float32 bucket of an O1/O2 model
 under DDP, holding an E4M3 gradient's dequantized values, whose amax is read from its codes.
 
+--chunks 2,4,8 adds the two native rows (scales per chunk, per gradient) at each of these chunk
+counts (FP8CommState(pipeline_chunks=k)) beside the automatic count's: which count is fastest
+where the host's launches, not the kernels, set a chunk's time.
+
 Usage: python3 benchmarks/bench_comm_local.py [--sizes 2^24,2^27,2^29] [--dtypes float32,bfloat16,o2]
-       [--world 2] [--samples 15]
+       [--world 2] [--samples 15] [--chunks 2,4,8]
 Prints a markdown table; with $OUT set, also writes it to $OUT/bench_comm_local.md.
 """
 
@@ -99,6 +105,16 @@ def one_process_as(world: int):
         yield
 
 
+def parse_chunks(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected chunk counts >= 1 separated by commas, e.g. 2,4,8; got {text!r}")
+    return counts
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=parse_sizes, default=[2**20, 2**24, 2**27, 2**29])
@@ -106,6 +122,8 @@ def main() -> None:
                    help=f"the buckets, of {', '.join(BUCKETS)} (default: all)")
     p.add_argument("--world", type=int, default=2, help="the ranks one process stands for (N)")
     p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--chunks", type=parse_chunks, default=[],
+                   help="also the native rows at these chunk counts, e.g. 2,4,8 (default: the automatic count only)")
     args = p.parse_args()
     if args.world < 2:
         sys.exit(f"bench_comm_local: --world must be at least 2, got {args.world}")
@@ -128,8 +146,13 @@ def main() -> None:
             rs_out = torch.empty(L, dtype=dtype, device="cuda")
             states = {m: fd.FP8CommState(method=m) for m in fd.METHODS}
             states[PER_GRADIENT] = fd.FP8CommState(method="native", scales_per_chunk=False)
-            for m in ("native", PER_GRADIENT):
-                states[m]._backend_checked = True  # no backend to ask: the collective is a no-op
+            for k in args.chunks:
+                states[f"native, k={k}"] = fd.FP8CommState(method="native", pipeline_chunks=k)
+                states[f"{PER_GRADIENT}, k={k}"] = fd.FP8CommState(method="native", pipeline_chunks=k,
+                                                                   scales_per_chunk=False)
+            for m, state in states.items():
+                if state.method == "native":
+                    state._backend_checked = True  # no backend to ask: the collective is a no-op
             calls = {m: (lambda i, state=state: fd._reduce_flat(x, (n,), state, grads)) for m, state in states.items()}
             calls["reduce-scatter"] = lambda i: fp8_reduce_scatter(rs_out, rs_in, divisor=float(args.world))
             orders: dict = {}
@@ -139,23 +162,25 @@ def main() -> None:
                 for method, fn in calls.items():
                     seconds = median_seconds(fn, args.samples)
                     elements = rs_in.numel() if method == "reduce-scatter" else n
-                    algorithm = "native" if method == PER_GRADIENT else method
+                    state = states.get(method)
+                    algorithm = "reduce-scatter" if state is None else state.method
                     per_element = local_bytes(algorithm, b, args.world, coded=grads is not None)
                     recorded = COLLECTIVES_2XH200.get(n) if args.world == 2 else None
                     predicted = pipelined = "–"
-                    chunks = len(chunk_bounds(n, None, algorithm)) - 1 if method != "reduce-scatter" else 1
+                    chunks = 1 if state is None else len(chunk_bounds(n, state.pipeline_chunks, algorithm)) - 1
                     if recorded is not None and algorithm in recorded:
                         total = seconds * 1e3 + recorded[algorithm]
                         predicted = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x bf16 ({recorded['bf16']:.3f})"
                         if algorithm == "native":
                             local_ms, whole_amax = seconds * 1e3, 0.0
-                            if method == PER_GRADIENT or chunks == 1:
+                            if not state.scales_per_chunk or chunks == 1:
                                 whole_amax = amax_ms
-                            total = whole_amax + (local_ms - whole_amax) / chunks + recorded[algorithm]
+                            work, wire = local_ms - whole_amax, recorded[algorithm]
+                            total = whole_amax + max(work, wire) + min(work, wire) / chunks
                             latency = " + L" if whole_amax == 0.0 else ""
                             pipelined = f"{total:.3f} ms{latency} = {total / recorded['bf16']:.2f}x{latency}"
                     rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}",
-                                 method + ("" if method == "reduce-scatter" else f" ({chunks} chunks)"),
+                                 method.split(", k=")[0] + ("" if state is None else f" ({chunks} chunks)"),
                                  f"{seconds * 1e3:.3f}", f"{per_element:.4g}",
                                  f"{per_element * elements / seconds / copy:.0%}",
                                  "–" if method == "reduce-scatter" else f"{amax_ms:.3f}", predicted, pipelined])
