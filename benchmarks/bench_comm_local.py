@@ -24,16 +24,17 @@ depend on the values). For each bucket it prints
                     is what the calls measure) and the collectives run side by side, so the time is
                     the longer of the two plus one chunk's share of the shorter (the pipeline's fill
                     and drain), never less than the longer: max(W, C) + min(W, C) / chunks. With
-                    scales per chunk (FP8CommState's default; "native"), W is all the local work,
-                    plus one small all-reduce's latency L, not measured here (the first chunk's
-                    amaxes; the others' run beside the data collectives). With one scale a gradient
-                    ("native, scales per gradient"), the whole amax pass comes first, since every
-                    chunk's scale waits for it, and W is the rest.
+                    scales per chunk ("native, scales per chunk"; "native" is the default state,
+                    which takes them where chunks hold 2^26 elements or more), W is all the local
+                    work, plus one small all-reduce's latency L, not measured here (the first
+                    chunk's amaxes; the others' run beside the data collectives). With one scale a
+                    gradient ("native, scales per gradient"), the whole amax pass comes first, since
+                    every chunk's scale waits for it, and W is the rest.
 
 Buckets: float32 and bfloat16 hold plain gradients; "o2" is the float32 bucket of an O1/O2 model
 under DDP, holding an E4M3 gradient's dequantized values, whose amax is read from its codes.
 
---chunks 2,4,8 adds the two native rows (scales per chunk, per gradient) at each of these chunk
+--chunks 2,4,8 adds the two explicit native rows (scales per chunk, per gradient) at each of these chunk
 counts (FP8CommState(pipeline_chunks=k)) beside the automatic count's: which count is fastest
 where the host's launches, not the kernels, set a chunk's time.
 
@@ -53,15 +54,16 @@ import torch
 import torch.distributed as dist
 
 import fp8amp
-from fp8amp import comm_amax
+from fp8amp import comm_amax, comm_layout
 from fp8amp import distributed as fd
 from fp8amp.comm_layout import chunk_bounds
 from fp8amp.fsdp import fp8_reduce_scatter
 from _common import copy_bandwidth, markdown_table, median_seconds, parse_subset, report, require_gpu, warm_up_gpu
 from bench_comm import DTYPES, bucket_data, parse_sizes
 
-#: The row of method "native" with one scale a gradient in every chunk (FP8CommState(scales_per_chunk=False)).
-PER_GRADIENT = "native, scales per gradient"
+#: The rows of method "native" with scales per chunk and with one scale a gradient in every chunk
+#: (FP8CommState(scales_per_chunk=True / False)), beside the default's (automatic) "native".
+PER_CHUNK, PER_GRADIENT = "native, scales per chunk", "native, scales per gradient"
 #: The buckets measured: bench_comm's dtypes, and "o2" (float32 holding an E4M3 gradient's values).
 BUCKETS = {**DTYPES, "o2": torch.float32}
 
@@ -145,11 +147,11 @@ def main() -> None:
             rs_in[:n] = x
             rs_out = torch.empty(L, dtype=dtype, device="cuda")
             states = {m: fd.FP8CommState(method=m) for m in fd.METHODS}
-            states[PER_GRADIENT] = fd.FP8CommState(method="native", scales_per_chunk=False)
-            for k in args.chunks:
-                states[f"native, k={k}"] = fd.FP8CommState(method="native", pipeline_chunks=k)
-                states[f"{PER_GRADIENT}, k={k}"] = fd.FP8CommState(method="native", pipeline_chunks=k,
-                                                                   scales_per_chunk=False)
+            for k in [None] + args.chunks:
+                suffix = "" if k is None else f", k={k}"
+                states[PER_CHUNK + suffix] = fd.FP8CommState(method="native", pipeline_chunks=k, scales_per_chunk=True)
+                states[PER_GRADIENT + suffix] = fd.FP8CommState(method="native", pipeline_chunks=k,
+                                                                scales_per_chunk=False)
             for m, state in states.items():
                 if state.method == "native":
                     state._backend_checked = True  # no backend to ask: the collective is a no-op
@@ -173,7 +175,8 @@ def main() -> None:
                         predicted = f"{total:.3f} ms = {total / recorded['bf16']:.2f}x bf16 ({recorded['bf16']:.3f})"
                         if algorithm == "native":
                             local_ms, whole_amax = seconds * 1e3, 0.0
-                            if not state.scales_per_chunk or chunks == 1:
+                            if not comm_layout.uses_chunk_scales(fd._chunks(state, fd._layout(state, (n,), args.world),
+                                                                            "native"), state.scales_per_chunk):
                                 whole_amax = amax_ms
                             work, wire = local_ms - whole_amax, recorded[algorithm]
                             total = whole_amax + max(work, wire) + min(work, wire) / chunks

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PIPELINE_MIN_CHUNK", "PIPELINE_MAX_CHUNKS", "CHUNK_ALIGN", "Layout", "make_layout", "chunk_bounds",
-           "Chunk", "make_chunks", "wire_bytes"]
+__all__ = ["PIPELINE_MIN_CHUNK", "PIPELINE_MAX_CHUNKS", "CHUNK_ALIGN", "PER_CHUNK_SCALES_MIN", "Layout", "make_layout",
+           "chunk_bounds", "Chunk", "make_chunks", "uses_chunk_scales", "wire_bytes"]
 
 #: A bucket is reduced in pipelined chunks of at least this many elements, by method
 #: (FP8CommState.pipeline_chunks): all_to_all's launches and host work make a small chunk of it cost
@@ -23,6 +23,10 @@ PIPELINE_MIN_CHUNK = {"native": 2**24, "all_to_all": 2**26}
 PIPELINE_MAX_CHUNKS = 8
 #: Chunks start at multiples of this many elements (256 bytes of a float32 bucket: the kernels' packs stay aligned).
 CHUNK_ALIGN = 64
+#: Scales per chunk (FP8CommState.scales_per_chunk=None) where a chunk holds at least this many elements: a
+#: smaller chunk's own amax pass and reduction are launches the host, not the GPU, is slower at
+#: (docs/distributed.md#scales-per-chunk).
+PER_CHUNK_SCALES_MIN = 2**26
 
 
 @dataclass(frozen=True)
@@ -105,15 +109,24 @@ def make_chunks(layout: Layout, chunks: Optional[int], method: str) -> tuple:
     return tuple(out)
 
 
+def uses_chunk_scales(chunks: tuple, asked: Optional[bool]) -> bool:
+    """Whether a bucket cut into ``chunks`` gets a scale per gradient part in each chunk: as
+    ``asked`` (FP8CommState.scales_per_chunk), or for None where its first chunk holds at least
+    ``PER_CHUNK_SCALES_MIN`` elements; never in one chunk."""
+    if len(chunks) < 2:
+        return False
+    return asked if asked is not None else chunks[0].hi - chunks[0].lo >= PER_CHUNK_SCALES_MIN
+
+
 def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float32, *,
-               scales_per_chunk: bool = True) -> int:
+               scales_per_chunk: Optional[bool] = None) -> int:
     """Bytes one rank sends to reduce one bucket holding gradients of ``numels`` elements over
     ``world`` ranks (``fp8amp.distributed.wire_bytes``).
 
     ``method``: ``"all_to_all"`` or ``"native"`` (FP8, as fp8amp.distributed does them, in their
     automatic pipelined chunks) or ``"all_reduce"`` (a ring all-reduce of ``dtype``: ``2 (N-1)/N``
     of the bytes). The FP8 methods include the amax all-reduce (a ring of one float32 per gradient,
-    or with ``scales_per_chunk`` as FP8CommState's default, per gradient part in each chunk) and, for
+    or with scales per chunk, as ``scales_per_chunk`` says it, per gradient part in each chunk) and, for
     all_to_all, the padding to ``N L`` elements and the float32 scale slots of each shard.
     """
     where = "fp8amp.distributed.wire_bytes"
@@ -129,8 +142,8 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
         raise ValueError(f"{where}: method must be one of 'all_to_all', 'native', 'all_reduce'; got {method!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"{where}: dtype must be the gradients' floating-point torch.dtype; got {dtype!r}")
-    if not isinstance(scales_per_chunk, bool):
-        raise ValueError(f"{where}: scales_per_chunk must be True or False; got {scales_per_chunk!r}")
+    if scales_per_chunk is not None and not isinstance(scales_per_chunk, bool):
+        raise ValueError(f"{where}: scales_per_chunk must be None (automatic), True or False; got {scales_per_chunk!r}")
     if world <= 1 or not numels:
         return 0
     n = sum(numels)
@@ -141,7 +154,7 @@ def wire_bytes(numels, world: int, method: str, dtype: torch.dtype = torch.float
     if method == "all_reduce":
         return ring(n * dtype.itemsize)
     chunks = make_chunks(make_layout(numels, world), None, method)
-    if scales_per_chunk and len(chunks) > 1:
+    if uses_chunk_scales(chunks, scales_per_chunk):
         amax = sum(ring(4 * len(c.layout.segments)) for c in chunks)
     else:
         amax = ring(4 * len(numels))

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm_amax import BucketAmaxes, ChunkAmaxes, code_sources, shared_amax
-from .comm_layout import Chunk, Layout, make_chunks, make_layout, wire_bytes
+from .comm_layout import Chunk, Layout, make_chunks, make_layout, uses_chunk_scales, wire_bytes
 from .amax_sync import ranks_agree
 from .ops import fast
 from .formats import E4M3, E5M2, HIGH_PRECISION_DTYPES, format_max
@@ -99,10 +99,11 @@ class FP8CommState:
             are one chunk; ``1``: never chunked. Chunks start at multiples of 64 elements, so a
             small bucket gets fewer chunks than asked for.
         scales_per_chunk: in a chunked bucket, each gradient's part in each chunk gets its own
-            scale, from its amax MAX-reduced chunk by chunk over a communicator of its own (``True``,
-            default: no pass over the whole bucket before the first chunk's collective;
+            scale, from its amax MAX-reduced chunk by chunk over a communicator of its own (``True``:
+            no pass over the whole bucket before the first chunk's collective;
             docs/distributed.md#scales-per-chunk), or each gradient one scale in every chunk
-            (``False``: the amaxes of the whole bucket reduced first).
+            (``False``: the amaxes of the whole bucket reduced first). ``None`` (default): per chunk
+            where chunks hold 2^26 elements or more (``fp8amp.comm_layout.PER_CHUNK_SCALES_MIN``).
 
     The rest (shard layouts per bucket shape, CUDA side streams) is a cache the hook fills.
     """
@@ -111,7 +112,7 @@ class FP8CommState:
     fmt: torch.dtype = E4M3
     method: str = "auto"
     pipeline_chunks: Optional[int] = None
-    scales_per_chunk: bool = True
+    scales_per_chunk: Optional[bool] = None
     _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _streams: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _backend_checked: bool = field(default=False, init=False, repr=False, compare=False)
@@ -135,8 +136,9 @@ class FP8CommState:
         chunks = self.pipeline_chunks
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"{where}: pipeline_chunks must be None (automatic) or an int >= 1; got {chunks!r}")
-        if not isinstance(self.scales_per_chunk, bool):
-            raise ValueError(f"{where}: scales_per_chunk must be True or False; got {self.scales_per_chunk!r}")
+        if self.scales_per_chunk is not None and not isinstance(self.scales_per_chunk, bool):
+            raise ValueError(f"{where}: scales_per_chunk must be None (automatic), True or False; "
+                             f"got {self.scales_per_chunk!r}")
 
 
 # ---------------------------------------------------------------------------- layout
@@ -246,7 +248,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState, grads: O
     layout = _layout(state, numels, world)
     chunks = _chunks(state, layout, method)
     segs = [buf[o:o + c] for o, c in layout.segments]
-    if len(chunks) > 1 and state.scales_per_chunk:
+    if uses_chunk_scales(chunks, state.scales_per_chunk):
         amaxes = ChunkAmaxes(buf, chunks, layout.segments, code_sources(grads, segs), _amax_group(state),
                              state._amax_orders)
     else:

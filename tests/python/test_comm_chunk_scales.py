@@ -58,7 +58,7 @@ def orders(rank: int) -> dict:
     out = {}
     with emulated_native("gloo"):
         for method in ("native", "all_to_all"):
-            state = fd.FP8CommState(method=method, pipeline_chunks=CHUNKS)
+            state = fd.FP8CommState(method=method, pipeline_chunks=CHUNKS, scales_per_chunk=True)
             log: list = []
             with recorded(log, state):
                 out[method] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, torch.device("cpu"))

@@ -34,8 +34,9 @@ def state_per_call(rank: int) -> dict:
     grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + rank))
               for p in model.parameters()] for step in range(4)]
     out: dict = {"fresh": [], "reused": [], "groups": []}
-    reused = fd.FP8CommState(pipeline_chunks=4)
-    for key, make in (("fresh", lambda: fd.FP8CommState(pipeline_chunks=4)), ("reused", lambda: reused)):
+    reused = fd.FP8CommState(pipeline_chunks=4, scales_per_chunk=True)
+    fresh = lambda: fd.FP8CommState(pipeline_chunks=4, scales_per_chunk=True)  # noqa: E731
+    for key, make in (("fresh", fresh), ("reused", lambda: reused)):
         for step in range(4):
             for p, g in zip(model.parameters(), grads[step]):
                 p.grad = g.clone()
@@ -61,8 +62,10 @@ def chunked_runs(rank: int, world: int) -> dict:
         for i, (sizes, chunks) in enumerate(BOUNDS):
             for method in ("all_to_all", "native"):
                 x = synth(rank, sizes, torch.float32, seed=i)
-                out[i, method] = x, run_hook(x, sizes, fd.FP8CommState(method=method, pipeline_chunks=chunks), CPU)
-    state = fd.FP8CommState(method="all_to_all", pipeline_chunks=3)  # chunks [0, 128), [128, 256), [256, 270)
+                state = fd.FP8CommState(method=method, pipeline_chunks=chunks, scales_per_chunk=True)
+                out[i, method] = x, run_hook(x, sizes, state, CPU)
+    # chunks [0, 128), [128, 256), [256, 270)
+    state = fd.FP8CommState(method="all_to_all", pipeline_chunks=3, scales_per_chunk=True)
     for key, seed in (("nan_code", 1), ("after", 2)):
         xs = synth(rank, FP8_SIZES, torch.float32, seed=seed).split(FP8_SIZES)
         grads = [x.clone() if f is None else fp8amp.ScaledTensor.from_tensor(x, f) for x, f in zip(xs, FP8_FMTS)]
@@ -74,7 +77,8 @@ def chunked_runs(rank: int, world: int) -> dict:
     before = c10d._world.group_count
     if rank in (0, 1):
         x = synth(rank, (37, 1, 200), torch.float32)
-        out["sub"] = x, run_hook(x, (37, 1, 200), fd.FP8CommState(sub, method="all_to_all", pipeline_chunks=3), CPU)
+        state = fd.FP8CommState(sub, method="all_to_all", pipeline_chunks=3, scales_per_chunk=True)
+        out["sub"] = x, run_hook(x, (37, 1, 200), state, CPU)
     out["sub_groups_made"] = c10d._world.group_count - before
     return out
 

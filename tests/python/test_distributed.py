@@ -65,15 +65,15 @@ def emulated_native_runs(rank, world, backend, device) -> dict:
             for dtype in (torch.float32, torch.bfloat16):
                 state = fd.FP8CommState(fmt=fmt, method="native")
                 out["native_emulated", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
-                for per_chunk in (True, False):
+                for per_chunk in (True, False, None):
                     state = fd.FP8CommState(fmt=fmt, method="native", pipeline_chunks=CHUNKS, scales_per_chunk=per_chunk)
                     out["native_emulated_chunked", fmt, dtype, per_chunk] = run_hook(synth(rank, SIZES, dtype), SIZES,
                                                                                      state, device)
         bad = synth(rank, SIZES, torch.float32)
         if rank == world - 1:
             bad[300] = float("inf")  # in the last chunk: known only after the first chunks are quantized
-        out["native_emulated_chunked_inf"] = run_hook(bad, SIZES, fd.FP8CommState(method="native", pipeline_chunks=CHUNKS),
-                                                      device)
+        state = fd.FP8CommState(method="native", pipeline_chunks=CHUNKS, scales_per_chunk=True)
+        out["native_emulated_chunked_inf"] = run_hook(bad, SIZES, state, device)
     return out
 
 
@@ -177,7 +177,7 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
             state = fd.FP8CommState(fmt=fmt, method="all_to_all")
             res["hook", fmt, dtype] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
     for fmt, dtype in ((E4M3, torch.float32), (E5M2, torch.bfloat16)):
-        for per_chunk in (True, False):
+        for per_chunk in (True, False, None):
             state = fd.FP8CommState(fmt=fmt, method="all_to_all", pipeline_chunks=CHUNKS, scales_per_chunk=per_chunk)
             res["chunked", fmt, dtype, per_chunk] = run_hook(synth(rank, SIZES, dtype), SIZES, state, device)
     for per_chunk in (True, False):
@@ -187,7 +187,8 @@ def worker(rank: int, world: int, backend: str, device: torch.device) -> dict:
         bad = synth(rank, SIZES, torch.float32)
         if rank == world - 1:
             bad[where] = value  # in the first chunk, then in the last
-        res[key] = run_hook(bad, SIZES, fd.FP8CommState(method="all_to_all", pipeline_chunks=CHUNKS), device)
+        state = fd.FP8CommState(method="all_to_all", pipeline_chunks=CHUNKS, scales_per_chunk=True)
+        res[key] = run_hook(bad, SIZES, state, device)
     res["auto"] = run_hook(synth(rank, SIZES, torch.float32), SIZES, None, device)  # the default state
     state = fd.FP8CommState(method="all_to_all")
     res["one_gradient"] = run_hook(synth(rank, (301,), torch.float32), (301,), state, device)
@@ -283,20 +284,20 @@ def test_hook_equals_plain_reference_bit_for_bit(run, method, fmt, dtype):
         assert_bits_equal(r[key], expected)
 
 
-@pytest.mark.parametrize("per_chunk", [True, False], ids=["scales-per-chunk", "scales-per-gradient"])
+@pytest.mark.parametrize("per_chunk", [True, False, None], ids=["scales-per-chunk", "scales-per-gradient", "automatic"])
 @pytest.mark.parametrize("fmt, dtype", [(E4M3, torch.float32), (E5M2, torch.bfloat16)], ids=["e4m3-fp32", "e5m2-bf16"])
 def test_pipelined_chunks_equal_plain_reference_bit_for_bit(run, fmt, dtype, per_chunk):
     """A bucket reduced in pipelined chunks (each chunk's collective overlapping the next chunk's
     local work) gives the bits of the reference whose first scales are one per gradient part in
-    each chunk (``scales_per_chunk``, the default) or one per gradient; "all_to_all" cuts each chunk
-    into its own shards, "native" sums element by element (with scales per gradient: the very
-    bits of the unchunked reduction)."""
+    each chunk (``scales_per_chunk=True``) or one per gradient (``False``, and the default ``None``
+    for chunks this small); "all_to_all" cuts each chunk into its own shards, "native" sums element
+    by element (with scales per gradient: the very bits of the unchunked reduction)."""
     world, _, res = run
     xs = [synth(r, SIZES, dtype) for r in range(world)]
     bounds = comm_layout.chunk_bounds(sum(SIZES), CHUNKS, "all_to_all")
     chunks = list(zip(bounds[:-1], bounds[1:]))
     assert chunks == [(0, 128), (128, 256), (256, 307)]
-    sizes = cut_at_chunks(SIZES, chunks) if per_chunk else SIZES
+    sizes = cut_at_chunks(SIZES, chunks) if per_chunk is True else SIZES
     assert cut_at_chunks(SIZES, chunks) == (37, 1, 90, 110, 5, 13, 51)
     expected = reference_mean(xs, sizes, fmt, "all_to_all", chunks)
     m, bound = bound_all_to_all([x.double() for x in xs], sizes, fmt, shard_pieces(SIZES, world, chunks))
@@ -473,3 +474,19 @@ def test_layout_covers_every_element_once(world):
             assert o <= k * layout.L + a < k * layout.L + b <= o + c
             covered.extend(range(k * layout.L + a, k * layout.L + b))
     assert covered == list(range(sum(sizes)))
+
+
+@pytest.mark.parametrize("n, chunks, asked, per_chunk", [
+    (2**27, None, None, False), (2**29, None, None, True), (2**29 - 1024, None, None, False),
+    (8 * comm_layout.PER_CHUNK_SCALES_MIN, None, None, True), (2**27, None, True, True), (2**29, None, False, False),
+    (2**29, 1, True, False), (307, 3, True, True), (307, 3, None, False)])
+def test_scales_per_chunk_by_default_only_where_chunks_are_large(n, chunks, asked, per_chunk):
+    """FP8CommState(scales_per_chunk=None), the default: per chunk where a chunk holds at least
+    PER_CHUNK_SCALES_MIN elements (smaller chunks' own amax launches make the host the bottleneck);
+    True / False as asked in any chunked bucket; never in one chunk. wire_bytes follows the same rule
+    (2^29 - 1024 elements: 8 chunks of 2^26 - 128)."""
+    assert fd.FP8CommState().scales_per_chunk is None
+    cut = comm_layout.make_chunks(comm_layout.make_layout((n,), 2), chunks, "native")
+    assert comm_layout.uses_chunk_scales(cut, asked) is per_chunk
+    if chunks is None:  # wire_bytes counts the automatic chunks
+        assert fd.wire_bytes((n,), 2, "native", scales_per_chunk=asked) == n + 4 * (len(cut) if per_chunk else 1)
