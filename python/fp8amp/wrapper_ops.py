@@ -5,13 +5,14 @@ a view, and running an op on their real values with its writes put back.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["make_wrapper", "written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place",
-           "run_on_values"]
+           "refuse_scatter_of_chunks", "run_on_values"]
 
 
 def make_wrapper(cls: type, like: torch.Tensor, base: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -81,6 +82,31 @@ def refuse_metadata_in_place(func, name: str) -> None:
                                   "layout are its codes'); make a plain tensor with .dequantize() first")
 
 
+# Where DTensor's Shard placement scatters a tensor's chunks from one rank (distribute_tensor).
+_SHARD_SCATTER = ("torch.distributed.tensor.placement_types", "_shard_tensor")
+
+
+def refuse_scatter_of_chunks(func, name: str) -> None:
+    """``distribute_tensor(t, mesh, [Shard(d)])`` scatters ``t``'s chunks, a list of lists that torch
+    does not dispatch to the subclass: gloo read the wrappers' empty storage and aborted the process.
+    The ``empty_like`` of the first chunk, made on every rank of the mesh before the scatter, is the
+    last op that reaches fp8amp: refused there (one frame walk, for that op only)."""
+    if func is not torch.ops.aten.empty_like.default:
+        return
+    frame = sys._getframe(1)
+    for _ in range(6):  # the subclass's dispatch, Dynamo's disable wrapper, then torch's caller
+        if frame is None:
+            return
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _SHARD_SCATTER:
+            raise NotImplementedError(
+                f"fp8amp.{name}: distribute_tensor(t, mesh, [Shard(...)]) of a {name} (an O1/O2 master or an FP8 "
+                "gradient: codes and a scale, no plain buffer) is not supported: torch scatters its chunks from a "
+                "buffer it does not have. Shard the module with fully_shard (FSDP2), which shards O1/O2 masters; "
+                "for a DTensor of the values, distribute t.dequantize(). Tensor parallelism of fp8amp layers is "
+                "not supported (docs/distributed.md#tensor-and-pipeline-parallelism)")
+        frame = frame.f_back
+
+
 def run_on_values(func, args, kwargs, cls: type, written: list, written_values: Callable,
                   write: Callable) -> object:
     """``func`` run on plain tensors: each instance of ``cls`` it writes (``written``, each once)
@@ -98,6 +124,7 @@ def run_on_values(func, args, kwargs, cls: type, written: list, written_values: 
             "(t.dequantize()) and copy_ the result back under torch.no_grad(). DDP, FSDP2 (fully_shard) and "
             "fp8amp.distributed.all_reduce_grads(model) take these tensors; tensor parallelism (parallelize_module, "
             "distribute_tensor) of fp8amp layers does not (docs/distributed.md#tensor-and-pipeline-parallelism)")
+    refuse_scatter_of_chunks(func, name)
     if written:
         refuse_metadata_in_place(func, name)
     values = {id(t): written_values(t) for t in written}
