@@ -131,7 +131,7 @@ class ChunkAmaxes:
     asynchronous reduction of chunks c and c + 1 (those not issued yet) and waits for chunk c's, so
     that chunk c + 1's run while chunk c is quantized and sent, and no pass over the whole bucket
     comes before the first chunk's collective. ``group`` is a communicator of its own where the
-    state's group is the world's (fp8amp.distributed._amax_group: its reductions then run beside the
+    state's group is the world's (fp8amp.comm_groups.amax_group: its reductions then run beside the
     chunks' collectives, not queued between them). Every chunk's
     amaxes are rows of one buffer, zeroed once: a chunk costs its amax pass, the NaN-to-inf map and
     the reduction (the host's launches bound a small chunk)."""

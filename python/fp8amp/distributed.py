@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm_amax import BucketAmaxes, ChunkAmaxes, code_sources, shared_amax
+from .comm_groups import amax_group, device_backend, host_group
 from .comm_layout import Chunk, Layout, make_chunks, make_layout, uses_chunk_scales, wire_bytes
 from .amax_sync import ranks_agree
 from .ops import fast
@@ -167,21 +168,10 @@ def _native_fp8_all_reduce(codes: torch.Tensor, group):
     return dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
-def _device_backend(group, device: torch.device) -> str:
-    """The name of the backend that runs ``group``'s collectives on ``device``'s tensors. Not
-    ``dist.get_backend(group)``: a group made without naming a backend (``init_process_group()``, as
-    under torchrun) has one backend per device type, and get_backend says "undefined"."""
-    for entry in dist.get_backend_config(group).split(","):  # e.g. "cpu:gloo,cuda:nccl"
-        device_type, _, backend = entry.rpartition(":")
-        if device_type in ("", device.type):  # no device type: one backend for all
-            return backend
-    return "none"
-
-
 def _check_native_backend(state: FP8CommState, group, device: torch.device) -> None:
     if state._backend_checked:
         return
-    backend = _device_backend(group, device)
+    backend = device_backend(group, device)
     if backend not in NATIVE_BACKENDS:
         raise ValueError(
             f"fp8amp.distributed: method='native' reduces float8 tensors with dist.all_reduce, which the "
@@ -203,7 +193,7 @@ def _method(state: FP8CommState, group, device: torch.device, world: int) -> str
     method = state._auto_methods.get(key)
     if method is None:
         method = "all_to_all"
-        if world <= AUTO_NATIVE_MAX_RANKS and _device_backend(group, device) in NATIVE_BACKENDS:
+        if world <= AUTO_NATIVE_MAX_RANKS and device_backend(group, device) in NATIVE_BACKENDS:
             try:  # a torch or NCCL build may refuse float8 reductions
                 work = _native_fp8_all_reduce(torch.zeros(1, dtype=E4M3, device=device), group)
                 if work is not None:
@@ -249,7 +239,7 @@ def _reduce_flat(buf: torch.Tensor, numels: tuple, state: FP8CommState, grads: O
     chunks = _chunks(state, layout, method)
     segs = [buf[o:o + c] for o, c in layout.segments]
     if uses_chunk_scales(chunks, state.scales_per_chunk):
-        amaxes = ChunkAmaxes(buf, chunks, layout.segments, code_sources(grads, segs), _amax_group(state),
+        amaxes = ChunkAmaxes(buf, chunks, layout.segments, code_sources(grads, segs), amax_group(group),
                              state._amax_orders)
     else:
         amaxes = BucketAmaxes(shared_amax(segs, group, grads, state._amax_orders), chunks)
@@ -444,55 +434,16 @@ def all_reduce_grads(model: nn.Module, state: Optional[FP8CommState] = None, *, 
                     offset += g.numel()
 
 
-#: The communicators made from a process group, by (group, backend): made once per group, not per
-#: FP8CommState, so that a state made per call or per bucket (``None`` as the hook's state) does not make
-#: a new one (a gloo mesh, an NCCL communicator) every time.
-_DERIVED_GROUPS: dict = {}
-
-
-def _derived_group(group, backend: str):
-    """A group of ``group``'s ranks on ``backend`` of its own, made once (collectively, by the first
-    call, which every rank of ``group`` makes; the other ranks need not)."""
-    group = group if group is not None else dist.group.WORLD
-    key = (group, backend)
-    derived = _DERIVED_GROUPS.get(key)
-    if derived is None:
-        ranks = dist.get_process_group_ranks(group)
-        derived = _DERIVED_GROUPS[key] = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
-    return derived
-
-
-def _host_group(state: FP8CommState):
-    """The group over which the ranks compare their layouts on the host: the state's own where it
-    runs CPU tensors (gloo), else a gloo group of the same ranks: a host-to-host all-reduce, which
-    waits for no GPU work."""
-    group = state.process_group
-    if _device_backend(group, torch.device("cpu")) == "gloo":
-        return group
-    return _derived_group(group, "gloo")
-
-
-def _amax_group(state: FP8CommState):
-    """The group the chunks' amaxes are reduced over (ChunkAmaxes): the state's ranks and backends in
-    a communicator of their own, so that those small reductions run beside the chunks' data
-    collectives instead of waiting behind them in one NCCL stream. A state over a subgroup of the
-    world uses its own group: a group of its own would be made by its members alone, which puts
-    torch's count of groups out of step with the other ranks' (a later group over the whole world
-    would hang in its rendezvous)."""
-    group = state.process_group
-    if group is not None and dist.get_world_size(group) < dist.get_world_size():
-        return group
-    return _derived_group(group, dist.get_backend_config(group))
-
-
 def _check_same_gradients(buckets: dict, state: FP8CommState) -> None:
     """Every rank must reduce gradients of the same dtypes and shapes in the same buckets, or the
     collectives would not line up (a hang, or codes of one gradient summed into another's).
     Checked at every call, as a rank's layout may change on its own (a parameter unused on one
-    rank in one step): one all-reduce of 4 int64 on the host (_host_group)."""
+    rank in one step): one all-reduce of 4 int64 on the host, or over a subgroup without gloo on the
+    gradients' device (comm_groups.host_group)."""
     layout = tuple((HIGH_PRECISION_DTYPES.index(dtype), len(lists), *(tuple(g.shape) for grads in lists for g in grads))
                    for (_, dtype), lists in buckets.items())
-    disagreement = ranks_agree(layout, _host_group(state), torch.device("cpu"))
+    device = next(iter(buckets))[0] if buckets else None
+    disagreement = ranks_agree(layout, *host_group(state.process_group, device))
     if disagreement is not None:
         raise ValueError("fp8amp.distributed.all_reduce_grads: the ranks hold gradients of different shapes, dtypes "
                          "or parameters (a parameter with a gradient on one rank and none on another, or a model "

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["make_wrapper", "written_args", "written_instances", "is_view_op", "returns_view", "refuse_metadata_in_place",
-           "refuse_scatter_of_chunks", "run_on_values"]
+__all__ = ["make_wrapper", "written_args", "written_instances", "is_view_op", "returns_view",
+           "refuse_metadata_in_place", "refuse_scatter_of_chunks", "run_on_values"]
 
 
 def make_wrapper(cls: type, like: torch.Tensor, base: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

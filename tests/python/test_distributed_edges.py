@@ -62,3 +62,43 @@ def test_distribute_tensor_of_a_master_is_refused_on_every_rank():
         for key in (("tensorwise", 0), ("tensorwise", 1), ("blockwise", 0)):
             assert r[key + ("kept",)] and r[key + ("values",)], key
         assert r["after"] == WORLD
+
+
+def layout_check_subgroup_rank(rank: int) -> dict:
+    """all_reduce_grads over a subgroup of ranks 0 and 1 of 3, its layout check run as on NCCL (the
+    group has no gloo backend for host tensors), then a group over the whole world."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from fp8amp import comm_groups
+    from fp8amp import distributed as fd
+
+    sub = dist.new_group([0, 1])
+    out = {}
+    if rank in (0, 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) for p in model.parameters()]
+        for device_backend in (comm_groups.device_backend, lambda group, device: "nccl"):
+            comm_groups.device_backend = device_backend
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            fd.all_reduce_grads(model, fd.FP8CommState(sub, method="all_to_all"))
+            out.setdefault("grads", []).append([p.grad for p in model.parameters()])
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, c10d._world.group_count)  # over the default group: no new group
+    out["counts"] = counts
+    if len(set(counts)) == 1:  # else the world group below would hang in its rendezvous
+        t = torch.ones(1)
+        dist.all_reduce(t, group=dist.new_group([0, 1, 2]))
+        out["world"] = t.item()
+    return out
+
+
+def test_layout_check_over_a_subgroup_keeps_the_group_count_in_step():
+    results = run_on_ranks(layout_check_subgroup_rank, 3, timeout=TIMEOUT)
+    for r in results:
+        assert len(set(r["counts"])) == 1, r["counts"]
+        assert r["world"] == 3
+    for r in results[:2]:
+        gloo, as_nccl = r["grads"]
+        assert all(torch.equal(a, b) for a, b in zip(gloo, as_nccl))
