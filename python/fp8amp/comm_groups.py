@@ -33,13 +33,35 @@ def _is_subgroup(group) -> bool:
 
 #: The communicators made from a process group, by (group, backend): made once per group, not per
 #: FP8CommState, so that a state made per call or per bucket (``None`` as the hook's state) does not make
-#: a new one (a gloo mesh, an NCCL communicator) every time.
+#: a new one (a gloo mesh, an NCCL communicator) every time. Keyed by the group itself, not its id,
+#: which a group made after another was destroyed and collected may reuse.
 _DERIVED_GROUPS: dict = {}
+
+
+def _registered(group) -> bool:
+    """Whether torch still holds ``group`` (``dist.destroy_process_group`` drops it)."""
+    try:
+        dist.get_backend(group)
+    except ValueError:
+        return False
+    return True
+
+
+def _prune() -> None:
+    """Forgets the groups derived from groups destroyed since (``dist.destroy_process_group``) and
+    destroys those torch still holds, which would keep their communicators until the world is
+    destroyed. Called where every rank of the world calls (the derived groups span it), so that
+    every rank destroys them at the same point."""
+    for key in [key for key in _DERIVED_GROUPS if not _registered(key[0])]:
+        derived = _DERIVED_GROUPS.pop(key)
+        if _registered(derived):
+            dist.destroy_process_group(derived)
 
 
 def _derived_group(group, backend: str):
     """A group of ``group``'s ranks on ``backend`` of its own, made once (collectively, by the first
     call, which every rank of ``group`` makes: ``group`` spans the world)."""
+    _prune()
     group = group if group is not None else dist.group.WORLD
     key = (group, backend)
     derived = _DERIVED_GROUPS.get(key)

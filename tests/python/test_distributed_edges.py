@@ -6,13 +6,19 @@ storage): now a NotImplementedError on every rank naming fully_shard.
 """
 
 import datetime
+import gc
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import fp8amp
-from ranks import run_on_ranks
+from comm_ranks import run_hook
+from comm_reference import cut_at_chunks, reference_mean, synth
+from fp8amp import comm_groups, comm_layout
+from fp8amp import distributed as fd
+from ranks import free_port, run_on_ranks
 
 WORLD = 2
 # A rank left waiting in a collective gives up after this, not gloo's 30 minutes.
@@ -69,9 +75,6 @@ def layout_check_subgroup_rank(rank: int) -> dict:
     group has no gloo backend for host tensors), then a group over the whole world."""
     from torch.distributed import distributed_c10d as c10d
 
-    from fp8amp import comm_groups
-    from fp8amp import distributed as fd
-
     sub = dist.new_group([0, 1])
     out = {}
     if rank in (0, 1):
@@ -102,3 +105,55 @@ def test_layout_check_over_a_subgroup_keeps_the_group_count_in_step():
     for r in results[:2]:
         gloo, as_nccl = r["grads"]
         assert all(torch.equal(a, b) for a, b in zip(gloo, as_nccl))
+
+
+SIZES, CHUNKS = (70, 1, 130, 64), 3  # a chunked bucket: its amaxes go over the derived communicator
+
+
+def registered(group) -> bool:
+    try:
+        dist.get_backend(group)
+    except ValueError:
+        return False
+    return True
+
+
+def chunked(rank: int, group) -> tuple:
+    x = synth(rank, SIZES, torch.float32)
+    return x, run_hook(x, SIZES, fd.FP8CommState(group, method="all_to_all", pipeline_chunks=CHUNKS),
+                       torch.device("cpu"))
+
+
+def destroyed_groups_rank(rank: int, port: int) -> dict:
+    """Chunked reductions over a group of every rank, destroyed and made again (its object then
+    collected, so that its id may be reused), then over the world, destroyed and initialized again."""
+    out = {"runs": []}
+    group = dist.new_group([0, 1])
+    out["runs"].append(chunked(rank, group))
+    derived = [g for key, g in comm_groups._DERIVED_GROUPS.items() if key[0] is group]
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    out["runs"].append(chunked(rank, dist.new_group([0, 1])))
+    out["first_derived_destroyed"] = [not registered(g) for g in derived]
+    dist.destroy_process_group()  # every group, the derived ones too
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    out["runs"].append(chunked(rank, None))
+    # Every cached group is one torch still holds, and so is every group derived from one.
+    out["live_keys"] = [registered(key[0]) for key in comm_groups._DERIVED_GROUPS]
+    out["live_derived"] = [registered(g) for g in comm_groups._DERIVED_GROUPS.values()]
+    return out
+
+
+def test_derived_groups_do_not_outlive_their_group():
+    results = run_on_ranks(destroyed_groups_rank, WORLD, free_port(), timeout=TIMEOUT)
+    bounds = comm_layout.chunk_bounds(sum(SIZES), CHUNKS, "all_to_all")
+    pairs = list(zip(bounds[:-1], bounds[1:]))
+    for run in range(3):
+        xs = [r["runs"][run][0] for r in results]
+        expected = reference_mean(xs, cut_at_chunks(SIZES, pairs), fp8amp.E4M3, "all_to_all", pairs)
+        assert all(torch.equal(r["runs"][run][1], expected) for r in results), run
+    for r in results:
+        assert r["live_keys"] == [True] and r["live_derived"] == [True], r
+        assert r["first_derived_destroyed"] == [True]
