@@ -412,7 +412,7 @@ class Adam(torch.optim.Optimizer):
         """A step where no param has a grad steps nothing: legitimate before any backward, but also
         what an optimizer built before fully_shard (or a load with assign=True) replaced the model's
         parameters does at every step, silently. Python's filter shows it once."""
-        n = sum(len(group["params"]) for group in self.param_groups)
+        n = sum(p.requires_grad for group in self.param_groups for p in group["params"])  # frozen: none by design
         if n:
             warnings.warn(f"{self._name}.step: none of its {n} parameter(s) has a gradient, so nothing was stepped. "
                           "If fully_shard (FSDP2) or load_state_dict(..., assign=True) replaced the model's "

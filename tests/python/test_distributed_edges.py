@@ -8,7 +8,9 @@ storage): now a NotImplementedError on every rank naming fully_shard.
 import datetime
 import gc
 import os
+import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -157,3 +159,24 @@ def test_derived_groups_do_not_outlive_their_group():
     for r in results:
         assert r["live_keys"] == [True] and r["live_derived"] == [True], r
         assert r["first_derived_destroyed"] == [True]
+
+
+def values(model: nn.Module) -> list:
+    return [p.dequantize() if isinstance(p, fp8amp.ScaledTensor) else p.detach().clone() for p in model.parameters()]
+
+
+def test_an_optimizer_over_frozen_parameters_does_not_warn_about_fully_shard():
+    """The warning that an optimizer holds parameters the model no longer uses (built before
+    fully_shard) came for parameters that are frozen, which get no gradient by design."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    model.requires_grad_(False)  # a backbone frozen for a phase of training
+    before = values(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, values(model)))
+    model[1].bias.requires_grad_(True)  # a trainable parameter without a gradient is still said
+    with pytest.warns(UserWarning, match="none of its 1 parameter.s. has a gradient"):
+        optimizer.step()
