@@ -16,11 +16,30 @@ import torch.distributed as dist
 __all__ = ["device_backend", "amax_group", "host_group"]
 
 
+def _registered(group) -> bool:
+    """Whether torch still holds ``group`` (``dist.destroy_process_group`` drops it)."""
+    try:
+        dist.get_backend(group)
+    except ValueError:
+        return False
+    return True
+
+
+def _backend_config(group) -> str:
+    """``dist.get_backend_config(group)``, which for a group torch no longer holds raised a TypeError
+    from inside torch ("Invariant encountered: value was None")."""
+    if group is not None and not _registered(group):
+        raise ValueError("fp8amp.distributed: the FP8CommState's process_group was destroyed "
+                         "(dist.destroy_process_group, or the world's, then init_process_group again): pass a group "
+                         "made since, or None for the default group")
+    return dist.get_backend_config(group)
+
+
 def device_backend(group, device: torch.device) -> str:
     """The name of the backend that runs ``group``'s collectives on ``device``'s tensors. Not
     ``dist.get_backend(group)``: a group made without naming a backend (``init_process_group()``, as
     under torchrun) has one backend per device type, and get_backend says "undefined"."""
-    for entry in dist.get_backend_config(group).split(","):  # e.g. "cpu:gloo,cuda:nccl"
+    for entry in _backend_config(group).split(","):  # e.g. "cpu:gloo,cuda:nccl"
         device_type, _, backend = entry.rpartition(":")
         if device_type in ("", device.type):  # no device type: one backend for all
             return backend
@@ -36,15 +55,6 @@ def _is_subgroup(group) -> bool:
 #: a new one (a gloo mesh, an NCCL communicator) every time. Keyed by the group itself, not its id,
 #: which a group made after another was destroyed and collected may reuse.
 _DERIVED_GROUPS: dict = {}
-
-
-def _registered(group) -> bool:
-    """Whether torch still holds ``group`` (``dist.destroy_process_group`` drops it)."""
-    try:
-        dist.get_backend(group)
-    except ValueError:
-        return False
-    return True
 
 
 def _prune() -> None:
@@ -78,7 +88,7 @@ def amax_group(group):
     world itself (a group of its own would be made by its members alone)."""
     if _is_subgroup(group):
         return group
-    return _derived_group(group, dist.get_backend_config(group))
+    return _derived_group(group, _backend_config(group))
 
 
 def host_group(group, device: Optional[torch.device]) -> tuple:
@@ -94,7 +104,7 @@ def host_group(group, device: Optional[torch.device]) -> tuple:
     if not _is_subgroup(group):
         return _derived_group(group, "gloo"), cpu
     if device is None:
-        device_type = dist.get_backend_config(group).split(",")[0].rpartition(":")[0] or "cuda"
+        device_type = _backend_config(group).split(",")[0].rpartition(":")[0] or "cuda"
         index = None if device_type == "cpu" else torch.get_device_module(device_type).current_device()
         device = torch.device(device_type, index)
     return group, device

@@ -180,3 +180,21 @@ def test_an_optimizer_over_frozen_parameters_does_not_warn_about_fully_shard():
     model[1].bias.requires_grad_(True)  # a trainable parameter without a gradient is still said
     with pytest.warns(UserWarning, match="none of its 1 parameter.s. has a gradient"):
         optimizer.step()
+
+
+def destroyed_state_group_rank(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    group = dist.new_group([0, 1])
+    state = fd.FP8CommState(group)
+    dist.destroy_process_group(group)
+    return {"error": error_of(lambda: fd.all_reduce_grads(model, state))}
+
+
+def test_a_state_over_a_destroyed_group_says_so():
+    # It was a TypeError from inside torch: "Invariant encountered: value was None when it should not be".
+    for r in run_on_ranks(destroyed_state_group_rank, WORLD, timeout=TIMEOUT):
+        assert r["error"].startswith("ValueError") and "process_group" in r["error"], r["error"]
+        assert "destroy_process_group" in r["error"], r["error"]
