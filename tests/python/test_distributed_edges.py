@@ -198,3 +198,42 @@ def test_a_state_over_a_destroyed_group_says_so():
     for r in run_on_ranks(destroyed_state_group_rank, WORLD, timeout=TIMEOUT):
         assert r["error"].startswith("ValueError") and "process_group" in r["error"], r["error"]
         assert "destroy_process_group" in r["error"], r["error"]
+
+
+class Branch(nn.Module):
+    """A block whose middle layer runs only where ``use_b`` (conditional computation, a router)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.b(h)) if use_b else h)
+
+
+def unused_on_one_rank_rank(rank: int, weight_grad: str) -> dict:
+    """DDP (find_unused_parameters) at O2, 3 ranks: the second step uses layer b on ranks 1 and 2 only."""
+    torch.manual_seed(0)
+    model = Branch()
+    model, optimizer = fp8amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2",
+                                         weight_grad=weight_grad)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    for step in range(2):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x, step == 0 or rank != 0).square().mean().backward()
+        grad_type = type(model.b.weight.grad).__name__
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"b": model.b.weight.dequantize(), "grad_type": grad_type}
+
+
+def test_a_weight_unused_on_one_rank_under_ddp_parts_the_ranks_at_fp8_weight_gradients():
+    """A limit (docs/hardening.md): DDP gives the rank that did not use the weight the float32 mean
+    in a new plain tensor, the others its E4M3 requantization in their FP8 gradients; fp8amp has no
+    hook in DDP's reducer. Float32 weight gradients (weight_grad="fp32") keep the ranks identical."""
+    fp8 = run_on_ranks(unused_on_one_rank_rank, 3, "fp8", timeout=TIMEOUT)
+    assert [r["grad_type"] for r in fp8] == ["Tensor", "ScaledTensor", "ScaledTensor"]
+    assert torch.equal(fp8[1]["b"], fp8[2]["b"]) and not torch.equal(fp8[0]["b"], fp8[1]["b"])
+    fp32 = run_on_ranks(unused_on_one_rank_rank, 3, "fp32", timeout=TIMEOUT)
+    assert all(torch.equal(r["b"], fp32[0]["b"]) for r in fp32)
