@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .wrapper_ops import is_view_op, make_wrapper, written_instances
+from .wrapper_ops import is_view_op, make_wrapper, refuse_collective, written_instances
 
 __all__ = ["DequantizedView", "view_of", "RealValuesMixin"]
 
@@ -108,6 +108,7 @@ class DequantizedView(RealValuesMixin, torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        refuse_collective(func, cls.__name__)
         written = written_instances(func, args, kwargs, DequantizedView)
         # Each written view is taken of its base's values in float32 (one copy a base, which
         # several views may share), so the op writes into them; each base then re-quantizes

@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["make_wrapper", "written_args", "written_instances", "is_view_op", "returns_view",
-           "refuse_metadata_in_place", "refuse_scatter_of_chunks", "run_on_values"]
+           "refuse_metadata_in_place", "refuse_collective", "refuse_scatter_of_chunks", "run_on_values"]
 
 
 def make_wrapper(cls: type, like: torch.Tensor, base: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -82,6 +82,20 @@ def refuse_metadata_in_place(func, name: str) -> None:
                                   "layout are its codes'); make a plain tensor with .dequantize() first")
 
 
+def refuse_collective(func, name: str) -> None:
+    """A ``torch.distributed`` collective or point-to-point op (c10d) on one of the subclasses (or a
+    view of one): its schema marks nothing written and its work would run on a dequantized copy, so
+    a broadcast into a master (distribute_tensor's Replicate too) changed nothing."""
+    if func.namespace == "c10d":
+        raise NotImplementedError(
+            f"fp8amp.{name}: torch.distributed collective {func} cannot run on a {name} (an O1/O2 master, an FP8 "
+            "gradient or a view of one: codes and a scale, no plain buffer), its result would be lost; run it on a "
+            "plain copy (t.dequantize()) and copy_ the result back under torch.no_grad(). DDP, FSDP2 (fully_shard) "
+            "and fp8amp.distributed.all_reduce_grads(model) take these tensors; tensor parallelism "
+            "(parallelize_module, distribute_tensor) of fp8amp layers does not "
+            "(docs/distributed.md#tensor-and-pipeline-parallelism)")
+
+
 # Where DTensor's Shard placement scatters a tensor's chunks from one rank (distribute_tensor).
 _SHARD_SCATTER = ("torch.distributed.tensor.placement_types", "_shard_tensor")
 
@@ -115,15 +129,7 @@ def run_on_values(func, args, kwargs, cls: type, written: list, written_values: 
     returned as its tensor (an in-place op returns its argument). Ops that would change a written
     tensor's shape or layout are refused, before anything is written."""
     name = cls.__name__
-    if func.namespace == "c10d":
-        # Its schema marks nothing written and its work runs on a dequantized copy: a broadcast into a
-        # master (distribute_tensor's Replicate too) changed nothing.
-        raise NotImplementedError(
-            f"fp8amp.{name}: torch.distributed collective {func} cannot run on a {name} (an O1/O2 master or an FP8 "
-            "gradient: codes and a scale, no plain buffer), its result would be lost; run it on a plain copy "
-            "(t.dequantize()) and copy_ the result back under torch.no_grad(). DDP, FSDP2 (fully_shard) and "
-            "fp8amp.distributed.all_reduce_grads(model) take these tensors; tensor parallelism (parallelize_module, "
-            "distribute_tensor) of fp8amp layers does not (docs/distributed.md#tensor-and-pipeline-parallelism)")
+    refuse_collective(func, name)
     refuse_scatter_of_chunks(func, name)
     if written:
         refuse_metadata_in_place(func, name)

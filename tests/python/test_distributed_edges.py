@@ -322,3 +322,24 @@ def test_the_fp8_hook_under_static_graph_unused_parameters_and_no_sync():
             # FP8 gradients against float32 ones: Adam moves a weight by at most about lr a step
             for a, b in zip(hook, results[0][config, False, step]):
                 assert (a - b).abs().max() <= 2 * LR * (step + 1), (config, step)
+
+
+def broadcast_into_views_rank(rank: int) -> dict:
+    torch.manual_seed(rank)
+    model, _ = fp8amp.initialize(nn.Sequential(nn.Linear(32, 32)), None, "O2")
+    w = model[0].weight
+    before = w.dequantize()
+    out = {}
+    with torch.no_grad():  # where a master's views write into it (docs/hardening.md)
+        for name, view in (("transpose", lambda: w.t()), ("columns", lambda: w[:, :8])):
+            out[name] = error_of(lambda: dist.broadcast(view(), 0))
+    out["kept"] = torch.equal(w.dequantize(), before)
+    return out
+
+
+def test_a_collective_on_a_view_of_a_master_is_refused():
+    # It ran on a dequantized copy: a broadcast into w.t() left every rank's master as it was, silently.
+    for r in run_on_ranks(broadcast_into_views_rank, WORLD, timeout=TIMEOUT):
+        for name in ("transpose", "columns"):
+            assert r[name].startswith("NotImplementedError") and "dequantize()" in r[name], r[name]
+        assert r["kept"]
