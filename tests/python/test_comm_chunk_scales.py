@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from comm_ranks import run_hook
 from comm_reference import emulated_native, synth
-from fp8amp import comm_amax
+from fp8amp import comm_amax, comm_groups
 from fp8amp import distributed as fd
 from ranks import run_on_ranks
 
@@ -63,7 +63,8 @@ def orders(rank: int) -> dict:
             with recorded(log, state):
                 out[method] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, torch.device("cpu"))
             out[method, "log"] = log
-            out[method, "group"] = fd._amax_group(state) not in (None, state.process_group, dist.group.WORLD)
+            group = comm_groups.amax_group(state.process_group)
+            out[method, "group"] = group not in (None, state.process_group, dist.group.WORLD)
             # a second call reuses the state's amax group: the same bits
             out[method, "again"] = run_hook(synth(rank, SIZES, torch.float32), SIZES, state, torch.device("cpu"))
     return out
