@@ -128,8 +128,8 @@ def registered(group) -> bool:
 
 def chunked(rank: int, group) -> tuple:
     x = synth(rank, SIZES, torch.float32)
-    return x, run_hook(x, SIZES, fd.FP8CommState(group, method="all_to_all", pipeline_chunks=CHUNKS),
-                       torch.device("cpu"))
+    state = fd.FP8CommState(group, method="all_to_all", pipeline_chunks=CHUNKS, scales_per_chunk=True)
+    return x, run_hook(x, SIZES, state, torch.device("cpu"))
 
 
 def destroyed_groups_rank(rank: int, port: int) -> dict:
