@@ -37,7 +37,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .formats import type_name
 from .linear import Fp8Linear
-from .scaling import ScalingState
+from .scaling import ScalingState, max_over_ranks
 
 __all__ = ["set_amax_reduction", "start_amax_reduction", "end_step", "reduce_amaxes", "delayed_states",
            "ranks_agree", "AmaxReductionJoin"]
@@ -186,8 +186,7 @@ def _issue(states: list[ScalingState], group, step_bound: bool = False) -> _Pend
         _check_ranks_agree(group, device, device_states)
         columns = [st.amax_history[:, 0] for st in device_states]
         flat = torch.cat(columns)
-        flat.nan_to_num_(nan=float("inf"), posinf=float("inf"))  # NaN -> inf; inf stays inf
-        works.append((dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group, async_op=True), flat, columns))
+        works.append((max_over_ranks(flat, group, async_op=True), flat, columns))
     return _Pending(tuple(id(st) for st in states), works, step_bound)
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from . import ops
 from .comm_layout import Chunk
 from .formats import E4M3, E5M2
 from .scaled_tensor import ScaledTensor
+from .scaling import max_over_ranks
 
 __all__ = ["shared_amax", "reads_codes", "code_sources", "local_amax", "BucketAmaxes", "ChunkAmaxes"]
 
@@ -95,15 +95,8 @@ def shared_amax(segs: Sequence[torch.Tensor], group, grads: Optional[Sequence] =
     gradient whose values ``segs[i]`` holds (read as its codes where :func:`reads_codes` allows);
     ``order_cache`` keeps the index that puts those rows back in bucket order."""
     amax = local_amax(segs, code_sources(grads, segs), {} if order_cache is None else order_cache)
-    _max_over_ranks(amax, group)
+    max_over_ranks(amax, group)
     return amax
-
-
-def _max_over_ranks(amax: torch.Tensor, group, async_op: bool = False):
-    """MAX all-reduce of ``amax`` in place over ``group``, NaN sent as inf (a MAX reduction need not
-    propagate NaN: gloo's does not); the work with ``async_op``."""
-    amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
-    return dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
 
 
 class BucketAmaxes:
@@ -158,7 +151,7 @@ class ChunkAmaxes:
             sources.append(None if source is None else (source[0], chunk.lo + o - self.segments[chunk.first + j][0]))
         amax = local_amax(segs, sources if self.sources is not None else None, self.order_cache,
                           self.amax[self.rows[c]:self.rows[c + 1]])
-        self.works[c] = _max_over_ranks(amax, self.group, async_op=True)
+        self.works[c] = max_over_ranks(amax, self.group, async_op=True)
 
     def __call__(self, c: int) -> torch.Tensor:
         self._issue(c)

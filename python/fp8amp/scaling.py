@@ -25,7 +25,8 @@ from .formats import E4M3, SCALED_FORMATS, check_dtype, type_name
 from .ops import fast
 from .ops._args import _input
 
-__all__ = ["ScalingRecipe", "ScalingState", "carry_in_metadata", "fresh_scaling_if_missing", "update_states"]
+__all__ = ["ScalingRecipe", "ScalingState", "carry_in_metadata", "fresh_scaling_if_missing", "update_states",
+           "max_over_ranks"]
 
 # Scale exponents live in [-126, 126]; a larger margin changes nothing.
 _MAX_MARGIN = 126
@@ -217,8 +218,7 @@ class ScalingState(torch.nn.Module):
             amax = torch.zeros_like(amax)
         amax_now = amax.select(1, 0)
         fast.amax(shard, amax_now, None, 0)
-        torch.nan_to_num_(amax_now, nan=float("inf"))
-        dist.all_reduce(amax_now, op=dist.ReduceOp.MAX, group=group)
+        max_over_ranks(amax_now, group)
         r = self.recipe
         return fast.quantize(shard, scale, amax, self.dtype, self._buffers["_always_current"], 1, r.margin,
                              r.pow2_scale)
@@ -361,6 +361,13 @@ _SAVED_BUFFERS = ("amax_history", "scale", "scale_inv", "counter")
 #: The key of a module's metadata in a state dict under which :func:`carry_in_metadata` puts a
 #: ScalingState's buffers.
 METADATA_KEY = "fp8amp_scaling"
+
+
+def max_over_ranks(amax: torch.Tensor, group, async_op: bool = False):
+    """MAX all-reduce of the amaxes ``amax`` in place over ``group``, NaN sent as inf (a MAX reduction
+    need not propagate NaN: gloo's does not); the work with ``async_op``."""
+    amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
+    return dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
 
 
 def carry_in_metadata(state_dict: dict, scaling: dict[str, torch.Tensor]) -> None:
