@@ -39,3 +39,13 @@ def run_on_ranks(fn, world: int, *args, backend: str = "gloo", timeout: datetime
         results = manager.dict()
         mp.spawn(_rank_main, args=(fn, world, port, args, results, backend, timeout), nprocs=world, join=True)
         return [results[r] for r in range(world)]
+
+
+def error_of(call) -> str:
+    """``"Type: message"`` of the error ``call()`` raises on a rank (where pytest.raises cannot reach:
+    the result travels back to the test), or ``"no error"``."""
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError, NotImplementedError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -26,19 +26,11 @@ from comm_ranks import run_hook
 from comm_reference import cut_at_chunks, reference_mean, synth
 from fp8amp import comm_groups, comm_layout
 from fp8amp import distributed as fd
-from ranks import free_port, run_on_ranks
+from ranks import error_of, free_port, run_on_ranks
 
 WORLD = 2
 # A rank left waiting in a collective gives up after this, not gloo's 30 minutes.
 TIMEOUT = datetime.timedelta(seconds=20)
-
-
-def error_of(call) -> str:
-    try:
-        call()
-    except (NotImplementedError, ValueError, TypeError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def distribute_master_rank(rank: int) -> dict:

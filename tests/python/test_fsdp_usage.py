@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fp8amp
-from ranks import run_on_ranks
+from ranks import error_of, run_on_ranks
 
 WORLD = 2
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -24,14 +24,6 @@ TIMEOUT = datetime.timedelta(seconds=20)
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
-
-
-def error_of(call) -> str:
-    try:
-        call()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def column_sharded_master_rank(rank: int) -> dict:

@@ -38,19 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 import fp8amp
-from ranks import run_on_ranks
+from ranks import error_of, run_on_ranks
 
 TIMEOUT = datetime.timedelta(seconds=30)
 MICRO_BATCHES = 4
 STEPS = 3
-
-
-def error_of(call) -> str:
-    try:
-        call()
-    except (ValueError, RuntimeError, NotImplementedError, AttributeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def mlp() -> nn.Module:
