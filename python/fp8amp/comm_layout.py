@@ -23,8 +23,8 @@ PIPELINE_MIN_CHUNK = {"native": 2**24, "all_to_all": 2**26}
 PIPELINE_MAX_CHUNKS = 8
 #: Chunks start at multiples of this many elements (256 bytes of a float32 bucket: the kernels' packs stay aligned).
 CHUNK_ALIGN = 64
-#: Scales per chunk (FP8CommState.scales_per_chunk=None) where a chunk holds at least this many elements: a
-#: smaller chunk's own amax pass and reduction are launches the host, not the GPU, is slower at
+#: Scales per chunk (FP8CommState.scales_per_chunk=None) where a chunk holds at least this many elements: in a
+#: smaller one, its own amax pass and reduction cost the host more launch time than the pass they hide
 #: (docs/distributed.md#scales-per-chunk).
 PER_CHUNK_SCALES_MIN = 2**26
 
