@@ -64,6 +64,9 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
             raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2:
             raise ValueError(f"{where}: x must be 2-D [rows, cols], got shape {list(x.shape)}")
+        if isinstance(x, WrapperTensorMixin):  # a ScaledTensor or BlockScaledTensor: its real values
+            dtype = dtype or x.dtype
+            x = x.dequantize(torch.float32)  # not in its logical dtype, which would round twice
         if x.dtype not in HIGH_PRECISION_DTYPES:
             if not x.dtype.is_floating_point:
                 raise ValueError(f"{where}: x must be a real floating-point tensor, got {x.dtype}")
@@ -142,6 +145,10 @@ class BlockScaledTensor(WrapperTensorMixin, torch.Tensor):
                 return BlockScaledTensor(self._codes[:rows], self._scale_inv[: -(-rows // BLOCK)], self.dtype)
             if func in _MULS_IN_PLACE and not kwargs and _scalar_factor(args[1]):
                 self._scale_inv.mul_(args[1])
+                return self
+            if func is _aten.copy_.default and isinstance(args[1], WrapperTensorMixin) and args[1].shape == self.shape:
+                # Another scaled tensor's real values, read in float32 (its logical dtype would round twice).
+                self._write(args[1].dequantize(torch.float32).to(self._codes.device))
                 return self
             # Gradient accumulation (autograd's AccumulateGrad, grad += new): the fused
             # dequantize-add-requantize. In place only: an out-of-place sum is the real values'

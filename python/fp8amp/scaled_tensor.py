@@ -228,9 +228,9 @@ class ScaledTensor(WrapperTensorMixin, torch.Tensor):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
         check_dtype(dtype, _STORAGE_FORMATS, "dtype", where)
-        if isinstance(x, ScaledTensor):
+        if isinstance(x, WrapperTensorMixin):  # a ScaledTensor or BlockScaledTensor: its real values
             orig_dtype = orig_dtype or x.dtype
-            x = x.dequantize(torch.float32)  # exact (codes times a power of two): rounded once, below
+            x = x.dequantize(torch.float32)  # not in its logical dtype, which would round twice
         if orig_dtype is None:
             orig_dtype = x.dtype if x.dtype in HIGH_PRECISION_DTYPES else torch.float32
         if x.dtype.is_complex:

@@ -74,7 +74,7 @@ from . import ops
 from .accumulation import count_accumulation, reset_accumulation
 from .formats import HIGH_PRECISION_DTYPES
 from .ops import scaled_accumulate
-from .scaled_tensor import OP_TABLE, ScaledTensor, _quantize_current, norms_from_codes
+from .scaled_tensor import OP_TABLE, ScaledTensor, WrapperTensorMixin, _quantize_current, norms_from_codes
 
 aten = torch.ops.aten
 
@@ -241,7 +241,7 @@ def _copy_(func, args, kwargs):
         # The scale is the whole tensor's: write the rows into its real values and re-quantize it
         # all with a fresh scale. The other rows keep their values exactly unless the new amax
         # is larger (then they round at the coarser scale, as any per-tensor-scaled write does).
-        src_real = src.dequantize(torch.float32) if isinstance(src, ScaledTensor) else src
+        src_real = src.dequantize(torch.float32) if isinstance(src, WrapperTensorMixin) else src
         real = base.dequantize(torch.float32)
         offset = dst._data.storage_offset() - base._data.storage_offset()  # (row views share the storage)
         real.view(-1)[offset : offset + dst.numel()].copy_(
@@ -253,7 +253,7 @@ def _copy_(func, args, kwargs):
         dst._scale_inv.copy_(src._scale_inv)
         dst._after_write(src)
         return dst
-    if isinstance(src, ScaledTensor):
+    if isinstance(src, WrapperTensorMixin):  # a ScaledTensor or BlockScaledTensor
         src = src.dequantize(torch.float32)  # not in its logical dtype: that would round twice
     if not isinstance(src, torch.Tensor):
         return NotImplemented

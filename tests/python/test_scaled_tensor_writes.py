@@ -350,18 +350,39 @@ def test_an_out_of_place_sum_with_a_block_scaled_tensor_is_exact_and_promotes():
     torch.testing.assert_close(x.dequantize(), real + other, atol=0.5, rtol=2 ** -3)
 
 
+def scaled_sources() -> dict:
+    """Sources whose real values bfloat16, their logical dtype, cannot hold: FP16 codes, and 128 x 128
+    blocks whose scales a factor of 1 + 2^-4 + 2^-9 made other than powers of two."""
+    torch.manual_seed(0)
+    fp16 = ScaledTensor.from_tensor(torch.randn(128, 256), torch.float16, orig_dtype=torch.bfloat16)
+    blocks = fp8amp.BlockScaledTensor.from_tensor(torch.randn(128, 256), dtype=torch.bfloat16)
+    blocks.mul_(1 + 2**-4 + 2**-9)  # a code of mantissa 1 becomes the FP16 example below
+    return {"ScaledTensor": fp16, "BlockScaledTensor": blocks}
+
+
 @pytest.mark.parametrize("write", ["from_tensor", "copy_"])
-def test_a_scaled_source_in_another_format_is_rounded_once(write):
-    """1 + 2^-4 + 2^-9 is an FP16 value that bfloat16 rounds to 1 + 2^-4, a tie that E4M3 then rounds
-    down; rounded once, from the exact value, E4M3 rounds it up (272.5 -> 288 at scale 256)."""
-    value = 1 + 2**-4 + 2**-9
-    src = ScaledTensor.from_tensor(torch.full((4, 4), value), torch.float16, orig_dtype=torch.bfloat16)
-    assert src.dequantize(torch.float32)[0, 0].item() == value
+@pytest.mark.parametrize("dst", ["ScaledTensor", "BlockScaledTensor"])
+@pytest.mark.parametrize("src", ["ScaledTensor", "BlockScaledTensor"])
+def test_a_scaled_source_is_rounded_once_into_another_scaled_tensor(write, dst, src):
+    """Read in its logical dtype (bfloat16), a source was rounded twice: to bfloat16, then into the
+    destination's format (1 + 2^-4 + 2^-9 in FP16 codes became 1.0 in E4M3, not 1.125). Its real
+    values are read in float32 (exact for codes times a scale), so the result equals a cast of them."""
+    source = scaled_sources()[src]
+    real = source.dequantize(torch.float32)
+    assert not torch.equal(real, real.bfloat16().float())  # bfloat16 would round them
+    kind = {"ScaledTensor": lambda x: ScaledTensor.from_tensor(x, fp8amp.E4M3),
+            "BlockScaledTensor": lambda x: fp8amp.BlockScaledTensor.from_tensor(x)}[dst]
     if write == "from_tensor":
-        dst = ScaledTensor.from_tensor(src, fp8amp.E4M3)
-        assert dst.dtype == torch.bfloat16  # the source's logical dtype
+        out = kind(source)
+        assert out.dtype == torch.bfloat16  # the source's logical dtype
     else:
-        dst = ScaledTensor.from_tensor(torch.zeros(4, 4), fp8amp.E4M3)
-        dst.copy_(src)
-    assert_bits_equal(dst.codes, ScaledTensor.from_tensor(torch.full((4, 4), value), fp8amp.E4M3).codes)
-    assert dst.dequantize(torch.float32)[0, 0].item() == 1.125
+        out = kind(torch.zeros(128, 256))
+        out.copy_(source)
+    assert_bits_equal(out.codes, kind(real).codes)
+    assert_bits_equal(out.scale_inv, kind(real).scale_inv)
+
+
+def test_an_fp16_value_bfloat16_cannot_hold_is_rounded_once_into_e4m3():
+    value = 1 + 2**-4 + 2**-9  # bfloat16: 1 + 2^-4, a tie E4M3 rounds down; E4M3 of the value: 1.125
+    src = ScaledTensor.from_tensor(torch.full((4, 4), value), torch.float16, orig_dtype=torch.bfloat16)
+    assert ScaledTensor.from_tensor(src, fp8amp.E4M3).dequantize(torch.float32)[0, 0].item() == 1.125
