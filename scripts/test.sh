@@ -19,4 +19,5 @@ echo "== Python tests (pytest) =="
 # multi-process runs, one core each; GPU tests run in one process, which has the GPU to itself.
 WORKERS=()
 has_gpu || WORKERS=(-n 2)
-"$PY" -m pytest tests/python -q "${WORKERS[@]}" "$@"
+# The slowest tests are listed at the end, so that what makes CI long (a 30-minute budget) shows in its log.
+"$PY" -m pytest tests/python -q --durations=25 "${WORKERS[@]}" "$@"
