@@ -29,7 +29,9 @@ depend on the values). For each bucket it prints
                     work, plus one small all-reduce's latency L, not measured here (the first
                     chunk's amaxes; the others' run beside the data collectives). With one scale a
                     gradient ("native, scales per gradient"), the whole amax pass comes first, since
-                    every chunk's scale waits for it, and W is the rest.
+                    every chunk's scale waits for it, and W is the rest. For float32 buckets also
+                    against torch's bf16_compress_hook on those 2 H200s (its casts to bfloat16 and
+                    back included), the BF16 path such a bucket takes under DDP.
 
 Buckets: float32 and bfloat16 hold plain gradients; "o2" is the float32 bucket of an O1/O2 model
 under DDP, holding an E4M3 gradient's dequantized values, whose amax is read from its codes.
@@ -69,12 +71,14 @@ BUCKETS = {**DTYPES, "o2": torch.float32}
 
 #: Milliseconds on 2 x H200 (NVLink, NCCL 2.28.9, torch 2.11.0+cu130, 2026-11-30; docs/benchmarks.md
 #: "FP8 gradient all-reduce"): the BF16 all_reduce, the float8 all_reduce alone ("native"'s
-#: collective) and the uint8 all-to-all + all-gather alone ("all_to_all"'s), by element count.
+#: collective), the uint8 all-to-all + all-gather alone ("all_to_all"'s), and torch's
+#: bf16_compress_hook on a float32 bucket (its casts included: the BF16 path a float32 bucket takes),
+#: by element count.
 COLLECTIVES_2XH200 = {
-    2**20: dict(bf16=0.078, native=0.075, all_to_all=0.116),
-    2**24: dict(bf16=0.177, native=0.134, all_to_all=0.169),
-    2**27: dict(bf16=0.964, native=0.579, all_to_all=0.619),
-    2**29: dict(bf16=3.375, native=1.805, all_to_all=2.098),
+    2**20: dict(bf16=0.078, native=0.075, all_to_all=0.116, bf16_compress=0.169),
+    2**24: dict(bf16=0.177, native=0.134, all_to_all=0.169, bf16_compress=0.332),
+    2**27: dict(bf16=0.964, native=0.579, all_to_all=0.619, bf16_compress=1.762),
+    2**29: dict(bf16=3.375, native=1.805, all_to_all=2.098, bf16_compress=6.620),
 }
 
 
@@ -182,6 +186,8 @@ def main() -> None:
                             total = whole_amax + max(work, wire) + min(work, wire) / chunks
                             latency = " + L" if whole_amax == 0.0 else ""
                             pipelined = f"{total:.3f} ms{latency} = {total / recorded['bf16']:.2f}x{latency}"
+                            if dtype == torch.float32:
+                                pipelined += f"; {total / recorded['bf16_compress']:.2f}x bf16 compress"
                     rows.append([dtype_name, f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}",
                                  method.split(", k=")[0] + ("" if state is None else f" ({chunks} chunks)"),
                                  f"{seconds * 1e3:.3f}", f"{per_element:.4g}",
