@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python tests on the CPU under the oldest torch pyproject.toml accepts (2.11, the GPU
 # machine's), in a venv of its own: CI and scripts/test.sh install the newest torch, and 2.11's
-# Dynamo and Inductor differ from it (docs/compile.md#three-more-torch-211-faults-worked-around).
+# Dynamo and Inductor differ from it (docs/compile.md#four-more-torch-211-faults-worked-around).
 # Installs that torch and the test tools, builds fp8amp without CUDA in build/oldest-torch, runs
 # pytest on two workers; transformers, accelerate, lightning and timm are left out (beside torch
 # 2.11, pip's resolver backtracked over their versions for many minutes), so their tests skip.

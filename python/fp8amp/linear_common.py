@@ -90,6 +90,14 @@ def refuse_dual_tensors(x: torch.Tensor, layer: torch.nn.Module) -> None:
         raise NotImplementedError(_NO_FORWARD_AD)
 
 
+def _exporting() -> bool:
+    """Whether torch.export is tracing. Not ``torch.compiler.is_exporting()`` alone: torch 2.11's Dynamo
+    folds that call to True under every torch.compile, export or not; the flag it reads, a module global,
+    Dynamo reads as it is (and guards on)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
+
+
 def refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module) -> None:
     """TorchScript tracing, a training-mode torch.export, forward-mode AD, DTensors, sparse and nested inputs,
     inputs or weights of a dtype the casts do not take (named by the layer, not by the cast op that would refuse
@@ -98,7 +106,7 @@ def refuse_unsupported_input(x: torch.Tensor, weight: torch.Tensor, layer: torch
     if torch.jit.is_tracing():
         raise NotImplementedError(no_torchscript())
     refuse_dual_tensors(x, layer)
-    if torch.compiler.is_exporting() and layer.training and torch.is_grad_enabled():
+    if _exporting() and layer.training and torch.is_grad_enabled():
         # export inlines the autograd Function: the exported module's backward ran through the FP8 ops, which
         # have no derivative, and gave the weights no gradient (torch warned only that it "may" be wrong).
         raise NotImplementedError(

@@ -230,7 +230,30 @@ def pipeline_rank(rank: int, runs: list, checkpoint: str) -> dict:
     return out
 
 
-RUNS = [("fp8", "gpipe"), ("O1", "1f1b"), ("O2", "1f1b"), ("O2", "zero_bubble")]
+def custom_function_nodes_have_input_metadata() -> bool:
+    """Whether autograd gives a custom Function's node its input metadata, which a zero-bubble
+    schedule's separate weight backward reads (``autograd.grad`` of a GradientEdge): torch 2.11
+    raises "Attribute '_input_metadata' is invalid" there (pytorch issue 166577), for any
+    autograd.Function, Fp8Linear's among them."""
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    try:
+        Identity.apply(torch.zeros(1, requires_grad=True)).grad_fn._input_metadata
+    except RuntimeError:
+        return False
+    return True
+
+
+RUNS = [("fp8", "gpipe"), ("O1", "1f1b"), ("O2", "1f1b")]
+if custom_function_nodes_have_input_metadata():
+    RUNS.append(("O2", "zero_bubble"))
 
 
 def test_pipeline_stages_train_bit_for_bit_as_one_process_and_resume_in_one(tmp_path):
