@@ -70,14 +70,17 @@ def _prune() -> None:
 
 def _derived_group(group, backend: str):
     """A group of ``group``'s ranks on ``backend`` of its own, made once (collectively, by the first
-    call, which every rank of ``group`` makes: ``group`` spans the world)."""
+    call, which every rank of ``group`` makes: ``group`` spans the world). Named from torch's count of
+    groups, not with ``use_local_synchronization``, whose names torch 2.11 makes from the ranks alone:
+    two groups over the same ranks (the amax and the host group, or one made again after a destroy)
+    shared a name and so their rendezvous keys, and the ranks hung in the second's."""
     _prune()
     group = group if group is not None else dist.group.WORLD
     key = (group, backend)
     derived = _DERIVED_GROUPS.get(key)
     if derived is None:
         ranks = dist.get_process_group_ranks(group)
-        derived = _DERIVED_GROUPS[key] = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+        derived = _DERIVED_GROUPS[key] = dist.new_group(ranks=ranks, backend=backend)
     return derived
 
 
