@@ -48,6 +48,9 @@ __all__ = ["Fp8Linear", "Fp8Conv1D", "MasterPolicy", "fp8_linear_supported", "is
            "weight_not_parameter_reason"]
 
 _ALIGN = 16
+#: Told of each layer that Fp8Linear's constructor builds (fp8amp.scaling_hooks watches it: no optimizer is
+#: registered for its scaling); from_linear's caller, convert, registers or watches the whole model.
+on_built: list = []
 
 
 def fp8_linear_supported(in_features: int, out_features: int) -> bool:
@@ -261,6 +264,8 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._add_scaling_states(recipe, device)
         apply_inductor_config()
+        for callback in on_built:
+            callback(self)
 
     #: Whether forwards in ``eval()`` or without grad (validation, generation) record their input's amax (and
     #: their backwards the output gradient's) into the delayed-scaling histories. Off: only training shapes

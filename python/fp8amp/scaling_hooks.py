@@ -12,7 +12,9 @@
 - A model converted without an optimizer (``convert(model)``, ``initialize(model, None, ...)``)
   is watched until its scaling is registered: an optimizer that steps its parameters twice with
   no scaling update between warns once (:func:`watch_scaling_updates`), since nothing would ever
-  update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand). So is a
+  update it (a Trainer's own optimizer, an ``fp8amp.optim.AdamW`` built by hand), and so is an
+  Fp8Linear built by its constructor (``fp8amp.Fp8Linear(in, out)``) until a model holding it is
+  registered, converted or found by a registered model's hooks. So is a
   registered model from a training step that none of its optimizers took until one steps (a new
   optimizer built by hand for a new phase, not registered), and the check is of the states of the
   layers the stepping optimizer holds (another model's update says nothing of them).
@@ -40,7 +42,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .amax_sync import _end_step, _reduce_amaxes, _start_amax_reduction, delayed_states
-from .linear import Fp8Linear
+from .linear import Fp8Linear, on_built
 from .scaling import ScalingState, update_states
 from .skipped_steps import drop_nonfinite_amaxes, mark_stepped, on_unstepped, watch_skipped_steps
 
@@ -196,7 +198,7 @@ def register_scaling_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -
     if not any(m is model for m in hooks.models):
         hooks.add(model)
         _replace_superseded(hooks.optimizer, delayed_states(model))
-    _WATCHED.pop(model, None)
+    _unwatch_inside(model)
 
 
 def check_hookable(optimizer: object, caller: str) -> None:
@@ -381,6 +383,8 @@ def _update_states(states: list[ScalingState]) -> None:
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 _STEPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, int, set, int]]" = weakref.WeakKeyDictionary()
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# The layers watched since Fp8Linear's constructor built them (fp8amp.Fp8Linear(in, out), not convert).
+_BUILT: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _watch_hook = None
 _watch_generation = 0
 
@@ -395,9 +399,28 @@ def watch_scaling_updates(model: nn.Module) -> None:
         return
     if model not in _WATCHED:
         _watch_generation += 1
+    _unwatch_inside(model)  # (layers watched since they were built: the model's watch covers them)
     _WATCHED[model] = True
     if _watch_hook is None:
         _watch_hook = register_optimizer_step_post_hook(_check_step)
+
+
+def _unwatch_inside(model: nn.Module) -> None:
+    """Ends the watch of ``model`` and of the modules inside it."""
+    if _WATCHED:
+        for m in model.modules():
+            _WATCHED.pop(m, None)
+
+
+def _watch_built(layer: Fp8Linear) -> None:
+    """An Fp8Linear built by its constructor (MS-AMP's ``FP8Linear`` used directly) is watched as a
+    model converted without an optimizer is: stepped by an optimizer that nobody registered, its
+    delayed scales stayed in warm-up for the whole run, silently."""
+    _BUILT.add(layer)
+    watch_scaling_updates(layer)
+
+
+on_built.append(_watch_built)
 
 
 def _watch_unstepped(model: nn.Module) -> None:
@@ -447,6 +470,9 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if model is None or model not in _WATCHED:
             continue
         states = _stepped_states(model, held)
+        if model in _BUILT and states and all(s in _REGISTERED for s in states):
+            _WATCHED.pop(model)  # a built layer put into a registered model, whose hooks found it
+            continue
         # Each of them: another model's update, or that of another part of this one (a registered
         # model inside it, say), says nothing of the layers this optimizer steps.
         if states and all(s.updated_at > updates_then for s in states):

@@ -80,3 +80,41 @@ def test_directly_built_fp8linear_with_scaling_updates_does_not_warn():
         warnings.simplefilter("error")
         _train(model, optimizer, steps=3)
     assert int(model[0].input_scaling.counter) == int(model[2].input_scaling.counter) == 3
+
+
+def _unregistered_steps(model, optimizer, steps=3) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, optimizer, steps=steps)
+    return [str(w.message) for w in caught if "nothing updated the model's FP8 scaling" in str(w.message)]
+
+
+def test_directly_built_fp8linear_stepped_by_an_unregistered_optimizer_warns_once():
+    """MS-AMP's FP8Linear counterpart built by hand and stepped by a torch optimizer that nobody
+    registered kept its delayed scales in warm-up for the whole run, silently (a model converted
+    without an optimizer was watched; a layer built by its constructor was not)."""
+    model = nn.Sequential(fp8amp.Fp8Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    assert len(_unregistered_steps(model, torch.optim.AdamW(model.parameters()))) == 1
+    assert int(model[0].input_scaling.counter) == 0  # nothing updated it: the warning is right
+    assert not _unregistered_steps(model, torch.optim.AdamW(model.parameters()))  # once
+
+
+def test_directly_built_fp8linear_registered_later_or_put_into_a_registered_model_does_not_warn():
+    from fp8amp import scaling_hooks
+
+    model = nn.Sequential(fp8amp.Fp8Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    fp8amp.register_scaling_hooks(model, optimizer)
+    assert not _unregistered_steps(model, optimizer)
+    assert int(model[0].input_scaling.counter) == 3
+    # A layer built into a model that is already registered: the model's hooks find and update it.
+    model[2] = fp8amp.Fp8Linear(64, 32)
+    optimizer.add_param_group({"params": list(model[2].parameters())})
+    assert not _unregistered_steps(model, optimizer)
+    assert int(model[2].input_scaling.counter) == 3
+    assert model[2] not in scaling_hooks._WATCHED and model[0] not in scaling_hooks._WATCHED
+    # convert of a model with built layers in it watches the model, not each layer as well.
+    model = nn.Sequential(fp8amp.Fp8Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    fp8amp.convert(model)
+    assert model in scaling_hooks._WATCHED and model[0] not in scaling_hooks._WATCHED
+    assert len(_unregistered_steps(model, torch.optim.AdamW(model.parameters()))) == 1
