@@ -169,12 +169,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # place), the backward needs this forward's.
         if transpose_from is not None and saved_tensors_mutable():
             w_fp8_t, w_scale_inv, transpose_from = _transposed_copy(*transpose_from), w_scale_inv.clone(), None
-        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv)
-        ctx.w_transpose_from = transpose_from
         # The backward reads the master as it is then: a write in between is refused, as torch
-        # refuses one to a tensor it saved (in eager mode: Dynamo cannot read a version counter).
-        # A master made under inference_mode has no counter (and torch refuses writes to it outside).
-        eager_master = transpose_from is not None and not torch.compiler.is_compiling() and not weight.is_inference()
+        # refuses one to a tensor it saved. Dynamo cannot read a version counter, so a compiled
+        # forward saves the master's tensors, whose counters the compiled graph checks (the fused
+        # optimizer step bumps them); eager, the layer compares the master's own counter, which
+        # gives the clearer message. A master made under inference_mode has no counter (and torch
+        # refuses writes to it outside).
+        compiling = torch.compiler.is_compiling()
+        saved_master = transpose_from if transpose_from is not None and compiling else ()
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv, *saved_master)
+        ctx.w_transpose_from = None if saved_master else transpose_from
+        eager_master = transpose_from is not None and not compiling and not weight.is_inference()
         ctx.weight_version = (weight, weight._version) if eager_master else None
         # FP8 weight gradients are for O1/O2's masters only (not FSDP2's gathered E4M3 weight).
         ctx.fp8_weight_grad = isinstance(weight, MasterWeight) and fp8_weight_grad
@@ -189,11 +194,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx, grad_output: torch.Tensor):
-        x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv = ctx.saved_tensors
-        if ctx.w_transpose_from is not None and ctx.needs_input_grad[0]:  # only dX reads the weight
+        x_fp8_t, x_scale_inv, w_fp8_t, w_scale_inv, *saved_master = ctx.saved_tensors
+        transpose_from = saved_master or ctx.w_transpose_from
+        if transpose_from is not None and ctx.needs_input_grad[0]:  # only dX reads the weight
             if ctx.weight_version is not None and ctx.weight_version[0]._version != ctx.weight_version[1]:
                 raise RuntimeError(_WEIGHT_WRITTEN)
-            w_fp8_t = _transposed_copy(*ctx.w_transpose_from)
+            w_fp8_t = _transposed_copy(*transpose_from)
         two_d = grad_output.dim() == 2
         dy2d = grad_output if two_d else grad_output.reshape(-1, grad_output.shape[-1])
         padded = ctx.rows % _ALIGN != 0

@@ -210,6 +210,9 @@ class MasterWeight(ScaledTensor):
             kept = None
         amax = None  # the real values' amax, where re-casting the copy computes it
         if self._fp8 is not None:
+            # Written under __torch_dispatch__, where torch bumps no inner tensor's version counter:
+            # those a compiled Fp8Linear's backward saved must say so (fp8amp.linear).
+            torch.autograd.graph.increment_version(self.fp8_operands()[3])
             if isinstance(source, MasterWeight) and source._fp8 is not None:
                 for mine, theirs in zip(self.fp8_copy, source.fp8_copy):
                     mine.copy_(theirs)

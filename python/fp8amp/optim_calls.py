@@ -180,6 +180,13 @@ class CallLists:
         #: the masters whose kept amax the op takes, made current before each step
         self.kept_masters = [p for p, a in zip(params, self.kept_amaxes) if a is not None]
         self.inner_ids = self._inner_ids()
+        # what the op writes in place behind autograd's back, whose version counters each step
+        # bumps, as torch's in-place updates do: the params (a DTensor's local shard has a counter
+        # of its own) and the masters' tensors a compiled Fp8Linear saves for its backward
+        # (MasterWeight.fp8_operands; the graph checks their counters, fp8amp.linear)
+        self.written = [*sharded, *(params[i] for i in self.sharded_positions),
+                        *(t for p in self.masters if isinstance(p, MasterWeight) and p.fp8_copy is not None
+                          for t in p.fp8_operands()[3])]
         self.exp_avgs = [local(s["exp_avg"]) for s in states]
         self.exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
         self.steps = steps = [s["step"] for s in states]
@@ -229,11 +236,7 @@ class CallLists:
             self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
         for p, wide in widened:
             p.copy_(wide)
-        # changed in place under a custom op (a master: on its inner codes): say so, as torch's
-        # optimizers' in-place updates do; a DTensor's local shard has a counter of its own
-        torch.autograd.graph.increment_version(self.sharded)
-        if self.sharded_positions:
-            torch.autograd.graph.increment_version([self.params[i] for i in self.sharded_positions])
+        torch.autograd.graph.increment_version(self.written)
         if not torch.compiler.is_compiling():
             for p in self.kept_masters:
                 p._kept.stepped(p)
