@@ -126,6 +126,7 @@ class FusedCalls:
 def op_seconds(calls: list, repeats: int, device: torch.device) -> float:
     """Host seconds of ``calls`` (one step's, as ``adam_step`` (args, kwargs)) made as op calls."""
 
+    @torch.no_grad()  # as the optimizer's step: the op writes params that require grad
     def run():
         for a, k in calls:
             fast.adam_step(*a, **k)
@@ -139,6 +140,7 @@ def dispatch_seconds(calls: list, repeats: int) -> float:
     on the meta device: torch's dispatch of the argument lists and the Meta kernel, nothing else."""
     meta_calls = [tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), call) for call in calls]
 
+    @torch.no_grad()
     def run():
         for a, k in meta_calls:
             fast.adam_step(*a, **k)

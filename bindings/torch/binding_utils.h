@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -123,6 +124,15 @@ void call(const at::Tensor& t, F&& f) {
 #endif
     f(stream);
   });
+}
+
+// The ops have no derivative (Fp8Linear's autograd Function holds the backward): a backward that
+// reaches one, through a program torch.export made of a converted model or an op called on tensors
+// that require grad, raises torch's "derivative for fp8amp::<op> is not implemented", where torch's
+// default for custom ops gives None gradients with only a warning. For TORCH_LIBRARY_IMPL(fp8amp, Autograd, m).
+template <typename... Names>
+void register_no_derivative(torch::Library& m, Names... names) {
+  (m.impl(names, torch::autograd::autogradNotImplementedFallback()), ...);
 }
 
 }  // namespace fp8amp::torch_binding

@@ -95,3 +95,7 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("comm_sum_requantize", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kCommSumRequantize,
                                                                  fp8amp::torch_binding::comm_sum_requantize_meta>::run);
 }
+TORCH_LIBRARY_IMPL(fp8amp, Autograd, m) {
+  fp8amp::torch_binding::register_no_derivative(
+      m, "comm_quantize", "comm_sum_shards", "comm_sum_requantize");
+}

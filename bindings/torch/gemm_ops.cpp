@@ -157,3 +157,7 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("gemm_tiles",
          &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kGemmTiles, fp8amp::torch_binding::gemm_tiles_meta>::run);
 }
+TORCH_LIBRARY_IMPL(fp8amp, Autograd, m) {
+  fp8amp::torch_binding::register_no_derivative(
+      m, "gemm", "gemm_accumulate", "gemm_tiles");
+}

@@ -134,3 +134,7 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("dequantize_mx", &MetaKernel<kDequantizeMx, dequantize_mx_meta>::run);
   m.impl("gemm_mx", &MetaKernel<kGemmMx, gemm_mx_meta>::run);
 }
+TORCH_LIBRARY_IMPL(fp8amp, Autograd, m) {
+  fp8amp::torch_binding::register_no_derivative(
+      m, "quantize_mx", "cast_transpose_mx", "dequantize_mx", "gemm_mx");
+}

@@ -384,3 +384,9 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("scaled_accumulate", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kScaledAccumulate,
                                                                fp8amp::torch_binding::scaled_accumulate_meta>::run);
 }
+TORCH_LIBRARY_IMPL(fp8amp, Autograd, m) {
+  fp8amp::torch_binding::register_no_derivative(
+      m, "quantize", "quantize_current", "cast_transpose", "cast_transpose_dbias", "cast_transpose_rescaled",
+      "dequantize", "amax", "amax_of", "multi_amax", "multi_quantize", "multi_dequantize", "compute_scale",
+      "update_delayed_scaling", "multi_update_delayed_scaling", "scaled_accumulate");
+}

@@ -280,3 +280,4 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("adam_step",
          &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kAdamStep, fp8amp::torch_binding::adam_step_meta>::run);
 }
+TORCH_LIBRARY_IMPL(fp8amp, Autograd, m) { fp8amp::torch_binding::register_no_derivative(m, "adam_step"); }

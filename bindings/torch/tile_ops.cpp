@@ -177,3 +177,7 @@ TORCH_LIBRARY_IMPL(fp8amp, Meta, m) {
   m.impl("multi_norm_tiles", &fp8amp::torch_binding::MetaKernel<fp8amp::torch_binding::kMultiNormTiles,
                                                               fp8amp::torch_binding::multi_norm_tiles_meta>::run);
 }
+TORCH_LIBRARY_IMPL(fp8amp, Autograd, m) {
+  fp8amp::torch_binding::register_no_derivative(
+      m, "quantize_tiles", "cast_transpose_tiles", "dequantize_tiles", "scaled_accumulate_tiles", "multi_norm_tiles");
+}

@@ -40,6 +40,8 @@ def adam_step(
     **optional_lists: Sequence[torch.Tensor | None],
 ) -> torch.Tensor:
     """One Adam (``adamw=False``) or AdamW step over the tensors of one param group, in place.
+    Params that require grad are written under ``torch.no_grad()``, as by an optimizer's step
+    (torch refuses the in-place write otherwise, as it refuses ``p.add_(...)``).
 
     ``params[i]``, ``grads[i]``, ``exp_avgs[i]`` and ``exp_avg_sqs[i]`` are tensor i's buffers.
     Scaled buffers come with their scales through the keyword lists ``param_scales``,
