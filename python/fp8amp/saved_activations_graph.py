@@ -190,11 +190,13 @@ def _is_graph_activation(x: torch.Tensor, min_numel: int, state: dict) -> bool:
     node, fw_graph, bw_graph = state["_node"], state["_fw_graph"], state["_bw_graph"]
     source = _source(node)
     if source.op == "placeholder":
-        # A graph input: parameters and buffers never reach the hook themselves ("no_static"), the
-        # others are stored if the backward computes their gradient (an activation from the code
-        # before the graph). Views and casts of an input (autocast's copies of weights) are stored
-        # only where torch marks the input non-static (torch 2.15 does, 2.11 does not).
-        if source is not node and source.meta.get("is_static_input", True):
+        # A graph input: parameters and buffers (static inputs) are not stored, the others are if
+        # the backward computes their gradient (an activation from the code before the graph).
+        # Where torch marks no input (2.11), the input itself reaching the hook is non-static
+        # ("no_static" passes no other), and views and casts of one (autocast's copies of
+        # weights) are not stored.
+        static = _static_inputs(fw_graph).get(source)
+        if static if static is not None else source is not node:
             return False
         return _input_gets_gradient(source, fw_graph, bw_graph)
     if (_is_statistic(node) or _is_statistic(source) or _scales_a_statistic(source)
@@ -202,6 +204,36 @@ def _is_graph_activation(x: torch.Tensor, min_numel: int, state: dict) -> bool:
             or source not in _requires_grad(fw_graph, bw_graph)):
         return False
     return not _backward_exponentiates(node.name, bw_graph)
+
+
+def _static_inputs(fw_graph: torch.fx.Graph) -> dict:
+    """Whether each forward input is static (a parameter or buffer), where torch marks it
+    (meta "is_static_input"); cached as _graph_outputs is. Torch 2.15 marks the inputs by the
+    positions of the static ones among the inputs before tensor subclasses (O1/O2 masters) are
+    split into their inner tensors, so every input after a master reads another's mark (a plain
+    parameter after one was stored in FP8). AOTAutograd's descriptors name the unsplit input k of
+    each; the mark at position k is then k's own. Where the marks are by the split inputs'
+    positions (a static one beyond the unsplit count shows it) or an input has no such descriptor,
+    they are taken as they are."""
+    cached = getattr(fw_graph, "_fp8amp_static_inputs", None)
+    if cached is not None:
+        return cached
+    inputs = list(fw_graph.find_nodes(op="placeholder"))
+    marks = [n.meta.get("is_static_input") for n in inputs]
+    unsplit = [_unsplit_index(n.meta.get("desc")) for n in inputs]
+    by_unsplit_position = (None not in marks and None not in unsplit and unsplit != list(range(len(inputs)))
+                           and not any(marks[max(unsplit) + 1:]))
+    result = {n: marks[k] if by_unsplit_position else mark for n, mark, k in zip(inputs, marks, unsplit)}
+    fw_graph._fp8amp_static_inputs = result
+    return result
+
+
+def _unsplit_index(desc: object) -> int | None:
+    """The position among the graph's inputs before subclasses are split of the input an
+    AOTAutograd descriptor names (None: another kind of input)."""
+    desc = _described(desc)
+    index = getattr(desc, "idx", None)
+    return index if type(desc).__name__ == "PlainAOTInput" and isinstance(index, int) else None
 
 
 def _requires_grad(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> frozenset:

@@ -178,6 +178,50 @@ def test_compiled_o2_blocks_store_activations():
     assert torch.isfinite(fp8).all() and (fp8 - plain).abs().max() < 0.01 * plain.max()
 
 
+class NormMasterHead(nn.Module):
+    """A LayerNorm, an Linear converted at O2 (its weight a master: several graph inputs) and a
+    Linear kept in high precision after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.body, self.head = nn.LayerNorm(256), nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.norm(x))))
+
+
+@needs_graph_hooks
+def test_compiled_graph_keeps_the_parameters_after_a_master_as_eager_does():
+    """Torch 2.15 marks a graph's static inputs (parameters, buffers) by their positions before an
+    O1/O2 master is split into its inner tensors, so every input after the master read another
+    input's mark: the head's weight (its autocast copy) was stored in FP8, 4 % off eager in the
+    input gradient. The compiled step now gives eager's gradients, and still stores the graph's
+    input, which the LayerNorm saves."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = NormMasterHead()
+    model, _ = fp8amp.initialize(base, torch.optim.AdamW(base.parameters()), "O2",
+                                 module_filter_fn=lambda m, name: name != "head", policy="all")
+    data = torch.randn(64, 256)
+
+    def grads(forward):
+        x = data.clone().requires_grad_()
+        with fp8amp.save_activations_in_fp8(min_numel=1024), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(x * 2)  # x * 2: an activation as the graph's input
+        held = held_for_backward(out)
+        out.float().square().sum().backward()
+        result = [x.grad, model.head.weight.grad.clone(), model.body.bias.grad.clone()]
+        model.zero_grad()
+        return result, held
+
+    eager, _ = grads(model)
+    compiled, held = grads(torch.compile(model, backend="aot_eager"))
+    for e, c in zip(eager, compiled):
+        assert torch.equal(c, e)
+    assert held[torch.float8_e4m3fn] >= data.numel()  # the input, stored (with the ReLU's output)
+    assert held[torch.float32] < 2 * 256 * 256  # the head's float32 weight, not its FP8-stored copy
+
+
 class UnboundQkvAttention(nn.Module):
     """Attention in timm's layout: q, k and v are the items of one unbind of the permuted qkv output,
     saved as they are (fp8amp.testing's GPT saves transposes of them)."""
