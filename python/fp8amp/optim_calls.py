@@ -150,6 +150,13 @@ def shard_coordinates(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(c for c, placement in zip(coordinate, p.placements) if placement.is_shard())
 
 
+def _widened_positions(params: list[torch.Tensor]) -> list[int]:
+    """The positions of the plain params that step through a contiguous float32 copy: bfloat16/
+    float16 ones, and non-contiguous ones (channels_last conv weights; the moments are contiguous)."""
+    return [i for i, p in enumerate(params) if not isinstance(p, ScaledTensor)
+            and (p.dtype != torch.float32 or not p.is_contiguous())]
+
+
 class CallLists:
     """The lists of one cohort's ``adam_step`` call that stay from step to step (see the module
     docstring), built from the params ``sharded`` and their ``states``."""
@@ -167,10 +174,7 @@ class CallLists:
         self.scale_lists = [or_empty([local(s.get(key)) for s in states]) for key in SCALE_KEYS]
         #: the ScaledTensor params (masters)
         self.masters = [p for p in params if isinstance(p, ScaledTensor)]
-        #: positions of the plain params that step through a contiguous float32 copy: bfloat16/float16
-        #: ones, and non-contiguous ones (channels_last conv weights; the moments are contiguous)
-        self.widened_positions = [i for i, p in enumerate(params) if not isinstance(p, ScaledTensor)
-                                  and (p.dtype != torch.float32 or not p.is_contiguous())]
+        self.widened_positions = _widened_positions(params)
         self.data = [p.codes if isinstance(p, ScaledTensor) else p for p in params]
         self.param_scale_invs = or_empty([p.scale_inv if isinstance(p, ScaledTensor) else None for p in params])
         copies = [p.fp8_copy if isinstance(p, MasterWeight) else None for p in params]
@@ -233,7 +237,7 @@ class CallLists:
               or _get_current_dispatch_mode()):
             self._op_step(None, data, grads, grad_scale_invs, hyper, self.step_tensor, self.step_counts, found_inf)
         else:
-            self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
+            widened = self._plan_step(data, grads, grad_scale_invs, hyper, found_inf)
         for p, wide in widened:
             p.copy_(wide)
         torch.autograd.graph.increment_version(self.written)
@@ -278,12 +282,24 @@ class CallLists:
             self._op_step(positions, data, grads, grad_scale_invs, hyper, first, [self.steps[i] for i in positions],
                           found_inf)
 
-    def _plan_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> None:
+    def _plan_step(self, data, grads, grad_scale_invs, hyper, found_inf) -> list:
+        """The step through the kept plan; returns the (param, float32 copy) pairs to round back
+        (none, unless the plan is remade for a param that is no longer contiguous)."""
         args = (grads, grad_scale_invs, *hyper[:7], 0, self.step_tensor, found_inf, 0, *hyper[7:])
-        if self._plan is None or self._plan.step(*args) is None:
-            self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
-                                       *self.scale_lists, *self.copy_lists, self.step_counts, self.kept_amaxes)
-            self._plan.step(*args)
+        if self._plan is not None and self._plan.step(*args) is not None:
+            return []
+        # Made, or a buffer changed since (its storage, dtype or sizes). A param whose layout
+        # changed (model.to(memory_format=...) after the first step) steps through a contiguous
+        # float32 copy from now on, as one made so before the first step does.
+        self.widened_positions = _widened_positions(self.params)
+        if self.widened_positions:
+            data, widened = self._step_data()
+            self._op_step(None, data, grads, grad_scale_invs, hyper, self.step_tensor, self.step_counts, found_inf)
+            return widened
+        self._plan = fast.AdamPlan(data, self.exp_avgs, self.exp_avg_sqs, [], self.param_scale_invs,
+                                   *self.scale_lists, *self.copy_lists, self.step_counts, self.kept_amaxes)
+        self._plan.step(*args)
+        return []
 
     def _step_data(self) -> tuple[list, list]:
         """This step's ``(data, widened)``: ``widened`` the (param, float32 copy) pairs to round

@@ -160,3 +160,29 @@ def test_moments_replaced_by_hand_step_as_torch(level):
         state = optimizer.state[p]
         assert (state["exp_avg"].dtype, state["exp_avg_sq"].dtype, float(state["step"])) == (m_dtype, v_dtype, 6.0)
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0.02 * float(q.detach().abs().max()))
+
+
+@pytest.mark.parametrize("state_dtypes", ["O1", "O2"])
+def test_params_made_channels_last_after_the_first_step_step_as_torch(state_dtypes):
+    # The step's kept plan held the conv weights as contiguous: after
+    # model.to(memory_format=torch.channels_last) the next step was refused ("params[0] must be
+    # contiguous"). Such params step through a contiguous copy from then on, as torch's AdamW.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GELU(), nn.Conv2d(8, 4, 3))
+    reference = copy.deepcopy(model)
+    ours = fp8amp.optim.AdamW(model.parameters(), lr=1e-2, state_dtypes=state_dtypes)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        if step == 1:
+            for m in (model, reference):
+                m.to(memory_format=torch.channels_last)
+            assert not model[0].weight.is_contiguous()
+        for m, opt in ((model, ours), (reference, theirs)):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    tolerance = 1e-6 if state_dtypes == "O1" else 2e-3  # O2: FP8/FP16 moments
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert p.is_contiguous() == r.is_contiguous()
+        assert (p - r).abs().max() < tolerance
