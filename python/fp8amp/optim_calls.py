@@ -293,6 +293,7 @@ class CallLists:
         # float32 copy from now on, as one made so before the first step does.
         self.widened_positions = _widened_positions(self.params)
         if self.widened_positions:
+            self._plan = None  # (it held the params' old storage)
             data, widened = self._step_data()
             self._op_step(None, data, grads, grad_scale_invs, hyper, self.step_tensor, self.step_counts, found_inf)
             return widened
