@@ -81,6 +81,19 @@ def test_torchscript_names_unconvert_and_its_model_scripts(level, how):
     assert train(model, opt, regression_batches(6)[3:]) == train(reference, reference_opt, regression_batches(6)[3:])
 
 
+def test_every_op_taking_tensors_registers_the_not_implemented_autograd_kernel():
+    # The bindings list the ops again for the Autograd key: an op added without it would fall
+    # back to torch's default (None gradients with a warning) without a word.
+    for name in dir(torch.ops.fp8amp):
+        packet = getattr(torch.ops.fp8amp, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            takes_tensors = any("Tensor" in str(a.type) for a in op._schema.arguments)
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd") == takes_tensors, op.name()
+
+
 @pytest.mark.parametrize("level", ["fp8", "O2"])
 def test_a_backward_through_an_exported_program_raises_instead_of_giving_no_gradients(level):
     # The exported program keeps the FP8 ops but not Fp8Linear's autograd Function: the backward
